@@ -1,0 +1,144 @@
+"""Every exception the gateway raises, and the HTTP shape of those a client can see.
+
+    GatewayError
+    ├── PolicyError                 a policy file is invalid (carries every problem found)
+    ├── RequestError                the client's request is wrong; 4xx, never retried
+    │   ├── BadRequest              400 malformed JSON / invalid OpenAI body
+    │   ├── NoRoute                 404 no route matches
+    │   ├── BodyTooLarge            413 body over the limit
+    │   ├── Unauthorized            401 admin token missing or wrong
+    │   └── RateLimited             429 a tenant is over its rate
+    ├── Overloaded                  503 the gateway sheds load (queue full, queue timeout, throttle)
+    ├── UpstreamError               the backend could not be used; 5xx
+    │   ├── UpstreamUnavailable     502 refused, reset or closed mid-response
+    │   └── UpstreamTimeout         504 connect, total or idle-between-chunks timeout
+    └── StoreError                  a cache store failed (never reaches a client: a miss)
+
+Foreign exceptions (aiohttp, redis, pynvml, yaml) are translated into these once, at the
+boundary that meets them, with ``raise ... from exc``.  Only the edge maps them to HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class GatewayError(Exception):
+    """Base of everything the gateway raises on purpose."""
+
+    status: int = 500
+    type: str = "gateway_error"
+    code: str = "internal_error"
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a policy: where it is and what is wrong."""
+
+    file: str
+    path: str
+    line: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file + (f":{self.line}" if self.line else "")
+        return f"{where}: {self.path or '<root>'}: {self.message}"
+
+
+class PolicyError(GatewayError):
+    """A policy could not be loaded; ``problems`` lists every error with its location."""
+
+    def __init__(self, problems: list[Problem] | tuple[Problem, ...]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class RequestError(GatewayError):
+    """The client's request is wrong and retrying it unchanged cannot help."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class BadRequest(RequestError):
+    """The body is not valid JSON, or not a valid body for its OpenAI endpoint."""
+
+    code = "invalid_json"
+
+
+class NoRoute(RequestError):
+    """No route in the policy matches the request."""
+
+    status = 404
+    code = "no_route"
+
+
+class BodyTooLarge(RequestError):
+    """The request body is larger than the configured limit."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class Unauthorized(RequestError):
+    """An admin call came without the right bearer token."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_admin_token"
+
+
+class RateLimited(RequestError):
+    """A tenant is over its configured request or token rate."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Overloaded(GatewayError):
+    """The gateway sheds this request to protect the backend."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, reason: str = "overloaded"):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class UpstreamError(GatewayError):
+    """The backend could not be used for this request."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+    def __init__(self, message: str, backend: str = "") -> None:
+        super().__init__(message)
+        self.backend = backend
+
+
+class UpstreamUnavailable(UpstreamError):
+    """The backend refused, reset or closed the connection."""
+
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(UpstreamError):
+    """The backend did not answer within a configured timeout."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+class StoreError(GatewayError):
+    """A cache store failed; callers treat it as a miss and count it."""
