@@ -1,0 +1,116 @@
+"""The request pipeline: the gateway's own request and response types and how stages compose.
+
+A request becomes a ``Call`` at the edge and flows through a chain of stages, each an object
+with options in ``__init__`` and the work in ``async __call__(call, call_next)``.  A stage ends
+the chain by returning a ``Reply`` or raising a ``GatewayError``; it never sets flags for later
+stages.  The last handler sends the call upstream.  aiohttp appears only at the edges
+(``edge.py`` and ``upstream.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .policy.model import Policy, Route
+
+Headers = tuple[tuple[str, str], ...]
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request, as the stages see it.
+
+    ``json`` is the parsed body for OpenAI endpoints (the edge always parses those) and None
+    for pass-through paths.  ``policy`` is the snapshot captured once at the edge: the whole
+    request runs on it even if a reload swaps the live policy meanwhile.  ``backend`` starts as
+    the route's backend; a stage that redirects the call passes on a copy with another one.
+    """
+
+    id: str
+    method: str
+    path: str
+    query: str
+    headers: Headers
+    body: bytes
+    json: dict[str, Any] | None
+    policy: Policy
+    route: Route
+    backend: str
+    started: float
+    tenant: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        """The first value of a request header, case-insensitively."""
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return default
+
+    @property
+    def streaming(self) -> bool:
+        """True when the client asked an OpenAI endpoint for an SSE stream."""
+        return bool(self.json is not None and self.json.get("stream"))
+
+
+@dataclass(slots=True)
+class Reply:
+    """A response on its way to the client: a whole ``body`` or a ``stream`` of chunks.
+
+    Exactly one of ``body`` and ``stream`` is set.  ``close`` releases whatever the stream
+    holds upstream (a pooled connection); the edge calls it in every case, also when the
+    client went away mid-stream.
+    """
+
+    status: int
+    headers: Headers
+    body: bytes | None = None
+    stream: AsyncIterator[bytes] | None = None
+    backend: str = ""
+    close: Callable[[], Awaitable[None]] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        """The first value of a response header, case-insensitively."""
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return default
+
+    def with_headers(self, extra: Sequence[tuple[str, str]]) -> Reply:
+        """A reply with ``extra`` headers replacing any of the same names."""
+        names = {k.lower() for k, _ in extra}
+        self.headers = tuple((k, v) for k, v in self.headers if k.lower() not in names) + tuple(
+            extra
+        )
+        return self
+
+
+Handler = Callable[[Call], Awaitable[Reply]]
+
+
+class Stage(Protocol):
+    """One step of the pipeline."""
+
+    async def __call__(self, call: Call, call_next: Handler) -> Reply: ...
+
+
+def compose(stages: Sequence[Stage], endpoint: Handler) -> Handler:
+    """Chain ``stages`` in order in front of ``endpoint`` into one handler."""
+    handler = endpoint
+    for stage in reversed(stages):
+        handler = _bind(stage, handler)
+    return handler
+
+
+def _bind(stage: Stage, call_next: Handler) -> Handler:
+    async def run(call: Call) -> Reply:
+        return await stage(call, call_next)
+
+    run.__qualname__ = f"{type(stage).__name__}.bound"
+    return run
