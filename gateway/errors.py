@@ -9,10 +9,14 @@
     │   ├── Unauthorized            401 admin token missing or wrong
     │   └── RateLimited             429 a tenant is over its rate
     ├── Overloaded                  503 the gateway sheds load (queue full, queue timeout, throttle)
+    │   └── CircuitOpen             503 the backend's circuit breaker is open
     ├── UpstreamError               the backend could not be used; 5xx
     │   ├── UpstreamUnavailable     502 refused, reset or closed mid-response
-    │   └── UpstreamTimeout         504 connect, total or idle-between-chunks timeout
-    └── StoreError                  a cache store failed (never reaches a client: a miss)
+    │   ├── UpstreamTimeout         504 connect, total or idle-between-chunks timeout
+    │   └── BatchSplitError         502 a merged answer could not be split back per caller
+    ├── StoreError                  a cache store failed (never reaches a client: a miss)
+    ├── TelemetryError              a telemetry source failed (never reaches a client: unknown)
+    └── SlowReader                  503 a joiner of a shared stream fell too far behind; dropped
 
 Foreign exceptions (aiohttp, redis, pynvml, yaml) are translated into these once, at the
 boundary that meets them, with ``raise ... from exc``.  Only the edge maps them to HTTP.
@@ -115,6 +119,16 @@ class Overloaded(GatewayError):
         self.reason = reason
 
 
+class CircuitOpen(Overloaded):
+    """The backend's circuit breaker is open; ``retry_after_s`` is when it next lets a probe by."""
+
+    code = "circuit_open"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, backend: str = "") -> None:
+        super().__init__(message, retry_after_s=retry_after_s, reason="circuit_open")
+        self.backend = backend
+
+
 class UpstreamError(GatewayError):
     """The backend could not be used for this request."""
 
@@ -142,3 +156,21 @@ class UpstreamTimeout(UpstreamError):
 
 class StoreError(GatewayError):
     """A cache store failed; callers treat it as a miss and count it."""
+
+
+class TelemetryError(GatewayError):
+    """A telemetry source could not be read; its signals become unknown and it is counted."""
+
+
+class BatchSplitError(UpstreamError):
+    """The backend's answer to a merged call does not match its inputs, so no caller gets it."""
+
+    code = "batch_split_failed"
+
+
+class SlowReader(GatewayError):
+    """A client sharing a coalesced stream read so slowly that it was dropped from it."""
+
+    status = 503
+    type = "server_error"
+    code = "slow_reader"

@@ -1,0 +1,7 @@
+"""``python -m gateway``: the same as the ``gateway`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

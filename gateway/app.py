@@ -1,0 +1,218 @@
+"""The gateway's runtime: builds the data and admin aiohttp apps, holds the live policy
+snapshot, and owns startup (warm-up), reload and graceful shutdown of everything.
+
+Each request captures ``Gateway.snapshot`` once at the edge; a reload swaps that one
+reference.  Long-lived state (upstream pools, later caches and breakers) lives here, keyed
+by backend, and survives reloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from .admin import admin_routes
+from .clock import SYSTEM_CLOCK, Clock
+from .edge import Edge
+from .errors import PolicyError
+from .metrics import Metrics
+from .pipeline import Handler, compose
+from .policy.load import Loaded
+from .policy.model import Policy
+from .policy.watch import PolicySource
+from .proxy import Forward
+from .routing import Router
+from .upstream import Transport, Upstreams
+from .warmup import warm_up
+
+log = logging.getLogger("gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything a request needs from one policy generation."""
+
+    policy: Policy
+    digest: str
+    generation: int
+    router: Router
+    handler: Handler
+
+
+class Gateway:
+    """One gateway: its policy, pipeline, pools, metrics and listeners."""
+
+    def __init__(
+        self,
+        source: PolicySource,
+        *,
+        transport: Transport | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        access_log: bool = False,
+    ) -> None:
+        self.source = source
+        self.clock = clock
+        self.access_log = access_log
+        self.metrics = Metrics()
+        self._upstreams = Upstreams(self.metrics) if transport is None else None
+        self.transport: Transport = transport if transport is not None else self._upstreams  # type: ignore[assignment]
+        self.inflight_requests = 0
+        self.warm = False
+        self.draining = False
+        self._seen_fingerprint = ""
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._generation = 0
+        loaded = source.load()  # an invalid first policy is fatal: raise to the caller
+        self._seen_fingerprint = source.fingerprint()
+        self.snapshot = self._build(loaded)
+
+    # -- policy ---------------------------------------------------------------------------
+    def _build(self, loaded: Loaded) -> Snapshot:
+        self._generation += 1
+        policy = loaded.policy
+        if self._upstreams is not None:
+            self._upstreams.sync(policy)
+        handler = compose([], Forward(self.transport))
+        self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
+        return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler)
+
+    def reload(self, *, force: bool = False) -> bool:
+        """Re-read the policy; swap it in if valid and changed.  True when swapped."""
+        fingerprint = self.source.fingerprint()
+        if fingerprint == self._seen_fingerprint and not force:
+            return False
+        self._seen_fingerprint = fingerprint
+        try:
+            loaded = self.source.load()
+        except PolicyError as exc:
+            self.metrics.reload_failures.inc()
+            log.error(
+                "policy reload rejected, keeping generation %d:\n%s", self.snapshot.generation, exc
+            )
+            raise
+        if loaded.digest == self.snapshot.digest:
+            return False
+        old = self.snapshot.policy
+        self.snapshot = self._build(loaded)
+        log.info("policy generation %d loaded (%s)", self.snapshot.generation, loaded.digest)
+        new_backends = [b for b in loaded.policy.backends if b.warmup and b not in old.backends]
+        if new_backends:
+            self._spawn(warm_up(self.transport, new_backends))
+        return True
+
+    async def _watch(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(
+                self.snapshot.policy.server.reload_interval_s if interval_s <= 0 else interval_s
+            )
+            try:
+                await asyncio.to_thread(self._poll)
+            except Exception:  # the watcher must outlive any one bad read
+                log.exception("policy watch failed")
+
+    def _poll(self) -> None:
+        try:
+            self.reload()
+        except PolicyError:
+            pass  # logged and counted in reload()
+
+    # -- readiness --------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.warm and not self.draining
+
+    def admin_token(self) -> str | None:
+        return os.environ.get("GATEWAY_ADMIN_TOKEN") or self.snapshot.policy.admin.token
+
+    # -- apps and listeners -----------------------------------------------------------------
+    def data_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 62, handler_args={"max_field_size": 65536})
+        edge = Edge(self)
+        app.router.add_route("*", "/{tail:.*}", edge.handle)
+        return app
+
+    def admin_app(self, *, loopback: bool) -> web.Application:
+        app = web.Application()
+        app.router.add_routes(admin_routes(self, loopback=loopback))
+        return app
+
+    async def start(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        admin_host: str | None = None,
+        admin_port: int = 9090,
+        *,
+        watch_interval_s: float = 0.0,
+        warmup: bool = True,
+    ) -> tuple[str, str]:
+        """Listen on both ports; returns (data URL, admin URL) with the bound ports."""
+        admin_host = admin_host or host
+        grace = self.snapshot.policy.server.shutdown_grace_s
+        data = web.AppRunner(
+            self.data_app(), handler_cancellation=True, shutdown_timeout=grace, access_log=None
+        )
+        admin = web.AppRunner(
+            self.admin_app(loopback=_is_loopback(admin_host)), access_log=None, shutdown_timeout=1.0
+        )
+        urls = []
+        for runner, h, p in ((data, host, port), (admin, admin_host, admin_port)):
+            await runner.setup()
+            site = web.TCPSite(runner, h, p, backlog=1024, reuse_address=True)
+            await site.start()
+            self._runners.append(runner)
+            sock = site._server.sockets[0]  # type: ignore[union-attr]
+            bound = sock.getsockname()
+            shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+            urls.append(f"http://{shown}:{bound[1]}")
+        if self.source.watchable:
+            self._spawn(self._watch(watch_interval_s))
+        if warmup:
+            self._spawn(self._warm_initial())
+        else:
+            self.warm = True
+        return urls[0], urls[1]
+
+    async def _warm_initial(self) -> None:
+        await warm_up(self.transport, [b for b in self.snapshot.policy.backends if b.warmup])
+        self.warm = True
+        log.info("warm-up done; ready")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Turn unready, stop accepting, let in-flight requests finish, then close."""
+        self.draining = True
+        for task in list(self._tasks):
+            task.cancel()
+        data_runners, admin_runners = self._runners[:1], self._runners[1:]
+        for runner in data_runners:
+            if grace_s is not None:
+                runner._shutdown_timeout = grace_s
+            await runner.cleanup()
+        for runner in admin_runners:
+            await runner.cleanup()
+        self._runners.clear()
+        if self._upstreams is not None:
+            await self._upstreams.aclose()
+
+    def __repr__(self) -> str:
+        s = self.snapshot
+        return (
+            f"<Gateway generation={s.generation} policy={s.digest} ready={self.ready} "
+            f"inflight={self.inflight_requests}>"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")

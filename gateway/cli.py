@@ -1,0 +1,195 @@
+"""The ``gateway`` command: the only place that parses argv.
+
+gateway serve --policy PATH | --upstream URL [--host --port --admin-host --admin-port]
+gateway check PATH...      validate policies; non-zero exit naming file, key path, line
+gateway schema [--markdown] the policy's JSON Schema (or its reference page)
+gateway sim [flags]        the simulated GPU model server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .errors import PolicyError
+
+log = logging.getLogger("gateway")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    result: int = args.run(args)
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description="Inference gateway sidecar.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--policy", help="policy YAML file or directory (hot-reloaded)")
+    source.add_argument("--upstream", help="zero-config: proxy every path to this URL")
+    serve.add_argument("--host", default="127.0.0.1", help="data-plane bind address")
+    serve.add_argument("--port", type=int, default=8080, help="data-plane port")
+    serve.add_argument("--admin-host", default=None, help="admin bind address (default: --host)")
+    serve.add_argument("--admin-port", type=int, default=9090, help="admin port")
+    serve.add_argument(
+        "--access-log", action="store_true", help="one JSON line per request on stderr"
+    )
+    serve.set_defaults(run=_serve)
+
+    check = sub.add_parser("check", help="validate policy files or directories")
+    check.add_argument("paths", nargs="+")
+    check.set_defaults(run=_check)
+
+    schema = sub.add_parser("schema", help="print the policy JSON Schema")
+    schema.add_argument("--markdown", action="store_true", help="the reference page instead")
+    schema.set_defaults(run=_schema)
+
+    from .sim.config import SimConfig
+
+    sim = sub.add_parser("sim", help="run the simulated GPU model server")
+    _add_dataclass_flags(sim, SimConfig)
+    sim.set_defaults(run=_sim)
+    return parser
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--field-name`` flag per field of a config dataclass, typed by its default."""
+    for f in dataclasses.fields(cls):
+        default = f.default
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "") + f" (default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                default=default,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag, dest=f.name, default=default, type=type(default), help=help_text
+            )
+
+
+def _dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .policy.load import load_policy
+
+    failed = False
+    for path in args.paths:
+        try:
+            loaded = load_policy(path)
+        except PolicyError as exc:
+            failed = True
+            for problem in exc.problems:
+                print(f"error: {problem}", file=sys.stderr)
+            continue
+        p = loaded.policy
+        print(
+            f"ok: {path} ({len(p.backends)} backends, {len(p.routes)} routes, hash {loaded.digest})"
+        )
+    return 1 if failed else 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from .policy.schema import json_schema, reference_markdown
+
+    if args.markdown:
+        sys.stdout.write(reference_markdown())
+    else:
+        print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from .sim import SimConfig, run_sim
+
+    config = _dataclass_from_args(SimConfig, args)
+    _run(run_sim(config))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .app import Gateway
+    from .policy.load import zero_config_policy
+    from .policy.watch import PolicySource
+
+    try:
+        source = (
+            PolicySource(args.policy)
+            if args.policy
+            else PolicySource(fixed=zero_config_policy(args.upstream))
+        )
+        source.load()
+    except PolicyError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1
+
+    async def serve() -> None:
+        gateway = Gateway(source, access_log=args.access_log)
+        data_url, admin_url = await gateway.start(
+            args.host, args.port, args.admin_host, args.admin_port
+        )
+        print(f"gateway listening on {data_url} (admin {admin_url})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, gateway)
+        await stop.wait()
+        grace = gateway.snapshot.policy.server.shutdown_grace_s
+        log.info("SIGTERM: draining for up to %.0f s", grace)
+        await gateway.shutdown(grace)
+        log.info("stopped")
+
+    _run(serve())
+    return 0
+
+
+def _reload_on_signal(gateway: Any) -> None:
+    try:
+        gateway.reload(force=True)
+    except PolicyError:
+        pass  # logged and counted by the gateway
+
+
+def _run(coro: Any) -> None:
+    """Run a coroutine on uvloop where installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it installs
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

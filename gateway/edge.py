@@ -1,0 +1,234 @@
+"""The edge of the data plane: aiohttp requests become ``Call``s, ``Reply``s become
+responses, and the gateway's errors become OpenAI-shaped JSON.  Metrics and the access log
+of each request are written here, once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from . import openai_body
+from .errors import BodyTooLarge, GatewayError, UpstreamError
+from .headers import REQUEST_OWNED, strip
+from .pipeline import Call, Reply
+from .routing import OPENAI_JSON_PATHS
+from .usage import StreamUsage, from_body
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+log = logging.getLogger("gateway.edge")
+
+
+def new_request_id() -> str:
+    return os.urandom(12).hex()
+
+
+def error_body(exc: GatewayError) -> bytes:
+    """``{"error": {"message", "type", "code"}}`` as the openai SDK and Spring AI expect."""
+    return json.dumps(
+        {"error": {"message": str(exc), "type": exc.type, "code": exc.code, "param": None}}
+    ).encode()
+
+
+def error_response(exc: GatewayError, request_id: str = "") -> web.Response:
+    headers = {"Content-Type": "application/json"}
+    if request_id:
+        headers["X-Request-ID"] = request_id
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    backend = getattr(exc, "backend", "")
+    if backend:
+        headers["X-Gateway-Backend"] = backend
+    return web.Response(status=exc.status, body=error_body(exc), headers=headers)
+
+
+class Edge:
+    """The data plane's one aiohttp handler."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+        self._loop_time = asyncio.get_running_loop().time
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        gw = self._gateway
+        snap = gw.snapshot
+        started = self._loop_time()
+        request_id = request.headers.get("X-Request-ID") or new_request_id()
+        status = 0
+        call: Call | None = None
+        reply: Reply | None = None
+        tokens: tuple[int, int] | None = None
+        first_byte: float | None = None
+        gw.inflight_requests += 1
+        try:
+            try:
+                call = await self._to_call(request, snap, request_id, started)
+                reply = await snap.handler(call)
+            except GatewayError as exc:
+                error = error_response(exc, request_id)
+                status = exc.status
+                if call is not None and isinstance(exc, UpstreamError):
+                    call.backend = exc.backend or call.backend
+                return error
+            status = reply.status
+            response, tokens, first_byte = await self._respond(request, call, reply)
+            return response
+        finally:
+            gw.inflight_requests -= 1
+            if reply is not None and reply.close is not None:
+                await reply.close()
+            self._record(
+                snap, call, request, request_id, status, started, tokens, first_byte, reply
+            )
+
+    async def _to_call(
+        self, request: web.Request, snap: Any, request_id: str, started: float
+    ) -> Call:
+        policy = snap.policy
+        body = await _read_body(request, policy.server.max_body_bytes)
+        path = request.path
+        data = None
+        if path in OPENAI_JSON_PATHS and request.method == "POST":
+            data = openai_body.parse(path, body)
+        model = data.get("model") if data is not None else None
+        route = snap.router.route(path, model)
+        headers = strip(
+            ((k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers),
+            REQUEST_OWNED,
+        )
+        forwarded_for = request.headers.get("X-Forwarded-For")
+        remote = request.remote or ""
+        headers.append(
+            ("X-Forwarded-For", f"{forwarded_for}, {remote}" if forwarded_for else remote)
+        )
+        headers.append(("X-Forwarded-Proto", request.scheme))
+        if request.host:
+            headers.append(("X-Forwarded-Host", request.host))
+        headers.append(("X-Request-ID", request_id))
+        return Call(
+            id=request_id,
+            method=request.method,
+            path=path,
+            query=request.query_string,
+            headers=tuple(headers),
+            body=body,
+            json=data,
+            policy=policy,
+            route=route,
+            backend=route.backend,
+            started=started,
+        )
+
+    async def _respond(
+        self, request: web.Request, call: Call, reply: Reply
+    ) -> tuple[web.StreamResponse, tuple[int, int] | None, float | None]:
+        headers = [
+            *reply.headers,
+            ("X-Request-ID", call.id),
+            ("X-Gateway-Backend", reply.backend or call.backend),
+        ]
+        if reply.body is not None:
+            tokens = from_body(reply.body) if call.json is not None else None
+            return web.Response(status=reply.status, body=reply.body, headers=headers), tokens, None
+        assert reply.stream is not None
+        response = web.StreamResponse(status=reply.status, headers=headers)
+        length = reply.notes.get("content_length")
+        if length is not None:
+            response.content_length = length
+        usage = StreamUsage() if call.json is not None else None
+        await response.prepare(request)
+        first_byte: float | None = None
+        try:
+            async for chunk in reply.stream:
+                if first_byte is None:
+                    first_byte = self._loop_time()
+                if usage is not None:
+                    usage.feed(chunk)
+                await response.write(chunk)
+        except UpstreamError as exc:
+            # Headers are gone already: the client must not mistake a cut stream for a
+            # whole one, so the connection closes without the final chunk.
+            log.warning("stream from %s broke off: %s", reply.backend, exc)
+            if request.transport is not None:
+                request.transport.close()
+            return response, usage.counts if usage else None, first_byte
+        await response.write_eof()
+        return response, usage.counts if usage else None, first_byte
+
+    def _record(
+        self,
+        snap: Any,
+        call: Call | None,
+        request: web.Request,
+        request_id: str,
+        status: int,
+        started: float,
+        tokens: tuple[int, int] | None,
+        first_byte: float | None,
+        reply: Reply | None,
+    ) -> None:
+        metrics = self._gateway.metrics
+        now = self._loop_time()
+        route = call.route.name if call is not None else ""
+        backend = (
+            reply.backend
+            if reply is not None and reply.backend
+            else call.backend
+            if call is not None
+            else ""
+        )
+        if status == 0:
+            status = 499  # the client went away before an answer (nginx's convention)
+        metrics.requests.labels(route, backend, str(status)).inc()
+        duration_h, first_byte_h = metrics.route_series(route, backend)
+        duration_h.observe(now - started)
+        if first_byte is not None:
+            first_byte_h.observe(first_byte - started)
+        if tokens is not None and backend:
+            metrics.tokens.labels(backend, "prompt").inc(tokens[0])
+            metrics.tokens.labels(backend, "completion").inc(tokens[1])
+        if snap.policy.server.access_log or self._gateway.access_log:
+            entry = {
+                "ts": round(time.time(), 3),
+                "id": request_id,
+                "method": request.method,
+                "path": request.path,
+                "route": route,
+                "backend": backend,
+                "status": status,
+                "duration_ms": round((now - started) * 1000, 3),
+            }
+            if first_byte is not None:
+                entry["first_byte_ms"] = round((first_byte - started) * 1000, 3)
+            if tokens is not None:
+                entry["prompt_tokens"], entry["completion_tokens"] = tokens
+            if call is not None and call.notes:
+                entry.update({k: v for k, v in call.notes.items() if k.startswith("log_")})
+            sys.stderr.write(json.dumps(entry) + "\n")
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if not request.body_exists:
+        return b""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise BodyTooLarge(f"request body of {length} bytes exceeds the limit of {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

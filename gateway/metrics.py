@@ -1,0 +1,157 @@
+"""The gateway's Prometheus metrics: one registry per app, names that are public surface.
+
+Dashboards and alerts depend on these names; ``tests/test_metrics_names.py`` snapshots them.
+Constant labels from the policy (``metrics.const_labels``) are added at exposition time, so
+a reload can change them without re-registering anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+# Seconds; dense below 10 ms where the gateway's own overhead lives, up to long generations.
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+class Metrics:
+    """Every gateway series, registered on a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.const_labels: tuple[tuple[str, str], ...] = ()
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by route, backend and HTTP status.",
+            ["route", "backend", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Time from request received to response complete.",
+            ["route", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "gateway_upstream_duration_seconds",
+            "Time from sending upstream to the upstream's response headers.",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stream_first_byte = Histogram(
+            "gateway_stream_first_byte_seconds",
+            "Time from request received to the first "
+            "byte of a streamed response written to the client.",
+            ["route", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "gateway_inflight_requests", "Upstream requests in flight.", ["backend"], registry=r
+        )
+        self.tokens = Counter(
+            "gateway_tokens",
+            "Tokens reported by upstream `usage`, by kind (prompt, completion).",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.policy_generation = Gauge(
+            "gateway_policy_generation",
+            "Generation of the loaded policy (1 for the first, +1 per reload).",
+            registry=r,
+        )
+        self.policy_info = Gauge(
+            "gateway_policy_info",
+            "Always 1; `hash` labels the loaded policy's content hash.",
+            ["hash"],
+            registry=r,
+        )
+        self.reload_failures = Counter(
+            "gateway_policy_reload_failures",
+            "Policy reloads rejected as invalid (the last good policy stays).",
+            registry=r,
+        )
+        self.upstream_retries = Counter(
+            "gateway_upstream_stale_retries",
+            "Requests retried once on a fresh connection after a stale pooled one closed.",
+            ["backend"],
+            registry=r,
+        )
+        self._route_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def route_series(self, route: str, backend: str) -> tuple[Any, Any]:
+        """(request_duration, stream_first_byte) children, cached: labels() is slow."""
+        key = (route, backend)
+        found = self._route_children.get(key)
+        if found is None:
+            found = (
+                self.request_duration.labels(route, backend),
+                self.stream_first_byte.labels(route, backend),
+            )
+            self._route_children[key] = found
+        return found
+
+    def set_policy(
+        self, generation: int, digest: str, const_labels: tuple[tuple[str, str], ...]
+    ) -> None:
+        """Publish the loaded policy's generation, hash and constant labels."""
+        self.policy_generation.set(generation)
+        self.policy_info.clear()
+        self.policy_info.labels(digest).set(1)
+        self.const_labels = const_labels
+
+    def exposition(self) -> bytes:
+        """The text format of every series, constant labels added."""
+        if not self.const_labels:
+            return generate_latest(self.registry)
+        return generate_latest(_Labelled(self.registry, dict(self.const_labels)))
+
+
+class _Labelled:
+    """A collector view of a registry that adds constant labels to every sample."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._registry = registry
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            out.samples = [_with(s, self._labels) for s in metric.samples]
+            yield out
+
+
+def _with(sample: Sample, labels: dict[str, str]) -> Sample:
+    merged = {**labels, **sample.labels}
+    return Sample(sample.name, merged, sample.value, sample.timestamp, sample.exemplar)
+
+
+def names(metrics: Metrics) -> Iterable[str]:
+    """The metric family names registered (for the snapshot test)."""
+    return sorted({m.name for m in metrics.registry.collect()})

@@ -1,0 +1,16 @@
+"""Policies: the typed, immutable model (``model``), YAML loading with located errors
+(``load``), the JSON Schema and reference docs derived from the model (``schema``), and
+the file watcher that hot-reloads them (``watch``)."""
+
+from .load import load_policy, parse_policy_text, zero_config_policy
+from .model import Backend, Match, Policy, Route
+
+__all__ = [
+    "Backend",
+    "Match",
+    "Policy",
+    "Route",
+    "load_policy",
+    "parse_policy_text",
+    "zero_config_policy",
+]

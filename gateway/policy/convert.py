@@ -1,0 +1,233 @@
+"""Plain YAML data -> the frozen policy model, driven by the model's type hints.
+
+One walk over the dataclasses both converts and validates: unknown keys, wrong types,
+missing required keys and bad literals become ``Problem``s with the key path
+(``routes[2].match.path``); the loader attaches file and line.  ``schema.py`` walks the same
+hints to produce the JSON Schema, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from functools import cache
+from typing import Any
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_MISSING = dataclasses.MISSING
+
+
+class Invalid(Exception):
+    """Raised inside conversion; carries the key path and message."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+@cache
+def hints(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a dataclass (cached: policies reload often)."""
+    return typing.get_type_hints(cls)
+
+
+def join(path: str, key: str | int) -> str:
+    """Extend a key path: ``routes`` + 2 -> ``routes[2]``; ``a`` + ``b`` -> ``a.b``."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def type_name(tp: Any) -> str:
+    """How a type is named in error messages."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return "any JSON value"
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "list"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return {
+        str: "string",
+        int: "integer",
+        float: "number",
+        bool: "boolean",
+        type(None): "null",
+    }.get(tp, str(tp))
+
+
+def convert(
+    tp: Any,
+    value: Any,
+    path: str,
+    problems: list[Invalid],
+    meta: typing.Mapping[str, Any] | None = None,
+) -> Any:
+    """Convert ``value`` to ``tp``; on error record a problem and return ``_MISSING``."""
+    meta = meta or {}
+    try:
+        return _convert(tp, value, path, problems, meta)
+    except Invalid as exc:
+        problems.append(exc)
+        return _MISSING
+
+
+def _convert(
+    tp: Any, value: Any, path: str, problems: list[Invalid], meta: typing.Mapping[str, Any]
+) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path, problems, meta)
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise Invalid(path, f"must be one of {type_name(tp)}, not {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _dataclass(typing.cast(type, tp), value, path, problems)
+    if origin is tuple:
+        return _tuple(tp, value, path, problems, meta)
+    return _scalar(tp, value, path, meta)
+
+
+def _scalar(tp: Any, value: Any, path: str, meta: typing.Mapping[str, Any]) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return expand_env(value, path) if meta.get("env") else value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+    else:  # pragma: no cover - the model uses only the types above
+        raise TypeError(f"unsupported policy type {tp!r}")
+    raise Invalid(path, f"must be a {type_name(tp)}, not {_describe(value)}")
+
+
+def _tuple(
+    tp: Any, value: Any, path: str, problems: list[Invalid], meta: typing.Mapping[str, Any]
+) -> tuple[Any, ...]:
+    (item_tp, _ellipsis) = typing.get_args(tp)
+    if meta.get("mapping"):
+        # tuple[tuple[str, str], ...] written in YAML as a mapping of strings
+        if not isinstance(value, dict):
+            raise Invalid(path, f"must be a mapping, not {_describe(value)}")
+        out = []
+        for key, item in value.items():
+            v = convert(str, item, join(path, str(key)), problems, meta)
+            out.append((str(key), v))
+        return tuple(out)
+    if meta.get("keyed"):
+        if not isinstance(value, dict):
+            raise Invalid(
+                path, f"must be a mapping of name to {type_name(item_tp)}, not {_describe(value)}"
+            )
+        items = []
+        for key, item in value.items():
+            if not isinstance(item, dict):
+                problems.append(
+                    Invalid(join(path, str(key)), f"must be a mapping, not {_describe(item)}")
+                )
+                continue
+            items.append(
+                convert(item_tp, {meta["keyed"]: str(key), **item}, join(path, str(key)), problems)
+            )
+        return tuple(items)
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise Invalid(path, f"must be a list, not {_describe(value)}")
+    return tuple(convert(item_tp, item, join(path, i), problems) for i, item in enumerate(value))
+
+
+def _dataclass(cls: type, value: Any, path: str, problems: list[Invalid]) -> Any:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise Invalid(path, f"must be a mapping, not {_describe(value)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    type_hints = hints(cls)
+    kwargs: dict[str, Any] = {}
+    failed = False
+    for key in value:
+        if key not in fields:
+            near = _closest(str(key), fields)
+            hint = f" (did you mean {near!r}?)" if near else ""
+            problems.append(Invalid(join(path, str(key)), f"unknown key{hint}"))
+            failed = True
+    for name, f in fields.items():
+        if name in value:
+            converted = convert(
+                type_hints[name], value[name], join(path, name), problems, f.metadata
+            )
+            if converted is _MISSING:
+                failed = True
+            else:
+                kwargs[name] = converted
+        elif f.default is _MISSING and f.default_factory is _MISSING:
+            problems.append(Invalid(join(path, name), "is required"))
+            failed = True
+    return _MISSING if failed else cls(**kwargs)
+
+
+def expand_env(text: str, path: str, env: typing.Mapping[str, str] | None = None) -> str:
+    """Replace ``${NAME}`` with the environment variable NAME; a missing one is an error."""
+    env = os.environ if env is None else env
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in env:
+            raise Invalid(path, f"environment variable {name} is not set")
+        return env[name]
+
+    return _ENV.sub(sub, text)
+
+
+def _closest(key: str, known: typing.Iterable[str]) -> str | None:
+    import difflib
+
+    matches = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    name = {
+        dict: "a mapping",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+    }.get(type(value))
+    return (
+        f"{name} ({value!r})"
+        if name and not isinstance(value, dict | list)
+        else (name or type(value).__name__)
+    )
+
+
+def walk_fields(cls: type) -> list[tuple[str, dataclasses.Field[Any], Any]]:
+    """The fields of a dataclass with their resolved types, in order."""
+    type_hints = hints(cls)
+    return [(f.name, f, type_hints[f.name]) for f in dataclasses.fields(cls)]

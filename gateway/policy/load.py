@@ -1,0 +1,277 @@
+"""YAML policy files -> a validated ``Policy``, with every error located by file, key path
+and line.
+
+A policy is one YAML file or a directory of them (a Kubernetes ConfigMap volume: the
+``..data`` symlink dance is invisible here because files are read through their names).
+In a directory, files are read in name order, hidden files skipped; ``backends`` merge,
+``routes`` concatenate in file order, and each other section may be set by one file only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import PolicyError, Problem
+from .convert import Invalid, convert, join
+from .model import Backend, Match, Policy, Route, glob_regex
+
+POLICY_SUFFIXES = (".yaml", ".yml")
+_SINGLETONS = ("server", "admin", "metrics")
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A policy with the digest of the text it came from and the files read."""
+
+    policy: Policy
+    digest: str
+    files: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Part:
+    source: str
+    policy: Policy | None
+    lines: dict[str, int]
+    keys: frozenset[str]
+
+
+def policy_files(path: Path) -> list[Path]:
+    """The YAML files a policy path stands for, in the order they are merged."""
+    if path.is_dir():
+        return sorted(
+            p
+            for p in path.iterdir()
+            if not p.name.startswith(".") and p.suffix in POLICY_SUFFIXES and p.is_file()
+        )
+    return [path]
+
+
+def read_sources(path: str | Path) -> list[tuple[str, str]]:
+    """(file name, text) of every file of a policy path; unreadable paths are PolicyErrors."""
+    path = Path(path)
+    if not path.exists():
+        raise PolicyError([Problem(str(path), "", None, "no such file or directory")])
+    files = policy_files(path)
+    if not files:
+        raise PolicyError([Problem(str(path), "", None, "no .yaml or .yml files in directory")])
+    sources = []
+    for f in files:
+        try:
+            sources.append((str(f), f.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PolicyError([Problem(str(f), "", None, f"cannot read: {exc}")]) from exc
+    return sources
+
+
+def load_policy(path: str | Path) -> Loaded:
+    """Read and validate the policy at ``path`` (a file or a directory)."""
+    return parse_sources(read_sources(path))
+
+
+def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
+    """Parse one YAML document into a Policy (raises PolicyError)."""
+    return parse_sources([(source, text)]).policy
+
+
+def parse_sources(sources: list[tuple[str, str]]) -> Loaded:
+    """Validate and merge already-read policy texts."""
+    digest = hashlib.sha256()
+    parts: list[_Part] = []
+    problems: list[Problem] = []
+    for source, text in sources:
+        digest.update(source.rsplit("/", 1)[-1].encode() + b"\0" + text.encode() + b"\0")
+        parts.append(_parse_part(source, text, problems))
+    if not problems:
+        policy = _merge(parts, problems)
+        if not problems:
+            return Loaded(policy, digest.hexdigest()[:16], tuple(s for s, _ in sources))
+    raise PolicyError(problems)
+
+
+def _parse_part(source: str, text: str, problems: list[Problem]) -> _Part:
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else {}
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problems.append(Problem(source, "", line, f"invalid YAML: {_yaml_reason(exc)}"))
+        return _Part(source, None, {}, frozenset())
+    lines: dict[str, int] = {}
+    if node is not None:
+        _record_lines(node, "", lines)
+    if data is None:
+        data = {}
+    found: list[Invalid] = []
+    policy = convert(Policy, data, "", found)
+    problems.extend(Problem(source, p.path, _line_of(lines, p.path), p.message) for p in found)
+    keys = frozenset(data) if isinstance(data, dict) else frozenset()
+    return _Part(source, policy if not found else None, lines, keys)
+
+
+def _merge(parts: list[_Part], problems: list[Problem]) -> Policy:
+    backends: dict[str, Backend] = {}
+    routes: list[Route] = []
+    where: list[tuple[_Part, str]] = []
+    singles: dict[str, Any] = {}
+    setters: dict[str, str] = {}
+    for part in parts:
+        assert part.policy is not None  # parts with problems stop before merging
+        for b in part.policy.backends:
+            path = join("backends", b.name)
+            if b.name in backends:
+                problems.append(
+                    Problem(
+                        part.source,
+                        path,
+                        _line_of(part.lines, path),
+                        f"backend {b.name!r} is defined in another file too",
+                    )
+                )
+            backends[b.name] = b
+            _check_backend(b, part, path, problems)
+        for i, r in enumerate(part.policy.routes):
+            routes.append(r)
+            where.append((part, join("routes", i)))
+        for key in _SINGLETONS:
+            if key in part.keys:
+                if key in setters:
+                    problems.append(
+                        Problem(
+                            part.source,
+                            key,
+                            _line_of(part.lines, key),
+                            f"{key!r} is already set in {setters[key]}",
+                        )
+                    )
+                setters[key] = part.source
+                singles[key] = getattr(part.policy, key)
+    named = _name_routes(routes, where, backends, problems)
+    return Policy(backends=tuple(backends.values()), routes=tuple(named), **singles)
+
+
+def _check_backend(b: Backend, part: _Part, path: str, problems: list[Problem]) -> None:
+    def bad(key: str, message: str) -> None:
+        p = join(path, key)
+        problems.append(Problem(part.source, p, _line_of(part.lines, p), message))
+
+    if not b.url.startswith(("http://", "https://")):
+        bad("url", f"must start with http:// or https://, not {b.url!r}")
+    for key in (
+        "timeout_s",
+        "stream_timeout_s",
+        "connect_timeout_s",
+        "idle_timeout_s",
+        "warmup_timeout_s",
+    ):
+        if getattr(b, key) <= 0:
+            bad(key, "must be greater than 0")
+    if b.max_connections < 1:
+        bad("max_connections", "must be at least 1")
+    for i, w in enumerate(b.warmup):
+        if not w.path.startswith("/"):
+            bad(f"warmup[{i}].path", "must start with /")
+
+
+def _name_routes(
+    routes: list[Route],
+    where: list[tuple[_Part, str]],
+    backends: dict[str, Backend],
+    problems: list[Problem],
+) -> list[Route]:
+    named: list[Route] = []
+    seen: set[str] = set()
+    for route, (part, path) in zip(routes, where, strict=True):
+        if route.backend not in backends:
+            p = join(path, "backend")
+            known = ", ".join(sorted(backends)) or "none defined"
+            problems.append(
+                Problem(
+                    part.source,
+                    p,
+                    _line_of(part.lines, p),
+                    f"unknown backend {route.backend!r} (known: {known})",
+                )
+            )
+        for key in ("path", "model"):
+            pattern = getattr(route.match, key)
+            if pattern is not None:
+                try:
+                    glob_regex(pattern)
+                except Exception as exc:  # re.error from a pathological glob
+                    p = join(path, f"match.{key}")
+                    problems.append(
+                        Problem(part.source, p, _line_of(part.lines, p), f"invalid glob: {exc}")
+                    )
+        name = route.name or _default_name(route.match)
+        if name in seen:
+            if route.name:
+                p = join(path, "name")
+                problems.append(
+                    Problem(
+                        part.source,
+                        p,
+                        _line_of(part.lines, p),
+                        f"route name {name!r} is used twice",
+                    )
+                )
+            else:
+                suffix = 2
+                while f"{name}#{suffix}" in seen:
+                    suffix += 1
+                name = f"{name}#{suffix}"
+        seen.add(name)
+        named.append(dataclasses.replace(route, name=name))
+    return named
+
+
+def _default_name(match: Match) -> str:
+    return match.path + (f" model={match.model}" if match.model else "")
+
+
+def zero_config_policy(url: str) -> Policy:
+    """The policy of ``gateway serve --upstream URL``: one backend, every path proxied."""
+    text = yaml.safe_dump(
+        {
+            "backends": {"upstream": {"url": url}},
+            "routes": [{"match": {"path": "*"}, "backend": "upstream", "name": "default"}],
+        }
+    )
+    return parse_policy_text(text, "--upstream")
+
+
+def _record_lines(node: yaml.Node, path: str, lines: dict[str, int]) -> None:
+    lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            child = join(path, str(key_node.value))
+            lines[child] = key_node.start_mark.line + 1
+            _record_lines(value_node, child, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _record_lines(item, join(path, i), lines)
+
+
+def _line_of(lines: dict[str, int], path: str) -> int | None:
+    while path:
+        if path in lines:
+            return lines[path]
+        cut = max(path.rfind("."), path.rfind("["))
+        path = path[:cut] if cut > 0 else ""
+    return lines.get("")
+
+
+def _yaml_reason(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None)
+    return str(problem) if problem else str(exc).splitlines()[0]

@@ -1,0 +1,60 @@
+"""Route tables compiled from a policy: first match wins, on path glob and body ``model``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import NoRoute
+from .policy.model import Policy, Route, glob_regex
+
+# The OpenAI endpoints whose JSON bodies the gateway always reads and validates.
+OPENAI_JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+OPENAI_PATHS = OPENAI_JSON_PATHS | {"/v1/models"}
+
+_Matcher = Callable[[str], object]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    path: _Matcher
+    model: _Matcher | None
+    route: Route
+
+
+class Router:
+    """Finds the route of a request in a compiled table."""
+
+    __slots__ = ("_cache", "_entries", "needs_model")
+
+    def __init__(self, policy: Policy) -> None:
+        self._entries = tuple(
+            _Entry(
+                glob_regex(r.match.path).match,
+                glob_regex(r.match.model).match if r.match.model is not None else None,
+                r,
+            )
+            for r in policy.routes
+        )
+        self.needs_model = any(e.model is not None for e in self._entries)
+        self._cache: dict[tuple[str, str | None], Route] = {}
+
+    def route(self, path: str, model: str | None) -> Route:
+        """The first route matching ``path`` and ``model``; NoRoute if none does."""
+        key = (path, model)
+        found = self._cache.get(key)
+        if found is not None:
+            return found
+        for entry in self._entries:
+            if entry.path(path) is None:
+                continue
+            if entry.model is not None and (model is None or entry.model(model) is None):
+                continue
+            if len(self._cache) < 4096:
+                self._cache[key] = entry.route
+            return entry.route
+        what = f"path {path!r}" + (f" and model {model!r}" if model is not None else "")
+        raise NoRoute(f"no route matches {what}")
+
+    def __repr__(self) -> str:
+        return f"<Router routes={len(self._entries)} cached={len(self._cache)}>"

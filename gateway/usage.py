@@ -1,0 +1,62 @@
+"""Token counts from OpenAI ``usage`` objects, in whole bodies and in SSE streams."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_MARK = b'"usage"'
+
+
+def from_body(body: bytes) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of a JSON answer that carries ``usage``."""
+    if _MARK not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return _counts(data.get("usage") if isinstance(data, dict) else None)
+
+
+def _counts(usage: Any) -> tuple[int, int] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens") or 0
+    completion = usage.get("completion_tokens") or 0
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return prompt, completion
+
+
+class StreamUsage:
+    """Watches an SSE stream for a chunk with a non-null ``usage`` (OpenAI's
+    ``stream_options.include_usage``); keeps only the current partial line."""
+
+    __slots__ = ("_partial", "counts")
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.counts: tuple[int, int] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if _MARK not in chunk and not self._partial:
+            # the common case: a content chunk; keep only a possible split marker
+            cut = chunk.rfind(b"\n")
+            tail = chunk[cut + 1 :] if cut >= 0 else chunk
+            self._partial = tail if b'"' in tail and b"data:" in tail else b""
+            return
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > 65536:
+            self._partial = b""
+        for line in lines:
+            if line.startswith(b"data:") and _MARK in line:
+                try:
+                    event = json.loads(line[5:])
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    continue
+                counts = _counts(event.get("usage") if isinstance(event, dict) else None)
+                if counts is not None:
+                    self.counts = counts

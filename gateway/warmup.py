@@ -1,0 +1,53 @@
+"""Warm-up: requests sent to each backend before the gateway reports ready, so the first
+user request never pays a cold start (the case study's first request timed out)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+
+from .errors import UpstreamError
+from .policy.model import Backend
+from .upstream import Transport
+
+log = logging.getLogger("gateway.warmup")
+RETRY_DELAY_S = 1.0
+
+
+async def warm_up(transport: Transport, backends: Sequence[Backend]) -> None:
+    """Send every backend's warm-up requests, retrying while a backend is still starting."""
+    await asyncio.gather(*(_warm_backend(transport, b) for b in backends))
+
+
+async def _warm_backend(transport: Transport, backend: Backend) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + backend.warmup_timeout_s
+    for request in backend.warmup:
+        body = json.dumps(request.body).encode() if request.body is not None else b""
+        headers = [("Content-Type", "application/json")] if body else []
+        headers.extend(backend.headers)
+        while True:
+            try:
+                reply = await transport.send(
+                    backend, request.method, request.path, headers, body, streaming=False
+                )
+                if reply.close is not None:
+                    await reply.close()
+                if reply.status < 500:
+                    log.info("warmed %s %s: %d", backend.name, request.path, reply.status)
+                    break
+                reason = f"status {reply.status}"
+            except UpstreamError as exc:
+                reason = str(exc)
+            if loop.time() >= deadline:
+                log.error(
+                    "warm-up of %s %s gave up after %.0f s: %s",
+                    backend.name,
+                    request.path,
+                    backend.warmup_timeout_s,
+                    reason,
+                )
+                break
+            await asyncio.sleep(RETRY_DELAY_S)
