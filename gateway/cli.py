@@ -131,7 +131,11 @@ def _schema(args: argparse.Namespace) -> int:
 def _sim(args: argparse.Namespace) -> int:
     from .sim import SimConfig, run_sim
 
-    config = _dataclass_from_args(SimConfig, args)
+    try:
+        config = _dataclass_from_args(SimConfig, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     _run(run_sim(config))
     return 0
 

@@ -1,0 +1,31 @@
+"""A simulated GPU model server: OpenAI-compatible, with a cost, thermal and memory model.
+
+It stands in for vLLM on one GPU in the gateway's demo, tests and benchmarks: calls cost
+``base_ms + items * per_item_ms`` and share ``slots``; outputs are deterministic; load heats
+the GPU and fills VRAM, visible on ``/metrics`` under DCGM and vLLM names; faults (errors,
+latency, CUDA OOM) switch on at run time through ``POST /sim/config``.
+
+    config.py      SimConfig, the settings (and the `gateway sim` flags)
+    gpu.py         cost of a call; GpuModel, temperature/utilisation/VRAM/power on a clock
+    engine.py      FIFO slots, counters, fault injection, live reconfiguration
+    outputs.py     deterministic answers, logprobs and embeddings
+    requests.py    reading OpenAI request bodies
+    openai_api.py  /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models
+    metrics.py     /metrics under DCGM exporter and vLLM names
+    server.py      the aiohttp app, control endpoints, start_sim / run_sim
+"""
+
+from .config import SimConfig
+from .gpu import GpuModel, GpuState, call_cost_ms
+from .server import SimServer, build_app, run_sim, start_sim
+
+__all__ = [
+    "GpuModel",
+    "GpuState",
+    "SimConfig",
+    "SimServer",
+    "build_app",
+    "call_cost_ms",
+    "run_sim",
+    "start_sim",
+]

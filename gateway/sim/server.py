@@ -1,0 +1,159 @@
+"""The sim as an aiohttp application, and the ways to run it (in-process or from the CLI).
+
+Routes: the OpenAI endpoints (``openai_api``), ``/health``, ``/metrics``, and the control
+endpoints ``GET /sim/state``, ``GET|POST /sim/config`` and ``POST /sim/reset``.  Errors leave
+as OpenAI-shaped JSON, as a real model server's would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import BadRequest, GatewayError
+from . import openai_api
+from .config import SimConfig
+from .engine import Engine
+from .metrics import CONTENT_TYPE, build_registry, render
+from .openai_api import ENGINE, error_body
+
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
+    """The sim's application; ``clock`` drives the thermal model (the system clock by default)."""
+    app = web.Application(middlewares=[_openai_errors])
+    engine = Engine(config, clock or SYSTEM_CLOCK)
+    app[ENGINE] = engine
+    app[REGISTRY] = build_registry(engine)
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_post("/v1/embeddings", openai_api.embeddings)
+    app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/sim/state", _state)
+    app.router.add_get("/sim/config", _get_config)
+    app.router.add_post("/sim/config", _post_config)
+    app.router.add_post("/sim/reset", _reset)
+    return app
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        body = error_body(str(exc), exc.type, exc.code)
+        return web.json_response(body, status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = exc.reason.lower().replace(" ", "_")
+        body = error_body(exc.reason, "invalid_request_error", code)
+        return web.json_response(body, status=exc.status)
+
+
+async def _health(request: web.Request) -> web.Response:
+    if request.app[ENGINE].config.healthy:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unhealthy"}, status=503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = render(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _state(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].state())
+
+
+async def _get_config(request: web.Request) -> web.Response:
+    return web.json_response(dataclasses.asdict(request.app[ENGINE].config))
+
+
+async def _post_config(request: web.Request) -> web.Response:
+    try:
+        changes = await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(changes, dict):
+        raise BadRequest("send a JSON object of field: value")
+    try:
+        config = request.app[ENGINE].reconfigure(changes)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    return web.json_response(dataclasses.asdict(config))
+
+
+async def _reset(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    engine.reset()
+    return web.json_response(engine.state())
+
+
+class SimServer:
+    """A running sim: its ``url``, its live ``state()``, and ``close()``."""
+
+    def __init__(self, runner: web.AppRunner, app: web.Application, host: str, port: int):
+        self._runner = runner
+        self.app = app
+        self.url = f"http://{host}:{port}"
+
+    @property
+    def engine(self) -> Engine:
+        return self.app[ENGINE]
+
+    def state(self) -> dict[str, Any]:
+        """The same snapshot ``GET /sim/state`` answers."""
+        return self.engine.state()
+
+    def configure(self, **changes: Any) -> SimConfig:
+        """Change fault knobs or latency while running, like ``POST /sim/config``."""
+        return self.engine.reconfigure(changes)
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+    async def __aenter__(self) -> SimServer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<SimServer {self.url} {self.engine!r}>"
+
+
+async def start_sim(config: SimConfig, clock: Clock | None = None) -> SimServer:
+    """Serve a sim on ``config.host``/``config.port`` (0 picks a free port) in this loop."""
+    app = build_app(config, clock)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return SimServer(runner, app, config.host or host, port)
+
+
+async def run_sim(config: SimConfig) -> None:
+    """Serve until cancelled, after printing ``sim listening on http://HOST:PORT``."""
+    server = await start_sim(config)
+    try:
+        print(f"sim listening on {server.url}", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await server.close()
