@@ -1,1 +1,69 @@
-"""Fixtures shared by the whole suite."""
+"""Fixtures shared by the whole suite: real listeners on ephemeral ports."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from gateway.app import Gateway
+from gateway.policy.load import zero_config_policy
+from gateway.policy.watch import PolicySource
+
+ServeApp = Callable[[web.Application], Awaitable[str]]
+
+
+@pytest.fixture
+async def serve_app() -> AsyncIterator[ServeApp]:
+    """Start aiohttp apps on 127.0.0.1 ephemeral ports; returns each one's base URL."""
+    runners: list[web.AppRunner] = []
+
+    async def start(app: web.Application) -> str:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in reversed(runners):
+        await runner.cleanup()
+
+
+@dataclass
+class Running:
+    """A gateway listening on ephemeral ports."""
+
+    gateway: Gateway
+    url: str
+    admin_url: str
+
+
+StartGateway = Callable[..., Awaitable[Running]]
+
+
+@pytest.fixture
+async def start_gateway() -> AsyncIterator[StartGateway]:
+    """Start gateways in-process: ``await start_gateway(upstream=URL)`` or ``policy=PATH``."""
+    running: list[Running] = []
+
+    async def start(*, upstream: str | None = None, policy: str | Path | None = None,
+                    warmup: bool = True, watch_interval_s: float = 0.05,
+                    **kwargs: object) -> Running:
+        source = (PolicySource(policy) if policy is not None else
+                  PolicySource(fixed=zero_config_policy(str(upstream))))
+        gateway = Gateway(source, **kwargs)  # type: ignore[arg-type]
+        url, admin = await gateway.start("127.0.0.1", 0, "127.0.0.1", 0,
+                                         watch_interval_s=watch_interval_s, warmup=warmup)
+        r = Running(gateway, url, admin)
+        running.append(r)
+        return r
+
+    yield start
+    for r in reversed(running):
+        await r.gateway.shutdown(0.5)
