@@ -105,12 +105,14 @@ def _check(args: argparse.Namespace) -> int:
     failed = False
     for path in args.paths:
         try:
-            loaded = load_policy(path)
+            loaded = load_policy(path, lenient_env=True)
         except PolicyError as exc:
             failed = True
             for problem in exc.problems:
                 print(f"error: {problem}", file=sys.stderr)
             continue
+        for warning in loaded.warnings:
+            print(f"warning: {warning} (it must be set where the gateway runs)", file=sys.stderr)
         p = loaded.policy
         print(
             f"ok: {path} ({len(p.backends)} backends, {len(p.routes)} routes, hash {loaded.digest})"

@@ -22,7 +22,9 @@ async def serve_app() -> AsyncIterator[ServeApp]:
     runners: list[web.AppRunner] = []
 
     async def start(app: web.Application) -> str:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5, handler_cancellation=True)
+        runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=0.5, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -52,14 +54,23 @@ async def start_gateway() -> AsyncIterator[StartGateway]:
     """Start gateways in-process: ``await start_gateway(upstream=URL)`` or ``policy=PATH``."""
     running: list[Running] = []
 
-    async def start(*, upstream: str | None = None, policy: str | Path | None = None,
-                    warmup: bool = True, watch_interval_s: float = 0.05,
-                    **kwargs: object) -> Running:
-        source = (PolicySource(policy) if policy is not None else
-                  PolicySource(fixed=zero_config_policy(str(upstream))))
+    async def start(
+        *,
+        upstream: str | None = None,
+        policy: str | Path | None = None,
+        warmup: bool = True,
+        watch_interval_s: float = 0.05,
+        **kwargs: object,
+    ) -> Running:
+        source = (
+            PolicySource(policy)
+            if policy is not None
+            else PolicySource(fixed=zero_config_policy(str(upstream)))
+        )
         gateway = Gateway(source, **kwargs)  # type: ignore[arg-type]
-        url, admin = await gateway.start("127.0.0.1", 0, "127.0.0.1", 0,
-                                         watch_interval_s=watch_interval_s, warmup=warmup)
+        url, admin = await gateway.start(
+            "127.0.0.1", 0, "127.0.0.1", 0, watch_interval_s=watch_interval_s, warmup=warmup
+        )
         r = Running(gateway, url, admin)
         running.append(r)
         return r

@@ -46,8 +46,9 @@ async def test_client_request_id_is_kept_forwarded_and_returned(upstream, start_
     recorder, url = upstream
     gw = await start_gateway(upstream=url)
     async with httpx.AsyncClient() as client:
-        r = await client.post(gw.url + "/v1/chat/completions", json=CHAT,
-                              headers={"X-Request-ID": "req-42"})
+        r = await client.post(
+            gw.url + "/v1/chat/completions", json=CHAT, headers={"X-Request-ID": "req-42"}
+        )
     assert r.headers["X-Request-ID"] == "req-42"
     assert recorder.seen[-1].headers["X-Request-ID"] == "req-42"
 
@@ -56,10 +57,20 @@ async def test_hop_by_hop_headers_stripped_and_forwarding_headers_set(upstream, 
     recorder, url = upstream
     gw = await start_gateway(upstream=url)
     async with httpx.AsyncClient() as client:
-        await client.post(gw.url + "/v1/chat/completions", json=CHAT, headers={
-            "Connection": "keep-alive, X-Drop-Me", "X-Drop-Me": "1", "Keep-Alive": "timeout=5",
-            "TE": "trailers", "Proxy-Authorization": "Basic abc", "Authorization": "Bearer k",
-            "X-Forwarded-For": "10.0.0.9", "X-Custom": "kept"})
+        await client.post(
+            gw.url + "/v1/chat/completions",
+            json=CHAT,
+            headers={
+                "Connection": "keep-alive, X-Drop-Me",
+                "X-Drop-Me": "1",
+                "Keep-Alive": "timeout=5",
+                "TE": "trailers",
+                "Proxy-Authorization": "Basic abc",
+                "Authorization": "Bearer k",
+                "X-Forwarded-For": "10.0.0.9",
+                "X-Custom": "kept",
+            },
+        )
     seen = {k.lower(): v for k, v in recorder.seen[-1].headers.items()}
     for dropped in ("x-drop-me", "keep-alive", "te", "proxy-authorization"):
         assert dropped not in seen
@@ -69,11 +80,12 @@ async def test_hop_by_hop_headers_stripped_and_forwarding_headers_set(upstream, 
     assert seen["x-forwarded-proto"] == "http"
 
 
-async def test_first_matching_route_wins_on_path_and_model_glob(serve_app, start_gateway,
-                                                               tmp_path):
+async def test_first_matching_route_wins_on_path_and_model_glob(serve_app, start_gateway, tmp_path):
     a, b = Recorder(), Recorder()
     url_a, url_b = await serve_app(a.app()), await serve_app(b.app())
-    policy = write_policy(tmp_path, f"""
+    policy = write_policy(
+        tmp_path,
+        f"""
         backends:
           small: {{url: "{url_a}"}}
           big: {{url: "{url_b}"}}
@@ -82,7 +94,8 @@ async def test_first_matching_route_wins_on_path_and_model_glob(serve_app, start
             backend: small
           - match: {{path: "/v1/*"}}
             backend: big
-        """)
+        """,
+    )
     gw = await start_gateway(policy=policy)
     async with httpx.AsyncClient() as client:
         r1 = await client.post(gw.url + "/v1/chat/completions", json=CHAT)
@@ -95,10 +108,13 @@ async def test_first_matching_route_wins_on_path_and_model_glob(serve_app, start
 
 async def test_no_matching_route_is_an_openai_shaped_404(upstream, start_gateway, tmp_path):
     _, url = upstream
-    policy = write_policy(tmp_path, f"""
+    policy = write_policy(
+        tmp_path,
+        f"""
         backends: {{main: {{url: "{url}"}}}}
         routes: [{{match: {{path: "/v1/*"}}, backend: main}}]
-        """)
+        """,
+    )
     gw = await start_gateway(policy=policy)
     async with httpx.AsyncClient() as client:
         r = await client.get(gw.url + "/elsewhere")
@@ -107,18 +123,30 @@ async def test_no_matching_route_is_an_openai_shaped_404(upstream, start_gateway
     assert set(r.json()["error"]) >= {"message", "type", "code"}
 
 
-@pytest.mark.parametrize("body", [
-    b"{not json", b"[1, 2]", b"", b'{"model": "m"}', b'{"model": 7, "messages": []}',
-    b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
-    b'{"model": "m", "messages": []}', b"\xff\xfe",
-])
-async def test_malformed_openai_body_is_400_and_never_reaches_backend(upstream, start_gateway,
-                                                                      body):
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b"",
+        b'{"model": "m"}',
+        b'{"model": 7, "messages": []}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        b'{"model": "m", "messages": []}',
+        b"\xff\xfe",
+    ],
+)
+async def test_malformed_openai_body_is_400_and_never_reaches_backend(
+    upstream, start_gateway, body
+):
     recorder, url = upstream
     gw = await start_gateway(upstream=url)
     async with httpx.AsyncClient() as client:
-        r = await client.post(gw.url + "/v1/chat/completions", content=body,
-                              headers={"Content-Type": "application/json"})
+        r = await client.post(
+            gw.url + "/v1/chat/completions",
+            content=body,
+            headers={"Content-Type": "application/json"},
+        )
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert recorder.seen == []
@@ -129,11 +157,13 @@ async def test_other_paths_pass_through_with_body_unread(upstream, start_gateway
     gw = await start_gateway(upstream=url)
     payload = b"\x00not json at all\xff" * 100
     async with httpx.AsyncClient() as client:
-        r = await client.post(gw.url + "/generate?stream=false&x=1", content=payload,
-                              headers={"Content-Type": "application/octet-stream"})
+        r = await client.post(
+            gw.url + "/generate?stream=false&x=1",
+            content=payload,
+            headers={"Content-Type": "application/octet-stream"},
+        )
     assert r.status_code == 200
-    assert r.json() == {"path": "/generate?stream=false&x=1", "len": len(payload),
-                        "method": "POST"}
+    assert r.json() == {"path": "/generate?stream=false&x=1", "len": len(payload), "method": "POST"}
     assert recorder.seen[-1].body == payload
     assert r.headers["X-Upstream"] == "yes"
 
@@ -145,7 +175,7 @@ async def test_chunked_request_body_is_forwarded_whole(upstream, start_gateway):
 
     async def chunks():
         for i in range(0, len(body), 7):
-            yield body[i:i + 7]
+            yield body[i : i + 7]
 
     async with httpx.AsyncClient() as client:
         r = await client.post(gw.url + "/v1/chat/completions", content=chunks())
@@ -159,8 +189,10 @@ async def test_expect_100_continue_is_honoured(upstream, start_gateway):
     host, port = gw.url.removeprefix("http://").split(":")
     body = json.dumps(CHAT).encode()
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
     await writer.drain()
     interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert interim.startswith(b"HTTP/1.1 100")
@@ -175,11 +207,14 @@ async def test_expect_100_continue_is_honoured(upstream, start_gateway):
 
 async def test_body_over_limit_is_413(upstream, start_gateway, tmp_path):
     recorder, url = upstream
-    policy = write_policy(tmp_path, f"""
+    policy = write_policy(
+        tmp_path,
+        f"""
         backends: {{main: {{url: "{url}"}}}}
         routes: [{{match: {{path: "*"}}, backend: main}}]
         server: {{max_body_bytes: 1000}}
-        """)
+        """,
+    )
     gw = await start_gateway(policy=policy)
 
     async def chunked():
@@ -207,10 +242,13 @@ async def test_refused_upstream_is_502(start_gateway, unused_tcp_port):
 
 async def test_upstream_timeout_is_504_and_cancels_upstream(upstream, start_gateway, tmp_path):
     recorder, url = upstream
-    policy = write_policy(tmp_path, f"""
+    policy = write_policy(
+        tmp_path,
+        f"""
         backends: {{main: {{url: "{url}", timeout_s: 0.2}}}}
         routes: [{{match: {{path: "*"}}, backend: main}}]
-        """)
+        """,
+    )
     gw = await start_gateway(policy=policy)
     async with httpx.AsyncClient() as client:
         r = await client.get(gw.url + "/slow")
@@ -223,10 +261,12 @@ async def test_upstream_error_responses_pass_through_untouched(upstream, start_g
     _, url = upstream
     gw = await start_gateway(upstream=url)
     async with httpx.AsyncClient() as client:
-        direct = await client.post(url + "/v1/chat/completions",
-                                   json={**CHAT, "model": "bad-request"})
-        proxied = await client.post(gw.url + "/v1/chat/completions",
-                                    json={**CHAT, "model": "bad-request"})
+        direct = await client.post(
+            url + "/v1/chat/completions", json={**CHAT, "model": "bad-request"}
+        )
+        proxied = await client.post(
+            gw.url + "/v1/chat/completions", json={**CHAT, "model": "bad-request"}
+        )
     assert proxied.status_code == direct.status_code == 422
     assert proxied.content == direct.content
 
@@ -235,29 +275,33 @@ async def test_content_encoding_and_length_relayed_as_sent(upstream, start_gatew
     _, url = upstream
     gw = await start_gateway(upstream=url)
     async with httpx.AsyncClient() as client:
-        async with client.stream("GET", gw.url + "/gzip",
-                                 headers={"Accept-Encoding": "gzip"}) as r:
+        async with client.stream("GET", gw.url + "/gzip", headers={"Accept-Encoding": "gzip"}) as r:
             raw = b"".join([chunk async for chunk in r.aiter_raw()])
     assert r.headers["Content-Encoding"] == "gzip"
     assert int(r.headers["Content-Length"]) == len(raw)
     assert gzip.decompress(raw) == b'{"compressed": true}'
 
 
-async def test_backend_headers_take_env_values_and_are_redacted(upstream, start_gateway,
-                                                                tmp_path, monkeypatch):
+async def test_backend_headers_take_env_values_and_are_redacted(
+    upstream, start_gateway, tmp_path, monkeypatch
+):
     recorder, url = upstream
     monkeypatch.setenv("UPSTREAM_KEY", "sk-secret-123")
-    policy = write_policy(tmp_path, f"""
+    policy = write_policy(
+        tmp_path,
+        f"""
         backends:
           main:
             url: "{url}"
             headers: {{Authorization: "Bearer ${{UPSTREAM_KEY}}"}}
         routes: [{{match: {{path: "*"}}, backend: main}}]
-        """)
+        """,
+    )
     gw = await start_gateway(policy=policy)
     async with httpx.AsyncClient() as client:
-        await client.post(gw.url + "/v1/chat/completions", json=CHAT,
-                          headers={"Authorization": "Bearer client"})
+        await client.post(
+            gw.url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer client"}
+        )
         shown = await client.get(gw.admin_url + "/policy")
     assert recorder.seen[-1].headers["Authorization"] == "Bearer sk-secret-123"
     assert "sk-secret-123" not in shown.text

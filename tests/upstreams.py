@@ -49,22 +49,34 @@ class Recorder:
 
     async def echo(self, request: web.Request) -> web.Response:
         body = await self._record(request)
-        return web.json_response({"path": request.path_qs, "len": len(body),
-                                  "method": request.method},
-                                 headers={"X-Upstream": "yes"})
+        return web.json_response(
+            {"path": request.path_qs, "len": len(body), "method": request.method},
+            headers={"X-Upstream": "yes"},
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         await self._record(request)
-        return web.json_response({"object": "list", "data": [
-            {"id": "llama-3", "object": "model", "created": 0, "owned_by": "test"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": "llama-3", "object": "model", "created": 0, "owned_by": "test"}],
+            }
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         raw = await self._record(request)
         data = json.loads(raw)
         if data.get("model") == "bad-request":
-            return web.json_response({"error": {"message": "upstream says no",
-                                                "type": "invalid_request_error",
-                                                "code": "upstream_no"}}, status=422)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "upstream says no",
+                        "type": "invalid_request_error",
+                        "code": "upstream_no",
+                    }
+                },
+                status=422,
+            )
         text = "echo: " + str(data["messages"][-1].get("content"))
         if not data.get("stream"):
             return web.json_response(chat_completion(data.get("model", "m"), text))
@@ -101,26 +113,46 @@ class Recorder:
     async def gzipped(self, request: web.Request) -> web.Response:
         await self._record(request)
         payload = gzip.compress(b'{"compressed": true}')
-        return web.Response(body=payload, headers={"Content-Encoding": "gzip",
-                                                   "Content-Type": "application/json"})
+        return web.Response(
+            body=payload, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        )
 
 
 def chat_completion(model: str, text: str) -> dict[str, Any]:
-    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": "stop", "logprobs": None}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": len(text.split()),
-                      "total_tokens": 3 + len(text.split())}}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": len(text.split()),
+            "total_tokens": 3 + len(text.split()),
+        },
+    }
 
 
 def chat_chunks(model: str, words: list[str]) -> list[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None = None,
-              usage: dict[str, int] | None = None) -> bytes:
-        body: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk",
-                                "created": 1, "model": model,
-                                "choices": [{"index": 0, "delta": delta,
-                                             "finish_reason": finish}] if usage is None else [],
-                                }
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, usage: dict[str, int] | None = None
+    ) -> bytes:
+        body: dict[str, Any] = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]
+            if usage is None
+            else [],
+        }
         if usage is not None:
             body["usage"] = usage
         return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -128,7 +160,15 @@ def chat_chunks(model: str, words: list[str]) -> list[bytes]:
     events = [chunk({"role": "assistant", "content": ""})]
     events += [chunk({"content": (" " if i else "") + w}) for i, w in enumerate(words)]
     events.append(chunk({}, "stop"))
-    events.append(chunk({}, usage={"prompt_tokens": 3, "completion_tokens": len(words),
-                                   "total_tokens": 3 + len(words)}))
+    events.append(
+        chunk(
+            {},
+            usage={
+                "prompt_tokens": 3,
+                "completion_tokens": len(words),
+                "total_tokens": 3 + len(words),
+            },
+        )
+    )
     events.append(b"data: [DONE]\n\n")
     return events

@@ -20,6 +20,22 @@ _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MISSING = dataclasses.MISSING
 
 
+class Found(list["Invalid"]):
+    """The problems found by one conversion, and how ``${NAME}`` values are expanded.
+
+    With ``lenient_env`` (``gateway check`` on a machine without the secrets) a missing
+    variable is a warning and expands to an empty string; when serving it is an error.
+    """
+
+    def __init__(
+        self, env: typing.Mapping[str, str] | None = None, lenient_env: bool = False
+    ) -> None:
+        super().__init__()
+        self.env = os.environ if env is None else env
+        self.lenient_env = lenient_env
+        self.warnings: list[Invalid] = []
+
+
 class Invalid(Exception):
     """Raised inside conversion; carries the key path and message."""
 
@@ -68,7 +84,7 @@ def convert(
     tp: Any,
     value: Any,
     path: str,
-    problems: list[Invalid],
+    problems: Found,
     meta: typing.Mapping[str, Any] | None = None,
 ) -> Any:
     """Convert ``value`` to ``tp``; on error record a problem and return ``_MISSING``."""
@@ -81,7 +97,7 @@ def convert(
 
 
 def _convert(
-    tp: Any, value: Any, path: str, problems: list[Invalid], meta: typing.Mapping[str, Any]
+    tp: Any, value: Any, path: str, problems: Found, meta: typing.Mapping[str, Any]
 ) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -100,10 +116,10 @@ def _convert(
         return _dataclass(typing.cast(type, tp), value, path, problems)
     if origin is tuple:
         return _tuple(tp, value, path, problems, meta)
-    return _scalar(tp, value, path, meta)
+    return _scalar(tp, value, path, meta, problems)
 
 
-def _scalar(tp: Any, value: Any, path: str, meta: typing.Mapping[str, Any]) -> Any:
+def _scalar(tp: Any, value: Any, path: str, meta: typing.Mapping[str, Any], problems: Found) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -115,7 +131,7 @@ def _scalar(tp: Any, value: Any, path: str, meta: typing.Mapping[str, Any]) -> A
             return float(value)
     elif tp is str:
         if isinstance(value, str):
-            return expand_env(value, path) if meta.get("env") else value
+            return _expand(value, path, problems) if meta.get("env") else value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
     else:  # pragma: no cover - the model uses only the types above
@@ -124,7 +140,7 @@ def _scalar(tp: Any, value: Any, path: str, meta: typing.Mapping[str, Any]) -> A
 
 
 def _tuple(
-    tp: Any, value: Any, path: str, problems: list[Invalid], meta: typing.Mapping[str, Any]
+    tp: Any, value: Any, path: str, problems: Found, meta: typing.Mapping[str, Any]
 ) -> tuple[Any, ...]:
     (item_tp, _ellipsis) = typing.get_args(tp)
     if meta.get("mapping"):
@@ -159,7 +175,7 @@ def _tuple(
     return tuple(convert(item_tp, item, join(path, i), problems) for i, item in enumerate(value))
 
 
-def _dataclass(cls: type, value: Any, path: str, problems: list[Invalid]) -> Any:
+def _dataclass(cls: type, value: Any, path: str, problems: Found) -> Any:
     if value is None:
         value = {}
     if not isinstance(value, dict):
@@ -189,15 +205,18 @@ def _dataclass(cls: type, value: Any, path: str, problems: list[Invalid]) -> Any
     return _MISSING if failed else cls(**kwargs)
 
 
-def expand_env(text: str, path: str, env: typing.Mapping[str, str] | None = None) -> str:
-    """Replace ``${NAME}`` with the environment variable NAME; a missing one is an error."""
-    env = os.environ if env is None else env
+def _expand(text: str, path: str, found: Found) -> str:
+    """Replace ``${NAME}`` with the environment variable NAME."""
 
     def sub(m: re.Match[str]) -> str:
         name = m.group(1)
-        if name not in env:
-            raise Invalid(path, f"environment variable {name} is not set")
-        return env[name]
+        if name in found.env:
+            return found.env[name]
+        missing = Invalid(path, f"environment variable {name} is not set")
+        if not found.lenient_env:
+            raise missing
+        found.warnings.append(missing)
+        return ""
 
     return _ENV.sub(sub, text)
 

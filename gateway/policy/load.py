@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import PolicyError, Problem
-from .convert import Invalid, convert, join
+from .convert import Found, convert, join
 from .model import Backend, Match, Policy, Route, glob_regex
 
 POLICY_SUFFIXES = (".yaml", ".yml")
@@ -32,6 +32,7 @@ class Loaded:
     policy: Policy
     digest: str
     files: tuple[str, ...]
+    warnings: tuple[Problem, ...] = ()
 
 
 @dataclass(slots=True)
@@ -70,9 +71,12 @@ def read_sources(path: str | Path) -> list[tuple[str, str]]:
     return sources
 
 
-def load_policy(path: str | Path) -> Loaded:
-    """Read and validate the policy at ``path`` (a file or a directory)."""
-    return parse_sources(read_sources(path))
+def load_policy(path: str | Path, *, lenient_env: bool = False) -> Loaded:
+    """Read and validate the policy at ``path`` (a file or a directory).
+
+    ``lenient_env`` turns unset ``${NAME}`` variables into warnings (for ``gateway check``
+    where the secrets are absent)."""
+    return parse_sources(read_sources(path), lenient_env=lenient_env)
 
 
 def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
@@ -80,22 +84,27 @@ def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
     return parse_sources([(source, text)]).policy
 
 
-def parse_sources(sources: list[tuple[str, str]]) -> Loaded:
+def parse_sources(sources: list[tuple[str, str]], *, lenient_env: bool = False) -> Loaded:
     """Validate and merge already-read policy texts."""
     digest = hashlib.sha256()
     parts: list[_Part] = []
     problems: list[Problem] = []
+    warnings: list[Problem] = []
     for source, text in sources:
         digest.update(source.rsplit("/", 1)[-1].encode() + b"\0" + text.encode() + b"\0")
-        parts.append(_parse_part(source, text, problems))
+        parts.append(_parse_part(source, text, problems, warnings, lenient_env))
     if not problems:
         policy = _merge(parts, problems)
         if not problems:
-            return Loaded(policy, digest.hexdigest()[:16], tuple(s for s, _ in sources))
+            return Loaded(
+                policy, digest.hexdigest()[:16], tuple(s for s, _ in sources), tuple(warnings)
+            )
     raise PolicyError(problems)
 
 
-def _parse_part(source: str, text: str, problems: list[Problem]) -> _Part:
+def _parse_part(
+    source: str, text: str, problems: list[Problem], warnings: list[Problem], lenient_env: bool
+) -> _Part:
     try:
         loader = yaml.SafeLoader(text)
         try:
@@ -113,9 +122,12 @@ def _parse_part(source: str, text: str, problems: list[Problem]) -> _Part:
         _record_lines(node, "", lines)
     if data is None:
         data = {}
-    found: list[Invalid] = []
+    found = Found(lenient_env=lenient_env)
     policy = convert(Policy, data, "", found)
     problems.extend(Problem(source, p.path, _line_of(lines, p.path), p.message) for p in found)
+    warnings.extend(
+        Problem(source, p.path, _line_of(lines, p.path), p.message) for p in found.warnings
+    )
     keys = frozenset(data) if isinstance(data, dict) else frozenset()
     return _Part(source, policy if not found else None, lines, keys)
 

@@ -1,0 +1,151 @@
+"""Policies: typed parsing, errors located by file, key path and line, directory merging,
+environment expansion, the JSON Schema and the reference page derived from the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+from gateway.errors import PolicyError
+from gateway.policy import load_policy, parse_policy_text
+from gateway.policy.schema import json_schema, reference_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+MINIMAL = """\
+backends:
+  main:
+    url: http://127.0.0.1:8000
+    model_version: "llama-3.1-8b@2024-07"
+    timeout_s: 120
+    warmup: [{path: /v1/chat/completions, body: {model: m, messages: [{role: user, content: hi}], max_tokens: 1}}]
+routes:
+  - match: {path: "/v1/*", model: "llama*"}
+    backend: main
+"""
+
+
+def problems_of(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as info:
+        parse_policy_text(text, "p.yaml")
+    return [str(p) for p in info.value.problems]
+
+
+def test_the_issue_minimal_policy_parses_into_frozen_types():
+    policy = parse_policy_text(MINIMAL)
+    backend = policy.backend("main")
+    assert backend.model_version == "llama-3.1-8b@2024-07"
+    assert backend.warmup[0].body["max_tokens"] == 1
+    assert policy.routes[0].match.model == "llama*"
+    with pytest.raises(AttributeError):
+        backend.url = "http://elsewhere"  # type: ignore[misc]
+
+
+def test_unknown_key_is_rejected_with_file_path_line_and_suggestion():
+    found = problems_of(MINIMAL.replace("timeout_s: 120", "timout_s: 120"))
+    assert found == ["p.yaml:5: backends.main.timout_s: unknown key (did you mean 'timeout_s'?)"]
+
+
+def test_errors_name_key_paths_inside_lists():
+    text = MINIMAL + "  - match: {path: 3, methd: GET}\n    backend: main\n"
+    found = problems_of(text)
+    assert "p.yaml:10: routes[1].match.methd: unknown key" in found[0]
+
+
+def test_wrong_types_and_missing_required_keys_are_reported_together():
+    found = problems_of("backends:\n  a: {timeout_s: fast}\nroutes: {}\n")
+    joined = "\n".join(found)
+    assert "backends.a.timeout_s: must be a number, not a string ('fast')" in joined
+    assert "backends.a.url: is required" in joined
+    assert "routes: must be a list" in joined
+
+
+def test_route_to_unknown_backend_is_a_cross_reference_error():
+    found = problems_of(MINIMAL.replace("backend: main", "backend: mian"))
+    assert found == ["p.yaml:9: routes[0].backend: unknown backend 'mian' (known: main)"]
+
+
+def test_invalid_yaml_is_reported_with_its_line():
+    found = problems_of("backends:\n  main: {url: [\n")
+    assert found[0].startswith("p.yaml:3: <root>: invalid YAML")
+
+
+def test_semantic_checks_on_values():
+    found = problems_of("backends:\n  a: {url: ftp://x, timeout_s: 0, max_connections: 0}\n")
+    joined = "\n".join(found)
+    assert "backends.a.url: must start with http:// or https://" in joined
+    assert "backends.a.timeout_s: must be greater than 0" in joined
+    assert "backends.a.max_connections: must be at least 1" in joined
+
+
+def test_directory_merges_backends_and_concatenates_routes_in_name_order(tmp_path):
+    (tmp_path / "10-backends.yaml").write_text("backends:\n  a: {url: http://a}\n")
+    (tmp_path / "20-routes.yaml").write_text(
+        "backends:\n  b: {url: http://b}\nroutes:\n  - {match: {path: /x}, backend: a}\n"
+    )
+    (tmp_path / "30-more.yml").write_text("routes:\n  - {match: {path: /y}, backend: b}\n")
+    (tmp_path / ".hidden.yaml").write_text("not: [valid")
+    (tmp_path / "README.txt").write_text("ignored")
+    policy = load_policy(tmp_path).policy
+    assert [b.name for b in policy.backends] == ["a", "b"]
+    assert [r.match.path for r in policy.routes] == ["/x", "/y"]
+
+
+def test_directory_rejects_a_backend_or_section_defined_twice(tmp_path):
+    (tmp_path / "a.yaml").write_text("backends: {x: {url: http://a}}\nserver: {}\n")
+    (tmp_path / "b.yaml").write_text("backends: {x: {url: http://b}}\nserver: {}\n")
+    with pytest.raises(PolicyError) as info:
+        load_policy(tmp_path)
+    text = str(info.value)
+    assert "b.yaml:1: backends.x: backend 'x' is defined in another file too" in text
+    assert "'server' is already set in" in text
+
+
+def test_env_values_expand_and_missing_ones_are_errors_when_serving(monkeypatch):
+    text = MINIMAL.replace("timeout_s: 120", "headers: {X-Key: '${TEST_KEY}'}")
+    monkeypatch.delenv("TEST_KEY", raising=False)
+    assert "environment variable TEST_KEY is not set" in problems_of(text)[0]
+    monkeypatch.setenv("TEST_KEY", "v1")
+    assert parse_policy_text(text).backend("main").headers == (("X-Key", "v1"),)
+
+
+def test_route_names_default_to_their_match_and_stay_unique():
+    policy = parse_policy_text(
+        MINIMAL + "  - {match: {path: '/v1/*', model: 'llama*'}, backend: main}\n"
+    )
+    assert [r.name for r in policy.routes] == ["/v1/* model=llama*", "/v1/* model=llama*#2"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "policies").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_policy_passes_gateway_check(path, capsys):
+    assert main(["check", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("ok:")
+
+
+def test_gateway_check_exits_non_zero_naming_file_path_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MINIMAL.replace("backend: main", "backend: nope"))
+    assert main(["check", str(bad)]) == 1
+    assert f"error: {bad}:9: routes[0].backend: unknown backend 'nope'" in capsys.readouterr().err
+
+
+def test_schema_is_valid_json_schema_that_accepts_the_examples(capsys):
+    import jsonschema
+    import yaml
+
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for path in (ROOT / "policies").glob("*.yaml"):
+        validator.validate(yaml.safe_load(path.read_text()))
+    assert list(validator.iter_errors({"backends": {"a": {"url": "x", "bogus": 1}}}))
+    assert schema == json_schema()
+
+
+def test_docs_policy_md_is_generated_from_the_model():
+    """docs/policy.md documents every key with its default; regenerate it with
+    `gateway schema --markdown > docs/policy.md`."""
+    assert (ROOT / "docs" / "policy.md").read_text() == reference_markdown()
