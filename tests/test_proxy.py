@@ -31,7 +31,7 @@ async def upstream(serve_app):
 
 
 async def test_chat_through_gateway_equals_direct(upstream, start_gateway):
-    recorder, url = upstream
+    _, url = upstream
     gw = await start_gateway(upstream=url)
     async with httpx.AsyncClient() as client:
         direct = await client.post(url + "/v1/chat/completions", json=CHAT)

@@ -50,8 +50,7 @@ async def test_client_disconnect_while_waiting_cancels_upstream(upstream, start_
     gw = await start_gateway(upstream=url)
     async with httpx.AsyncClient() as client:
         task = asyncio.create_task(client.get(gw.url + "/slow"))
-        while not recorder.seen:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(recorder.arrived.wait(), 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -137,7 +136,7 @@ async def test_slow_client_gets_back_pressure_not_unbounded_buffers(serve_app, s
     url = await serve_app(app)
     gw = await start_gateway(upstream=url)
     host, port = gw.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port), limit=1024)
+    _, writer = await asyncio.open_connection(host, int(port), limit=1024)
     writer.write(b"GET /firehose HTTP/1.1\r\nHost: x\r\n\r\n")
     await writer.drain()
     await asyncio.wait_for(blocked.wait(), 30)

@@ -29,6 +29,7 @@ class Recorder:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     stream_started: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -45,6 +46,7 @@ class Recorder:
     async def _record(self, request: web.Request) -> bytes:
         body = await request.read()
         self.seen.append(Seen(request.method, request.path_qs, dict(request.headers), body))
+        self.arrived.set()
         return body
 
     async def echo(self, request: web.Request) -> web.Response:
