@@ -20,7 +20,7 @@ backends:
     url: http://127.0.0.1:8000
     model_version: "llama-3.1-8b@2024-07"
     timeout_s: 120
-    warmup: [{path: /v1/chat/completions, body: {model: m, messages: [{role: user, content: hi}], max_tokens: 1}}]  # noqa: E501
+    warmup: [{path: /v1/chat/completions, body: {model: m, messages: [{role: user, content: hi}], max_tokens: 1}}]
 routes:
   - match: {path: "/v1/*", model: "llama*"}
     backend: main
