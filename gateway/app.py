@@ -113,7 +113,11 @@ class Gateway:
                 self.snapshot.policy.server.reload_interval_s if interval_s <= 0 else interval_s
             )
             try:
-                await asyncio.to_thread(self._poll)
+                # Reading files may block (a slow volume): off the loop.  Applying a policy
+                # touches live state: on the loop.
+                fingerprint = await asyncio.to_thread(self.source.fingerprint)
+                if fingerprint != self._seen_fingerprint:
+                    self._poll()
             except Exception:  # the watcher must outlive any one bad read
                 log.exception("policy watch failed")
 

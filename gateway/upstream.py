@@ -26,7 +26,7 @@ from .policy.model import Backend, Policy
 # Bodies up to this size are read whole and answered with a Content-Length; larger ones,
 # chunked ones and SSE streams are relayed chunk by chunk.
 BUFFER_LIMIT_BYTES = 1024 * 1024
-_SKIP_AUTO = ("User-Agent", "Accept-Encoding", "Content-Type")
+_SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 _BACKGROUND: set[asyncio.Task[None]] = set()
 
 

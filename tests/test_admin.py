@@ -1,0 +1,162 @@
+"""The admin listener: health, readiness gated on warm-up, metrics on their own port, the
+effective policy, and the loopback rule for mutating endpoints without a token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from aiohttp import web
+
+from gateway.metrics import Metrics, names
+from tests.test_proxy import write_policy
+from tests.upstreams import Recorder
+
+
+async def test_readyz_waits_for_warmup_requests_to_answer(serve_app, start_gateway, tmp_path):
+    answered = asyncio.Event()
+    warmed: list[bytes] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        warmed.append(await request.read())
+        await answered.wait()
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    url = await serve_app(app)
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends:
+          main:
+            url: "{url}"
+            warmup: [{{path: /v1/chat/completions, body: {{model: m, max_tokens: 1}}}}]
+        routes: [{{match: {{path: "*"}}, backend: main}}]
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(gw.admin_url + "/healthz")).status_code == 200
+        not_yet = await client.get(gw.admin_url + "/readyz")
+        assert not_yet.status_code == 503 and not_yet.json()["reason"] == "warming up"
+        answered.set()
+        for _ in range(200):
+            if (await client.get(gw.admin_url + "/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.01)
+        assert (await client.get(gw.admin_url + "/readyz")).status_code == 200
+    assert warmed == [b'{"model": "m", "max_tokens": 1}']
+
+
+async def test_warmup_retries_a_backend_that_is_still_starting(
+    serve_app, start_gateway, tmp_path, unused_tcp_port
+):
+    import gateway.warmup
+
+    gateway.warmup.RETRY_DELAY_S = 0.01
+    try:
+        policy = write_policy(
+            tmp_path,
+            f"""
+            backends:
+              main:
+                url: "http://127.0.0.1:{unused_tcp_port}"
+                warmup: [{{path: /v1/models, method: GET}}]
+            routes: [{{match: {{path: "*"}}, backend: main}}]
+            """,
+        )
+        gw = await start_gateway(policy=policy)
+        await asyncio.sleep(0.05)
+        assert not gw.gateway.ready
+        rec = Recorder()
+        runner = web.AppRunner(rec.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+        try:
+            await asyncio.wait_for(rec.arrived.wait(), 5)
+            for _ in range(100):
+                if gw.gateway.ready:
+                    break
+                await asyncio.sleep(0.01)
+            assert gw.gateway.ready
+        finally:
+            await runner.cleanup()
+    finally:
+        gateway.warmup.RETRY_DELAY_S = 1.0
+
+
+async def test_metrics_are_served_on_the_admin_port_only(serve_app, start_gateway):
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    gw = await start_gateway(upstream=url)
+    async with httpx.AsyncClient() as client:
+        admin = await client.get(gw.admin_url + "/metrics")
+        data = await client.get(gw.url + "/metrics")
+    assert "gateway_policy_generation 1.0" in admin.text
+    assert admin.headers["Content-Type"].startswith("text/plain")
+    assert data.json()["path"] == "/metrics"  # proxied to the backend like any path
+
+
+async def test_const_labels_from_the_policy_label_every_series(serve_app, start_gateway, tmp_path):
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{url}"}}}}
+        routes: [{{match: {{path: "*"}}, backend: main}}]
+        metrics: {{const_labels: {{gpu_type: h200, model_version: v7}}}}
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    text = gw.gateway.metrics.exposition().decode()
+    assert 'gateway_policy_generation{gpu_type="h200",model_version="v7"} 1.0' in text
+
+
+async def test_mutating_admin_endpoints_need_a_token_off_loopback(serve_app, tmp_path, monkeypatch):
+    from gateway.app import Gateway
+    from gateway.policy.watch import PolicySource
+
+    monkeypatch.delenv("GATEWAY_ADMIN_TOKEN", raising=False)
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    path = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{url}"}}}}
+        routes: [{{match: {{path: "*"}}, backend: main}}]
+        """,
+    )
+    exposed = Gateway(PolicySource(path))
+    _, admin = await exposed.start("127.0.0.1", 0, "0.0.0.0", 0)
+    local = Gateway(PolicySource(path))
+    _, local_admin = await local.start("127.0.0.1", 0, "127.0.0.1", 0)
+    try:
+        port = admin.rsplit(":", 1)[1]
+        async with httpx.AsyncClient() as client:
+            refused = await client.post(f"http://127.0.0.1:{port}/reload")
+            allowed = await client.post(local_admin + "/reload")
+            health = await client.get(f"http://127.0.0.1:{port}/healthz")
+        assert refused.status_code == 401
+        assert allowed.status_code == 200
+        assert health.status_code == 200
+    finally:
+        await exposed.shutdown(0.1)
+        await local.shutdown(0.1)
+
+
+def test_metric_names_are_the_public_contract():
+    """Dashboards and alerts depend on these names: changing one is a breaking change."""
+    assert names(Metrics()) == [
+        "gateway_inflight_requests",
+        "gateway_policy_generation",
+        "gateway_policy_info",
+        "gateway_policy_reload_failures",
+        "gateway_request_duration_seconds",
+        "gateway_requests",
+        "gateway_stream_first_byte_seconds",
+        "gateway_tokens",
+        "gateway_upstream_duration_seconds",
+        "gateway_upstream_stale_retries",
+    ]

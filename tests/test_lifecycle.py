@@ -1,0 +1,121 @@
+"""The gateway as a process: `gateway serve` from the command line, SIGHUP reload, and
+graceful shutdown on SIGTERM with a stream in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_proxy import CHAT
+from tests.upstreams import Recorder
+
+
+@dataclass
+class Process:
+    proc: asyncio.subprocess.Process
+    url: str
+    admin_url: str
+
+
+@pytest.fixture
+async def serve_process() -> AsyncIterator:
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(*args: str) -> Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        found = re.search(r"listening on (\S+) \(admin (\S+)\)", line)
+        assert found, line
+        return Process(proc, found.group(1), found.group(2))
+
+    yield start
+    for proc in procs:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def wait_ready(client: httpx.AsyncClient, admin_url: str) -> None:
+    for _ in range(500):
+        if (await client.get(admin_url + "/readyz")).status_code == 200:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never ready")
+
+
+async def test_zero_config_upstream_mode_from_the_command_line(serve_app, serve_process):
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    gw = await serve_process("--upstream", url)
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, gw.admin_url)
+        r = await client.post(gw.url + "/v1/chat/completions", json=CHAT)
+        bad = await client.post(gw.url + "/v1/chat/completions", content=b"{")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert bad.status_code == 400 and len(rec.seen) == 1
+
+
+async def test_sigterm_drains_a_stream_in_flight_then_exits(serve_app, serve_process):
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    gw = await serve_process("--upstream", url)
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, gw.admin_url)
+        async with client.stream("POST", gw.url + "/gated", json={}) as r:
+            chunks = r.aiter_raw()
+            assert await chunks.__anext__() == b'data: {"part": 1}\n\n'
+            gw.proc.send_signal(signal.SIGTERM)
+            for _ in range(200):  # unready at once
+                ready = await client.get(gw.admin_url + "/readyz")
+                if ready.status_code == 503:
+                    break
+                await asyncio.sleep(0.01)
+            assert ready.json() == {"ready": False, "reason": "shutting down"}
+            with pytest.raises(httpx.ConnectError):  # no new connections
+                async with httpx.AsyncClient() as fresh:
+                    await fresh.get(gw.url + "/v1/models")
+            rec.release.set()
+            rest = b"".join([c async for c in chunks])
+    assert rest == b'data: {"part": 2}\n\ndata: [DONE]\n\n'
+    assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
+
+
+async def test_sighup_reloads_the_policy(serve_app, serve_process, tmp_path: Path):
+    a, b = Recorder(), Recorder()
+    url_a, url_b = await serve_app(a.app()), await serve_app(b.app())
+    path = tmp_path / "policy.yaml"
+    body = 'backends: {main: {url: "%s"}}\nroutes: [{backend: main}]\nserver: {reload_interval_s: 3600}\n'
+    path.write_text(body % url_a)
+    gw = await serve_process("--policy", str(path))
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, gw.admin_url)
+        path.write_text(body % url_b)
+        gw.proc.send_signal(signal.SIGHUP)
+        for _ in range(500):
+            if (await client.get(gw.admin_url + "/policy")).json()["generation"] == 2:
+                break
+            await asyncio.sleep(0.01)
+        await client.post(gw.url + "/v1/chat/completions", json=CHAT)
+    assert len(b.seen) == 1 and not a.seen

@@ -1,0 +1,140 @@
+"""Hot reload: ConfigMap-style symlink swaps under load with zero failed requests, invalid
+policies keep the last good one, and reloads by SIGHUP-equivalent and POST /reload."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import httpx
+
+from tests.test_proxy import CHAT
+from tests.upstreams import Recorder
+
+
+def policy_for(url: str) -> str:
+    return f"""backends: {{main: {{url: "{url}"}}}}
+routes: [{{match: {{path: "*"}}, backend: main}}]
+server: {{reload_interval_s: 0.05}}
+"""
+
+
+class ConfigMapDir:
+    """A directory laid out as the kubelet lays out a ConfigMap volume."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.version = 0
+
+    def publish(self, files: dict[str, str]) -> None:
+        self.version += 1
+        stamp = self.root / f"..2026_11_29_00_00_{self.version:02d}.000000001"
+        stamp.mkdir()
+        for name, text in files.items():
+            (stamp / name).write_text(text)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(stamp.name)
+        os.replace(tmp, self.root / "..data")  # the atomic swap the kubelet does
+        for name in files:
+            link = self.root / name
+            if not link.is_symlink():
+                link.symlink_to(f"..data/{name}")
+
+
+async def test_configmap_symlink_swap_under_load_fails_no_request(
+    serve_app, start_gateway, tmp_path
+):
+    old, new = Recorder(), Recorder()
+    url_old, url_new = await serve_app(old.app()), await serve_app(new.app())
+    cm = ConfigMapDir(tmp_path)
+    cm.publish({"policy.yaml": policy_for(url_old)})
+    gw = await start_gateway(policy=tmp_path, watch_interval_s=0.02)
+    statuses: list[int] = []
+    served_by_new = asyncio.Event()
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not served_by_new.is_set() or len(statuses) < 400:
+            r = await client.post(gw.url + "/v1/chat/completions", json=CHAT)
+            statuses.append(r.status_code)
+            if len(new.seen) > 50:
+                served_by_new.set()
+            if len(statuses) > 5000:
+                break
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=16)) as client:
+        workers = [asyncio.create_task(worker(client)) for _ in range(8)]
+        while len(statuses) < 100:
+            await asyncio.sleep(0.01)
+        cm.publish({"policy.yaml": policy_for(url_new)})
+        await asyncio.gather(*workers)
+    assert set(statuses) == {200}
+    assert old.seen and new.seen
+    assert gw.gateway.snapshot.generation == 2
+
+
+async def test_invalid_policy_keeps_last_good_and_is_counted_once(
+    serve_app, start_gateway, tmp_path
+):
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(url))
+    gw = await start_gateway(policy=path, watch_interval_s=3600)
+    good_hash = gw.gateway.snapshot.digest
+    path.write_text(policy_for(url).replace("backend: main", "backend: nope"))
+    for _ in range(3):  # polling again must not count the same bad file again
+        gw.gateway._poll()
+    metrics = gw.gateway.metrics.exposition().decode()
+    assert "gateway_policy_reload_failures_total 1.0" in metrics
+    assert "gateway_policy_generation 1.0" in metrics
+    assert gw.gateway.snapshot.digest == good_hash
+    async with httpx.AsyncClient() as client:
+        assert (await client.post(gw.url + "/v1/chat/completions", json=CHAT)).status_code == 200
+    path.write_text(policy_for(url).replace("reload_interval_s: 0.05", "access_log: false"))
+    gw.gateway._poll()
+    metrics = gw.gateway.metrics.exposition().decode()
+    assert "gateway_policy_generation 2.0" in metrics
+    assert f'gateway_policy_info{{hash="{gw.gateway.snapshot.digest}"}} 1.0' in metrics
+
+
+async def test_watcher_picks_up_an_edited_file_by_itself(serve_app, start_gateway, tmp_path):
+    a, b = Recorder(), Recorder()
+    url_a, url_b = await serve_app(a.app()), await serve_app(b.app())
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(url_a))
+    gw = await start_gateway(policy=path, watch_interval_s=0.02)
+    path.write_text(policy_for(url_b))
+    for _ in range(200):
+        if gw.gateway.snapshot.generation == 2:
+            break
+        await asyncio.sleep(0.01)
+    async with httpx.AsyncClient() as client:
+        await client.post(gw.url + "/v1/chat/completions", json=CHAT)
+    assert len(b.seen) == 1 and not a.seen
+
+
+async def test_post_reload_needs_the_admin_token_and_reports_errors(
+    serve_app, start_gateway, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "s3cret")
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(url))
+    gw = await start_gateway(policy=path, watch_interval_s=3600)
+    async with httpx.AsyncClient() as client:
+        denied = await client.post(gw.admin_url + "/reload")
+        assert denied.status_code == 401
+        assert denied.json()["error"]["code"] == "invalid_admin_token"
+        path.write_text(policy_for(url) + "bogus: 1\n")
+        auth = {"Authorization": "Bearer s3cret"}
+        rejected = await client.post(gw.admin_url + "/reload", headers=auth)
+        assert rejected.status_code == 422
+        assert "bogus: unknown key" in rejected.json()["errors"][0]
+        path.write_text(policy_for(url).replace("0.05", "0.5"))
+        ok = await client.post(gw.admin_url + "/reload", headers=auth)
+        shown = await client.get(gw.admin_url + "/policy")
+    assert ok.json()["reloaded"] is True and ok.json()["generation"] == 2
+    assert shown.json()["generation"] == 2
+    assert shown.json()["policy"]["server"]["reload_interval_s"] == 0.5
