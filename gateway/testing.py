@@ -92,7 +92,8 @@ class FakeNvml:
 
     ``gpus`` holds the devices' readings.  ``fail[function_name] = code`` makes that function
     raise ``NVMLError(code)`` until removed (``"nvmlInit"`` too).  ``threads`` records the
-    thread ids calls ran on, so a test can prove they stayed off the event loop.
+    thread ids calls ran on, so a test can prove they stayed off the event loop.  Set ``gate``
+    to a ``threading.Event`` and every call waits for it: a driver that hangs.
     """
 
     NVMLError = FakeNvmlError
@@ -118,10 +119,13 @@ class FakeNvml:
         self.initialised = 0
         self.calls = 0
         self.threads: set[int] = set()
+        self.gate: Any = None
 
     def _enter(self, function: str) -> None:
         import threading
 
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
         self.calls += 1
         self.threads.add(threading.get_ident())
         if function in self.fail:
@@ -218,3 +222,31 @@ class FakeNvml:
         failing = f" failing={sorted(self.fail)}" if self.fail else ""
         state = f"gpus={len(self.gpus)} init={self.initialised} calls={self.calls}"
         return f"<FakeNvml {state}{failing}>"
+
+
+class FlakyStore:
+    """A cache store wrapper that fails on demand: ``failing = True`` makes every call
+    raise ``StoreError``, as a Redis that is down would.  ``calls`` counts calls by name."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.failing = False
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if name in ("stats", "sweep") or not callable(target):
+            return target
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            from .errors import StoreError
+
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.failing and name != "close":
+                raise StoreError(f"{name}: store is failing (FlakyStore)")
+            return await target(*args, **kwargs)
+
+        return call
+
+    def __repr__(self) -> str:
+        return f"<FlakyStore failing={self.failing} inner={self.inner!r}>"

@@ -1,0 +1,33 @@
+"""Telemetry sources (NVML, Prometheus) reduced to normalised signals, and their polling.
+
+``signals`` holds the signal names, ``Sample`` and the per-backend ``Telemetry``; ``nvml`` and
+``prometheus`` are the interchangeable sources; ``poller`` reads a source on a schedule.
+"""
+
+from .nvml import NvmlSource
+from .poller import (
+    Source,
+    TelemetryConfig,
+    TelemetryPoller,
+    make_source,
+    telemetry_for,
+)
+from .prometheus import PrometheusSource, parse_exposition, signals_from
+from .signals import SIGNALS, STALE_INTERVALS, Sample, Signal, Telemetry
+
+__all__ = [
+    "SIGNALS",
+    "STALE_INTERVALS",
+    "NvmlSource",
+    "PrometheusSource",
+    "Sample",
+    "Signal",
+    "Source",
+    "Telemetry",
+    "TelemetryConfig",
+    "TelemetryPoller",
+    "make_source",
+    "parse_exposition",
+    "signals_from",
+    "telemetry_for",
+]

@@ -1,0 +1,226 @@
+"""The ``prometheus`` telemetry source: scrape DCGM exporter and model-server metrics.
+
+In Kubernetes a sidecar without its own GPU request cannot open the GPU with NVML, so it reads
+the DCGM exporter (``DCGM_FI_DEV_*``) and the model server's own ``/metrics`` (vLLM, TGI).
+Only the few series that map to a signal are parsed; the rest of a large exposition is skipped
+by name without parsing labels.  With several GPUs the hottest (largest) value wins, unless
+``gpu`` names one (by its ``gpu`` index label or its ``UUID``).  Queue lengths are summed
+over series (one per model or engine); KV-cache use takes the largest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import TelemetryError
+from .signals import Sample
+
+DEFAULT_TIMEOUT_MS = 1000
+
+GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
+MEMORY_TEMP = "DCGM_FI_DEV_MEMORY_TEMP"
+FB_USED = "DCGM_FI_DEV_FB_USED"
+FB_FREE = "DCGM_FI_DEV_FB_FREE"
+FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
+FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"
+GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"
+POWER_LIMITS = ("DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "DCGM_FI_DEV_POWER_MGMT_LIMIT")
+CLOCK_REASONS = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
+QUEUE_WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
+KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+THERMAL_REASONS = 0x08 | 0x20 | 0x40
+"""Clock-event bits that mean heat: HW slowdown, SW thermal, HW thermal."""
+
+WANTED = frozenset(
+    (
+        *(GPU_TEMP, MEMORY_TEMP, GPU_UTIL, POWER_USAGE),
+        *(FB_USED, FB_FREE, FB_RESERVED, FB_TOTAL),
+        *POWER_LIMITS,
+        *CLOCK_REASONS,
+        *QUEUE_WAITING,
+        *KV_CACHE,
+    )
+)
+
+_ESCAPE = re.compile(r"\\(.)")
+_ESCAPES = {"n": "\n"}
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One line of an exposition: a metric name, its labels and its value."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+    def label(self, key: str) -> str | None:
+        for k, v in self.labels:
+            if k == key:
+                return v
+        return None
+
+
+def parse_exposition(text: str, names: frozenset[str] = WANTED) -> list[Series]:
+    """The series in Prometheus text ``text`` whose metric name is in ``names``.
+
+    Handles labels with escaped quotes, an optional trailing timestamp, and NaN/Inf values.
+    Lines it cannot read are skipped: one odd line must not blind the whole source.
+    """
+    found: list[Series] = []
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name = line[:brace]
+            if name not in names:
+                continue
+            end = line.rfind("}")
+            if end < brace:
+                continue
+            labels = tuple(
+                (k, _unescape(v) if "\\" in v else v)
+                for k, v in _LABEL.findall(line, brace + 1, end)
+            )
+            rest = line[end + 1 :]
+        else:
+            name = line[:space] if space != -1 else line
+            if name not in names:
+                continue
+            labels = ()
+            rest = line[space:] if space != -1 else ""
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        found.append(Series(name, labels, value))
+    return found
+
+
+def _unescape(value: str) -> str:
+    return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(1)), value)
+
+
+def signals_from(series: Iterable[Series], gpu: str | None = None) -> dict[str, float]:
+    """Map parsed series to signal values (see the module docstring for the rules)."""
+    per_gpu: dict[str, dict[str, float]] = {}
+    server: dict[str, list[float]] = {}
+    for s in series:
+        if s.name.startswith("DCGM_"):
+            key = s.label("gpu") or s.label("UUID") or ""
+            if gpu is not None and gpu not in (s.label("gpu"), s.label("UUID")):
+                continue
+            if not math.isnan(s.value):
+                per_gpu.setdefault(key, {})[s.name] = s.value
+        elif not math.isnan(s.value):
+            server.setdefault(s.name, []).append(s.value)
+
+    values: dict[str, list[float]] = {}
+    for fields in per_gpu.values():
+        for signal, value in _gpu_signals(fields).items():
+            values.setdefault(signal, []).append(value)
+    out = {signal: max(vs) for signal, vs in values.items()}
+
+    for name in QUEUE_WAITING:
+        if name in server:
+            out["queue_waiting"] = sum(server[name])
+            break
+    for name in KV_CACHE:
+        if name in server:
+            out["kv_cache_usage"] = max(server[name])
+            break
+    return out
+
+
+def _gpu_signals(f: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if GPU_TEMP in f:
+        out["gpu_temperature_c"] = f[GPU_TEMP]
+    if f.get(MEMORY_TEMP):  # boards without a memory sensor export 0
+        out["gpu_memory_temperature_c"] = f[MEMORY_TEMP]
+    if FB_USED in f:
+        used = f[FB_USED]
+        if FB_TOTAL in f:
+            total = f[FB_TOTAL]
+        elif FB_FREE in f:
+            total = used + f[FB_FREE] + f.get(FB_RESERVED, 0.0)
+        else:
+            total = 0.0
+        if total > 0:
+            out["gpu_memory_used_ratio"] = used / total
+    if GPU_UTIL in f:
+        out["gpu_utilization"] = f[GPU_UTIL] / 100
+    limit = next((f[n] for n in POWER_LIMITS if f.get(n, 0) > 0), None)
+    if POWER_USAGE in f and limit is not None:
+        out["gpu_power_ratio"] = f[POWER_USAGE] / limit
+    reasons = next((f[n] for n in CLOCK_REASONS if n in f), None)
+    if reasons is not None:
+        out["gpu_thermal_throttling"] = 1.0 if int(reasons) & THERMAL_REASONS else 0.0
+    return out
+
+
+class PrometheusSource:
+    """Scrapes one or more metrics URLs and reduces them to one ``Sample``.
+
+    The aiohttp session belongs to the caller (one per app).  A URL that fails makes its
+    signals unknown for this sample; only when every URL fails does ``read`` raise
+    ``TelemetryError``.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        session: aiohttp.ClientSession,
+        *,
+        gpu: str | None = None,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.urls = (urls,) if isinstance(urls, str) else tuple(urls)
+        if not self.urls:
+            raise ValueError("the prometheus source needs at least one url")
+        self.gpu = gpu
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
+        self._clock = clock
+        self.last_errors: tuple[str, ...] = ()
+
+    async def read(self) -> Sample:
+        texts = await asyncio.gather(*(self._fetch(u) for u in self.urls), return_exceptions=True)
+        errors = [t for t in texts if isinstance(t, BaseException)]
+        self.last_errors = tuple(str(e) for e in errors)
+        if len(errors) == len(texts):
+            raise errors[0]
+        series = [s for t in texts if isinstance(t, str) for s in parse_exposition(t)]
+        return Sample(at=self._clock.now(), **signals_from(series, self.gpu))
+
+    async def _fetch(self, url: str) -> str:
+        try:
+            async with self._session.get(url, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    raise TelemetryError(f"scrape of {url} answered {resp.status}")
+                return await resp.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            raise TelemetryError(f"scrape of {url} failed: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        """Nothing to release: the session is the caller's."""
+
+    def __repr__(self) -> str:
+        failing = f" failing={len(self.last_errors)}" if self.last_errors else ""
+        return f"<PrometheusSource {' '.join(self.urls)}{failing}>"
