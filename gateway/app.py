@@ -66,7 +66,7 @@ class Gateway:
         self.warm = False
         self.draining = False
         self._seen_fingerprint = ""
-        self._runners: list[web.AppRunner] = []
+        self._runners: list[web.BaseRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._generation = 0
         loaded = source.load()  # an invalid first policy is fatal: raise to the caller
@@ -136,11 +136,10 @@ class Gateway:
         return os.environ.get("GATEWAY_ADMIN_TOKEN") or self.snapshot.policy.admin.token
 
     # -- apps and listeners -----------------------------------------------------------------
-    def data_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 62, handler_args={"max_field_size": 65536})
-        edge = Edge(self)
-        app.router.add_route("*", "/{tail:.*}", edge.handle)
-        return app
+    def data_server(self) -> web.Server:
+        """The data plane: aiohttp's low-level server (every path is the edge's; no router
+        or middleware to pay for)."""
+        return web.Server(Edge(self).handle, handler_cancellation=True, max_field_size=65536)
 
     def admin_app(self, *, loopback: bool) -> web.Application:
         app = web.Application()
@@ -160,9 +159,7 @@ class Gateway:
         """Listen on both ports; returns (data URL, admin URL) with the bound ports."""
         admin_host = admin_host or host
         grace = self.snapshot.policy.server.shutdown_grace_s
-        data = web.AppRunner(
-            self.data_app(), handler_cancellation=True, shutdown_timeout=grace, access_log=None
-        )
+        data = web.ServerRunner(self.data_server(), shutdown_timeout=grace, access_log=None)
         admin = web.AppRunner(
             self.admin_app(loopback=_is_loopback(admin_host)), access_log=None, shutdown_timeout=1.0
         )

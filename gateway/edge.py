@@ -57,7 +57,7 @@ class Edge:
         self._gateway = gateway
         self._loop_time = asyncio.get_running_loop().time
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         gw = self._gateway
         snap = gw.snapshot
         started = self._loop_time()
@@ -90,7 +90,7 @@ class Edge:
             )
 
     async def _to_call(
-        self, request: web.Request, snap: Any, request_id: str, started: float
+        self, request: web.BaseRequest, snap: Any, request_id: str, started: float
     ) -> Call:
         policy = snap.policy
         body = await _read_body(request, policy.server.max_body_bytes)
@@ -128,7 +128,7 @@ class Edge:
         )
 
     async def _respond(
-        self, request: web.Request, call: Call, reply: Reply
+        self, request: web.BaseRequest, call: Call, reply: Reply
     ) -> tuple[web.StreamResponse, tuple[int, int] | None, float | None]:
         headers = [
             *reply.headers,
@@ -167,7 +167,7 @@ class Edge:
         self,
         snap: Any,
         call: Call | None,
-        request: web.Request,
+        request: web.BaseRequest,
         request_id: str,
         status: int,
         started: float,
@@ -215,12 +215,15 @@ class Edge:
             sys.stderr.write(json.dumps(entry) + "\n")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.BaseRequest, limit: int) -> bytes:
     if not request.body_exists:
         return b""
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(f"request body of {length} bytes exceeds the limit of {limit}")
+    if request.headers.get("Expect", "").lower() == "100-continue":
+        # The low-level server leaves Expect to the handler; the body is wanted.
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     chunks: list[bytes] = []
     size = 0
     while True:

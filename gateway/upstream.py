@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Protocol
+from urllib.parse import urlsplit
 
-import aiohttp
-from aiohttp import ClientTimeout, TraceConfig, TraceConnectionReuseconnParams
-
-from .errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from . import http1
+from .errors import UpstreamUnavailable
 from .headers import RESPONSE_OWNED, strip
 from .metrics import Metrics
 from .pipeline import Reply
@@ -26,8 +24,8 @@ from .policy.model import Backend, Policy
 # Bodies up to this size are read whole and answered with a Content-Length; larger ones,
 # chunked ones and SSE streams are relayed chunk by chunk.
 BUFFER_LIMIT_BYTES = 1024 * 1024
-_SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 _BACKGROUND: set[asyncio.Task[None]] = set()
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 class Transport(Protocol):
@@ -53,29 +51,32 @@ def pool_key(backend: Backend) -> tuple[object, ...]:
         backend.max_connections,
         backend.verify_tls,
         backend.ca_bundle,
+        backend.connect_timeout_s,
     )
 
 
-async def _on_reuse(
-    _session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: TraceConnectionReuseconnParams
-) -> None:
-    if isinstance(ctx.trace_request_ctx, dict):
-        ctx.trace_request_ctx["reused"] = True
-
-
 class Pool:
-    """Keep-alive connections to one backend URL."""
+    """Keep-alive connections to one backend URL, and the exchange over them."""
 
     def __init__(self, backend: Backend, metrics: Metrics) -> None:
         self.key = pool_key(backend)
         self.name = backend.name
         self.base_url = backend.url.rstrip("/")
+        url = urlsplit(self.base_url)
+        https = url.scheme == "https"
+        self._prefix = url.path
+        port = url.port or (443 if https else 80)
+        self._host_header = url.hostname if url.port is None else f"{url.hostname}:{url.port}"
         self.inflight = 0
-        self._metrics = metrics
-        self._ssl = _ssl_context(backend)
         self._limit = backend.max_connections
-        self._session: aiohttp.ClientSession | None = None
-        self._fresh: aiohttp.ClientSession | None = None
+        self._http = http1.Pool(
+            backend.name,
+            url.hostname or "",
+            port,
+            ssl_context=_ssl_context(backend) if https else None,
+            limit=backend.max_connections,
+            connect_timeout_s=backend.connect_timeout_s,
+        )
         self._retired = False
         self._closing = False
         self._closed = asyncio.Event()
@@ -83,24 +84,14 @@ class Pool:
         self._retry_counter = metrics.upstream_retries.labels(backend.name)
         self._upstream_hist = metrics.upstream_duration.labels(backend.name)
 
-    def _make_session(self, *, fresh: bool) -> aiohttp.ClientSession:
-        trace = TraceConfig()
-        trace.on_connection_reuseconn.append(_on_reuse)
-        connector = aiohttp.TCPConnector(
-            limit=self._limit,
-            limit_per_host=0,
-            ssl=self._ssl,
-            force_close=fresh,
-            ttl_dns_cache=10,
-            enable_cleanup_closed=False,
-        )
-        return aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=_SKIP_AUTO,
-            trace_configs=[trace],
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+    def _head(
+        self, method: str, path_qs: str, headers: list[tuple[str, str]], body: bytes
+    ) -> bytes:
+        lines = [f"{method} {self._prefix}{path_qs} HTTP/1.1", f"Host: {self._host_header}"]
+        lines.extend(f"{k}: {v}" for k, v in headers)
+        if body or method in _BODY_METHODS:
+            lines.append(f"Content-Length: {len(body)}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
 
     async def send(
         self,
@@ -112,16 +103,10 @@ class Pool:
         *,
         streaming: bool,
     ) -> Reply:
-        """Send one request; the reply holds the connection until its ``close``."""
-        if self._session is None:
-            self._session = self._make_session(fresh=False)
-        timeout = ClientTimeout(
-            total=backend.stream_timeout_s if streaming else backend.timeout_s,
-            sock_connect=backend.connect_timeout_s,
-            sock_read=backend.idle_timeout_s,
-        )
-        url = self.base_url + path_qs
-        loop = asyncio.get_running_loop()
+        """Send one request; a streamed reply holds its connection until ``close``."""
+        head = self._head(method, path_qs, headers, body)
+        timeout_s = backend.stream_timeout_s if streaming else backend.timeout_s
+        loop = self._http.loop
         started = loop.time()
         self.inflight += 1
         self._inflight_gauge.inc()
@@ -137,103 +122,68 @@ class Pool:
                     await self._close_sessions()
 
         try:
-            resp = await self._request(method, url, headers, body, timeout)
+            conn, resp = await self._exchange(head, body, method, timeout_s, backend.idle_timeout_s)
         except BaseException:
             await release()
             raise
         self._upstream_hist.observe(loop.time() - started)
-        return await self._reply(resp, release)
-
-    async def _request(
-        self,
-        method: str,
-        url: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        client_timeout: ClientTimeout,
-    ) -> aiohttp.ClientResponse:
-        ctx: dict[str, bool] = {"reused": False}
-        session = self._session
-        assert session is not None
-        for attempt in (1, 2):
-            try:
-                return await session.request(
-                    method,
-                    url,
-                    headers=headers,
-                    data=body or None,
-                    timeout=client_timeout,
-                    allow_redirects=False,
-                    trace_request_ctx=ctx,
-                )
-            except aiohttp.ClientConnectorError as exc:
-                raise UpstreamUnavailable(
-                    f"cannot connect to backend {self.name!r}: {exc.os_error or exc}", self.name
-                ) from exc
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                # A pooled keep-alive socket the backend had already closed: nothing was
-                # answered, so send once more on a connection that is certainly new.
-                if attempt == 1 and ctx["reused"]:
-                    self._retry_counter.inc()
-                    if self._fresh is None:
-                        self._fresh = self._make_session(fresh=True)
-                    session = self._fresh
-                    ctx = {"reused": False}
-                    continue
-                raise UpstreamUnavailable(
-                    f"backend {self.name!r} closed the connection: {exc}", self.name
-                ) from exc
-            except TimeoutError as exc:
-                raise UpstreamTimeout(
-                    f"backend {self.name!r} did not answer in time", self.name
-                ) from exc
-            except aiohttp.ClientError as exc:
-                raise UpstreamUnavailable(
-                    f"backend {self.name!r} failed: {exc}", self.name
-                ) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _reply(self, resp: aiohttp.ClientResponse, release: _Release) -> Reply:
-        headers = tuple(
-            strip(
-                ((k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers),
-                RESPONSE_OWNED,
-            )
-        )
+        headers_out = tuple(strip(resp.headers, RESPONSE_OWNED))
         length = resp.content_length
-        ctype = resp.headers.get("Content-Type", "")
         if (
             length is not None
             and length <= BUFFER_LIMIT_BYTES
-            and not ctype.startswith("text/event-stream")
+            and not _is_event_stream(resp.headers)
         ):
             try:
-                body = await resp.read()
-            except BaseException as exc:
-                resp.close()
-                await release()
-                if isinstance(exc, Exception):
-                    raise _translate(exc, self.name) from exc
+                data = await conn.read_body()
+            except BaseException:
+                conn.close()
                 raise
-            resp.release()
-            await release()
-            return Reply(resp.status, headers, body=body, backend=self.name)
+            finally:
+                self._http.release(conn)
+                await release()
+            return Reply(resp.status, headers_out, body=data, backend=self.name)
 
         async def close() -> None:
-            if resp.content.at_eof():
-                resp.release()
-            else:
-                resp.close()  # the backend sees the disconnect and stops generating
+            if not conn.complete:
+                conn.close()  # the backend sees the disconnect and stops generating
+            self._http.release(conn)
             await release()
 
         return Reply(
             resp.status,
-            headers,
-            stream=_chunks(resp, self.name),
+            headers_out,
+            stream=_chunks(conn),
             backend=self.name,
             close=close,
             notes={"content_length": length},
         )
+
+    async def _exchange(
+        self, head: bytes, body: bytes, method: str, timeout_s: float, idle_s: float
+    ) -> tuple[http1.Connection, http1.Head]:
+        for attempt in (1, 2):
+            conn = await self._http.acquire(fresh=attempt == 2)
+            try:
+                resp = await conn.send(
+                    head, body, no_body=method == "HEAD", timeout_s=timeout_s, idle_s=idle_s
+                )
+                return conn, resp
+            except http1.StaleConnection as exc:
+                # A pooled keep-alive socket the backend had already closed: nothing was
+                # answered, so send once more on a connection that is certainly new.
+                self._http.release(conn)
+                if attempt == 1:
+                    self._retry_counter.inc()
+                    continue
+                raise UpstreamUnavailable(
+                    f"backend {self.name!r} closed the connection", self.name
+                ) from exc
+            except BaseException:
+                conn.close()
+                self._http.release(conn)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @property
     def closed(self) -> bool:
@@ -254,9 +204,7 @@ class Pool:
 
     async def _close_sessions(self) -> None:
         self._closing = True
-        for session in (self._session, self._fresh):
-            if session is not None and not session.closed:
-                await session.close()
+        self._http.close()
         self._closed.set()
 
     async def aclose(self) -> None:
@@ -271,30 +219,23 @@ class Pool:
         )
 
 
-class _Release(Protocol):
-    async def __call__(self) -> None: ...
+async def _chunks(conn: http1.Connection) -> AsyncIterator[bytes]:
+    async for chunk in conn.body_chunks():
+        yield chunk
 
 
-async def _chunks(resp: aiohttp.ClientResponse, name: str) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in resp.content.iter_any():
-            yield chunk
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise _translate(exc, name) from exc
+def _is_event_stream(headers: list[tuple[str, str]]) -> bool:
+    return any(
+        k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers
+    )
 
 
-def _translate(exc: Exception, name: str) -> UpstreamError:
-    if isinstance(exc, TimeoutError):
-        return UpstreamTimeout(f"backend {name!r} went silent mid-response", name)
-    return UpstreamUnavailable(f"backend {name!r} broke off the response: {exc}", name)
-
-
-def _ssl_context(backend: Backend) -> ssl.SSLContext | bool:
-    if not backend.url.startswith("https://"):
-        return False
+def _ssl_context(backend: Backend) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=backend.ca_bundle)
     if not backend.verify_tls:
-        return False
-    return ssl.create_default_context(cafile=backend.ca_bundle)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 class Upstreams:

@@ -1,0 +1,1 @@
+"""Benchmarks: each compares the direct path and the gateway path in one run."""

@@ -1,0 +1,201 @@
+"""Proxy overhead: the backend reached directly, through nginx and through the gateway.
+
+    python -m bench.bench_proxy [--duration 5]
+
+Measures, in one run on one machine: p50/p99 latency at 1 connection (added latency is
+the difference to direct), requests/s at saturation with 32 connections, the first byte of
+an SSE stream, and the gateway's RSS under that load.  Writes docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import (
+    free_port,
+    have,
+    machine,
+    process,
+    python,
+    rss_mb,
+    update_section,
+    wait_port,
+    wrk,
+)
+
+BODY = '{"model":"bench","messages":[{"role":"user","content":"hello there"}],"temperature":0}'
+STREAM_BODY = BODY[:-1] + ',"stream":true}'
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log stderr error;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body;
+  proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fcgi;
+  uwsgi_temp_path {tmp}/uwsgi;
+  scgi_temp_path {tmp}/scgi;
+  upstream backend {{ server 127.0.0.1:{backend}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+async def first_byte_ms(port: int, n: int) -> list[float]:
+    """Time from sending a streaming request to the first SSE event, on one connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = STREAM_BODY.encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        writer.write(request)
+        buf = b""
+        while b"data:" not in buf:
+            buf += await reader.read(65536)
+        times.append((time.perf_counter() - started) * 1000)
+        while not buf.endswith(b"0\r\n\r\n"):
+            buf += await reader.read(65536)
+    writer.close()
+    return times
+
+
+def run(duration: int) -> str:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    script = tmp / "post.lua"
+    script.write_text(
+        f"wrk.method = 'POST'\nwrk.body = '{BODY}'\n"
+        "wrk.headers['Content-Type'] = 'application/json'\n"
+    )
+    backend_port, gateway_port, admin_port, nginx_port = (free_port() for _ in range(4))
+    rows: list[tuple[str, dict[str, float]]] = []
+    first_bytes: dict[str, float] = {}
+    rss = float("nan")
+    with process(python("-m", "bench.backend", str(backend_port)), backend_port):
+        targets = [("direct", backend_port, None)]
+        nginx = None
+        if have("nginx"):
+            for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
+                (tmp / d).mkdir()
+            conf = tmp / "nginx.conf"
+            conf.write_text(NGINX_CONF.format(tmp=tmp, backend=backend_port, port=nginx_port))
+            nginx = process(["nginx", "-c", str(conf), "-p", str(tmp)], nginx_port)
+            nginx.__enter__()
+            targets.append(("nginx", nginx_port, None))
+        gateway = process(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--upstream",
+                f"http://127.0.0.1:{backend_port}",
+                "--port",
+                str(gateway_port),
+                "--admin-port",
+                str(admin_port),
+            ],
+            gateway_port,
+        )
+        gw_proc = gateway.__enter__()
+        wait_port(admin_port)
+        targets.append(("gateway", gateway_port, gw_proc.pid))
+        try:
+            for name, port, pid in targets:
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                wrk(url, connections=1, duration_s=1, script=script)  # warm caches and pools
+                one = wrk(url, connections=1, duration_s=duration, script=script)
+                sat = wrk(url, connections=32, duration_s=duration, script=script)
+                if pid is not None:
+                    rss = rss_mb(pid)
+                fb = asyncio.run(first_byte_ms(port, 300))
+                first_bytes[name] = statistics.median(fb)
+                rows.append(
+                    (
+                        name,
+                        {
+                            "p50": one["p50_ms"],
+                            "p99": one["p99_ms"],
+                            "rps": sat["rps"],
+                            "errors": one["errors"] + sat["errors"],
+                            "fb": first_bytes[name],
+                        },
+                    )
+                )
+        finally:
+            gateway.__exit__(None, None, None)
+            if nginx is not None:
+                nginx.__exit__(None, None, None)
+    return report(rows, rss, duration)
+
+
+def report(rows: list[tuple[str, dict[str, float]]], rss: float, duration: int) -> str:
+    by = dict(rows)
+    d, g = by["direct"], by["gateway"]
+    lines = [
+        "## Proxy overhead (issue 2)",
+        "",
+        f"`python -m bench.bench_proxy --duration {duration}` on {machine()}; the backend "
+        "(`bench/backend.py`, a minimal uvloop server), nginx (1 worker, upstream keepalive), "
+        "the gateway (`gateway serve --upstream`) and wrk all share the machine. Small chat "
+        "JSON bodies; latency at 1 connection, throughput at 32.",
+        "",
+        "| path | p50 ms (1 conn) | p99 ms (1 conn) | req/s (32 conn) | SSE first byte ms (p50) "
+        "| non-2xx |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in rows:
+        lines.append(
+            f"| {name} | {r['p50']:.3f} | {r['p99']:.3f} | {r['rps']:.0f} | "
+            f"{r['fb']:.3f} | {r['errors']:.0f} |"
+        )
+    added_p50 = g["p50"] - d["p50"]
+    added_fb = g["fb"] - d["fb"]
+    ratio = g["rps"] / by["nginx"]["rps"] if "nginx" in by else float("nan")
+    verdict = lambda ok: "met" if ok else "**missed**"  # noqa: E731
+    lines += [
+        "",
+        "| target | measured | |",
+        "|---|---|---|",
+        f"| added p50 latency <= 0.30 ms at 1 connection | {added_p50:.3f} ms | "
+        f"{verdict(added_p50 <= 0.30)} |",
+        f"| saturation throughput >= 0.30x nginx | {ratio:.2f}x | {verdict(ratio >= 0.30)} |",
+        f"| streaming first byte added <= 1 ms | {added_fb:.3f} ms | {verdict(added_fb <= 1)} |",
+        f"| gateway RSS <= 100 MB under that load | {rss:.0f} MB | {verdict(rss <= 100)} |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--duration", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    table = run(args.duration)
+    print(table)
+    if not args.no_write:
+        update_section("proxy", table)
+
+
+if __name__ == "__main__":
+    main()
