@@ -5,6 +5,7 @@ of each request are written here, once."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -27,8 +28,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.edge")
 
 
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count(1)
+
+
 def new_request_id() -> str:
-    return os.urandom(12).hex()
+    """Unique per process start and request: a random prefix and a counter (no syscall)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
 
 
 def error_body(exc: GatewayError) -> bytes:
@@ -187,14 +193,13 @@ class Edge:
         )
         if status == 0:
             status = 499  # the client went away before an answer (nginx's convention)
-        metrics.requests.labels(route, backend, str(status)).inc()
+        metrics.count_request(route, backend, status)
         duration_h, first_byte_h = metrics.route_series(route, backend)
         duration_h.observe(now - started)
         if first_byte is not None:
             first_byte_h.observe(first_byte - started)
         if tokens is not None and backend:
-            metrics.tokens.labels(backend, "prompt").inc(tokens[0])
-            metrics.tokens.labels(backend, "completion").inc(tokens[1])
+            metrics.count_tokens(backend, *tokens)
         if snap.policy.server.access_log or self._gateway.access_log:
             entry = {
                 "ts": round(time.time(), 3),

@@ -104,6 +104,24 @@ class Metrics:
             registry=r,
         )
         self._route_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._request_children: dict[tuple[str, str, int], Any] = {}
+        self._token_children: dict[str, tuple[Any, Any]] = {}
+
+    def count_request(self, route: str, backend: str, status: int) -> None:
+        key = (route, backend, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(route, backend,
+                                                                       str(status))
+        child.inc()
+
+    def count_tokens(self, backend: str, prompt: int, completion: int) -> None:
+        children = self._token_children.get(backend)
+        if children is None:
+            children = self._token_children[backend] = (
+                self.tokens.labels(backend, "prompt"), self.tokens.labels(backend, "completion"))
+        children[0].inc(prompt)
+        children[1].inc(completion)
 
     def route_series(self, route: str, backend: str) -> tuple[Any, Any]:
         """(request_duration, stream_first_byte) children, cached: labels() is slow."""

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 _MARK = b'"usage"'
+# Keys at JSON level, not inside a string value (where their quotes would be escaped).
+_PROMPT = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
 
 
 def from_body(body: bytes) -> tuple[int, int] | None:
-    """(prompt, completion) tokens of a JSON answer that carries ``usage``."""
+    """(prompt, completion) tokens of a JSON answer that carries ``usage``.
+
+    Read with two regular expressions rather than a parse of the whole answer: this runs
+    for every response and the answer itself is not needed."""
     if _MARK not in body:
         return None
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    prompt = _PROMPT.findall(body)
+    if not prompt:
         return None
-    return _counts(data.get("usage") if isinstance(data, dict) else None)
+    completion = _COMPLETION.findall(body)
+    return int(prompt[-1]), int(completion[-1]) if completion else 0
 
 
 def _counts(usage: Any) -> tuple[int, int] | None:
