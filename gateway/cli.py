@@ -67,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("--markdown", action="store_true", help="the reference page instead")
     schema.set_defaults(run=_schema)
 
+    demo = sub.add_parser("demo", help="simulated GPU + workload: before/after table")
+    demo.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
+    demo.add_argument("--clients", type=int, default=32, help="concurrent clients")
+    demo.add_argument("--json", action="store_true", help="machine-readable output")
+    demo.set_defaults(run=_demo)
+
     from .sim.config import SimConfig
 
     sim = sub.add_parser("sim", help="run the simulated GPU model server")
@@ -127,6 +133,32 @@ def _schema(args: argparse.Namespace) -> int:
         sys.stdout.write(reference_markdown())
     else:
         print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DemoOptions, run_demo
+    from .demo.run import render
+
+    if args.duration <= 0 or args.clients < 1:
+        print("error: --duration must be > 0 and --clients >= 1", file=sys.stderr)
+        return 2
+    options = DemoOptions(duration_s=args.duration, clients=args.clients, as_json=args.json)
+    if not args.json:
+        print(
+            "running the demo: the workload straight at a simulated GPU, then through the "
+            f"gateway ({2 * args.duration:g} s)...",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    result: dict[str, Any] = {}
+
+    async def demo() -> None:
+        result.update(await run_demo(options))
+
+    _run(demo())
+    print(render(result, args.json))
     return 0
 
 

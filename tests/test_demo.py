@@ -1,0 +1,50 @@
+"""`gateway demo` end to end (short phases): it measures both paths and reports them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_demo_runs_end_to_end_and_its_json_holds_the_numbers(tmp_path):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway",
+        "--log-level",
+        "error",
+        "demo",
+        "--duration",
+        "1.5",
+        "--clients",
+        "8",
+        "--json",
+        cwd=tmp_path,  # any directory: the policy ships inside
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    result = json.loads(out)
+    for phase in ("direct", "gateway"):
+        numbers = result[phase]
+        assert numbers["requests"] > 0 and numbers["errors"] == 0
+        for key in (
+            "avg_latency_ms",
+            "p95_latency_ms",
+            "qps",
+            "upstream_calls",
+            "gpu_utilization_pct",
+            "peak_gpu_temperature_c",
+        ):
+            assert numbers[key] > 0, key
+
+
+def test_shipped_demo_policy_is_the_one_in_policies():
+    from gateway.demo.run import demo_policy_text
+
+    assert demo_policy_text() == (ROOT / "policies" / "demo.yaml").read_text()
