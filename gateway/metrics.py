@@ -111,15 +111,16 @@ class Metrics:
         key = (route, backend, status)
         child = self._request_children.get(key)
         if child is None:
-            child = self._request_children[key] = self.requests.labels(route, backend,
-                                                                       str(status))
+            child = self._request_children[key] = self.requests.labels(route, backend, str(status))
         child.inc()
 
     def count_tokens(self, backend: str, prompt: int, completion: int) -> None:
         children = self._token_children.get(backend)
         if children is None:
             children = self._token_children[backend] = (
-                self.tokens.labels(backend, "prompt"), self.tokens.labels(backend, "completion"))
+                self.tokens.labels(backend, "prompt"),
+                self.tokens.labels(backend, "completion"),
+            )
         children[0].inc(prompt)
         children[1].inc(completion)
 

@@ -78,7 +78,7 @@ def _type_schema(tp: Any, meta: typing.Mapping[str, Any]) -> dict[str, Any]:
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         value = f.default
-        return [] if value == () else value
+        return list(value) if isinstance(value, tuple) else value
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return dataclasses.MISSING

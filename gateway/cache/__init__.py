@@ -1,0 +1,33 @@
+"""Response caching that is safe by design: exact and near-duplicate (SimHash) tiers.
+
+keys.py       what is cacheable; exact key, context key, tenant scope hash
+normalize.py  a message reduced to comparable tokens, quoted spans and code
+simhash.py    64-bit fingerprints and their bands
+guard.py      the check every near-duplicate hit must pass
+entry.py      CachedResponse and its serialised form
+replay.py     JSON answers <-> SSE streams; which streams may be stored
+items.py      per-item caching for /v1/embeddings
+tiers.py      ResponseCache: the tiers over a store, store failures as misses
+stores/       memory (LRU by bytes, TTL) and Redis (plain commands, circuit)
+evaluate.py   precision / recall / false-hit rate per tier and setting
+"""
+
+from .entry import CachedResponse
+from .guard import Verdict, check
+from .keys import Cacheability, RequestKey, cacheability, request_key, scope_hash
+from .tiers import EXACT, SIMHASH, Hit, ResponseCache
+
+__all__ = [
+    "EXACT",
+    "SIMHASH",
+    "Cacheability",
+    "CachedResponse",
+    "Hit",
+    "RequestKey",
+    "ResponseCache",
+    "Verdict",
+    "cacheability",
+    "check",
+    "request_key",
+    "scope_hash",
+]

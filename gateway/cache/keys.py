@@ -1,0 +1,214 @@
+"""Which requests may be cached, and the keys they are cached under.
+
+A key is a sha256 over the tenant scope, route, backend, the backend's ``model_version``,
+the endpoint path and the canonical JSON of every body field that can change the answer.
+Canonical means sorted keys, no whitespace, integral floats written as integers
+(``temperature: 0.0`` is ``0``).  Left out, because they never change the answer:
+
+* ``stream``, ``stream_options``: how the answer is delivered (a hit replays either way);
+* ``user``, ``metadata``, ``safety_identifier``: who asks, for the provider's logs;
+* ``store``, ``service_tier``, ``priority``, ``request_id``: storage, billing, scheduling;
+* ``prompt_cache_key``, ``prompt_cache_retention``: hints for the provider's prefix cache.
+
+Unknown fields stay in the key: an unknown field is assumed to change the answer.
+
+The *context key* is the same hash with the final user message's text blanked: two chat
+requests with equal context keys differ at most in that text, which is what the
+near-duplicate tier compares.  The tenant scope is a hash of the configured scope headers'
+values; raw header values are never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_SCOPE_HEADERS = ("authorization",)
+IGNORED_FIELDS = frozenset(
+    {
+        "stream",
+        "stream_options",
+        "user",
+        "metadata",
+        "safety_identifier",
+        "store",
+        "service_tier",
+        "priority",
+        "request_id",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+    }
+)
+CHAT_PATH_SUFFIX = "/chat/completions"
+_KEY_VERSION = "gwc1"
+_BLANK = "\x00final-user-message\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class Cacheability:
+    """Whether a request may be served from and stored to the cache, and why not."""
+
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKey:
+    """Everything a store lookup needs about one cacheable request.
+
+    ``context`` and ``prompt`` are set only when the near-duplicate tier applies: a chat
+    request whose last message is a user message with plain text content.
+    """
+
+    scope: str
+    exact: str
+    context: str | None = None
+    prompt: str | None = None
+
+
+def scope_hash(headers: Iterable[tuple[str, str]], scope_headers: Iterable[str]) -> str:
+    """A hash of the scope headers' values: equal only for the same tenant.
+
+    A missing header and an empty one hash differently; an empty ``scope_headers`` makes one
+    scope shared by all clients (only for a single-tenant deployment).
+    """
+    wanted = [h.lower() for h in scope_headers]
+    values: dict[str, list[str]] = {h: [] for h in wanted}
+    for name, value in headers:
+        if name.lower() in values:
+            values[name.lower()].append(value)
+    digest = hashlib.sha256(b"scope\x00")
+    for name in wanted:
+        digest.update(name.encode() + b"\x00" + json.dumps(values[name]).encode() + b"\x00")
+    return digest.hexdigest()[:32]
+
+
+def cacheability(
+    body: Mapping[str, Any], path: str, *, allow_sampled: bool = False
+) -> Cacheability:
+    """Whether the answer to ``body`` is deterministic enough to reuse.
+
+    Chat and text completions need an explicit ``temperature`` of 0 (a missing one means the
+    API default of 1) unless ``allow_sampled``; ``n`` and ``best_of`` must be absent or 1.
+    A message referring to a remote image (``http(s)://`` URL) is not cacheable: the image
+    behind the URL may change.  Embeddings requests are always deterministic.
+    """
+    if not isinstance(body, Mapping):
+        return Cacheability(False, "body is not a JSON object")
+    if path.endswith("/embeddings"):
+        return Cacheability(True)
+    if not allow_sampled:
+        temperature = body.get("temperature")
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            return Cacheability(False, "temperature is not set to 0")
+        if temperature != 0:
+            return Cacheability(False, "temperature is not 0")
+    for field in ("n", "best_of"):
+        value = body.get(field, 1)
+        if value is not None and value != 1:
+            return Cacheability(False, f"{field} is not 1")
+    if _has_remote_media(body.get("messages")):
+        return Cacheability(False, "a message refers to a remote URL")
+    return Cacheability(True)
+
+
+def request_key(
+    body: Mapping[str, Any],
+    *,
+    scope: str,
+    route: str,
+    backend: str,
+    model_version: str,
+    path: str,
+) -> RequestKey:
+    """The exact key of ``body``, and its context key and prompt when near-dup applies."""
+    canonical = canonical_json(body)
+    prefix = (scope, route, backend, model_version, path)
+    exact = _digest("exact", *prefix, canonical)
+    prompt = final_user_text(body) if path.endswith(CHAT_PATH_SUFFIX) else None
+    if prompt is None:
+        return RequestKey(scope, exact)
+    blanked = dict(body)
+    messages = list(body["messages"])
+    messages[-1] = dict(messages[-1], content=_BLANK)
+    blanked["messages"] = messages
+    context = _digest("context", *prefix, canonical_json(blanked))
+    return RequestKey(scope, exact, context, prompt)
+
+
+def item_key(
+    params: str, item: Any, *, scope: str, route: str, backend: str, model_version: str, path: str
+) -> str:
+    """The key of one input of a batched request (``/v1/embeddings``): ``params`` is the
+    canonical JSON of the body without its ``input``."""
+    return _digest("item", scope, route, backend, model_version, path, params, _dumps(item))
+
+
+def canonical_json(body: Mapping[str, Any], *, drop: Iterable[str] = ()) -> str:
+    """The body's answer-changing fields as canonical JSON."""
+    ignored = IGNORED_FIELDS.union(drop)
+    return _dumps({k: v for k, v in body.items() if k not in ignored})
+
+
+def final_user_text(body: Mapping[str, Any]) -> str | None:
+    """The text of the last message when it is a user message with text content only."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "user":
+        return None
+    content = last.get("content")
+    if isinstance(content, str):
+        return content
+    if (
+        isinstance(content, list)
+        and len(content) == 1
+        and isinstance(content[0], dict)
+        and content[0].get("type") == "text"
+        and isinstance(content[0].get("text"), str)
+    ):
+        return str(content[0]["text"])
+    return None
+
+
+def _digest(kind: str, *parts: str) -> str:
+    h = hashlib.sha256(_KEY_VERSION.encode())
+    for part in (kind, *parts):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "big") + data)
+    return h.hexdigest()[:40]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(_canon(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _canon(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canon(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canon(v) for v in value]
+    return value
+
+
+def _has_remote_media(messages: Any) -> bool:
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            for value in part.values():
+                url = value.get("url") if isinstance(value, dict) else None
+                if isinstance(url, str) and url.startswith(("http://", "https://")):
+                    return True
+    return False

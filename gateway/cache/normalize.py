@@ -1,0 +1,210 @@
+"""Normalisation of a user message for the near-duplicate tier: tokens, quoted spans, code.
+
+What a near-duplicate may differ in is decided here: case, whitespace, most punctuation,
+articles and politeness fillers, and contractions (``what's`` = ``what is``, ``dont`` =
+``do not``).  Everything that can change an answer is kept as a token: digits (``3`` is not
+``4``), symbols (``C++`` is not ``C``, ``-5`` is not ``5``), negations, prepositions,
+pronouns, modals and tense.  Quoted spans and fenced code blocks are also kept verbatim so
+the guard can require them to be identical.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+WORD, NUMBER, SYMBOL = "word", "number", "symbol"
+
+FILLERS = frozenset("a an the please pls plz kindly actually basically".split())
+"""Tokens whose presence never changes what is asked; dropped wherever they stand."""
+
+EDGE_FILLERS = frozenset("hey hi hello thanks thx ty um uh uhm umm hmm er ok okay oh so".split())
+"""Greetings and interjections; dropped only at the start or end of a message, where they
+cannot be the subject of the question ("how do you say hello" keeps its "hello")."""
+
+_FILLER_PHRASES = re.compile(r"\b(?:thank you(?: (?:so|very) much)?|thanks a lot)\b", re.I)
+
+_NUMBER_WORDS = {
+    w: str(i)
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen "
+        "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split()
+    )
+}
+_NUMBER_WORDS.update(
+    {
+        w: str(10 * i)
+        for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)
+    }
+)
+_NUMBER_WORDS.update({"hundred": "100", "thousand": "1000", "million": "1000000"})
+_NUMBER_WORDS["billion"] = "1000000000"
+_ORDINALS = {
+    w: (str(i), s)
+    for i, (w, s) in enumerate(
+        [
+            ("first", "st"),
+            ("second", "nd"),
+            ("third", "rd"),
+            ("fourth", "th"),
+            ("fifth", "th"),
+            ("sixth", "th"),
+            ("seventh", "th"),
+            ("eighth", "th"),
+            ("ninth", "th"),
+            ("tenth", "th"),
+        ],
+        1,
+    )
+}
+
+_CONTRACTIONS = {
+    "can't": "can not",
+    "cannot": "can not",
+    "won't": "will not",
+    "shan't": "shall not",
+    "ain't": "is not",
+    "let's": "let us",
+}
+# Apostrophe-less spellings that are not also ordinary words.
+_BARE = {
+    "dont": "do not",
+    "doesnt": "does not",
+    "didnt": "did not",
+    "isnt": "is not",
+    "arent": "are not",
+    "wasnt": "was not",
+    "werent": "were not",
+    "couldnt": "could not",
+    "wouldnt": "would not",
+    "shouldnt": "should not",
+    "hasnt": "has not",
+    "havent": "have not",
+    "hadnt": "had not",
+    "mustnt": "must not",
+    "neednt": "need not",
+    "im": "i am",
+    "ive": "i have",
+    "youre": "you are",
+    "whats": "what is",
+    "thats": "that is",
+    "theres": "there is",
+    "hows": "how is",
+    "wheres": "where is",
+}
+_IS_BEFORE_S = frozenset("what that it there here who where how when why he she this".split())
+_SUFFIXES = {"n't": "not", "'re": "are", "'m": "am", "'ve": "have", "'ll": "will", "'d": "would"}
+
+_FENCE = re.compile(r"```.*?```", re.S)
+_QUOTE = re.compile(
+    r"\"([^\"]+)\"|“([^”]+)”|«([^»]+)»|`([^`]+)`|(?:(?<=^)|(?<=[\s(\[]))'([^']+)'(?=[\s.,;:!?)\]]|$)"
+)
+_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_TOKEN = re.compile(
+    r"(?P<num>\d+(?:[.:]\d+)*)"
+    r"|(?P<word>[^\W\d_]+(?:'[^\W\d_]+)*[+#]*)"
+    "|(?P<sym>[^\\w\\s.,!?;:\"'()\\[\\]{}`\u2026\u2013\u2014\u201c\u201d\u2018\u2019\u00ab\u00bb])"
+)
+_KEEP_APOSTROPHE = re.compile("[\u2018\u2019]")
+_QUOTE_CHARS = frozenset("\"'`\u201c\u00ab")
+_SENTENCE_ENDS = frozenset(".!?:\n")
+_SPECIAL = (
+    frozenset(_CONTRACTIONS) | frozenset(_BARE) | frozenset(_NUMBER_WORDS) | frozenset(_ORDINALS)
+)
+
+
+class Token(NamedTuple):
+    """One comparable unit: ``text`` is lower-cased; ``cased`` marks a capital mid-sentence.
+
+    A NamedTuple rather than a frozen dataclass: one is built per word on the lookup path,
+    and tuple construction is several times cheaper.
+    """
+
+    text: str
+    kind: str
+    cased: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Normalized:
+    """A message reduced to what the near-duplicate tier compares."""
+
+    tokens: tuple[Token, ...]
+    quoted: tuple[str, ...]
+    code: tuple[str, ...]
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        return tuple(t.text for t in self.tokens)
+
+
+@lru_cache(maxsize=4096)
+def normalize(text: str) -> Normalized:
+    """Reduce ``text`` to its comparable tokens, quoted spans and fenced code blocks."""
+    if not text.isascii():
+        text = _KEEP_APOSTROPHE.sub("'", unicodedata.normalize("NFKC", text))
+    code: tuple[str, ...] = ()
+    quoted: tuple[str, ...] = ()
+    if not _QUOTE_CHARS.isdisjoint(text):
+        code = tuple(m.group(0) for m in _FENCE.finditer(text))
+        quoted = tuple(
+            " ".join(next(g for g in m.groups() if g is not None).split())
+            for m in _QUOTE.finditer(_FENCE.sub(" ", text) if code else text)
+        )
+    if "hank" in text:
+        text = _FILLER_PHRASES.sub(" ", text)
+    if "-" in text:
+        text = _HYPHEN.sub(" ", text)
+    if "," in text:
+        text = _THOUSANDS.sub("", text)
+    tokens: list[Token] = []
+    sentence_start = True
+    previous_end = 0
+    for m in _TOKEN.finditer(text):
+        start = m.start()
+        if start > previous_end and not _SENTENCE_ENDS.isdisjoint(text[previous_end:start]):
+            sentence_start = True
+        previous_end = m.end()
+        raw = m.group(0)
+        group = m.lastgroup
+        if group == "word":
+            word = raw.lower()
+            cased = not sentence_start and word != raw
+            if "'" in word or word in _SPECIAL:
+                tokens.extend(_word_tokens(word, cased))
+            else:
+                tokens.append(Token(word, WORD, cased))
+        else:
+            tokens.append(Token(raw, NUMBER if group == "num" else SYMBOL))
+        sentence_start = False
+    start, end = 0, len(tokens)
+    while start < end and tokens[start].text in EDGE_FILLERS:
+        start += 1
+    while end > start and tokens[end - 1].text in EDGE_FILLERS:
+        end -= 1
+    kept = tuple(t for t in tokens[start:end] if t.text not in FILLERS)
+    return Normalized(kept, quoted, code)
+
+
+def _word_tokens(word: str, cased: bool) -> list[Token]:
+    if word in _CONTRACTIONS:
+        return [Token(w, WORD) for w in _CONTRACTIONS[word].split()]
+    if word in _BARE:
+        return [Token(w, WORD) for w in _BARE[word].split()]
+    if word in _NUMBER_WORDS:
+        return [Token(_NUMBER_WORDS[word], NUMBER)]
+    if word in _ORDINALS:
+        number, suffix = _ORDINALS[word]
+        return [Token(number, NUMBER), Token(suffix, WORD)]
+    for suffix, expansion in _SUFFIXES.items():
+        if word.endswith(suffix) and len(word) > len(suffix):
+            return [Token(word[: -len(suffix)], WORD, cased), Token(expansion, WORD)]
+    if word.endswith("'s") and len(word) > 2:
+        stem = word[:-2]
+        tail = "is" if stem in _IS_BEFORE_S else "'s"
+        return [Token(stem, WORD, cased), Token(tail, WORD)]
+    return [Token(word, WORD, cased)]

@@ -1,0 +1,262 @@
+"""Streams as stored events, and conversion between stored JSON answers and SSE streams.
+
+A hit must answer in the shape the client asked for, whatever shape was stored: a JSON
+answer is replayed to a streaming client as OpenAI chunks (role delta, content in several
+deltas, finish_reason, an optional usage chunk, ``[DONE]``); a stored stream is assembled
+into one JSON answer for a non-streaming client.  Both ``chat.completion`` and
+``text_completion`` shapes are handled.  ``StreamRecorder`` watches a stream pass through
+and yields its events only if it completed normally: a stream cut off before ``[DONE]``, with
+an error event, or without a finish_reason for every choice, is never stored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+DONE = "[DONE]"
+DEFAULT_CHUNK_CHARS = 24
+DEFAULT_MAX_STREAM_BYTES = 4 * 1024 * 1024
+_PIECE = re.compile(r"\s*\S+\s*|\s+")
+
+
+def parse_sse(data: bytes | str) -> list[str]:
+    """The ``data`` payloads of the complete events in ``data`` (multi-line data joined)."""
+    text = data.decode("utf-8") if isinstance(data, bytes) else data
+    events: list[str] = []
+    lines: list[str] = []
+    for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
+        if not line:
+            if lines:
+                events.append("\n".join(lines))
+                lines = []
+        elif line.startswith("data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(" ") else value)
+    return events
+
+
+class StreamRecorder:
+    """Collects a passing SSE stream; ``result()`` is its events if it may be stored."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_STREAM_BYTES) -> None:
+        self._buffer = bytearray()
+        self._max_bytes = max_bytes
+        self.overflowed = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.overflowed:
+            return
+        self._buffer += chunk
+        if len(self._buffer) > self._max_bytes:
+            self.overflowed = True
+            self._buffer.clear()
+
+    def result(self) -> tuple[str, ...] | None:
+        """The stored form of the stream, or None if it must not be stored."""
+        if self.overflowed:
+            return None
+        try:
+            events = parse_sse(bytes(self._buffer))
+        except UnicodeDecodeError:
+            return None
+        if not events or events[-1] != DONE or DONE in events[:-1]:
+            return None
+        body = events[:-1]
+        finished: dict[int, bool] = {}
+        for payload in body:
+            try:
+                chunk = json.loads(payload)
+            except json.JSONDecodeError:
+                return None
+            if not isinstance(chunk, dict) or chunk.get("error") is not None:
+                return None
+            for choice in chunk.get("choices") or ():
+                index = choice.get("index", 0)
+                finished[index] = finished.get(index, False) or bool(choice.get("finish_reason"))
+        if not finished or not all(finished.values()):
+            return None
+        return tuple(body)
+
+    def __repr__(self) -> str:
+        return f"<StreamRecorder bytes={len(self._buffer)} overflowed={self.overflowed}>"
+
+
+def render_sse(events: tuple[str, ...] | list[str], *, include_usage: bool = True) -> bytes:
+    """Stored events as SSE bytes ending in ``[DONE]``; usage-only chunks dropped unless
+    ``include_usage`` (the client's ``stream_options.include_usage``)."""
+    out = []
+    for payload in events:
+        if not include_usage and _usage_only(payload):
+            continue
+        out.append(f"data: {payload}\n\n")
+    out.append(f"data: {DONE}\n\n")
+    return "".join(out).encode()
+
+
+def json_to_events(
+    answer: dict[str, Any], *, include_usage: bool = True, chunk_chars: int = DEFAULT_CHUNK_CHARS
+) -> tuple[str, ...]:
+    """An OpenAI JSON answer (chat or text completion) as the events of its stream."""
+    chat = answer.get("object") == "chat.completion"
+    base: dict[str, Any] = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    base["object"] = "chat.completion.chunk" if chat else "text_completion"
+    if answer.get("system_fingerprint") is not None:
+        base["system_fingerprint"] = answer["system_fingerprint"]
+    events: list[str] = []
+
+    def emit(choice: dict[str, Any], **extra: Any) -> None:
+        events.append(_dumps({**base, "choices": [choice], **extra}))
+
+    for choice in answer.get("choices") or ():
+        index = choice.get("index", 0)
+        if chat:
+            _chat_choice(choice, index, chunk_chars, emit)
+        else:
+            text, logprobs = choice.get("text") or "", choice.get("logprobs")
+            pieces = [text] if logprobs is not None else _pieces(text, chunk_chars)
+            for piece in pieces:
+                emit({"text": piece, "index": index, "logprobs": logprobs, "finish_reason": None})
+            emit(
+                {
+                    "text": "",
+                    "index": index,
+                    "logprobs": None,
+                    "finish_reason": choice.get("finish_reason"),
+                }
+            )
+    if include_usage and answer.get("usage") is not None:
+        events.append(_dumps({**base, "choices": [], "usage": answer["usage"]}))
+    return tuple(events)
+
+
+def _chat_choice(choice: dict[str, Any], index: int, chunk_chars: int, emit: Any) -> None:
+    message = choice.get("message") or {}
+    logprobs = choice.get("logprobs")
+
+    def delta(d: dict[str, Any], finish: str | None = None, lp: Any = None) -> None:
+        emit({"index": index, "delta": d, "logprobs": lp, "finish_reason": finish})
+
+    content = "" if isinstance(message.get("content"), str) else None
+    delta({"role": message.get("role", "assistant"), "content": content})
+    for field in ("reasoning_content", "content", "refusal"):
+        value = message.get(field)
+        if not value:
+            continue
+        if field == "content" and logprobs is not None:
+            delta({field: value}, lp=logprobs)
+        else:
+            for piece in _pieces(value, chunk_chars):
+                delta({field: piece})
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        function = call.get("function") or {}
+        head = {"index": i, "id": call.get("id"), "type": call.get("type", "function")}
+        delta(
+            {"tool_calls": [{**head, "function": {"name": function.get("name"), "arguments": ""}}]}
+        )
+        for piece in _pieces(function.get("arguments") or "", chunk_chars):
+            delta({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+    delta({}, finish=choice.get("finish_reason"))
+
+
+def events_to_json(events: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """Assemble stored stream events into the JSON answer a non-streaming call would get."""
+    chunks = [json.loads(e) for e in events if e != DONE]
+    if not chunks:
+        raise ValueError("no events to assemble")
+    first = chunks[0]
+    chat = first.get("object") == "chat.completion.chunk"
+    answer: dict[str, Any] = {k: first[k] for k in ("id", "created", "model") if k in first}
+    answer["object"] = "chat.completion" if chat else "text_completion"
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    for chunk in chunks:
+        if chunk.get("system_fingerprint") is not None:
+            answer["system_fingerprint"] = chunk["system_fingerprint"]
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]
+        for part in chunk.get("choices") or ():
+            index = part.get("index", 0)
+            slot = choices.setdefault(index, _empty_choice(index, chat))
+            if chat:
+                _merge_delta(slot, part.get("delta") or {})
+            else:
+                slot["text"] += part.get("text") or ""
+            _merge_logprobs(slot, part.get("logprobs"))
+            if part.get("finish_reason"):
+                slot["finish_reason"] = part["finish_reason"]
+    answer["choices"] = [choices[i] for i in sorted(choices)]
+    if usage is not None:
+        answer["usage"] = usage
+    return answer
+
+
+def _empty_choice(index: int, chat: bool) -> dict[str, Any]:
+    if chat:
+        message = {"role": "assistant", "content": None}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": None}
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+
+
+def _merge_delta(slot: dict[str, Any], delta: dict[str, Any]) -> None:
+    message = slot["message"]
+    if delta.get("role"):
+        message["role"] = delta["role"]
+    for field in ("content", "refusal", "reasoning_content"):
+        if delta.get(field) is not None:
+            message[field] = (message.get(field) or "") + delta[field]
+    for call in delta.get("tool_calls") or ():
+        calls = message.setdefault("tool_calls", [])
+        i = call.get("index", len(calls))
+        while len(calls) <= i:
+            calls.append(
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+        target = calls[i]
+        if call.get("id"):
+            target["id"] = call["id"]
+        if call.get("type"):
+            target["type"] = call["type"]
+        function = call.get("function") or {}
+        if function.get("name"):
+            target["function"]["name"] += function["name"]
+        target["function"]["arguments"] += function.get("arguments") or ""
+
+
+def _merge_logprobs(slot: dict[str, Any], logprobs: Any) -> None:
+    if not isinstance(logprobs, dict):
+        return
+    if slot["logprobs"] is None:
+        slot["logprobs"] = {k: list(v) if isinstance(v, list) else v for k, v in logprobs.items()}
+        return
+    for key, value in logprobs.items():
+        if isinstance(value, list) and isinstance(slot["logprobs"].get(key), list):
+            slot["logprobs"][key].extend(value)
+
+
+def _pieces(text: str, chunk_chars: int) -> list[str]:
+    pieces: list[str] = []
+    current = ""
+    for match in _PIECE.finditer(text):
+        if current and len(current) + len(match.group(0)) > chunk_chars:
+            pieces.append(current)
+            current = ""
+        current += match.group(0)
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def _usage_only(payload: str) -> bool:
+    if '"usage"' not in payload:
+        return False
+    try:
+        chunk = json.loads(payload)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(chunk, dict) and not chunk.get("choices") and chunk.get("usage") is not None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

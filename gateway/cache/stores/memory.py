@@ -1,0 +1,203 @@
+"""The in-process store: LRU bounded by bytes, TTL read from an injected clock.
+
+Entries are kept serialised (``entry.dumps``) next to a tuple of plain metadata.  Bytes,
+strings, ints and tuples of them are invisible to Python's cyclic GC, so 100k entries add
+almost nothing to a full collection: keeping ``CachedResponse`` objects instead put
+multi-millisecond GC pauses into the lookup tail.  A hit pays one ``loads`` (microseconds).
+
+No background task: expired entries are dropped when touched, when the LRU evicts them, or
+by ``sweep()``.  An entry's bytes are its serialised size plus ``ENTRY_OVERHEAD_BYTES`` for
+the dict slots, metadata and index (measured: bench/bench_cache_lookup.py), so
+``max_bytes`` bounds the real footprint approximately.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ...clock import SYSTEM_CLOCK, Clock
+from ..entry import CachedResponse, dumps, loads
+from ..simhash import bands, hamming
+from .base import Candidate, StoreStats
+
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+ENTRY_OVERHEAD_BYTES = 1200
+
+
+class _Meta(NamedTuple):
+    expires_at: float
+    size: int
+    backend: str
+    model_version: str
+    scope: str
+    context: str | None
+    fingerprint: int | None
+
+
+class MemoryStore:
+    """A ``CacheStore`` in this process's memory."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._meta: dict[str, _Meta] = {}
+        # context -> (band index << 16 | band value) -> one key, or a set when shared: most
+        # buckets hold a single key, and a bare str saves a set object per band.
+        self._index: dict[str, dict[int, str | set[str]]] = {}
+        self._buckets = 0
+        self._bytes = 0
+        self.evictions = 0
+
+    async def get(self, key: str) -> CachedResponse | None:
+        if not self._live(key):
+            return None
+        self._data.move_to_end(key)
+        return loads(self._data[key])
+
+    async def get_many(self, keys: Sequence[str]) -> list[CachedResponse | None]:
+        return [await self.get(key) for key in keys]
+
+    async def set(self, key: str, entry: CachedResponse, ttl_s: float) -> None:
+        data = dumps(entry)
+        size = len(data) + ENTRY_OVERHEAD_BYTES
+        self._remove(key)
+        if size > self.max_bytes or ttl_s <= 0:
+            return
+        self._data[key] = data
+        self._meta[key] = _Meta(
+            self._clock.now() + ttl_s,
+            size,
+            entry.backend,
+            entry.model_version,
+            entry.scope,
+            entry.context,
+            entry.fingerprint,
+        )
+        self._bytes += size
+        if entry.context is not None and entry.fingerprint is not None:
+            self._file(key, entry.context, entry.fingerprint)
+        while self._bytes > self.max_bytes:
+            self._remove(next(iter(self._data)))
+            self.evictions += 1
+
+    async def set_many(self, items: Sequence[tuple[str, CachedResponse]], ttl_s: float) -> None:
+        for key, entry in items:
+            await self.set(key, entry, ttl_s)
+
+    async def delete(self, key: str) -> None:
+        self._remove(key)
+
+    async def candidates(
+        self, context: str, fingerprint: int, max_distance: int
+    ) -> tuple[Candidate, ...]:
+        buckets = self._index.get(context)
+        if buckets is None:
+            return ()
+        found: dict[str, int] = {}
+        for slot_id in _slot_ids(fingerprint):
+            members = buckets.get(slot_id)
+            if members is None:
+                continue
+            for key in (members,) if isinstance(members, str) else tuple(members):
+                if key in found or not self._live(key):
+                    continue
+                stored = self._meta[key].fingerprint
+                if stored is not None and hamming(fingerprint, stored) <= max_distance:
+                    found[key] = hamming(fingerprint, stored)
+        return tuple(Candidate(k, d) for k, d in sorted(found.items(), key=lambda kv: kv[1]))
+
+    async def purge(
+        self,
+        *,
+        backend: str | None = None,
+        model_version: str | None = None,
+        scope: str | None = None,
+    ) -> int:
+        doomed = [
+            key
+            for key, meta in self._meta.items()
+            if (backend is None or meta.backend == backend)
+            and (model_version is None or meta.model_version == model_version)
+            and (scope is None or meta.scope == scope)
+        ]
+        for key in doomed:
+            self._remove(key)
+        return len(doomed)
+
+    def sweep(self) -> int:
+        """Drop every expired entry now; the number dropped."""
+        now = self._clock.now()
+        doomed = [key for key, meta in self._meta.items() if meta.expires_at <= now]
+        for key in doomed:
+            self._remove(key)
+        return len(doomed)
+
+    def stats(self) -> StoreStats:
+        return StoreStats(len(self._data), self._bytes, evictions=self.evictions)
+
+    async def close(self) -> None:
+        self._data.clear()
+        self._meta.clear()
+        self._index.clear()
+        self._buckets = 0
+        self._bytes = 0
+
+    def _live(self, key: str) -> bool:
+        meta = self._meta.get(key)
+        if meta is None:
+            return False
+        if meta.expires_at <= self._clock.now():
+            self._remove(key)
+            return False
+        return True
+
+    def _remove(self, key: str) -> None:
+        meta = self._meta.pop(key, None)
+        if meta is None:
+            return
+        del self._data[key]
+        self._bytes -= meta.size
+        if meta.context is not None and meta.fingerprint is not None:
+            self._unfile(key, meta.context, meta.fingerprint)
+
+    def _file(self, key: str, context: str, fingerprint: int) -> None:
+        buckets = self._index.setdefault(context, {})
+        for slot_id in _slot_ids(fingerprint):
+            members = buckets.get(slot_id)
+            if members is None:
+                buckets[slot_id] = key
+                self._buckets += 1
+            elif isinstance(members, str):
+                if members != key:
+                    buckets[slot_id] = {members, key}
+            else:
+                members.add(key)
+
+    def _unfile(self, key: str, context: str, fingerprint: int) -> None:
+        buckets = self._index.get(context)
+        if buckets is None:
+            return
+        for slot_id in _slot_ids(fingerprint):
+            members = buckets.get(slot_id)
+            if members == key:
+                del buckets[slot_id]
+                self._buckets -= 1
+            elif isinstance(members, set):
+                members.discard(key)
+                if len(members) == 1:
+                    buckets[slot_id] = members.pop()
+        if not buckets:
+            del self._index[context]
+
+    def __repr__(self) -> str:
+        return (
+            f"<MemoryStore entries={len(self._data)} bytes={self._bytes}/{self.max_bytes} "
+            f"buckets={self._buckets} evictions={self.evictions}>"
+        )
+
+
+def _slot_ids(fingerprint: int) -> list[int]:
+    return [i << 16 | value for i, value in enumerate(bands(fingerprint))]

@@ -1,0 +1,284 @@
+"""The shared store: plain Redis 7 commands, so Valkey, managed Redis and Cluster all work.
+
+Layout under ``prefix`` (default ``gw:``), every command single-key (no cross-slot
+operations, no hash tags needed, no modules, no Lua):
+
+* ``e:<key>``: the serialised entry, ``SET .. PX ttl``;
+* ``b:<context>:<band>:<value>``: a set of ``<fingerprint hex>:<key>``, one per SimHash
+  band, expiring with the longest-lived entry filed in it (``EXPIRE NX`` then ``EXPIRE GT``);
+* ``i:b:<backend>``, ``i:m:<model_version>``, ``i:s:<scope>``: sets of keys for purging.
+
+Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
+
+Every operation runs under a time budget (default 50 ms).  Any redis or socket failure is
+translated once, here, into ``StoreError``; a connection failure or timeout also marks Redis
+down, and while it is down operations raise ``StoreError`` at once.  After ``retry_s`` the
+next operation starts one background PING; when it answers, Redis is up again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ...clock import SYSTEM_CLOCK, Clock
+from ...errors import StoreError
+from ..entry import CachedResponse, dumps, loads
+from ..simhash import bands, hamming
+from .base import Candidate, StoreStats
+
+DEFAULT_PREFIX = "gw:"
+DEFAULT_BUDGET_S = 0.05
+DEFAULT_RETRY_S = 2.0
+PURGE_BATCH = 500
+
+T = TypeVar("T")
+_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError)
+
+
+class RedisStore:
+    """A ``CacheStore`` in Redis; takes a ready ``redis.asyncio`` client (or Cluster)."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        budget_s: float = DEFAULT_BUDGET_S,
+        retry_s: float = DEFAULT_RETRY_S,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._client = client
+        self._prefix = prefix
+        self.budget_s = budget_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._down_until: float | None = None
+        self._probe: asyncio.Task[bool] | None = None
+        self.errors = 0
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisStore:
+        """A store on a new client for ``url`` with no client-side retries (the budget and
+        the circuit decide) and socket timeouts bounded by the budget."""
+        budget_s = options.get("budget_s", DEFAULT_BUDGET_S)
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=max(budget_s * 4, 0.2),
+            socket_connect_timeout=max(budget_s * 4, 0.2),
+            retry=Retry(NoBackoff(), 0),
+        )
+        return cls(client, **options)
+
+    @property
+    def available(self) -> bool:
+        return self._down_until is None
+
+    async def get(self, key: str) -> CachedResponse | None:
+        data = await self._run("get", lambda: self._client.get(self._entry(key)))
+        if data is None:
+            return None
+        try:
+            return loads(data)
+        except ValueError:
+            return None
+
+    async def get_many(self, keys: Sequence[str]) -> list[CachedResponse | None]:
+        async def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self._entry(key))
+            return list(await pipe.execute())
+
+        out: list[CachedResponse | None] = []
+        for data in await self._run("get_many", read) if keys else []:
+            try:
+                out.append(None if data is None else loads(data))
+            except ValueError:
+                out.append(None)
+        return out
+
+    async def set(self, key: str, entry: CachedResponse, ttl_s: float) -> None:
+        await self.set_many([(key, entry)], ttl_s)
+
+    async def set_many(self, items: Sequence[tuple[str, CachedResponse]], ttl_s: float) -> None:
+        ttl_ms = max(1, int(ttl_s * 1000))
+        if not items or ttl_s <= 0:
+            return
+        payloads = [(key, entry, dumps(entry)) for key, entry in items]
+
+        async def write() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for key, entry, data in payloads:
+                pipe.set(self._entry(key), data, px=ttl_ms)
+                for index in self._indexes(entry):
+                    _add_expiring(pipe, index, key.encode(), ttl_ms)
+                if entry.context is not None and entry.fingerprint is not None:
+                    member = f"{entry.fingerprint:016x}:{key}".encode()
+                    for bucket in self._buckets(entry.context, entry.fingerprint):
+                        _add_expiring(pipe, bucket, member, ttl_ms)
+            await pipe.execute()
+
+        await self._run("set", write)
+
+    async def delete(self, key: str) -> None:
+        await self._run("delete", lambda: self._client.delete(self._entry(key)))
+
+    async def candidates(
+        self, context: str, fingerprint: int, max_distance: int
+    ) -> tuple[Candidate, ...]:
+        async def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for bucket in self._buckets(context, fingerprint):
+                pipe.smembers(bucket)
+            return list(await pipe.execute())
+
+        found: dict[str, int] = {}
+        for members in await self._run("candidates", read):
+            for member in members:
+                fp_hex, _, key = member.decode().partition(":")
+                distance = hamming(fingerprint, int(fp_hex, 16))
+                if distance <= max_distance:
+                    found[key] = distance
+        return tuple(Candidate(k, d) for k, d in sorted(found.items(), key=lambda kv: kv[1]))
+
+    async def purge(
+        self,
+        *,
+        backend: str | None = None,
+        model_version: str | None = None,
+        scope: str | None = None,
+    ) -> int:
+        if backend is None and model_version is None and scope is None:
+            return await self._run("purge", self._purge_all, bounded=False)
+        indexes = [
+            self._key("i", kind, value)
+            for kind, value in (("b", backend), ("m", model_version), ("s", scope))
+            if value is not None
+        ]
+
+        async def purge() -> int:
+            keys: set[bytes] | None = None
+            for index in indexes:
+                members = set(await self._client.smembers(index))
+                keys = members if keys is None else keys & members
+            doomed = sorted(keys or ())
+            deleted = await self._delete_many(self._entry(k.decode()) for k in doomed)
+            for index in indexes:
+                if len(indexes) == 1:
+                    await self._client.delete(index)
+                else:
+                    for start in range(0, len(doomed), PURGE_BATCH):
+                        await self._client.srem(index, *doomed[start : start + PURGE_BATCH])
+            return deleted
+
+        return await self._run("purge", purge, bounded=False)
+
+    async def ping(self) -> bool:
+        """Probe Redis within the budget; marks it up on success."""
+        try:
+            async with asyncio.timeout(self.budget_s * 4):
+                await self._client.ping()
+        except (RedisError, *_DOWN_ERRORS):
+            self._down_until = self._clock.now() + self.retry_s
+            return False
+        self._down_until = None
+        return True
+
+    def stats(self) -> StoreStats:
+        return StoreStats(None, None, errors=self.errors, available=self.available)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+            self._probe = None
+        await self._client.aclose()
+
+    async def _purge_all(self) -> int:
+        batch: list[bytes] = []
+        deleted = 0
+        async for name in self._client.scan_iter(match=self._prefix + "*", count=PURGE_BATCH):
+            batch.append(name)
+            if len(batch) >= PURGE_BATCH:
+                deleted += await self._delete_many(batch, count_entries=True)
+                batch = []
+        return deleted + await self._delete_many(batch, count_entries=True)
+
+    async def _delete_many(self, names: Iterable[bytes | str], count_entries: bool = False) -> int:
+        names = list(names)
+        if not names:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.delete(name)
+        results = await pipe.execute()
+        entry_prefix = self._entry("").encode()
+        return sum(
+            int(r)
+            for name, r in zip(names, results, strict=True)
+            if not count_entries or _as_bytes(name).startswith(entry_prefix)
+        )
+
+    async def _run(self, op: str, fn: Callable[[], Awaitable[T]], bounded: bool = True) -> T:
+        if self._down_until is not None:
+            if self._clock.now() >= self._down_until and self._probe is None:
+                self._probe = asyncio.create_task(self._background_probe())
+            raise StoreError(f"redis {op}: unavailable, retrying in the background")
+        try:
+            async with asyncio.timeout(self.budget_s if bounded else None):
+                return await fn()
+        except (RedisError, *_DOWN_ERRORS) as exc:
+            self.errors += 1
+            if isinstance(exc, _DOWN_ERRORS):
+                self._down_until = self._clock.now() + self.retry_s
+            raise StoreError(f"redis {op}: {type(exc).__name__}: {exc}") from exc
+
+    async def _background_probe(self) -> bool:
+        try:
+            return await self.ping()
+        finally:
+            self._probe = None
+
+    def _key(self, *parts: str) -> str:
+        return self._prefix + ":".join(parts)
+
+    def _entry(self, key: str) -> str:
+        return self._key("e", key)
+
+    def _indexes(self, entry: CachedResponse) -> list[str]:
+        return [
+            self._key("i", "b", entry.backend),
+            self._key("i", "m", entry.model_version),
+            self._key("i", "s", entry.scope),
+        ]
+
+    def _buckets(self, context: str, fingerprint: int) -> list[str]:
+        return [
+            self._key("b", context, str(i), f"{v:04x}") for i, v in enumerate(bands(fingerprint))
+        ]
+
+    def __repr__(self) -> str:
+        if self._down_until is None:
+            state = "up"
+        else:
+            state = f"down retry_in={max(0.0, self._down_until - self._clock.now()):.1f}s"
+        return f"<RedisStore prefix={self._prefix!r} {state} errors={self.errors}>"
+
+
+def _add_expiring(pipe: Any, name: str, member: bytes, ttl_ms: int) -> None:
+    pipe.sadd(name, member)
+    pipe.pexpire(name, ttl_ms, nx=True)
+    pipe.pexpire(name, ttl_ms, gt=True)
+
+
+def _as_bytes(name: bytes | str) -> bytes:
+    return name if isinstance(name, bytes) else name.encode()

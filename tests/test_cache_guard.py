@@ -1,0 +1,133 @@
+"""Normalisation, SimHash and the guard, and the evaluation behind ``gateway cache-eval``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.cache.evaluate import DEFAULT_SETTING, Pair, evaluate, format_report, read_pairs
+from gateway.cache.guard import check
+from gateway.cache.normalize import normalize
+from gateway.cache.simhash import MAX_DISTANCE, bands, fingerprint, hamming
+
+DATA = Path(__file__).parent.parent / "gateway" / "data"
+PAWS = Path("/work/shared/data/paws_wiki_dev.tsv")
+
+
+def test_normalisation_keeps_digits_symbols_and_negations() -> None:
+    assert normalize("What is C++?").words != normalize("What is C?").words
+    assert normalize("Is 3 > 4?").words == ("is", "3", ">", "4")
+    assert normalize("Why isn't it -5?").words == ("why", "is", "not", "it", "-", "5")
+    assert normalize("Why dont cats swim").words == normalize("Why don't cats swim?").words
+
+
+def test_normalisation_drops_case_punctuation_articles_and_edge_greetings() -> None:
+    assert normalize("Hi! What's the capital of France? Thanks!").words == (
+        "what",
+        "is",
+        "capital",
+        "of",
+        "france",
+    )
+    assert "hello" in normalize("How do you say hello in Spanish?").words
+
+
+def test_normalisation_maps_number_words_and_keeps_quotes_and_code() -> None:
+    assert normalize("the first twelve").words == normalize("the 1st 12").words
+    norm = normalize('Translate "Good night" and ```x = 1```')
+    assert norm.quoted == ("Good night",) and norm.code == ("```x = 1```",)
+
+
+def test_fingerprint_is_stable_and_banded() -> None:
+    fp = fingerprint("What is the capital of France?")
+    assert fp == fingerprint("what is the capital of france")
+    assert 0 <= fp < 2**64 and len(bands(fp)) == MAX_DISTANCE + 1
+    assert hamming(fp, fp ^ 0b111) == 3
+
+
+def test_fingerprints_within_max_distance_share_a_band() -> None:
+    fp = fingerprint("How do I reverse a list in Python?")
+    for flips in ((0, 17, 33), (1, 2, 3), (15, 31, 47), (63, 62, 48)):
+        other = fp
+        for bit in flips:
+            other ^= 1 << bit
+        assert any(a == b for a, b in zip(bands(fp), bands(other), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "reason"),
+    [
+        ("Flights from Paris to London", "Flights from London to Paris", "order"),
+        ("Is coffee good for you?", "Is coffee not good for you?", "negation"),
+        ("What is 12 times 13?", "What is 12 times 14?", "numbers"),
+        ('Translate "good morning"', 'Translate "good night"', "quoted"),
+        ("How do I increase my score?", "How do I decrease my score?", "direction"),
+        ("Who founded Microsoft?", "Who founded Apple?", "entity"),
+        ("What is marital law?", "What is martial law?", "content"),
+        ("Explain pointers in C++", "Explain pointers in C", "entity"),
+    ],
+)
+def test_guard_rejects_minimal_edits_with_a_reason(first: str, second: str, reason: str) -> None:
+    verdict = check(first, second)
+    assert not verdict.ok and verdict.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("What is the capital of France?", "what is the capital of france"),
+        ("How do I receive payments?", "How do I recieve payments?"),
+        ("Why don't cats like water?", "why dont cats like water"),
+        ("Explain the theory of relativity", "Please explain the theory of relativity."),
+    ],
+)
+def test_guard_accepts_case_punctuation_typo_and_filler_edits(first: str, second: str) -> None:
+    assert check(first, second).ok
+    assert check(second, first).ok
+
+
+def test_guard_rejects_typos_in_short_or_capitalised_words() -> None:
+    assert not check("Who is the CEO of Gogle?", "Who is the CEO of Google?").ok
+    assert not check("Is the cat here?", "Is the car here?").ok
+
+
+def test_default_tiers_have_zero_false_hits_on_adversarial_pairs() -> None:
+    report = evaluate(DATA / "adversarial_pairs.tsv")
+    row = report.row(DEFAULT_SETTING)
+    assert row.negatives >= 150 and row.false_hits == 0
+    assert row.recall is not None and row.recall >= 0.9
+
+
+def test_default_tiers_have_zero_false_hits_on_question_pairs() -> None:
+    row = evaluate(DATA / "question_pairs.tsv").row(DEFAULT_SETTING)
+    assert row.negatives >= 50 and row.false_hits == 0
+
+
+@pytest.mark.skipif(not PAWS.exists(), reason="PAWS development set not present")
+def test_default_tiers_stay_under_one_percent_false_hits_on_paws() -> None:
+    report = evaluate(PAWS)
+    assert (report.row(DEFAULT_SETTING).false_hit_rate or 0) <= 0.01
+    assert (report.row(f"simhash<={MAX_DISTANCE}").false_hit_rate or 0) > 0.01  # guard matters
+
+
+def test_report_formats_as_table_and_json(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.tsv"
+    path.write_text("label\tfirst\tsecond\n1\tHi there\thi there\n0\tIs it 3?\tIs it 4?\n")
+    report = evaluate(path)
+    assert report.pairs == 2
+    row = report.row(DEFAULT_SETTING)
+    assert (row.true_hits, row.false_hits, row.precision, row.recall) == (1, 0, 1.0, 1.0)
+    table = format_report(report)
+    assert "* " + DEFAULT_SETTING in table and "precision" in table
+    data = json.loads(report.to_json())
+    assert data["default"] == DEFAULT_SETTING and data["rows"][0]["setting"] == "exact"
+
+
+def test_read_pairs_rejects_malformed_lines(tmp_path: Path) -> None:
+    path = tmp_path / "bad.tsv"
+    path.write_text("1\ta\tb\nnot a pair\n")
+    with pytest.raises(ValueError, match=r"bad\.tsv:2"):
+        read_pairs(path)
+    assert evaluate([Pair(1, "a b", "a b")]).row("exact").true_hits == 1

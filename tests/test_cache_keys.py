@@ -1,0 +1,118 @@
+"""Which requests are cacheable and what their keys include."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.cache import cacheability, request_key, scope_hash
+
+CHAT = "/v1/chat/completions"
+WHERE = {"scope": "s", "route": "r", "backend": "main", "model_version": "v1", "path": CHAT}
+
+
+def chat(text: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": text}],
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"model": "m", "messages": []}, "temperature is not set to 0"),
+        (chat(temperature=0.7), "temperature is not 0"),
+        (chat(temperature=True), "temperature is not set to 0"),
+        (chat(n=2), "n is not 1"),
+        ({"model": "m", "prompt": "x", "temperature": 0, "best_of": 3}, "best_of is not 1"),
+    ],
+)
+def test_nondeterministic_requests_are_not_cacheable(body: dict[str, Any], reason: str) -> None:
+    verdict = cacheability(body, CHAT)
+    assert not verdict.ok and verdict.reason == reason
+
+
+def test_greedy_requests_and_embeddings_are_cacheable() -> None:
+    assert cacheability(chat(), CHAT).ok
+    assert cacheability(chat(temperature=0.0, n=1), CHAT).ok
+    assert cacheability({"model": "e", "input": ["a"]}, "/v1/embeddings").ok
+
+
+def test_sampled_requests_cacheable_only_with_opt_in() -> None:
+    assert cacheability(chat(temperature=0.9), CHAT, allow_sampled=True).ok
+    assert not cacheability(chat(temperature=0.9, n=3), CHAT, allow_sampled=True).ok
+
+
+def test_remote_image_urls_are_not_cacheable() -> None:
+    part = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    body = chat()
+    body["messages"][0]["content"] = [{"type": "text", "text": "what is this"}, part]
+    assert cacheability(body, CHAT).reason == "a message refers to a remote URL"
+    part["image_url"]["url"] = "data:image/png;base64,AAAA"
+    assert cacheability(body, CHAT).ok
+
+
+def test_delivery_and_attribution_fields_do_not_change_the_key() -> None:
+    base = request_key(chat(), **WHERE)
+    same = chat(stream=True, stream_options={"include_usage": True}, user="u", metadata={"a": 1})
+    assert request_key(same, **WHERE).exact == base.exact
+    assert request_key(chat(temperature=0.0), **WHERE).exact == base.exact
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_tokens": 5},
+        {"seed": 1},
+        {"stop": ["\n"]},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"response_format": {"type": "json_object"}},
+        {"unknown_vendor_field": 1},
+        {"model": "other"},
+    ],
+)
+def test_answer_changing_fields_change_the_key(change: dict[str, Any]) -> None:
+    assert request_key(chat(**change), **WHERE).exact != request_key(chat(), **WHERE).exact
+
+
+@pytest.mark.parametrize("field", ["scope", "route", "backend", "model_version", "path"])
+def test_scope_route_backend_model_version_and_path_are_in_the_key(field: str) -> None:
+    other = WHERE | {field: WHERE[field] + "x"}
+    a, b = request_key(chat(), **WHERE), request_key(chat(), **other)
+    assert a.exact != b.exact and a.context != b.context
+
+
+def test_context_key_ignores_only_the_final_user_text() -> None:
+    a = request_key(chat("What is 2+2?"), **WHERE)
+    b = request_key(chat("what is 2 + 2"), **WHERE)
+    assert a.exact != b.exact and a.context == b.context
+    assert (a.prompt, b.prompt) == ("What is 2+2?", "what is 2 + 2")
+    system = chat("What is 2+2?")
+    system["messages"].insert(0, {"role": "system", "content": "be terse"})
+    assert request_key(system, **WHERE).context != a.context
+
+
+def test_near_tier_applies_only_to_a_final_plain_text_user_message() -> None:
+    assistant_last = chat()
+    assistant_last["messages"].append({"role": "assistant", "content": "prefill"})
+    assert request_key(assistant_last, **WHERE).context is None
+    one_part = chat()
+    one_part["messages"][0]["content"] = [{"type": "text", "text": "hi"}]
+    assert request_key(one_part, **WHERE).prompt == "hi"
+    completions = {"model": "m", "prompt": "hi", "temperature": 0}
+    assert request_key(completions, **(WHERE | {"path": "/v1/completions"})).context is None
+
+
+def test_scope_hash_hides_values_and_separates_tenants() -> None:
+    a = scope_hash([("Authorization", "Bearer secret-a")], ["authorization"])
+    assert "secret" not in a and len(a) == 32
+    assert a == scope_hash([("authorization", "Bearer secret-a")], ["Authorization"])
+    assert a != scope_hash([("Authorization", "Bearer secret-b")], ["authorization"])
+    missing = scope_hash([], ["authorization"])
+    assert missing != scope_hash([("Authorization", "")], ["authorization"])
+    two = ["authorization", "x-tenant"]
+    assert scope_hash([("x-tenant", "t1")], two) != scope_hash([("x-tenant", "t2")], two)

@@ -1,0 +1,369 @@
+"""The cache store contract, run against the memory store and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.cache import CachedResponse, ResponseCache, request_key, scope_hash
+from gateway.cache.evaluate import read_pairs
+from gateway.cache.items import CachedItem, plan_items
+from gateway.cache.stores import MemoryStore, RedisStore
+from gateway.errors import StoreError
+from gateway.testing import FakeClock, FlakyStore
+from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
+
+PAIRS = Path(__file__).parent.parent / "gateway" / "data" / "adversarial_pairs.tsv"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Harness:
+    """A store under test and a way to move its time forward."""
+
+    store: Any
+    cache: ResponseCache
+    clock: FakeClock
+    redis: Any = None
+    prefix: str = ""
+
+    async def advance(self, seconds: float) -> None:
+        """Let ``seconds`` pass for the store: the fake clock for memory; for Redis every key
+        under the prefix has its remaining TTL shortened (or is expired) to match."""
+        self.clock.advance(seconds)
+        if self.redis is None:
+            return
+        async for name in self.redis.scan_iter(match=self.prefix + "*"):
+            left = await self.redis.pttl(name)
+            if left < 0:
+                continue
+            if left <= seconds * 1000:
+                await self.redis.pexpireat(name, 1)
+            else:
+                await self.redis.pexpire(name, int(left - seconds * 1000))
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    clock = FakeClock()
+    if request.param == "memory":
+        store = MemoryStore(clock=clock)
+        yield Harness(store, ResponseCache(store, clock=clock), clock)
+        await store.close()
+        return
+    url = request.getfixturevalue("redis_url")
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    store = RedisStore.from_url(url, prefix=prefix, clock=clock, budget_s=0.5)
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(url)
+    try:
+        yield Harness(store, ResponseCache(store, clock=clock), clock, admin, prefix)
+    finally:
+        await store.close()
+        await admin.aclose()
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+        **extra,
+    }
+
+
+def key_for(body: dict[str, Any], tenant: str = "Bearer a", **over: str) -> Any:
+    where = {"route": "r", "backend": "main", "model_version": "v1", "path": CHAT} | over
+    scope = scope_hash([("Authorization", tenant)], ["authorization"])
+    return request_key(body, scope=scope, **where)
+
+
+def answer(text: str, backend: str = "main", model_version: str = "v1") -> CachedResponse:
+    body = f'{{"object":"chat.completion","choices":[{{"message":{{"content":"{text}"}}}}]}}'
+    return CachedResponse(
+        200,
+        (("content-type", "application/json"),),
+        body.encode(),
+        None,
+        1_700_000_000.0,
+        backend,
+        model_version,
+        "r",
+        "",
+    )
+
+
+async def test_exact_hit_returns_stored_answer(harness: Harness) -> None:
+    key = key_for(chat("What is the capital of France?"))
+    assert await harness.cache.lookup(key) is None
+    assert await harness.cache.put(key, answer("Paris"), ttl_s=60)
+    hit = await harness.cache.lookup(key)
+    assert hit is not None and hit.match == "exact" and hit.similarity == 1.0
+    assert hit.entry.body == answer("Paris").body
+    assert hit.entry.headers == (("content-type", "application/json"),)
+
+
+async def test_near_duplicate_hit_for_case_and_punctuation_edits(harness: Harness) -> None:
+    await harness.cache.put(key_for(chat("What is the capital of France?")), answer("Paris"), 60)
+    hit = await harness.cache.lookup(key_for(chat("what is the capital of france")))
+    assert hit is not None and hit.match == "simhash"
+    assert await harness.cache.lookup(key_for(chat("What is the capital of Spain?"))) is None
+
+
+async def test_near_duplicate_requires_identical_context(harness: Harness) -> None:
+    await harness.cache.put(key_for(chat("Who wrote Hamlet?")), answer("Shakespeare"), 60)
+    other_system = chat("who wrote hamlet")
+    other_system["messages"][0]["content"] = "answer in French"
+    assert await harness.cache.lookup(key_for(other_system)) is None
+    assert await harness.cache.lookup(key_for(chat("who wrote hamlet", max_tokens=5))) is None
+    assert await harness.cache.lookup(key_for(chat("who wrote hamlet"))) is not None
+
+
+async def test_no_cross_tenant_hits_exact_or_near(harness: Harness) -> None:
+    body = chat("What is the capital of France?")
+    await harness.cache.put(key_for(body, tenant="Bearer a"), answer("Paris"), 60)
+    assert await harness.cache.lookup(key_for(body, tenant="Bearer b")) is None
+    assert (
+        await harness.cache.lookup(key_for(chat("what is the capital of france"), "Bearer b"))
+        is None
+    )
+    assert await harness.cache.lookup(key_for(body, tenant="Bearer a")) is not None
+
+
+async def test_no_cross_tenant_hits_over_adversarial_positives(harness: Harness) -> None:
+    positives = [p for p in read_pairs(PAIRS) if p.label == 1]
+    for n, pair in enumerate(positives):
+        await harness.cache.put(key_for(chat(pair.first), f"Bearer a{n}"), answer("x"), 60)
+    for n, pair in enumerate(positives):
+        for text in (pair.first, pair.second):
+            assert await harness.cache.lookup(key_for(chat(text), f"Bearer b{n}")) is None
+
+
+async def test_guard_gives_zero_false_hits_on_adversarial_negatives(harness: Harness) -> None:
+    pairs = read_pairs(PAIRS)
+    hits = {0: 0, 1: 0}
+    for n, pair in enumerate(pairs):
+        tenant = f"Bearer pair-{n}"
+        await harness.cache.put(key_for(chat(pair.first), tenant), answer("x"), 60)
+        if await harness.cache.lookup(key_for(chat(pair.second), tenant)) is not None:
+            hits[pair.label] += 1
+    assert hits[0] == 0
+    assert hits[1] >= 0.9 * sum(1 for p in pairs if p.label == 1)
+
+
+async def test_entries_expire_after_ttl(harness: Harness) -> None:
+    key = key_for(chat("Why is the sky blue?"))
+    await harness.cache.put(key, answer("Rayleigh"), ttl_s=30)
+    await harness.advance(29)
+    assert await harness.cache.lookup(key) is not None
+    await harness.advance(2)
+    assert await harness.cache.lookup(key) is None
+    assert await harness.cache.lookup(key_for(chat("why is the sky blue"))) is None
+
+
+async def test_model_version_change_is_a_miss(harness: Harness) -> None:
+    body = chat("Explain pointers in C")
+    await harness.cache.put(key_for(body, model_version="v1"), answer("..."), 60)
+    assert await harness.cache.lookup(key_for(body, model_version="v2")) is None
+    assert (
+        await harness.cache.lookup(key_for(chat("explain pointers in c"), model_version="v2"))
+        is None
+    )
+    assert await harness.cache.lookup(key_for(body, model_version="v1")) is not None
+
+
+async def test_purge_by_backend_model_version_tenant_and_all(harness: Harness) -> None:
+    async def put(text: str, tenant: str, backend: str, mv: str) -> Any:
+        key = key_for(chat(text), tenant, backend=backend, model_version=mv)
+        await harness.cache.put(key, answer(text, backend, mv), 60)
+        return key
+
+    k1 = await put("one", "Bearer a", "main", "v1")
+    k2 = await put("two", "Bearer a", "main", "v2")
+    k3 = await put("three", "Bearer b", "small", "v1")
+    k4 = await put("four", "Bearer b", "main", "v1")
+
+    async def alive() -> list[bool]:
+        return [await harness.cache.lookup(k) is not None for k in (k1, k2, k3, k4)]
+
+    assert await alive() == [True, True, True, True]
+    assert await harness.cache.purge(backend="small") == 1
+    assert await alive() == [True, True, False, True]
+    assert await harness.cache.purge(backend="main", model_version="v2") == 1
+    assert await alive() == [True, False, False, True]
+    assert await harness.cache.purge(scope=k4.scope) == 1
+    assert await alive() == [True, False, False, False]
+    assert await harness.cache.purge() == 1
+    assert await alive() == [False, False, False, False]
+    assert await harness.cache.lookup(key_for(chat("ONE"), "Bearer a")) is None
+
+
+async def test_stream_entries_round_trip(harness: Harness) -> None:
+    events = ('{"choices":[{"index":0,"delta":{"content":"hi"}}]}', '{"choices":[]}')
+    entry = CachedResponse(200, (), None, events, 1.0, "main", "v1", "r", "")
+    key = key_for(chat("Say hi", stream=True))
+    await harness.cache.put(key, entry, 60)
+    hit = await harness.cache.lookup(key_for(chat("Say hi")))
+    assert hit is not None and hit.entry.events == events and hit.entry.body is None
+
+
+async def test_per_item_embeddings_cached_individually(harness: Harness) -> None:
+    where = {"scope": "s", "route": "r", "backend": "main", "model_version": "v1"}
+    body = {"model": "e", "input": ["a", "b", "c"]}
+    plan = plan_items(body, path="/v1/embeddings", **where)
+    assert plan is not None
+    assert await harness.cache.get_items(plan) == [None, None, None]
+    fresh = {0: CachedItem([0.1], 1, "e"), 2: CachedItem([0.3], 2, "e")}
+    assert await harness.cache.put_items(plan, fresh, 60, **where)
+    assert await harness.cache.get_items(plan) == [fresh[0], None, fresh[2]]
+
+
+async def test_deleted_entry_is_a_miss(harness: Harness) -> None:
+    key = key_for(chat("Delete me"))
+    await harness.cache.put(key, answer("x"), 60)
+    await harness.store.delete(key.exact)
+    assert await harness.store.get(key.exact) is None
+    assert await harness.cache.lookup(key_for(chat("delete me"))) is None
+
+
+# Memory store only
+
+
+async def test_memory_store_evicts_least_recently_used_within_byte_bound() -> None:
+    clock = FakeClock()
+    probe = MemoryStore(clock=clock)
+    await probe.set("k", answer("x"), 60)
+    size = probe.stats().bytes
+    assert size is not None
+    store = MemoryStore(max_bytes=3 * size, clock=clock)
+    for name in ("a", "b", "c"):
+        await store.set(name, answer("x"), 60)
+    await store.get("a")
+    await store.set("d", answer("x"), 60)
+    assert [await store.get(n) is not None for n in "abcd"] == [True, False, True, True]
+    stats = store.stats()
+    assert stats.entries == 3 and stats.bytes is not None and stats.bytes <= 3 * size
+    assert stats.evictions == 1
+    assert repr(store).startswith("<MemoryStore entries=3 ")
+
+
+async def test_memory_store_skips_entries_larger_than_the_bound() -> None:
+    store = MemoryStore(max_bytes=100)
+    await store.set("big", answer("x" * 1000), 60)
+    assert await store.get("big") is None and store.stats().entries == 0
+
+
+async def test_memory_store_sweep_drops_expired_entries() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    await store.set("a", answer("x"), 10)
+    await store.set("b", answer("x"), 100)
+    clock.advance(50)
+    assert store.sweep() == 1 and store.stats().entries == 1
+
+
+async def test_store_errors_are_misses_and_counted() -> None:
+    flaky = FlakyStore(MemoryStore())
+    seen: list[StoreError] = []
+    cache = ResponseCache(flaky, on_store_error=seen.append)
+    key = key_for(chat("Hello there, what is new?"))
+    assert await cache.put(key, answer("x"), 60)
+    flaky.failing = True
+    assert await cache.lookup(key) is None
+    assert not await cache.put(key, answer("y"), 60)
+    assert cache.store_errors == 2 and len(seen) == 2
+    flaky.failing = False
+    assert await cache.lookup(key) is not None
+    assert "store_errors=2" in repr(cache)
+
+
+# Redis store only
+
+
+async def test_redis_killed_mid_test_fails_fast_then_recovers(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    clock = FakeClock()
+    store = RedisStore.from_url(redis_server.url, clock=clock, retry_s=2.0, budget_s=0.5)
+    cache = ResponseCache(store, clock=clock)
+    key = key_for(chat("What is the capital of France?"))
+    try:
+        await cache.put(key, answer("Paris"), 60)
+        assert await cache.lookup(key) is not None
+
+        redis_server.stop()
+        started = time.monotonic()
+        assert await cache.lookup(key) is None
+        with pytest.raises(StoreError):
+            await store.get(key.exact)
+        assert time.monotonic() - started < 0.5
+        assert not store.available and "down" in repr(store)
+        assert cache.store_errors == 1
+
+        redis_server.start()
+        with pytest.raises(StoreError):  # still inside retry_s: fails fast, no probe yet
+            await store.get(key.exact)
+        clock.advance(2.0)
+        with pytest.raises(StoreError):  # due: this call starts the background probe
+            await store.get(key.exact)
+        for _ in range(100):
+            if store.available:
+                break
+            await asyncio.sleep(0.01)
+        assert store.available and "up" in repr(store)
+        await cache.put(key, answer("Paris"), 60)  # the restarted server is empty
+        assert await cache.lookup(key) is not None
+    finally:
+        await store.close()
+
+
+async def test_redis_slow_beyond_budget_is_a_fast_store_error() -> None:
+    """A server that accepts connections but never answers costs one budget, then nothing."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisStore.from_url(f"redis://127.0.0.1:{port}/0", budget_s=0.05)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError):
+            await store.get("k")
+        assert time.monotonic() - started < 0.3
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="unavailable"):
+            await store.get("k")
+        assert time.monotonic() - started < 0.01
+    finally:
+        await store.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_redis_ttl_and_index_keys_use_plain_commands(redis_url: str) -> None:  # noqa: F811
+    import redis.asyncio as aioredis
+
+    store = RedisStore.from_url(redis_url, prefix="plain:", budget_s=0.5)
+    admin = aioredis.Redis.from_url(redis_url)
+    cache = ResponseCache(store)
+    try:
+        await cache.put(key_for(chat("Why is the sky blue?")), answer("x"), 30)
+        names = sorted([n.decode() async for n in admin.scan_iter(match="plain:*")])
+        kinds = sorted({n.split(":")[1] for n in names})
+        assert kinds == ["b", "e", "i"] and len(names) == 1 + 4 + 3
+        for name in names:
+            assert 0 < await admin.pttl(name) <= 30_000
+    finally:
+        await cache.purge()
+        await store.close()
+        await admin.aclose()
