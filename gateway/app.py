@@ -26,8 +26,11 @@ from .pipeline import Handler, compose
 from .policy.load import Loaded
 from .policy.model import Policy
 from .policy.watch import PolicySource
+from . import stages
 from .proxy import Forward
 from .routing import Router
+from .stages import Runtime
+from .state import Registry
 from .upstream import Transport, Upstreams
 from .warmup import warm_up
 
@@ -62,6 +65,7 @@ class Gateway:
         self.metrics = Metrics()
         self._upstreams = Upstreams(self.metrics) if transport is None else None
         self.transport: Transport = transport if transport is not None else self._upstreams  # type: ignore[assignment]
+        self.registry = Registry()
         self.inflight_requests = 0
         self.warm = False
         self.draining = False
@@ -79,7 +83,10 @@ class Gateway:
         policy = loaded.policy
         if self._upstreams is not None:
             self._upstreams.sync(policy)
-        handler = compose([], Forward(self.transport))
+        self.registry.begin()
+        runtime = Runtime(self.metrics, self.registry, self.clock, self.transport)
+        handler = compose(stages.build(policy, runtime), Forward(self.transport))
+        self.registry.end()
         self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
         return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler)
 
@@ -204,6 +211,7 @@ class Gateway:
         for runner in admin_runners:
             await runner.cleanup()
         self._runners.clear()
+        await self.registry.aclose()
         if self._upstreams is not None:
             await self._upstreams.aclose()
 

@@ -1,0 +1,34 @@
+"""The pipeline's stages, in order: cache lookup, single flight, batching, then admission,
+throttling, breakers and fallback around the forward to a backend.
+
+``build`` makes the stage list for one policy generation.  Stages keep per-request rules
+from the policy snapshot they are built with, and take their long-lived state (stores,
+batchers, breakers, queues) from the runtime's registry so it survives reloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..clock import Clock
+from ..metrics import Metrics
+from ..pipeline import Stage
+from ..policy.model import Policy
+from ..state import Registry
+from ..upstream import Transport
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What stages share across generations: metrics, long-lived state, time, transport."""
+
+    metrics: Metrics
+    registry: Registry
+    clock: Clock
+    transport: Transport
+
+
+def build(policy: Policy, runtime: Runtime) -> list[Stage]:
+    """The stages for ``policy``, in pipeline order."""
+    stages: list[Stage] = []
+    return stages

@@ -1,0 +1,80 @@
+"""Long-lived state that outlives policy reloads: batchers, caches, breakers, queues,
+telemetry pollers.  Each piece belongs to a kind and a name (a backend or route) and is
+kept while the settings that shaped it are unchanged; a reload that changes them gets a
+fresh one and the old one is closed once it is no longer in use."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Registry:
+    """State by (kind, name), rebuilt only when its settings change."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, str], tuple[Hashable, Any]] = {}
+        self._used: set[tuple[str, str]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    def get(self, kind: str, name: str, settings: Hashable, factory: Callable[[], T]) -> T:
+        """The state for (kind, name); made by ``factory`` if absent or its settings
+        differ (the replaced one is closed)."""
+        key = (kind, name)
+        self._used.add(key)
+        found = self._items.get(key)
+        if found is not None and found[0] == settings:
+            return found[1]  # type: ignore[no-any-return]
+        if found is not None:
+            self._close(found[1])
+        item = factory()
+        self._items[key] = (settings, item)
+        return item
+
+    def peek(self, kind: str, name: str) -> Any | None:
+        """The state for (kind, name) if it exists (for the admin and tests)."""
+        found = self._items.get((kind, name))
+        return found[1] if found is not None else None
+
+    def begin(self) -> None:
+        """Start a rebuild: ``end`` closes whatever the rebuild did not ``get``."""
+        self._used = set()
+
+    def end(self) -> None:
+        for key in [k for k in self._items if k not in self._used]:
+            self._close(self._items.pop(key)[1])
+
+    def items(self, kind: str) -> list[tuple[str, Any]]:
+        return [(name, item) for (k, name), (_, item) in self._items.items() if k == kind]
+
+    def _close(self, item: Any) -> None:
+        close = getattr(item, "aclose", None)
+        if close is None:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(close())
+        except RuntimeError:  # no loop: nothing to close asynchronously
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        for _, item in list(self._items.values()):
+            close = getattr(item, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    log.exception("closing %r failed", item)
+        self._items.clear()
+
+    def __repr__(self) -> str:
+        kinds: dict[str, int] = {}
+        for kind, _ in self._items:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return f"<Registry {kinds}>"
