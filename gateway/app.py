@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import stages
 from .admin import admin_routes
 from .clock import SYSTEM_CLOCK, Clock
 from .edge import Edge
@@ -26,7 +27,6 @@ from .pipeline import Handler, compose
 from .policy.load import Loaded
 from .policy.model import Policy
 from .policy.watch import PolicySource
-from . import stages
 from .proxy import Forward
 from .routing import Router
 from .stages import Runtime

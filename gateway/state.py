@@ -29,7 +29,7 @@ class Registry:
         self._used.add(key)
         found = self._items.get(key)
         if found is not None and found[0] == settings:
-            return found[1]  # type: ignore[no-any-return]
+            return found[1]
         if found is not None:
             self._close(found[1])
         item = factory()
