@@ -103,6 +103,147 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        # -- caching (issue 4) --
+        self.cache_lookups = Counter(
+            "gateway_cache_lookups",
+            "Cache lookups by route, result (hit, miss, bypass) and "
+            "match (exact, simhash, embedding, none).",
+            ["route", "result", "match"],
+            registry=r,
+        )
+        self.cache_lookup_seconds = Histogram(
+            "gateway_cache_lookup_seconds",
+            "Time to look a request up in the cache.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cache_entries = Gauge(
+            "gateway_cache_entries",
+            "Entries in the cache store (memory store; Redis reports none).",
+            registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "gateway_cache_bytes", "Bytes held by the cache store.", registry=r
+        )
+        self.cache_store_errors = Counter(
+            "gateway_cache_store_errors",
+            "Cache store operations that failed (answered as misses).",
+            registry=r,
+        )
+        # -- single flight and batching (issue 5) --
+        self.coalesced = Counter(
+            "gateway_coalesced_requests",
+            "Requests that joined an identical call already in flight.",
+            ["route"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "gateway_batch_size",
+            "Items per batched upstream call.",
+            ["route"],
+            buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256),
+            registry=r,
+        )
+        self.batch_wait = Histogram(
+            "gateway_batch_wait_seconds",
+            "Time a request waited for its batch to go.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_limit = Gauge(
+            "gateway_batch_limit",
+            "Current batch size limit (moves with adaptive sizing and OOM back-off).",
+            ["route"],
+            registry=r,
+        )
+        self.batch_splits = Counter(
+            "gateway_batch_splits",
+            "Batches split in halves after a 4xx to isolate a bad input.",
+            ["route"],
+            registry=r,
+        )
+        self.batch_oom_backoffs = Counter(
+            "gateway_batch_oom_backoffs",
+            "Batch size halvings after the backend ran out of memory.",
+            ["route"],
+            registry=r,
+        )
+        # -- GPU telemetry, throttling, admission, breakers, fallback (issue 6) --
+        self.gpu_temperature = Gauge(
+            "gateway_gpu_temperature_celsius", "GPU temperature.", ["backend"], registry=r
+        )
+        self.gpu_memory_used = Gauge(
+            "gateway_gpu_memory_used_ratio", "VRAM used / total.", ["backend"], registry=r
+        )
+        self.gpu_utilization = Gauge(
+            "gateway_gpu_utilization_ratio", "GPU utilisation 0..1.", ["backend"], registry=r
+        )
+        self.gpu_power = Gauge(
+            "gateway_gpu_power_ratio", "Power draw / enforced limit.", ["backend"], registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "gateway_kv_cache_usage_ratio",
+            "Model server KV-cache use 0..1.",
+            ["backend"],
+            registry=r,
+        )
+        self.telemetry_age = Gauge(
+            "gateway_telemetry_age_seconds",
+            "Age of the newest telemetry sample.",
+            ["backend"],
+            registry=r,
+        )
+        self.throttle_active = Gauge(
+            "gateway_throttle_active",
+            "1 while a throttle rule holds.",
+            ["rule", "backend"],
+            registry=r,
+        )
+        self.throttle_transitions = Counter(
+            "gateway_throttle_transitions",
+            "Throttle rules firing or clearing.",
+            ["rule", "backend"],
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            "gateway_breaker_state",
+            "Circuit breaker: 0 closed, 1 open, 2 half-open.",
+            ["backend"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "gateway_breaker_transitions", "Breaker state changes.", ["backend", "to"], registry=r
+        )
+        self.fallbacks = Counter(
+            "gateway_fallbacks",
+            "Requests served by a fallback backend, by why.",
+            ["route", "reason"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "gateway_shed",
+            "Requests refused to protect a backend, by why.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "gateway_queue_depth", "Requests waiting for admission.", ["backend"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds",
+            "Time waited for admission.",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "gateway_rate_limited",
+            "Requests refused by a route's per-tenant rate limit.",
+            ["route"],
+            registry=r,
+        )
         self._route_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._request_children: dict[tuple[str, str, int], Any] = {}
         self._token_children: dict[str, tuple[Any, Any]] = {}

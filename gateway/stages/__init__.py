@@ -3,7 +3,8 @@ throttling, breakers and fallback around the forward to a backend.
 
 ``build`` makes the stage list for one policy generation.  Stages keep per-request rules
 from the policy snapshot they are built with, and take their long-lived state (stores,
-batchers, breakers, queues) from the runtime's registry so it survives reloads.
+batchers, breakers, queues) from the runtime's registry so it survives reloads.  A stage
+whose route does not use its capability passes the call straight on.
 """
 
 from __future__ import annotations
@@ -31,4 +32,7 @@ class Runtime:
 def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The stages for ``policy``, in pipeline order."""
     stages: list[Stage] = []
+    # 1. cache lookup (issue 4)
+    # 2. single flight, 3. batching (issue 5)
+    # 4. admission, throttling, breakers and fallback (issue 6)
     return stages
