@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 Headers = tuple[tuple[str, str], ...]
 
 
+def first_header(headers: Headers, name: str, default: str | None = None) -> str | None:
+    """The first value of header ``name`` in ``headers``, case-insensitively."""
+    name = name.lower()
+    for key, value in headers:
+        if key.lower() == name:
+            return value
+    return default
+
+
 @dataclass(slots=True)
 class Call:
     """One client request, as the stages see it.
@@ -45,11 +54,7 @@ class Call:
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a request header, case-insensitively."""
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return default
+        return first_header(self.headers, name, default)
 
     @property
     def streaming(self) -> bool:
@@ -76,11 +81,7 @@ class Reply:
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a response header, case-insensitively."""
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return default
+        return first_header(self.headers, name, default)
 
     def with_headers(self, extra: Sequence[tuple[str, str]]) -> Reply:
         """A reply with ``extra`` headers replacing any of the same names."""

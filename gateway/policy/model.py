@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..telemetry.signals import Signal
+
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_STREAM_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -32,26 +34,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SIMHASH_MAX_DISTANCE = 3
 DEFAULT_BATCH_MAX_SIZE = 16
 DEFAULT_BATCH_MAX_WAIT_MS = 5.0
-SIGNAL_NAMES = (
-    "gpu_temperature_c",
-    "gpu_memory_temperature_c",
-    "gpu_memory_used_ratio",
-    "gpu_utilization",
-    "gpu_power_ratio",
-    "gpu_thermal_throttling",
-    "kv_cache_usage",
-    "queue_waiting",
-)
-SignalName = Literal[
-    "gpu_temperature_c",
-    "gpu_memory_temperature_c",
-    "gpu_memory_used_ratio",
-    "gpu_utilization",
-    "gpu_power_ratio",
-    "gpu_thermal_throttling",
-    "kv_cache_usage",
-    "queue_waiting",
-]
 
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
@@ -385,7 +367,7 @@ class Route:
 class When:
     """A threshold with hysteresis: fires above `above`, clears only below `clear_below`."""
 
-    signal: SignalName = field(metadata=_doc("The normalised telemetry signal."))
+    signal: Signal = field(metadata=_doc("The normalised telemetry signal."))
     above: float = field(metadata=_doc("Fires when the signal rises above this."))
     clear_below: float = field(metadata=_doc("Clears only when it falls below this."))
 
