@@ -1,5 +1,5 @@
-"""The admin listener's endpoints: health, readiness, metrics, the effective policy and
-reload.  Mutating endpoints need ``Authorization: Bearer <token>``; with no token
+"""The admin listener's endpoints: health, readiness, metrics, the effective policy, reload
+and cache purge.  Mutating endpoints need ``Authorization: Bearer <token>``; with no token
 configured they answer only on a loopback-bound admin port."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .edge import error_response
-from .errors import GatewayError, PolicyError, Unauthorized
+from .errors import GatewayError, PolicyError, StoreError, Unauthorized
 from .policy.show import to_data
+from .stages.cache_store import STORE_KIND, STORE_NAME, CacheState
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -76,13 +77,70 @@ def admin_routes(gateway: Gateway, *, loopback: bool) -> list[web.RouteDef]:
             }
         )
 
+    async def cache_purge(request: web.Request) -> web.Response:
+        state: CacheState | None = gateway.registry.peek(STORE_KIND, STORE_NAME)
+        if state is None:
+            return web.json_response(
+                {"purged": 0, "error": "no route in the policy caches, so there is no cache"},
+                status=409,
+            )
+        try:
+            filters = await _purge_filters(request, state)
+        except ValueError as exc:
+            return web.json_response({"purged": 0, "error": str(exc)}, status=400)
+        try:
+            purged = await state.purge(**filters)
+        except StoreError as exc:
+            return web.json_response({"purged": 0, "error": str(exc)}, status=503)
+        return web.json_response({"purged": purged, "store": state.kind, "filters": filters})
+
     return [
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
         web.get("/policy", policy),
         web.post("/reload", guarded(reload)),
+        web.post("/cache/purge", guarded(cache_purge)),
     ]
+
+
+PURGE_FILTERS = ("backend", "model_version", "tenant", "scope")
+
+
+async def _purge_filters(request: web.Request, state: CacheState) -> dict[str, str]:
+    """The purge filters from a JSON body or the query string: ``backend``,
+    ``model_version``, and the tenant as ``tenant`` (its raw scope header value, or an
+    object of header: value) or ``scope`` (the scope hash); none means everything."""
+    given: dict[str, object] = dict(request.query)
+    if request.can_read_body:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"body is not JSON: {exc}") from exc
+        if body is not None and not isinstance(body, dict):
+            raise ValueError("body must be a JSON object of filters")
+        given.update(body or {})
+    unknown = sorted(set(given) - set(PURGE_FILTERS))
+    if unknown:
+        raise ValueError(f"unknown filters {unknown}; use {list(PURGE_FILTERS)}")
+    if "tenant" in given and "scope" in given:
+        raise ValueError("give `tenant` or `scope`, not both")
+    filters: dict[str, str] = {}
+    for name in ("backend", "model_version", "scope"):
+        value = given.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise ValueError(f"`{name}` must be a string")
+            filters[name] = value
+    tenant = given.get("tenant")
+    if tenant is not None:
+        if isinstance(tenant, dict) and all(isinstance(v, str) for v in tenant.values()):
+            filters["scope"] = state.tenant_scope({str(k): v for k, v in tenant.items()})
+        elif isinstance(tenant, str):
+            filters["scope"] = state.tenant_scope(tenant)
+        else:
+            raise ValueError("`tenant` must be a string or an object of header: value")
+    return filters
 
 
 def _authorize(request: web.Request, token: str | None, loopback: bool) -> None:

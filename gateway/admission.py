@@ -184,9 +184,7 @@ class Admission:
             if victim is None:
                 raise self._reject("queue_full", "the queue is full")
             self._unqueue(victim)
-            victim.future.set_exception(
-                self._reject("queue_full", "shed from a full queue by a higher-priority request")
-            )
+            self._fail(victim, "queue_full", "shed from a full queue by a higher-priority request")
         loop = asyncio.get_running_loop()
         timeout_s = self.config.queue.timeout_ms / 1000
         waiter = _Waiter(loop.create_future(), priority, now, now + timeout_s)
@@ -214,7 +212,7 @@ class Admission:
         due = [w for q in self._queues for w in q if w.deadline <= now]
         for waiter in due:
             self._unqueue(waiter)
-            waiter.future.set_exception(self._reject("queue_timeout", "timed out in the queue"))
+            self._fail(waiter, "queue_timeout", "timed out in the queue")
         return len(due)
 
     def shed_waiting(self, below: Priority, reason: str = "throttle") -> int:
@@ -222,7 +220,7 @@ class Admission:
         victims = [w for p in Priority if p < below for w in self._queues[p]]
         for waiter in victims:
             self._unqueue(waiter)
-            waiter.future.set_exception(self._reject(reason, "shed to protect the backend"))
+            self._fail(waiter, reason, "shed to protect the backend")
         return len(victims)
 
     def _admit(self, now: float) -> Ticket:
@@ -246,6 +244,8 @@ class Admission:
                 waiter = queue.popleft()
                 waiter.queued = False
                 self.depth -= 1
+                if waiter.future.done():
+                    continue  # cancelled, its task not yet resumed: it is leaving anyway
                 self.in_flight += 1
                 waiter.future.set_result(None)
 
@@ -279,6 +279,11 @@ class Admission:
             waiter.timer = asyncio.get_running_loop().call_later(remaining, self._on_timer, waiter)
         else:
             self.expire_due()
+
+    def _fail(self, waiter: _Waiter, reason: str, why: str) -> None:
+        """Refuse a waiter taken off the queue (unless it was cancelled meanwhile)."""
+        if not waiter.future.done():
+            waiter.future.set_exception(self._reject(reason, why))
 
     def _reject(self, reason: str, why: str) -> Overloaded:
         self.shed[reason] += 1

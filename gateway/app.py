@@ -30,6 +30,7 @@ from .policy.watch import PolicySource
 from .proxy import Forward
 from .routing import Router
 from .stages import Runtime
+from .stages.gpu import start_telemetry
 from .state import Registry
 from .upstream import Transport, Upstreams
 from .warmup import warm_up
@@ -87,6 +88,8 @@ class Gateway:
         runtime = Runtime(self.metrics, self.registry, self.clock, self.transport)
         handler = compose(stages.build(policy, runtime), Forward(self.transport))
         self.registry.end()
+        if self._runners:  # a reload while running: start the pollers it added
+            start_telemetry(self.registry)
         self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
         return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler)
 
@@ -146,7 +149,9 @@ class Gateway:
     def data_server(self) -> web.Server:
         """The data plane: aiohttp's low-level server (every path is the edge's; no router
         or middleware to pay for)."""
-        return web.Server(Edge(self).handle, handler_cancellation=True, max_field_size=65536)
+        return web.Server(
+            Edge(self).handle, handler_cancellation=True, max_field_size=65536, access_log=None
+        )
 
     def admin_app(self, *, loopback: bool) -> web.Application:
         app = web.Application()
@@ -180,6 +185,7 @@ class Gateway:
             bound = sock.getsockname()
             shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
             urls.append(f"http://{shown}:{bound[1]}")
+        start_telemetry(self.registry)
         if self.source.watchable:
             self._spawn(self._watch(watch_interval_s))
         if warmup:

@@ -37,7 +37,7 @@ HALF_OPEN_BUSY_RETRY_S = 1.0
 """Retry-After for a call refused because every half-open probe slot is taken."""
 
 State = Literal["closed", "open", "half_open"]
-STATE_VALUES: dict[State, int] = {"closed": 0, "half_open": 1, "open": 2}
+STATE_VALUES: dict[State, int] = {"closed": 0, "open": 1, "half_open": 2}
 """The ``gateway_breaker_state`` gauge's encoding."""
 
 

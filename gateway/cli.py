@@ -4,6 +4,7 @@ gateway serve --policy PATH | --upstream URL [--host --port --admin-host --admin
 gateway check PATH...      validate policies; non-zero exit naming file, key path, line
 gateway schema [--markdown] the policy's JSON Schema (or its reference page)
 gateway sim [flags]        the simulated GPU model server
+gateway cache-eval PAIRS.tsv... [--json]   precision / recall / false hits per cache tier
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="machine-readable output")
     demo.set_defaults(run=_demo)
 
+    cache_eval = sub.add_parser(
+        "cache-eval", help="precision, recall and false-hit rate of each cache tier and setting"
+    )
+    cache_eval.add_argument(
+        "pairs", nargs="+", metavar="PAIRS.tsv", help="label<TAB>first<TAB>second per line"
+    )
+    cache_eval.add_argument("--json", action="store_true", help="machine-readable output")
+    cache_eval.add_argument(
+        "--embedding",
+        action="store_true",
+        help="also evaluate the embedding tier with the local model (the embedding extra)",
+    )
+    cache_eval.set_defaults(run=_cache_eval)
+
     from .sim.config import SimConfig
 
     sim = sub.add_parser("sim", help="run the simulated GPU model server")
@@ -120,10 +135,60 @@ def _check(args: argparse.Namespace) -> int:
         for warning in loaded.warnings:
             print(f"warning: {warning} (it must be set where the gateway runs)", file=sys.stderr)
         p = loaded.policy
+        for note in _cache_warnings(p):
+            print(f"warning: {path}: {note}", file=sys.stderr)
         print(
             f"ok: {path} ({len(p.backends)} backends, {len(p.routes)} routes, hash {loaded.digest})"
         )
     return 1 if failed else 0
+
+
+def _cache_warnings(policy: Any) -> list[str]:
+    """What a valid policy asks of the cache that this installation cannot give."""
+    from .cache.simhash import MAX_DISTANCE
+    from .stages.cache_embedding import unavailable
+
+    warnings = []
+    for i, route in enumerate(policy.routes):
+        if route.cache is None:
+            continue
+        semantic = route.cache.semantic
+        where = f"routes[{i}].cache.semantic"
+        if semantic.method == "embedding" and (reason := unavailable(semantic.embedder)):
+            warnings.append(f"{where}.method: {reason}; the route serves exact and SimHash hits")
+        if semantic.method != "off" and semantic.max_distance > MAX_DISTANCE:
+            warnings.append(
+                f"{where}.max_distance: {semantic.max_distance} is beyond what the SimHash "
+                f"index finds; {MAX_DISTANCE} is used"
+            )
+    return warnings
+
+
+def _cache_eval(args: argparse.Namespace) -> int:
+    from .cache.evaluate import evaluate, format_report, local_embed
+
+    embed = None
+    if args.embedding:
+        from .cache.embedding import available
+
+        ok, reason = available()
+        if not ok:
+            print(f"error: {reason}", file=sys.stderr)
+            return 1
+        embed = local_embed()
+    reports = []
+    for path in args.pairs:
+        try:
+            reports.append(evaluate(path, embed=embed))
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        data = [json.loads(r.to_json()) for r in reports]
+        print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    return 0
 
 
 def _schema(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from . import openai_body
-from .errors import BodyTooLarge, GatewayError, UpstreamError
+from .errors import BodyTooLarge, GatewayError, SlowReader, UpstreamError
 from .headers import REQUEST_OWNED, strip
 from .pipeline import Call, Reply
 from .routing import OPENAI_JSON_PATHS
@@ -159,7 +159,7 @@ class Edge:
                 if usage is not None:
                     usage.feed(chunk)
                 await response.write(chunk)
-        except UpstreamError as exc:
+        except (UpstreamError, SlowReader) as exc:
             # Headers are gone already: the client must not mistake a cut stream for a
             # whole one, so the connection closes without the final chunk.
             log.warning("stream from %s broke off: %s", reply.backend, exc)

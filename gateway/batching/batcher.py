@@ -11,6 +11,19 @@ of different tenants or parameters never share a call.  A group goes upstream wh
   turn of the event loop: waiting only pays while the GPU is busy, so with one slot batch
   N+1 fills while batch N runs and goes the moment N returns.
 
+With ``max_in_flight`` (at least ``slots``) batches are *held*: never more than that many are
+upstream at once.  Callers queue per group and a batch is cut, at the limit as it is then,
+only when it may go: at once while fewer than ``slots`` are in flight; when full or past
+``max_wait_ms`` while fewer than ``max_in_flight`` are; otherwise when one returns, the
+groups taking turns (round robin, so no tenant starves another).  Without a cap, a saturated
+backend collects a queue of partial batches, each sent when its wait ran out, and closed-loop
+clients stay split into those small cohorts for good; held, the batches stay full.  With
+``max_in_flight == slots`` a batch never queues at the backend behind another of this batcher,
+so its latency is the backend's time for that batch alone: what an AIMD limit must see, or it
+would read queueing as the cost of size and shrink the batches when the backend is saturated.
+A returning batch frees its slot before its answer is split, so the next one is on its way
+while the callers of the last are answered.
+
 Failures of a merged call are the batcher's to sort out, so that a caller sees what it would
 have seen alone:
 
@@ -125,6 +138,11 @@ class _Caller:
 
 
 @dataclass(slots=True, eq=False)
+class _Slot:
+    held: bool = True
+
+
+@dataclass(slots=True, eq=False)
 class _Group:
     key: Hashable
     callers: list[_Caller] = field(default_factory=list)
@@ -147,15 +165,20 @@ class Batcher:
         observer: BatchObserver | None = None,
         clock: Clock = SYSTEM_CLOCK,
         sleep: Sleep = asyncio.sleep,
+        max_in_flight: int | None = None,
     ) -> None:
         if slots < 1 or max_wait_ms < 0:
             raise ValueError("slots must be >= 1 and max_wait_ms >= 0")
+        if max_in_flight is not None and max_in_flight < slots:
+            raise ValueError("max_in_flight must be at least slots")
         self.name = name or adapter.name
         self._adapter = adapter
         self._send = send
         self._limit: BatchLimit = limit or FixedLimit(DEFAULT_MAX_SIZE)
         self._max_wait_s = max_wait_ms / 1000.0
         self._slots = slots
+        self._hold = max_in_flight is not None
+        self._depth = max_in_flight or slots
         self._observer: BatchObserver = observer or NullObserver()
         self._clock = clock
         self._sleep = sleep
@@ -194,7 +217,9 @@ class Batcher:
         loop = asyncio.get_running_loop()
         caller = _Caller(body, self._adapter.count(body), loop.create_future(), self._clock.now())
         limit = self._limit.limit
-        if caller.items >= limit:
+        if self._hold:
+            self._queue(caller, (scope, self._adapter.compat_key(body)))
+        elif caller.items >= limit:
             self._observer.waited(0.0)
             self._dispatch([caller])
         else:
@@ -221,6 +246,58 @@ class Batcher:
         elif self._in_flight < self._slots:
             self._flush_when_idle()
 
+    def _queue(self, caller: _Caller, key: Hashable) -> None:
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(key)
+        group.callers.append(caller)
+        group.items += caller.items
+        caller.group = group
+        self._arm(group)
+        if self._in_flight < self._depth:
+            self._flush_when_idle()
+
+    def _send_ready(self) -> None:
+        """Held: start every batch that may go now, the groups taking turns."""
+        now = self._clock.now()
+        while self._groups and self._in_flight < self._depth:
+            idle = self._in_flight < self._slots
+            limit = self._limit.limit
+            group = next(
+                (
+                    g
+                    for g in self._groups.values()
+                    if idle or g.items >= limit or g.callers[0].arrived + self._max_wait_s <= now
+                ),
+                None,
+            )
+            if group is None:
+                return
+            self._take(group)
+
+    def _take(self, group: _Group) -> None:
+        """Send the first callers of ``group`` up to the limit; the rest wait their turn."""
+        chunk = _chunks(group.callers, self._limit.limit)[0]
+        del group.callers[: len(chunk)]
+        now = self._clock.now()
+        for caller in chunk:
+            caller.group = None
+            group.items -= caller.items
+            self._observer.waited(now - caller.arrived)
+        self._drop(group)
+        if group.callers:
+            self._groups[group.key] = group  # to the back of the line
+            self._arm(group)
+        self._dispatch(chunk)
+
+    def _arm(self, group: _Group) -> None:
+        """Held: wake up when the group's oldest caller has waited ``max_wait_ms``."""
+        if group.timer is not None or self._depth == self._slots:
+            return  # (with no room past the slots, the wait never sends anything)
+        due = group.callers[0].arrived + self._max_wait_s - self._clock.now()
+        if due > 0:
+            group.timer = asyncio.get_running_loop().create_task(self._wait_out(group, due))
+
     def _leave(self, caller: _Caller) -> None:
         group = caller.group
         if group is None:
@@ -238,11 +315,17 @@ class Batcher:
             group.timer.cancel()
             group.timer = None
 
-    async def _wait_out(self, group: _Group) -> None:
-        await self._sleep(self._max_wait_s)
+    async def _wait_out(self, group: _Group, due_s: float | None = None) -> None:
+        await self._sleep(self._max_wait_s if due_s is None else due_s)
         group.timer = None
-        if self._groups.get(group.key) is group:
+        if self._groups.get(group.key) is not group:
+            return
+        if not self._hold:
             self._flush(group)
+            return
+        self._send_ready()
+        if self._groups.get(group.key) is group:
+            self._arm(group)
 
     def _flush_when_idle(self) -> None:
         if self._idle_call is None:
@@ -250,6 +333,9 @@ class Batcher:
 
     def _on_idle(self) -> None:
         self._idle_call = None
+        if self._hold:
+            self._send_ready()
+            return
         while self._groups and self._in_flight < self._slots:
             self._flush(next(iter(self._groups.values())))
 
@@ -270,19 +356,29 @@ class Batcher:
         task.add_done_callback(self._running.discard)
 
     async def _run(self, callers: list[_Caller]) -> None:
+        slot = _Slot()
         try:
-            await self._attempt(callers)
+            await self._attempt(callers, slot)
         finally:
-            self._in_flight -= 1
-            if self._groups:
-                self._flush_when_idle()
+            self._free(slot)
 
-    async def _attempt(self, callers: Sequence[_Caller]) -> None:
+    def _free(self, slot: _Slot | None) -> None:
+        """Give back the batch's slot (once) and send what may go now."""
+        if slot is None or not slot.held:
+            return
+        slot.held = False
+        self._in_flight -= 1
+        if self._hold:
+            self._send_ready()
+        elif self._groups:
+            self._flush_when_idle()
+
+    async def _attempt(self, callers: Sequence[_Caller], slot: _Slot | None = None) -> None:
         live = [c for c in callers if not c.future.done()]
         if not live:
             return
         try:
-            await self._call(live)
+            await self._call(live, slot)
         except asyncio.CancelledError:
             _fail(live, Overloaded("the batcher is closed", reason="shutdown"))
             raise
@@ -293,7 +389,7 @@ class Batcher:
             error.__cause__ = exc
             _fail(live, error)
 
-    async def _call(self, live: list[_Caller]) -> None:
+    async def _call(self, live: list[_Caller], slot: _Slot | None) -> None:
         bodies = [c.body for c in live]
         items = sum(c.items for c in live)
         merged = self._adapter.merge(bodies)
@@ -308,6 +404,7 @@ class Batcher:
             raise UpstreamUnavailable(f"batched call failed: {exc!r}") from exc
         if 200 <= status < 300:
             self._observe(self._clock.now() - started, items)
+            self._free(slot)  # the backend is done: the next batch goes before this one splits
             shares = split_answer(self._adapter, status, raw, bodies)
             for caller, share in zip(live, shares, strict=True):
                 _resolve(caller, Answer(status, share))
@@ -361,7 +458,7 @@ class Batcher:
             f"waiting={waiting} ({items} items, {len(self._groups)} groups) "
             f"in_flight={self._in_flight}/{self._slots} calls={self.upstream_calls} "
             f"splits={self.splits} oom_backoffs={self.oom_backoffs}"
-            f"{' closed' if self._closed else ''}>"
+            f"{f' held<={self._depth}' if self._hold else ''}{' closed' if self._closed else ''}>"
         )
 
 

@@ -90,6 +90,15 @@ def check(first: str | Normalized, second: str | Normalized) -> Verdict:
     return _sequence(a.tokens, b.tokens)
 
 
+def signature(text: str | Normalized) -> str:
+    """What ``check`` requires two messages to share, as a string: their numbers, quoted
+    spans, code blocks and negation count.  Messages the guard accepts as the same question
+    always have equal signatures, so the near-duplicate index may be partitioned by it."""
+    norm = normalize(text) if isinstance(text, str) else text
+    parts = (_numbers(norm), norm.quoted, norm.code, _negations(norm))
+    return "\x1f".join("\x1e".join(p) if isinstance(p, tuple) else str(p) for p in parts)
+
+
 def _numbers(norm: Normalized) -> tuple[str, ...]:
     return tuple(t.text for t in norm.tokens if t.kind == NUMBER)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .keys import canonical_json, item_key
@@ -28,11 +28,13 @@ class ItemPlan:
 
 @dataclass(frozen=True, slots=True)
 class CachedItem:
-    """One stored embedding (a float list, or a base64 string) and its token share."""
+    """One stored embedding (a float list, or a base64 string) and its token share;
+    ``created_at`` is the wall time it was stored (set on reads, for ``Age``; not encoded)."""
 
     embedding: Any
     tokens: int
     model: str
+    created_at: float = field(default=0.0, compare=False)
 
 
 def plan_items(

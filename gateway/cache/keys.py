@@ -12,10 +12,14 @@ Canonical means sorted keys, no whitespace, integral floats written as integers
 
 Unknown fields stay in the key: an unknown field is assumed to change the answer.
 
-The *context key* is the same hash with the final user message's text blanked: two chat
-requests with equal context keys differ at most in that text, which is what the
-near-duplicate tier compares.  The tenant scope is a hash of the configured scope headers'
-values; raw header values are never stored.
+The *context key* is the same hash with the final user message's text blanked, plus the
+guard's signature of that text (its numbers, quoted spans, code blocks and negation count;
+``guard.signature``): two chat requests with equal context keys differ at most in that
+text, in ways the guard may accept, which is what the near-duplicate tier compares.  The
+signature costs no recall (the guard rejects any pair whose signatures differ) and keeps
+templated prompts that differ only in an id or a number out of each other's SimHash
+buckets, where they would otherwise pile up by the thousand.  The tenant scope is a hash
+of the configured scope headers' values; raw header values are never stored.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .guard import signature
 
 DEFAULT_SCOPE_HEADERS = ("authorization",)
 IGNORED_FIELDS = frozenset(
@@ -123,20 +129,45 @@ def request_key(
     backend: str,
     model_version: str,
     path: str,
+    near: bool = True,
 ) -> RequestKey:
-    """The exact key of ``body``, and its context key and prompt when near-dup applies."""
-    canonical = canonical_json(body)
+    """The exact key of ``body``, and its context key and prompt when near-dup applies
+    (and ``near`` asks for them; ``with_context`` adds them later, for a caller that tries
+    the exact tier first and pays for the rest only on a miss)."""
+    canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
     prefix = (scope, route, backend, model_version, path)
-    exact = _digest("exact", *prefix, canonical)
-    prompt = final_user_text(body) if path.endswith(CHAT_PATH_SUFFIX) else None
+    key = RequestKey(scope, _digest("exact", *prefix, _dumps_canon(canon)))
+    return _with_context(key, body, canon, prefix) if near else key
+
+
+def with_context(
+    key: RequestKey,
+    body: Mapping[str, Any],
+    *,
+    route: str,
+    backend: str,
+    model_version: str,
+    path: str,
+) -> RequestKey:
+    """``key`` (from ``request_key(..., near=False)`` for the same arguments) with its
+    context key and prompt added when near-dup applies."""
+    canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
+    return _with_context(key, body, canon, (key.scope, route, backend, model_version, path))
+
+
+def _with_context(
+    key: RequestKey, body: Mapping[str, Any], canon: dict[str, Any], prefix: tuple[str, ...]
+) -> RequestKey:
+    prompt = final_user_text(body) if prefix[-1].endswith(CHAT_PATH_SUFFIX) else None
     if prompt is None:
-        return RequestKey(scope, exact)
-    blanked = dict(body)
-    messages = list(body["messages"])
+        return key
+    # The context is the same canonical form with the final message's text blanked: blank
+    # it in the canonical copy rather than canonicalise the body twice.
+    messages = list(canon["messages"])
     messages[-1] = dict(messages[-1], content=_BLANK)
-    blanked["messages"] = messages
-    context = _digest("context", *prefix, canonical_json(blanked))
-    return RequestKey(scope, exact, context, prompt)
+    blanked = _dumps_canon({**canon, "messages": messages})
+    context = _digest("context", *prefix, blanked, signature(prompt))
+    return RequestKey(key.scope, key.exact, context, prompt)
 
 
 def item_key(
@@ -184,7 +215,11 @@ def _digest(kind: str, *parts: str) -> str:
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(_canon(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _dumps_canon(_canon(value))
+
+
+def _dumps_canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def _canon(value: Any) -> Any:

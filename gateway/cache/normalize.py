@@ -117,6 +117,9 @@ _SPECIAL = (
 )
 
 
+_tuple_new = tuple.__new__
+
+
 class Token(NamedTuple):
     """One comparable unit: ``text`` is lower-cased; ``cased`` marks a capital mid-sentence.
 
@@ -161,15 +164,22 @@ def normalize(text: str) -> Normalized:
         text = _HYPHEN.sub(" ", text)
     if "," in text:
         text = _THOUSANDS.sub("", text)
+    # The lookup path runs this loop once per word: a single-space gap skips the sentence
+    # check, and tokens are built with tuple.__new__ (NamedTuple's own __new__ is Python).
     tokens: list[Token] = []
+    append = tokens.append
     sentence_start = True
     previous_end = 0
     for m in _TOKEN.finditer(text):
-        start = m.start()
-        if start > previous_end and not _SENTENCE_ENDS.isdisjoint(text[previous_end:start]):
+        start, end = m.span()
+        if (
+            start > previous_end
+            and (start - previous_end > 1 or text[previous_end] != " ")
+            and not _SENTENCE_ENDS.isdisjoint(text[previous_end:start])
+        ):
             sentence_start = True
-        previous_end = m.end()
-        raw = m.group(0)
+        previous_end = end
+        raw = m.group()
         group = m.lastgroup
         if group == "word":
             word = raw.lower()
@@ -177,9 +187,9 @@ def normalize(text: str) -> Normalized:
             if "'" in word or word in _SPECIAL:
                 tokens.extend(_word_tokens(word, cased))
             else:
-                tokens.append(Token(word, WORD, cased))
+                append(_tuple_new(Token, (word, WORD, cased)))
         else:
-            tokens.append(Token(raw, NUMBER if group == "num" else SYMBOL))
+            append(_tuple_new(Token, (raw, NUMBER if group == "num" else SYMBOL, False)))
         sentence_start = False
     start, end = 0, len(tokens)
     while start < end and tokens[start].text in EDGE_FILLERS:

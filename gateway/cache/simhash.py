@@ -32,9 +32,6 @@ MAX_DISTANCE = BANDS - 1
 """The largest Hamming distance the banded index can find without a scan."""
 
 _MASK = (1 << BAND_BITS) - 1
-_SHIFTS = np.arange(BITS - 1, -1, -1, dtype=np.uint64)
-_BIT_VALUES = np.left_shift(np.uint64(1), _SHIFTS)
-_ONE = np.uint64(1)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -54,9 +51,12 @@ def fingerprint(text: str | Normalized) -> int:
     feats = features(norm)
     if not feats:
         return 0
-    hashes = np.array([_feature_hash(f) for f in feats], dtype=np.uint64)
-    ones = ((hashes[:, None] >> _SHIFTS) & _ONE).sum(axis=0)
-    return int(_BIT_VALUES[ones * 2 > len(feats)].sum())
+    # Big-endian bytes unpacked give each hash's bits most significant first; the majority
+    # bits packed back, read big-endian, are the fingerprint.
+    hashes = np.array([_feature_hash(f) for f in feats], dtype=">u8")
+    bits = np.unpackbits(hashes.view(np.uint8)).reshape(len(feats), BITS)
+    ones = bits.sum(axis=0, dtype=np.int32)
+    return int.from_bytes(np.packbits(ones * 2 > len(feats)).tobytes(), "big")
 
 
 def hamming(a: int, b: int) -> int:

@@ -70,10 +70,13 @@ class ResponseCache:
         self.store_errors = 0
         self.results: Counter[str] = Counter()
 
-    async def lookup(self, key: RequestKey, *, near: bool = True) -> Hit | None:
-        """The cached answer for ``key``, or None; never raises for a store failure."""
+    async def lookup(self, key: RequestKey, *, near: bool = True, exact: bool = True) -> Hit | None:
+        """The cached answer for ``key``, or None; never raises for a store failure.
+
+        ``exact=False`` skips the exact tier, for a caller that already tried it (with a key
+        lacking the context, which is cheaper to compute).  ``results`` counts calls."""
         try:
-            hit = await self._lookup(key, near)
+            hit = await self._lookup(key, near, exact)
         except StoreError as exc:
             self._failed(exc)
             hit = None
@@ -110,9 +113,10 @@ class ResponseCache:
         items: list[CachedItem | None] = []
         for entry in entries:
             try:
-                items.append(decode_item(entry.body) if entry and entry.body is not None else None)
+                item = decode_item(entry.body) if entry and entry.body is not None else None
             except ValueError:
-                items.append(None)
+                item = None
+            items.append(replace(item, created_at=entry.created_at) if entry and item else None)
         hits = sum(1 for item in items if item is not None)
         self.results["item_hit"] += hits
         self.results["item_miss"] += len(items) - hits
@@ -158,10 +162,11 @@ class ResponseCache:
         since an operator asked for it and must know."""
         return await self.store.purge(backend=backend, model_version=model_version, scope=scope)
 
-    async def _lookup(self, key: RequestKey, near: bool) -> Hit | None:
-        entry = await self.store.get(key.exact)
-        if entry is not None and entry.scope == key.scope:
-            return Hit(entry, EXACT, 1.0, key.exact)
+    async def _lookup(self, key: RequestKey, near: bool, exact: bool) -> Hit | None:
+        if exact:
+            entry = await self.store.get(key.exact)
+            if entry is not None and entry.scope == key.scope:
+                return Hit(entry, EXACT, 1.0, key.exact)
         if not near or key.context is None or key.prompt is None:
             return None
         fp = prompt_fingerprint(key.prompt)

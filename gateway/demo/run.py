@@ -14,6 +14,7 @@ from ..policy.load import parse_policy_text
 from ..policy.model import Policy
 from ..policy.watch import PolicySource
 from ..sim import SimConfig, start_sim
+from .thermal import format_thermal, run_thermal
 from .workload import drive
 
 DEMO_POLICY = "demo.yaml"
@@ -97,6 +98,8 @@ def format_table(result: dict[str, Any]) -> str:
         a, b = direct[key], gateway[key]
         change = f"{b / a:.2f}x" if a else ""
         lines.append(f"{label:28}{fmt.format(a):>12}{fmt.format(b):>14}{change:>10}")
+    if "thermal" in result:
+        lines += ["", format_thermal(result["thermal"])]
     lines += ["", "Every number above was measured in this run."]
     return "\n".join(lines)
 
@@ -105,7 +108,13 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run every scene; returns the measured numbers."""
     direct = await _phase(options, through_gateway=False)
     via = await _phase(options, through_gateway=True)
-    return {"options": dataclasses.asdict(options), "direct": direct, "gateway": via}
+    thermal = await run_thermal()
+    return {
+        "options": dataclasses.asdict(options),
+        "direct": direct,
+        "gateway": via,
+        "thermal": thermal,
+    }
 
 
 def render(result: dict[str, Any], as_json: bool) -> str:

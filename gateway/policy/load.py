@@ -342,6 +342,8 @@ def _check_route(
             bad("cache.semantic.threshold", "must be in (0, 1]")
         if semantic.embedder is not None and semantic.embedder not in backends:
             bad("cache.semantic.embedder", f"unknown backend {semantic.embedder!r}")
+        if semantic.embedder_model is not None and semantic.embedder is None:
+            bad("cache.semantic.embedder_model", "only applies with `embedder`")
     if route.rate_limit is not None:
         limit = route.rate_limit
         if limit.requests_per_s is None and limit.tokens_per_min is None:

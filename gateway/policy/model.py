@@ -252,6 +252,13 @@ class Semantic:
             "prompts, instead of the local model."
         ),
     )
+    embedder_model: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Embedding: the `model` sent to the `embedder` backend (servers hosting several "
+            "models need it; TEI and single-model vLLM do not)."
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,14 @@ class Runtime:
 def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The stages for ``policy``, in pipeline order."""
     stages: list[Stage] = []
-    # 1. cache lookup (issue 4)
-    # 2. single flight, 3. batching (issue 5)
+    from .cache import cache_stages  # 1. cache lookup (issue 4)
+
+    stages.extend(cache_stages(policy, runtime))
+    from . import batch, coalesce  # 2. single flight, 3. batching (issue 5)
+
+    stages += coalesce.build(policy, runtime) + batch.build(policy, runtime)
     # 4. admission, throttling, breakers and fallback (issue 6)
+    from .resilience import resilience_stages
+
+    stages.extend(resilience_stages(policy, runtime))
     return stages

@@ -15,6 +15,13 @@ from typing import Protocol
 
 from ..entry import CachedResponse
 
+MAX_BUCKET_SCAN = 64
+"""A lookup reads at most this many members of one SimHash bucket.  Buckets stay small
+because the context key partitions them by the guard's signature; over long shared text,
+though, near-identical fingerprints could still fill one bucket, and a lookup must not
+slow down with the number of entries.  Past the cap, some near-duplicates are missed
+(never a wrong hit)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Candidate:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 from typing import NamedTuple
 
 from ...clock import SYSTEM_CLOCK, Clock
 from ..entry import CachedResponse, dumps, loads
-from ..simhash import bands, hamming
-from .base import Candidate, StoreStats
+from ..simhash import bands
+from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 ENTRY_OVERHEAD_BYTES = 1200
@@ -96,17 +97,30 @@ class MemoryStore:
         buckets = self._index.get(context)
         if buckets is None:
             return ()
+        # The hot loop of a near-duplicate lookup: a bucket may hold dozens of keys, so the
+        # distance is checked before expiry, the clock read once, removals deferred.
+        now = self._clock.now()
+        meta_of = self._meta.get
         found: dict[str, int] = {}
+        expired: list[str] = []
         for slot_id in _slot_ids(fingerprint):
             members = buckets.get(slot_id)
             if members is None:
                 continue
-            for key in (members,) if isinstance(members, str) else tuple(members):
-                if key in found or not self._live(key):
+            scan = (members,) if isinstance(members, str) else islice(members, MAX_BUCKET_SCAN)
+            for key in scan:
+                meta = meta_of(key)
+                if meta is None or meta.fingerprint is None or key in found:
                     continue
-                stored = self._meta[key].fingerprint
-                if stored is not None and hamming(fingerprint, stored) <= max_distance:
-                    found[key] = hamming(fingerprint, stored)
+                distance = (fingerprint ^ meta.fingerprint).bit_count()
+                if distance > max_distance:
+                    continue
+                if meta.expires_at <= now:
+                    expired.append(key)
+                else:
+                    found[key] = distance
+        for key in expired:
+            self._remove(key)
         return tuple(Candidate(k, d) for k, d in sorted(found.items(), key=lambda kv: kv[1]))
 
     async def purge(

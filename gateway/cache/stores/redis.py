@@ -33,7 +33,7 @@ from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import StoreError
 from ..entry import CachedResponse, dumps, loads
 from ..simhash import bands, hamming
-from .base import Candidate, StoreStats
+from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 
 DEFAULT_PREFIX = "gw:"
 DEFAULT_BUDGET_S = 0.05
@@ -138,7 +138,7 @@ class RedisStore:
         async def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for bucket in self._buckets(context, fingerprint):
-                pipe.smembers(bucket)
+                pipe.srandmember(bucket, MAX_BUCKET_SCAN)
             return list(await pipe.execute())
 
         found: dict[str, int] = {}

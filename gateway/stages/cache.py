@@ -1,0 +1,360 @@
+"""The cache stage: the pipeline's first stage on routes with ``cache:``.
+
+A hit is answered here, before single flight, batching, admission, throttling and breakers:
+it costs the backend nothing.  For each call on a caching route:
+
+* not cacheable (``keys.cacheability``: sampled, ``n`` > 1, remote media; or not an OpenAI
+  JSON body): passed on, ``X-Gateway-Cache: bypass``;
+* ``Cache-Control: no-cache`` skips the lookup (``bypass``), ``no-store`` skips the write;
+* lookup: the exact tier, then SimHash (``semantic.method`` ``simhash`` or ``embedding``),
+  then the embedding tier (``cache_embedding``); a hit answers with the stored answer in the
+  shape asked for (SSE or JSON) and ``X-Gateway-Cache: hit``, ``-Match``, ``-Similarity``,
+  ``Age`` and the backend that produced it;
+* a miss is passed on and, when it answers 200 uncompressed, stored under the key of the
+  backend that answered: a whole body before the reply leaves this stage, a stream by
+  ``cache_replies.Tee`` once it has ended normally (so an entry is visible by the time its
+  response has reached the client, and a cut stream is never stored);
+* ``/v1/embeddings`` is cached per input item: only the missing items go upstream, in one
+  call, and the answer is assembled in input order.
+
+A store that is down, slow or flushed makes a miss, counted in
+``gateway_cache_store_errors_total``; it never fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ..cache.entry import CachedResponse, select_headers
+from ..cache.items import plan_items
+from ..cache.keys import RequestKey, cacheability, request_key, with_context
+from ..cache.simhash import MAX_DISTANCE
+from ..cache.tiers import Hit, ResponseCache
+from ..errors import StoreError
+from ..pipeline import Call, Handler, Reply, Stage
+from ..policy.model import Policy, Route, RouteCache
+from .cache_embedding import EMBEDDING, EmbeddingContext, EmbeddingTier, build_tier
+from .cache_items import ItemCache
+from .cache_replies import (
+    BYPASS,
+    CACHE_HEADER,
+    HIT,
+    MATCH_HEADER,
+    MISS,
+    NONE,
+    SIMILARITY_HEADER,
+    Tee,
+    content_encoded,
+    hit_body,
+    hit_reply,
+    is_event_stream,
+)
+from .cache_store import STORE_KIND, STORE_NAME, CacheState
+
+if TYPE_CHECKING:
+    from . import Runtime
+
+log = logging.getLogger("gateway.cache")
+
+EMBEDDING_KIND = "cache-embedding"
+STORE_ERROR_LOG_EVERY_S = 10.0
+
+
+def cache_stages(policy: Policy, runtime: Runtime) -> list[Stage]:
+    """The cache stage for ``policy``, or none when no route caches."""
+    metrics = runtime.metrics
+    if not any(route.cache is not None for route in policy.routes):
+        metrics.cache_entries.set_function(lambda: 0.0)
+        metrics.cache_bytes.set_function(lambda: 0.0)
+        return []
+    state = runtime.registry.get(
+        STORE_KIND, STORE_NAME, policy.cache, lambda: CacheState(policy.cache, runtime.clock)
+    )
+    metrics.cache_entries.set_function(lambda: float(state.stats().entries or 0))
+    metrics.cache_bytes.set_function(lambda: float(state.stats().bytes or 0))
+    return [CacheStage(policy, runtime, state)]
+
+
+class RouteRules:
+    """One route's cache settings and per-route state for one policy generation."""
+
+    def __init__(
+        self,
+        route: Route,
+        rule: RouteCache,
+        cache: ResponseCache,
+        embedding: EmbeddingTier | None,
+        runtime: Runtime,
+    ) -> None:
+        self.name = route.name
+        self.ttl_s = rule.ttl_s
+        self.allow_sampled = rule.allow_sampled
+        self.near = rule.semantic.method != "off"
+        self.cache = cache
+        self.embedding = embedding
+        self._lookups = runtime.metrics.cache_lookups
+        self._children: dict[tuple[str, str], Any] = {}
+        self.lookup_seconds = runtime.metrics.cache_lookup_seconds.labels(route.name)
+
+    def count(self, result: str, match: str) -> None:
+        child = self._children.get((result, match))
+        if child is None:
+            child = self._children[(result, match)] = self._lookups.labels(self.name, result, match)
+        child.inc()
+
+
+class CacheStage:
+    """Answers cacheable calls from the cache and stores the answers to the others."""
+
+    def __init__(self, policy: Policy, runtime: Runtime, state: CacheState) -> None:
+        self._state = state
+        self._clock = runtime.clock
+        self._metrics = runtime.metrics
+        self._versions = {b.name: b.model_version for b in policy.backends}
+        self._last_error_log = 0.0
+        self._items = ItemCache(runtime.clock, self._versions)
+        self._routes: dict[str, RouteRules] = {}
+        for route in policy.routes:
+            if route.cache is not None:
+                self._routes[route.name] = self._rules(policy, runtime, route, route.cache)
+
+    def _rules(
+        self, policy: Policy, runtime: Runtime, route: Route, rule: RouteCache
+    ) -> RouteRules:
+        semantic = rule.semantic
+        max_distance = min(semantic.max_distance, MAX_DISTANCE)
+        if semantic.max_distance > MAX_DISTANCE:
+            log.warning(
+                "route %s: cache.semantic.max_distance %d is beyond what the SimHash index "
+                "finds; using %d",
+                route.name,
+                semantic.max_distance,
+                MAX_DISTANCE,
+            )
+        cache = ResponseCache(
+            self._state.store,
+            max_distance=max_distance,
+            on_store_error=self._store_failed,
+            clock=runtime.clock,
+        )
+        embedding = None
+        if semantic.method == EMBEDDING:
+            context = EmbeddingContext(
+                route.name, self._state.store, policy, runtime.transport, runtime.clock
+            )
+            embedder = policy.backend(semantic.embedder) if semantic.embedder else None
+            embedding = runtime.registry.get(
+                EMBEDDING_KIND,
+                route.name,
+                (semantic, policy.cache, embedder),
+                lambda: build_tier(semantic, context),
+            )
+        return RouteRules(route, rule, cache, embedding, runtime)
+
+    async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        rules = self._routes.get(call.route.name)
+        if rules is None:
+            return await call_next(call)
+        self._state.start_sweeper()
+        body = call.json
+        if body is None or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok:
+            return await self._pass(rules, call, call_next)
+        no_cache, no_store = _cache_control(call.header("cache-control"))
+        scope = self._state.scope(call.headers)
+        if call.path.endswith("/embeddings"):
+            plan = plan_items(
+                body,
+                scope=scope,
+                route=call.route.name,
+                backend=call.backend,
+                model_version=self._versions.get(call.backend, ""),
+                path=call.path,
+            )
+            if plan is not None:
+                return await self._items(rules, call, call_next, plan, scope, no_cache, no_store)
+        key = self._key(call, scope, call.backend, near=False)
+        result = BYPASS
+        if no_cache:
+            rules.count(BYPASS, NONE)
+            key = self._with_context(rules, call, key)
+        else:
+            hit, key = await self._lookup(rules, call, key)
+            if hit is not None:
+                reply = self._answer(rules, call, hit)
+                if reply is not None:
+                    return reply
+            rules.count(MISS, NONE)
+            result = MISS
+        call.notes["log_cache"] = result
+        reply = await call_next(call)
+        reply.with_headers(((CACHE_HEADER, result),))
+        if no_store or reply.status != 200 or content_encoded(reply.headers):
+            return reply
+        return await self._store(rules, call, scope, key, reply)
+
+    # -- whole answers ------------------------------------------------------------------------
+    async def _pass(self, rules: RouteRules, call: Call, call_next: Handler) -> Reply:
+        rules.count(BYPASS, NONE)
+        call.notes["log_cache"] = BYPASS
+        reply = await call_next(call)
+        return reply.with_headers(((CACHE_HEADER, BYPASS),))
+
+    def _key(self, call: Call, scope: str, backend: str, *, near: bool) -> RequestKey:
+        assert call.json is not None
+        return request_key(
+            call.json,
+            scope=scope,
+            route=call.route.name,
+            backend=backend,
+            model_version=self._versions.get(backend, ""),
+            path=call.path,
+            near=near,
+        )
+
+    def _with_context(self, rules: RouteRules, call: Call, key: RequestKey) -> RequestKey:
+        """``key`` with its context, where the route's near tiers need one (to look up or
+        to file an answer under)."""
+        if not rules.near:
+            return key
+        assert call.json is not None
+        return with_context(
+            key,
+            call.json,
+            route=call.route.name,
+            backend=call.backend,
+            model_version=self._versions.get(call.backend, ""),
+            path=call.path,
+        )
+
+    async def _lookup(
+        self, rules: RouteRules, call: Call, key: RequestKey
+    ) -> tuple[Hit | None, RequestKey]:
+        """The hit for ``key`` and the key completed with its context.  The exact tier is
+        tried first with the cheaper exact-only key; the context (the normalised prompt's
+        signature and a second canonical form) is computed only when that misses."""
+        started = time.perf_counter()
+        hit = await rules.cache.lookup(key, near=False)
+        if hit is None:
+            key = self._with_context(rules, call, key)
+            if key.context is not None:
+                hit = await rules.cache.lookup(key, exact=False)
+                if hit is None and rules.embedding is not None and key.prompt is not None:
+                    hit = await self._embedding_lookup(rules, rules.embedding, key)
+        rules.lookup_seconds.observe(time.perf_counter() - started)
+        return hit, key
+
+    async def _embedding_lookup(
+        self, rules: RouteRules, tier: EmbeddingTier, key: RequestKey
+    ) -> Hit | None:
+        assert key.prompt is not None
+        try:
+            hit = await tier.lookup(key, key.prompt)
+        except Exception:
+            log.exception("route %s: embedding tier lookup failed (a miss)", rules.name)
+            return None
+        if hit is None:
+            return None
+        if hit.entry.scope != key.scope or hit.entry.context != key.context:
+            log.error(
+                "route %s: the embedding tier offered an entry of another tenant or context; "
+                "refused",
+                rules.name,
+            )
+            return None
+        return hit
+
+    def _answer(self, rules: RouteRules, call: Call, hit: Hit) -> Reply | None:
+        """The reply for a hit, or None when the stored answer cannot take the shape asked
+        for (then the call is a miss)."""
+        assert call.json is not None
+        try:
+            body, content_type = hit_body(
+                hit.entry, streaming=call.streaming, include_usage=_include_usage(call.json)
+            )
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("route %s: cached answer %s not replayable: %s", rules.name, hit.key, exc)
+            return None
+        rules.count(HIT, hit.match)
+        call.notes["log_cache"] = f"{HIT}:{hit.match}"
+        headers = (
+            (CACHE_HEADER, HIT),
+            (MATCH_HEADER, hit.match),
+            (SIMILARITY_HEADER, f"{hit.similarity:.3f}"),
+            ("Age", str(self._age(hit.entry.created_at))),
+        )
+        return hit_reply(hit.entry, body, content_type, headers)
+
+    async def _store(
+        self, rules: RouteRules, call: Call, scope: str, key: RequestKey, reply: Reply
+    ) -> Reply:
+        backend = reply.backend or call.backend
+        if backend != call.backend:  # a fallback answered: file it under its own key
+            key = self._key(call, scope, backend, near=key.context is not None)
+        stored_headers = select_headers(reply.headers)
+
+        async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
+            entry = CachedResponse(
+                200,
+                stored_headers,
+                body,
+                events,
+                self._clock.wall(),
+                backend,
+                self._versions.get(backend, ""),
+                call.route.name,
+                scope,
+            )
+            await self._put(rules, key, entry)
+
+        events = is_event_stream(reply.headers)
+        if reply.body is not None and not events:
+            await put(None, reply.body)
+        elif reply.body is not None:
+            tee = Tee(_once(reply.body), events=True, on_complete=put)
+            async for _ in tee:
+                pass
+        elif reply.stream is not None:
+            reply.stream = Tee(reply.stream, events=events, on_complete=put)
+        return reply
+
+    async def _put(self, rules: RouteRules, key: RequestKey, entry: CachedResponse) -> None:
+        stored = await rules.cache.put(key, entry, rules.ttl_s)
+        if stored and rules.embedding is not None and key.prompt is not None:
+            try:
+                await rules.embedding.add(key, key.prompt, key.exact)
+            except Exception:
+                log.exception("route %s: embedding tier add failed", rules.name)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _age(self, created_at: float) -> int:
+        return max(0, int(self._clock.wall() - created_at))
+
+    def _store_failed(self, exc: StoreError) -> None:
+        self._metrics.cache_store_errors.inc()
+        now = time.monotonic()
+        if now - self._last_error_log >= STORE_ERROR_LOG_EVERY_S:
+            self._last_error_log = now
+            log.warning("cache store failed, answering as a miss: %s", exc)
+
+    def __repr__(self) -> str:
+        return f"<CacheStage routes={sorted(self._routes)} {self._state!r}>"
+
+
+def _cache_control(value: str | None) -> tuple[bool, bool]:
+    """(no-cache, no-store) from a request's ``Cache-Control``."""
+    if not value:
+        return False, False
+    directives = {part.split("=", 1)[0].strip().lower() for part in value.split(",")}
+    return "no-cache" in directives, "no-store" in directives
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data

@@ -1,0 +1,184 @@
+"""Per-item caching of ``/v1/embeddings`` for the cache stage.
+
+Each input of an embeddings request is cached on its own (``cache.items``).  A request whose
+inputs are all cached is answered here; otherwise one upstream call carries only the missing
+inputs and the answer is assembled in input order, ``index`` 0..N-1, usage summed over every
+item.  When the missing inputs' answer cannot be merged (another backend answered, it is
+compressed, or it does not hold one embedding per input) the whole request goes upstream
+instead, and nothing from it is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from ..cache.items import CachedItem, ItemPlan, assemble, fresh_items, missing
+from ..cache.items import upstream_body as items_body
+from ..cache.tiers import EXACT
+from ..clock import Clock
+from ..pipeline import Call, Handler, Reply
+from .cache_replies import (
+    BYPASS,
+    CACHE_HEADER,
+    HIT,
+    ITEMS_HEADER,
+    JSON_TYPE,
+    MATCH_HEADER,
+    MISS,
+    NONE,
+    SIMILARITY_HEADER,
+    Tee,
+    content_encoded,
+    read_whole,
+)
+
+if TYPE_CHECKING:
+    from .cache import RouteRules
+
+log = logging.getLogger("gateway.cache")
+
+
+class ItemCache:
+    """Answers embeddings requests item by item from the cache and the backend."""
+
+    def __init__(self, clock: Clock, versions: Mapping[str, str]) -> None:
+        self._clock = clock
+        self._versions = versions
+
+    async def __call__(
+        self,
+        rules: RouteRules,
+        call: Call,
+        call_next: Handler,
+        plan: ItemPlan,
+        scope: str,
+        no_cache: bool,
+        no_store: bool,
+    ) -> Reply:
+        total = len(plan.keys)
+        if no_cache:
+            cached: list[CachedItem | None] = [None] * total
+        else:
+            started = time.perf_counter()
+            cached = await rules.cache.get_items(plan)
+            rules.lookup_seconds.observe(time.perf_counter() - started)
+        positions = missing(cached)
+        if not positions:
+            rules.count(HIT, EXACT)
+            call.notes["log_cache"] = f"{HIT}:{EXACT}"
+            return self._items_hit(call, cached)
+        result = BYPASS if no_cache else MISS
+        rules.count(result, NONE)
+        call.notes["log_cache"] = result
+        headers = ((CACHE_HEADER, result), (ITEMS_HEADER, f"{total - len(positions)}/{total}"))
+        store = not no_store
+        if len(positions) == total:
+            reply = (await call_next(call)).with_headers(headers)
+            if store and self._mergeable(call, reply):
+                await self._store_items_later(rules, call, scope, plan, positions, reply)
+            return reply
+        sub = items_body(call.json or {}, plan, positions)
+        sub_call = dataclasses.replace(
+            call,
+            body=json.dumps(sub, separators=(",", ":")).encode(),
+            json=sub,
+            headers=tuple((k, v) for k, v in call.headers if k.lower() != "accept-encoding"),
+        )
+        reply = await call_next(sub_call)
+        if reply.status != 200:
+            return reply.with_headers(headers)
+        merged = None
+        if self._mergeable(call, reply):
+            try:
+                data = await read_whole(reply)
+                fresh = fresh_items(json.loads(data), plan, positions)
+                merged = assemble(call.json or {}, cached, fresh)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                log.warning("route %s: embeddings answer not split per item: %s", rules.name, exc)
+        if reply.close is not None:
+            await reply.close()
+        if merged is None:  # the missing items' answer cannot be merged: ask for all of them
+            return (await call_next(call)).with_headers(headers)
+        if store:
+            await self._put_items(rules, call, scope, plan, fresh)
+        answer = json.dumps(merged, separators=(",", ":")).encode()
+        kept = tuple((k, v) for k, v in reply.headers if k.lower() != "content-type")
+        out_headers = (*kept, ("Content-Type", JSON_TYPE), *headers)
+        return Reply(200, out_headers, body=answer, backend=reply.backend or call.backend)
+
+    def _items_hit(self, call: Call, cached: Sequence[CachedItem | None]) -> Reply:
+        answer = assemble(call.json or {}, cached, {})
+        oldest = min(item.created_at for item in cached if item is not None)
+        headers = (
+            ("Content-Type", JSON_TYPE),
+            (CACHE_HEADER, HIT),
+            (MATCH_HEADER, EXACT),
+            (SIMILARITY_HEADER, "1.000"),
+            ("Age", str(self._age(oldest))),
+            (ITEMS_HEADER, f"{len(cached)}/{len(cached)}"),
+        )
+        body = json.dumps(answer, separators=(",", ":")).encode()
+        return Reply(200, headers, body=body, backend=call.backend)
+
+    def _mergeable(self, call: Call, reply: Reply) -> bool:
+        """Whether items of ``reply`` may be stored and merged with cached ones: a 200,
+        uncompressed, from the backend the items are keyed for."""
+        return (
+            reply.status == 200
+            and not content_encoded(reply.headers)
+            and (reply.backend or call.backend) == call.backend
+        )
+
+    async def _store_items_later(
+        self,
+        rules: RouteRules,
+        call: Call,
+        scope: str,
+        plan: ItemPlan,
+        positions: tuple[int, ...],
+        reply: Reply,
+    ) -> None:
+        """Store every item of a whole upstream answer: now for a body, once streamed
+        otherwise."""
+
+        async def put(_: tuple[str, ...] | None, body: bytes | None) -> None:
+            try:
+                fresh = fresh_items(json.loads(body or b""), plan, positions)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                log.warning("route %s: embeddings answer not stored: %s", rules.name, exc)
+                return
+            await self._put_items(rules, call, scope, plan, fresh)
+
+        if reply.body is not None:
+            await put(None, reply.body)
+        elif reply.stream is not None:
+            reply.stream = Tee(reply.stream, events=False, on_complete=put)
+
+    async def _put_items(
+        self,
+        rules: RouteRules,
+        call: Call,
+        scope: str,
+        plan: ItemPlan,
+        fresh: dict[int, CachedItem],
+    ) -> None:
+        await rules.cache.put_items(
+            plan,
+            fresh,
+            rules.ttl_s,
+            scope=scope,
+            backend=call.backend,
+            model_version=self._versions.get(call.backend, ""),
+            route=call.route.name,
+        )
+
+    def _age(self, created_at: float) -> int:
+        return max(0, int(self._clock.wall() - created_at))
+
+    def __repr__(self) -> str:
+        return f"<ItemCache backends={sorted(self._versions)}>"

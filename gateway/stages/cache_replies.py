@@ -1,0 +1,149 @@
+"""Replies to and from the cache: a hit answered in the shape the client asked for, and a
+miss's stream relayed untouched while it is recorded for storing.
+
+A hit is one ``Reply`` body: SSE events (OpenAI chunks ending in ``[DONE]``) for a streaming
+request, a JSON answer otherwise, whichever shape was stored.  A miss's stream goes through
+``Tee``, which hands each chunk on as it arrives and, only once the stream has ended
+normally, passes what it recorded to a callback that stores it.  A stream that breaks off
+(an upstream error) or that the client abandons never reaches the callback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ..cache.entry import CachedResponse
+from ..cache.replay import StreamRecorder, events_to_json, json_to_events, render_sse
+from ..pipeline import Headers, Reply
+
+log = logging.getLogger("gateway.cache")
+
+HIT, MISS, BYPASS, NONE = "hit", "miss", "bypass", "none"
+"""``X-Gateway-Cache`` values and the ``match`` label of a lookup that did not hit."""
+CACHE_HEADER = "X-Gateway-Cache"
+MATCH_HEADER = "X-Gateway-Cache-Match"
+SIMILARITY_HEADER = "X-Gateway-Cache-Similarity"
+ITEMS_HEADER = "X-Gateway-Cache-Items"
+MAX_RECORDED_BYTES = 4 * 1024 * 1024
+SSE_TYPE = "text/event-stream"
+JSON_TYPE = "application/json"
+
+
+def hit_body(entry: CachedResponse, *, streaming: bool, include_usage: bool) -> tuple[bytes, str]:
+    """(body, content type) of a cached answer in the shape the client asked for;
+    ``ValueError`` when a stored JSON answer cannot be converted."""
+    if streaming:
+        if entry.events is not None:
+            return render_sse(entry.events, include_usage=include_usage), SSE_TYPE
+        answer = _json_object(entry.body or b"")
+        events = json_to_events(answer, include_usage=include_usage)
+        return render_sse(events, include_usage=include_usage), SSE_TYPE
+    if entry.body is not None:
+        return entry.body, _content_type(entry.headers) or JSON_TYPE
+    answer_bytes = json.dumps(events_to_json(entry.events or ()), separators=(",", ":"))
+    return answer_bytes.encode(), JSON_TYPE
+
+
+def hit_reply(
+    entry: CachedResponse, body: bytes, content_type: str, cache_headers: Headers
+) -> Reply:
+    """The reply for a hit: the stored headers with the content type of its shape."""
+    kept = tuple((k, v) for k, v in entry.headers if k.lower() != "content-type")
+    headers = (*kept, ("Content-Type", content_type), *cache_headers)
+    return Reply(200, headers, body=body, backend=entry.backend)
+
+
+def content_encoded(headers: Headers) -> bool:
+    """True when a reply body is compressed (stored answers are replayed without it)."""
+    for key, value in headers:
+        if key.lower() == "content-encoding" and value.strip().lower() not in ("", "identity"):
+            return True
+    return False
+
+
+def is_event_stream(headers: Headers) -> bool:
+    return (_content_type(headers) or "").split(";")[0].strip().lower() == SSE_TYPE
+
+
+class Tee:
+    """An async iterator relaying ``stream`` and recording it; ``on_complete`` gets the
+    stored form once the stream has ended normally: the SSE events of an event stream
+    (only when ``StreamRecorder`` finds it complete) or the whole body of any other."""
+
+    def __init__(
+        self,
+        stream: AsyncIterator[bytes],
+        *,
+        events: bool,
+        on_complete: Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]],
+        max_bytes: int = MAX_RECORDED_BYTES,
+    ) -> None:
+        self._stream = stream
+        self._events = events
+        self._recorder = StreamRecorder(max_bytes) if events else None
+        self._body = bytearray()
+        self._max_bytes = max_bytes
+        self._overflowed = False
+        self._on_complete = on_complete
+        self._done = False
+
+    def __aiter__(self) -> Tee:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._stream.__anext__()
+        except StopAsyncIteration:
+            if not self._done:
+                self._done = True
+                await self._complete()
+            raise
+        if self._recorder is not None:
+            self._recorder.feed(chunk)
+        elif not self._overflowed:
+            self._body += chunk
+            if len(self._body) > self._max_bytes:
+                self._overflowed = True
+                self._body = bytearray()
+        return chunk
+
+    async def _complete(self) -> None:
+        try:
+            if self._recorder is not None:
+                events = self._recorder.result()
+                if events is not None:
+                    await self._on_complete(events, None)
+            elif not self._overflowed:
+                await self._on_complete(None, bytes(self._body))
+        except Exception:  # storing must never break the client's stream
+            log.exception("storing a completed stream failed")
+
+    def __repr__(self) -> str:
+        return f"<Tee events={self._events} done={self._done} recorder={self._recorder!r}>"
+
+
+async def read_whole(reply: Reply) -> bytes:
+    """A reply's whole body, its stream drained if it came as one."""
+    if reply.body is not None:
+        return reply.body
+    assert reply.stream is not None
+    data = bytearray()
+    async for chunk in reply.stream:
+        data += chunk
+    return bytes(data)
+
+
+def _json_object(body: bytes) -> dict[str, object]:
+    answer = json.loads(body)
+    if not isinstance(answer, dict):
+        raise ValueError("stored answer is not a JSON object")
+    return answer
+
+
+def _content_type(headers: Headers) -> str | None:
+    for key, value in headers:
+        if key.lower() == "content-type":
+            return value
+    return None

@@ -1,0 +1,108 @@
+"""The cache's long-lived state: the one store every caching route shares.
+
+``CacheState`` holds the store the policy's ``cache:`` block names (memory LRU bounded by
+``max_bytes``, or Redis at ``redis_url``), the tenant scope rule, and a background sweep of
+expired memory entries.  It lives in the runtime registry under ``(STORE_KIND, STORE_NAME)``
+with the ``cache:`` block as its settings, so reloads keep it, and its entries, until that
+block changes.  The admin's ``POST /cache/purge`` finds it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..cache.keys import scope_hash
+from ..cache.stores import MemoryStore, RedisStore, StoreStats
+from ..clock import Clock
+from ..policy.model import CacheStore as CacheStoreSettings
+
+log = logging.getLogger("gateway.cache")
+
+STORE_KIND = "cache-store"
+STORE_NAME = "store"
+SWEEP_INTERVAL_S = 30.0
+"""How often expired memory entries are dropped, so the entry and byte gauges stay true."""
+
+
+class CacheState:
+    """The store and tenant-scope rule shared by every caching route."""
+
+    def __init__(self, settings: CacheStoreSettings, clock: Clock) -> None:
+        self.settings = settings
+        self.store: Any
+        if settings.store == "redis":
+            self.store = RedisStore.from_url(settings.redis_url, clock=clock)
+        else:
+            self.store = MemoryStore(settings.max_bytes, clock=clock)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.settings.store
+
+    def scope(self, headers: Iterable[tuple[str, str]]) -> str:
+        """The tenant scope hash of a request's headers."""
+        return scope_hash(headers, self.settings.scope_headers)
+
+    def tenant_scope(self, tenant: str | Mapping[str, str]) -> str:
+        """The scope hash of a tenant named by its raw scope header value (one scope
+        header) or by a mapping of scope header to value; ``ValueError`` if ambiguous."""
+        names = self.settings.scope_headers
+        if isinstance(tenant, str):
+            if len(names) != 1:
+                raise ValueError(
+                    f"the scope has {len(names)} headers ({', '.join(names) or 'none'}): "
+                    "give the tenant as an object of header: value, or give `scope`"
+                )
+            return scope_hash([(names[0], tenant)], names)
+        unknown = {k.lower() for k in tenant} - {n.lower() for n in names}
+        if unknown:
+            raise ValueError(f"not scope headers: {', '.join(sorted(unknown))}")
+        return scope_hash(tenant.items(), names)
+
+    def stats(self) -> StoreStats:
+        stats: StoreStats = self.store.stats()
+        return stats
+
+    def start_sweeper(self) -> None:
+        """Start the periodic sweep of a memory store (idempotent; needs a running loop)."""
+        if self._sweeper is None and isinstance(self.store, MemoryStore):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.store.sweep()
+
+    async def purge(
+        self,
+        *,
+        backend: str | None = None,
+        model_version: str | None = None,
+        scope: str | None = None,
+    ) -> int:
+        """Delete matching entries (every entry without filters); raises ``StoreError``."""
+        purged: int = await self.store.purge(
+            backend=backend, model_version=model_version, scope=scope
+        )
+        log.info(
+            "cache purge backend=%s model_version=%s scope=%s: %d entries",
+            backend,
+            model_version,
+            scope,
+            purged,
+        )
+        return purged
+
+    async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        await self.store.close()
+
+    def __repr__(self) -> str:
+        return f"<CacheState {self.store!r} scope_headers={list(self.settings.scope_headers)}>"

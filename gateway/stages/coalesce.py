@@ -1,0 +1,132 @@
+"""Single flight as a stage: identical in-flight requests of one tenant share one upstream call.
+
+On a route where ``route.coalescing`` holds (``coalesce: true``, or by default where the
+route caches), a deterministic OpenAI request (as ``cacheability`` judges it, with the
+route's ``cache.allow_sampled``) is keyed by its exact cache key: tenant scope (the policy's
+``cache.scope_headers``), route, backend, model version, path and every answer-changing body
+field, plus the query string.  Concurrent calls with equal keys join one ``SingleFlight``
+call made with the first caller's request, so a request never reaches the backend on another
+tenant's credentials.
+
+Streams fan out to late joiners (the events already sent, then the live ones); a
+non-streaming joiner of a stream gets the answer assembled into one JSON body, and only from
+a stream that completed normally.  ``stream_options`` changes the events of a stream (a usage
+chunk), so a streaming call joins only streams asked for with the same options, and a
+non-streaming call only streams that carry usage, as its own answer would.  The upstream call
+is cancelled only when every caller has gone; its failure, or a stream cut off, reaches every
+caller.  Joiners are counted in ``gateway_coalesced_requests_total`` and answered with
+``X-Gateway-Coalesced: 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from ..cache.keys import cacheability, request_key, scope_hash
+from ..cache.replay import StreamRecorder, events_to_json
+from ..errors import UpstreamUnavailable
+from ..pipeline import Call, Handler, Headers, Reply, Stage
+from ..policy.model import Policy
+from ..singleflight import SingleFlight
+from . import Runtime
+
+COALESCED_HEADER = "X-Gateway-Coalesced"
+# A non-streaming answer carries usage: a stream it may be assembled from must too.
+_WHOLE_BODY_STREAM_OPTIONS = '{"include_usage":true}'
+_REPLACED_ON_ASSEMBLY = frozenset({"content-type", "content-encoding", "cache-control"})
+
+
+class CoalesceStage:
+    """Runs each coalescible call through its route's single-flight table."""
+
+    def __init__(self, scope_headers: tuple[str, ...], flights: dict[str, SingleFlight]) -> None:
+        self._scope_headers = scope_headers
+        self._flights = flights
+
+    async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        flights = self._flights.get(call.route.name)
+        key = coalesce_key(call, self._scope_headers) if flights is not None else None
+        if flights is None or key is None:
+            return await call_next(call)
+        reply = await flights.do(key, lambda: call_next(call), stream=call.streaming)
+        if reply.notes.get("coalesced"):
+            reply.with_headers(((COALESCED_HEADER, "1"),))
+        return reply
+
+    def __repr__(self) -> str:
+        return f"<CoalesceStage routes={sorted(self._flights)}>"
+
+
+def coalesce_key(call: Call, scope_headers: tuple[str, ...]) -> Hashable | None:
+    """The single-flight key of ``call``, or None when it must make its own call."""
+    body, route = call.json, call.route
+    allow_sampled = route.cache is not None and route.cache.allow_sampled
+    if body is None or not cacheability(body, call.path, allow_sampled=allow_sampled).ok:
+        return None
+    exact = request_key(
+        body,
+        scope=scope_hash(call.headers, scope_headers),
+        route=route.name,
+        backend=call.backend,
+        model_version=call.policy.backend(call.backend).model_version,
+        path=call.path,
+        near=False,
+    ).exact
+    if call.streaming:
+        options = json.dumps(
+            body.get("stream_options"), sort_keys=True, separators=(",", ":"), default=str
+        )
+    else:
+        options = _WHOLE_BODY_STREAM_OPTIONS
+    return (exact, call.query, options)
+
+
+def assemble(status: int, headers: Headers, body: bytes) -> tuple[Headers, bytes]:
+    """A shared stream's bytes as the JSON answer a non-streaming joiner asked for.
+
+    Raises ``UpstreamUnavailable`` when the stream did not complete normally (no ``[DONE]``,
+    an error event, a choice without a finish_reason): never a partial answer as a whole one.
+    """
+    if not _is_event_stream(headers):
+        return headers, body
+    recorder = StreamRecorder(max_bytes=len(body) + 1)
+    recorder.feed(body)
+    events = recorder.result()
+    answer: Any = None
+    if events is not None:
+        try:
+            answer = events_to_json(events)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            answer = None
+    if answer is None:
+        raise UpstreamUnavailable(
+            "the shared stream did not complete normally; no whole answer to give"
+        )
+    kept = tuple((k, v) for k, v in headers if k.lower() not in _REPLACED_ON_ASSEMBLY)
+    encoded = json.dumps(answer, separators=(",", ":"), ensure_ascii=False).encode()
+    return (*kept, ("Content-Type", "application/json")), encoded
+
+
+def build(policy: Policy, runtime: Runtime) -> list[Stage]:
+    """The coalesce stage for ``policy``, or none when no route coalesces."""
+    flights: dict[str, SingleFlight] = {}
+    for route in policy.routes:
+        if route.coalescing:
+            counted = runtime.metrics.coalesced.labels(route.name).inc
+            flights[route.name] = runtime.registry.get(
+                "singleflight", route.name, (), _factory(route.name, counted)
+            )
+    return [CoalesceStage(policy.cache.scope_headers, flights)] if flights else []
+
+
+def _factory(name: str, counted: Callable[[], None]) -> Callable[[], SingleFlight]:
+    return lambda: SingleFlight(name=name, assemble=assemble, on_coalesced=counted)
+
+
+def _is_event_stream(headers: Headers) -> bool:
+    return any(
+        k.lower() == "content-type" and v.lower().startswith("text/event-stream")
+        for k, v in headers
+    )

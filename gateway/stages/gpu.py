@@ -1,0 +1,295 @@
+"""GPU telemetry at run time: a poller per backend, the throttle rules over its signals, and
+the gauges they publish.
+
+Everything here is long-lived and kept in the runtime's registry across reloads:
+
+    ("telemetry", backend)    BackendTelemetry, rebuilt when the backend's telemetry changes
+    ("telemetry_http", "")    the aiohttp session every prometheus source scrapes through
+    ("gpu_control", "")       GpuControl: the Throttle (rule state survives reloads), the live
+                              Telemetry of each backend, and what a new sample sets off
+
+Pollers start with the gateway (``start_telemetry``, called by ``Gateway.start`` and after a
+reload) and stop when the registry closes them: on shutdown, or when a reload removes or
+changes a backend's telemetry.  A clock that can ``sleep`` (``FakeClock``) also drives the
+pollers' schedule, so tests move telemetry time by advancing the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+
+from ..clock import Clock
+from ..metrics import Metrics
+from ..policy.model import Policy
+from ..state import Registry
+from ..telemetry import (
+    Telemetry,
+    TelemetryConfig,
+    TelemetryPoller,
+    make_source,
+    telemetry_for,
+)
+from ..throttle import Decision, Throttle, ThrottleLimit, ThrottleRule, ThrottleTransition
+
+if TYPE_CHECKING:
+    from ..policy import model
+
+GAUGE_OF_SIGNAL = {
+    "gpu_temperature_c": "gpu_temperature",
+    "gpu_memory_used_ratio": "gpu_memory_used",
+    "gpu_utilization": "gpu_utilization",
+    "gpu_power_ratio": "gpu_power",
+    "kv_cache_usage": "kv_cache_usage",
+}
+"""Signals published as gauges, and the ``Metrics`` attribute of each."""
+
+
+class ThrottleTarget(Protocol):
+    """What a throttle decision is applied to (a backend's guard)."""
+
+    def apply(self, decision: Decision) -> None: ...
+
+
+def telemetry_config(t: model.Telemetry) -> TelemetryConfig:
+    """The library's config for a backend's ``telemetry`` policy section."""
+    return TelemetryConfig(
+        source=t.source,
+        url=t.url,
+        extra_urls=t.extra_urls,
+        index=t.index,
+        gpu=t.gpu,
+        interval_ms=t.interval_ms,
+        fail_closed=t.fail_closed,
+    )
+
+
+def throttle_rules(policy: Policy) -> list[ThrottleRule]:
+    """The policy's ``throttle`` entries as the throttle library's rules."""
+    rules = []
+    for r in policy.throttle:
+        limit = None
+        if r.limit is not None:
+            limit = ThrottleLimit(r.limit.max_concurrency, r.limit.rps, r.limit.batch_max_size)
+        rules.append(
+            ThrottleRule(
+                name=r.name,
+                backend=r.backend,
+                signal=r.when.signal,
+                above=r.when.above,
+                clear_below=r.when.clear_below,
+                action=r.action,
+                limit=limit,
+            )
+        )
+    return rules
+
+
+class TelemetryHttp:
+    """The one aiohttp session the prometheus sources share, opened on first use."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # Scrapes are few and small: a small pool, no cookies, no env proxies.
+            connector = aiohttp.TCPConnector(limit=32, ttl_dns_cache=60)
+            self._session = aiohttp.ClientSession(
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar()
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def __repr__(self) -> str:
+        state = "open" if self._session is not None and not self._session.closed else "idle"
+        return f"<TelemetryHttp {state}>"
+
+
+class BackendTelemetry:
+    """One backend's ``Telemetry`` and the poller that fills it (created on ``start``)."""
+
+    def __init__(
+        self,
+        backend: str,
+        config: TelemetryConfig,
+        *,
+        http: TelemetryHttp | None,
+        clock: Clock,
+        on_sample: Callable[[Telemetry], None],
+    ) -> None:
+        self.backend = backend
+        self.config = config
+        self.telemetry = telemetry_for(backend, config, clock)
+        self.poller: TelemetryPoller | None = None
+        self._http = http
+        self._clock = clock
+        self._on_sample = on_sample
+        self._closed = False
+
+    def start(self) -> None:
+        """Start polling (idempotent); the source is opened here, on the running loop."""
+        if self._closed or (self.poller is not None and self.poller.running):
+            return
+        if self.poller is None:
+            session = self._http.session() if self._http is not None else None
+            source = make_source(self.config, session=session, clock=self._clock)
+            if source is None:
+                return
+            sleep = getattr(self._clock, "sleep", None) or asyncio.sleep
+            self.poller = TelemetryPoller(
+                self.telemetry, source, clock=self._clock, sleep=sleep, on_sample=self._on_sample
+            )
+        self.poller.start()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self.poller is not None:
+            await self.poller.stop()
+
+    def __repr__(self) -> str:
+        return f"<BackendTelemetry {self.backend} {self.config.source} {self.poller!r}>"
+
+
+class GpuControl:
+    """The throttle over every backend's telemetry, and what a fresh sample sets off.
+
+    ``telemetry`` and ``targets`` are replaced at each policy build; the ``Throttle`` (and so
+    each rule's fired/cleared state) lives as long as the gateway.
+    """
+
+    def __init__(self, metrics: Metrics, clock: Clock) -> None:
+        self._metrics = metrics
+        self.telemetry: dict[str, Telemetry] = {}
+        self.targets: Mapping[str, ThrottleTarget] = {}
+        self.throttle = Throttle(telemetry=self.telemetry, clock=clock, on_transition=self._moved)
+
+    def sync(
+        self,
+        policy: Policy,
+        telemetry: dict[str, Telemetry],
+        targets: Mapping[str, ThrottleTarget],
+    ) -> None:
+        """Take a new policy generation's rules, telemetry and guards."""
+        gone = set(self.telemetry) - set(telemetry)
+        new = set(telemetry) - set(self.telemetry)
+        self.telemetry.clear()
+        self.telemetry.update(telemetry)
+        self.targets = targets
+        self.throttle.set_rules(throttle_rules(policy))
+        m = self._metrics
+        for backend in gone:
+            for gauge in (*(getattr(m, g) for g in GAUGE_OF_SIGNAL.values()), m.telemetry_age):
+                _remove(gauge, backend)
+        for backend in new:
+            m.telemetry_age.labels(backend).set_function(self._age_of(backend))
+        for backend, target in targets.items():
+            target.apply(self.throttle.decide(backend))
+
+    def _age_of(self, backend: str) -> Callable[[], float]:
+        def age() -> float:
+            telemetry = self.telemetry.get(backend)
+            value = telemetry.age_s if telemetry is not None else None
+            return math.nan if value is None else value
+
+        return age
+
+    def decide(self, backend: str) -> Decision:
+        return self.throttle.decide(backend)
+
+    def on_sample(self, telemetry: Telemetry) -> None:
+        """A poller's hook: publish the gauges, re-evaluate the rules, apply their limits."""
+        if self.telemetry.get(telemetry.backend) is not telemetry:
+            return  # a poller a reload has just replaced
+        sample = telemetry.sample
+        if sample is not None:
+            for signal, gauge in GAUGE_OF_SIGNAL.items():
+                value = getattr(sample, signal)
+                if value is not None:
+                    getattr(self._metrics, gauge).labels(telemetry.backend).set(value)
+        decision = self.throttle.decide(telemetry.backend)
+        target = self.targets.get(telemetry.backend)
+        if target is not None:
+            target.apply(decision)
+
+    def _moved(self, t: ThrottleTransition) -> None:
+        m = self._metrics
+        m.throttle_active.labels(t.rule, t.backend).set(1 if t.active else 0)
+        m.throttle_transitions.labels(t.rule, t.backend).inc()
+
+    def __repr__(self) -> str:
+        return f"<GpuControl telemetry={sorted(self.telemetry)} {self.throttle!r}>"
+
+
+def wire_gpu(
+    policy: Policy,
+    registry: Registry,
+    metrics: Metrics,
+    clock: Clock,
+    targets: Mapping[str, ThrottleTarget],
+) -> GpuControl:
+    """The telemetry and throttle state for ``policy``, taken from (or added to) ``registry``."""
+    control: GpuControl = registry.get("gpu_control", "", None, lambda: GpuControl(metrics, clock))
+    telemetry: dict[str, Telemetry] = {}
+    http: TelemetryHttp | None = None
+    for backend in policy.backends:
+        if backend.telemetry.source == "none":
+            continue
+        config = telemetry_config(backend.telemetry)
+        if config.source == "prometheus" and http is None:
+            http = registry.get("telemetry_http", "", None, TelemetryHttp)
+        item: BackendTelemetry = registry.get(
+            "telemetry",
+            backend.name,
+            config,
+            _factory(backend.name, config, http, clock, control.on_sample),
+        )
+        telemetry[backend.name] = item.telemetry
+    control.sync(policy, telemetry, targets)
+    return control
+
+
+def _factory(
+    backend: str,
+    config: TelemetryConfig,
+    http: TelemetryHttp | None,
+    clock: Clock,
+    on_sample: Callable[[Telemetry], None],
+) -> Callable[[], BackendTelemetry]:
+    def make() -> BackendTelemetry:
+        return BackendTelemetry(backend, config, http=http, clock=clock, on_sample=on_sample)
+
+    return make
+
+
+def start_telemetry(registry: Registry) -> None:
+    """Start every telemetry poller in ``registry`` not yet running (on the running loop)."""
+    for _, item in registry.items("telemetry"):
+        item.start()
+
+
+def batch_limit(registry: Registry, backend: str) -> int | None:
+    """The batch size a ``limit`` throttle rule holds ``backend`` to now, or None.
+
+    For the batching stage: read per batch, it costs a dictionary lookup while the
+    backend's telemetry has not moved."""
+    control: Any = registry.peek("gpu_control", "")
+    if control is None:
+        return None
+    limit = control.decide(backend).limit
+    return None if limit is None else limit.batch_max_size
+
+
+def _remove(gauge: Any, backend: str) -> None:
+    try:
+        gauge.remove(backend)
+    except KeyError:
+        pass

@@ -1,0 +1,339 @@
+"""Admission, throttling, circuit breaking and fallback: the last stage before a call goes to
+a backend (its calls are already batched and coalesced, so each counts once).
+
+For each call:
+
+1. A route's per-tenant ``rate_limit``: past it, 429 with ``Retry-After``.
+2. The candidates: the call's backend, then the route's ``fallback`` backends in order.
+3. For each candidate, its guard (``guard.py``): the throttle's decision over the
+   backend's telemetry (``reroute`` moves on; ``shed`` refuses all but high priority;
+   ``limit`` caps concurrency and rate), the circuit breaker, and the admission queue,
+   ordered by the ``X-Priority`` header or the route's ``priority``.  Then the call.
+4. A refusal (open breaker, throttle, full queue, queue timeout), a timeout, a failed
+   connection, or a 5xx or 429 status moves on to the next candidate; a failed reply is
+   closed first, which is possible because its status has not reached the client yet.  A
+   streamed 200 has started and is never replaced.  Moves caused by a backend failing are
+   retries and spend the retry budget (when it is spent, the client gets that failure);
+   moves the gateway chose (open breaker, throttle, full queue) are not and do not.
+5. Quality (a route's ``quality``, non-streaming chat only): the primary is asked for
+   logprobs, and an answer whose mean token logprob is below the threshold moves on to the
+   fallback (``low_confidence``); logprobs the client did not ask for are stripped.
+
+``X-Gateway-Backend`` (set at the edge) names who served; ``X-Gateway-Fallback`` says why
+the primary did not, with one of ``FALLBACK_REASONS``, also counted in
+``gateway_fallbacks_total{route,reason}``.  Every 429 and 503 leaving this stage carries a
+``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..admission import Priority
+from ..breaker import Outcome
+from ..errors import (
+    CircuitOpen,
+    GatewayError,
+    Overloaded,
+    RateLimited,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from ..metrics import Metrics
+from ..pipeline import Call, Handler, Reply, Stage
+from ..policy.model import Policy, Quality
+from ..rate_limit import RateLimit, RateLimiter
+from ..retry_budget import RetryBudget, RetryBudgetConfig
+from ..usage import from_body
+from .gpu import GpuControl, wire_gpu
+from .guard import BackendGuard, Pass
+from .quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
+
+if TYPE_CHECKING:
+    from . import Runtime
+
+FALLBACK_HEADER = "X-Gateway-Fallback"
+PRIORITY_HEADER = "X-Priority"
+FALLBACK_REASONS = (
+    "upstream_5xx",  # the backend answered 5xx (503 included)
+    "upstream_429",  # the backend answered 429
+    "timeout",  # connect, total or idle timeout before the answer's head
+    "unavailable",  # refused, reset or closed connection
+    "low_confidence",  # the answer's mean token logprob was below the route's threshold
+    "breaker_open",  # the backend's circuit breaker is open (or busy probing)
+    "throttle",  # a throttle rule rerouted or shed the call
+    "queue_full",  # the backend's admission queue was full
+    "queue_timeout",  # the call waited in the queue past its timeout
+)
+RETRY_REASONS = frozenset(
+    {"upstream_5xx", "upstream_429", "timeout", "unavailable", "low_confidence"}
+)
+"""Moves that are retries: the backend was called and failed; they spend the retry budget."""
+DEFAULT_RETRY_AFTER_S = 1.0
+CHARS_PER_TOKEN = 4
+"""Rough prompt size for a tokens-per-minute limit before the answer's ``usage`` settles it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """A candidate did not serve the call: why, and the refusal or failed reply."""
+
+    reason: str
+    failure: Reply | GatewayError
+
+
+class Resilience:
+    """The stage; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        guards: Mapping[str, BackendGuard],
+        control: GpuControl,
+        budget: RetryBudget,
+        limiters: Mapping[str, RateLimiter],
+        metrics: Metrics,
+    ) -> None:
+        self._guards = guards
+        self._control = control
+        self._budget = budget
+        self._limiters = limiters
+        self._metrics = metrics
+
+    async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        route = call.route
+        limiter = self._limiters.get(route.name)
+        tenant, estimate = "", 0
+        if limiter is not None:
+            tenant, estimate = self._check_rate(limiter, call)
+        self._budget.record_request()
+        fallback = tuple(b for b in route.fallback if b != call.backend)
+        if not fallback and call.backend not in self._guards:
+            reply = await call_next(call)
+            served = self._served(call, reply, 0, None)
+        else:
+            served = await self._serve(call, call_next, (call.backend, *fallback))
+        if limiter is not None and limiter.limit.tokens_per_min and served.body is not None:
+            used = from_body(served.body)
+            if used is not None:
+                limiter.charge(tenant, sum(used) - estimate)
+        return served
+
+    async def _serve(self, call: Call, call_next: Handler, candidates: tuple[str, ...]) -> Reply:
+        priority = priority_of(call)
+        judge = judged(call, call.route.quality)
+        reason: str | None = None
+        last: Moved | None = None
+        index = 0
+        for index, backend in enumerate(candidates):
+            more = index + 1 < len(candidates)
+            target = call if backend == call.backend else dataclasses.replace(call, backend=backend)
+            quality = call.route.quality if judge and index == 0 else None
+            result = await self._attempt(target, call_next, priority, more, quality)
+            if isinstance(result, Reply):
+                return self._served(call, result, index, reason)
+            last = result
+            reason = reason or result.reason
+            if not more:
+                break
+            if result.reason in RETRY_REASONS and not self._budget.try_spend():
+                break  # the budget is spent: this failure is the answer
+            if isinstance(result.failure, Reply):
+                await _close(result.failure)
+        assert last is not None  # the loop ran at least once and did not return
+        if isinstance(last.failure, Reply):
+            return self._served(call, last.failure, index, reason)
+        raise last.failure
+
+    async def _attempt(
+        self,
+        call: Call,
+        call_next: Handler,
+        priority: Priority,
+        more: bool,
+        quality: Quality | None,
+    ) -> Reply | Moved:
+        """One candidate: its guard, then the call."""
+        guard = self._guards.get(call.backend)
+        passed: Pass | None = None
+        if guard is not None:
+            decision = self._control.decide(call.backend)
+            if decision is not guard.decision:
+                guard.apply(decision)
+            if decision.action == "reroute" and more:
+                return Moved("throttle", Overloaded("rerouted", reason="throttle"))
+            if decision.action == "shed" and priority < Priority.HIGH:
+                return Moved("throttle", guard.shed(f"rule {decision.rule!r} sheds load"))
+            try:
+                passed = await guard.enter(priority)
+            except CircuitOpen as exc:
+                return Moved("breaker_open", exc)
+            except Overloaded as exc:
+                return Moved(exc.reason, exc)
+            if guard.decision.action == "reroute" and more:
+                # The rule fired while the call waited in the queue: it is rerouted too.
+                passed.release()
+                return Moved("throttle", Overloaded("rerouted", reason="throttle"))
+        strip = False
+        if quality is not None:
+            call, strip = asking_logprobs(call, quality)
+        try:
+            reply = await call_next(call)
+        except UpstreamError as exc:
+            if passed is not None:
+                passed.record(Outcome.FAILURE)
+                passed.release()
+            return Moved("timeout" if isinstance(exc, UpstreamTimeout) else "unavailable", exc)
+        except BaseException:
+            if passed is not None:
+                passed.release()
+            raise
+        if passed is not None:
+            passed.record(Outcome.of_status(reply.status))
+            _release_when_done(reply, passed)
+        if reply.status >= 500:
+            return Moved("upstream_5xx", reply)
+        if reply.status == 429:
+            return Moved("upstream_429", reply)
+        if quality is not None and reply.status == 200:
+            return _judge(reply, quality, strip)
+        return reply
+
+    def _served(self, call: Call, reply: Reply, index: int, reason: str | None) -> Reply:
+        extra: list[tuple[str, str]] = []
+        if index > 0 and reason is not None:
+            extra.append((FALLBACK_HEADER, reason))
+            self._metrics.fallbacks.labels(call.route.name, reason).inc()
+        if reply.status in (429, 503) and reply.header("Retry-After") is None:
+            guard = self._guards.get(reply.backend or call.backend)
+            retry_s = guard.retry_after_s() if guard is not None else DEFAULT_RETRY_AFTER_S
+            extra.append(("Retry-After", str(max(1, round(retry_s)))))
+        return reply.with_headers(extra) if extra else reply
+
+    def _check_rate(self, limiter: RateLimiter, call: Call) -> tuple[str, int]:
+        tenant = tenant_of(call)
+        estimate = estimate_tokens(call) if limiter.limit.tokens_per_min else 0
+        try:
+            limiter.check(tenant, estimate)
+        except RateLimited:
+            self._metrics.rate_limited.labels(call.route.name).inc()
+            raise
+        return tenant, estimate
+
+    def __repr__(self) -> str:
+        return (
+            f"<Resilience guards={sorted(self._guards)} limiters={sorted(self._limiters)} "
+            f"{self._budget!r}>"
+        )
+
+
+def _judge(reply: Reply, quality: Quality, strip: bool) -> Reply | Moved:
+    answer = parse(reply)
+    mean = mean_logprob(answer)
+    if strip and answer is not None:
+        reply.body = strip_logprobs(answer)
+    if mean is not None and mean < quality.min_mean_logprob:
+        return Moved("low_confidence", reply)
+    return reply
+
+
+def _release_when_done(reply: Reply, passed: Pass) -> None:
+    """A whole body is in hand: give the slot back now.  A stream holds it until closed."""
+    if reply.stream is None:
+        passed.release()
+        return
+    inner = reply.close
+
+    async def close() -> None:
+        try:
+            if inner is not None:
+                await inner()
+        finally:
+            passed.release()
+
+    reply.close = close
+
+
+async def _close(reply: Reply) -> None:
+    if reply.close is not None:
+        close, reply.close = reply.close, None
+        await close()
+
+
+def priority_of(call: Call) -> Priority:
+    """The ``X-Priority`` header (``high``, ``normal``, ``low``) or else the route's."""
+    header = call.header(PRIORITY_HEADER)
+    if header:
+        try:
+            return Priority.parse(header)
+        except ValueError:
+            pass  # an unknown value is not worth a 400: the route's priority applies
+    return Priority.parse(call.route.priority)
+
+
+def tenant_of(call: Call) -> str:
+    """Who a rate limit counts: the call's tenant if a stage set it, else a hash of its
+    ``Authorization`` (never kept in clear), else the client address."""
+    if call.tenant:
+        return call.tenant
+    auth = call.header("Authorization")
+    if auth:
+        return "auth:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+    forwarded = call.header("X-Forwarded-For") or ""
+    return "addr:" + forwarded.rsplit(",", 1)[-1].strip()
+
+
+def estimate_tokens(call: Call) -> int:
+    """Tokens a request will likely use: its size in rough tokens plus its answer limit."""
+    data = call.json or {}
+    answer = data.get("max_completion_tokens") or data.get("max_tokens") or 0
+    answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else 0
+    return len(call.body) // CHARS_PER_TOKEN + answer
+
+
+def resilience_stages(policy: Policy, runtime: Runtime) -> list[Stage]:
+    """The stage for ``policy`` (none when it uses none of it), with telemetry wired."""
+    registry, metrics, clock = runtime.registry, runtime.metrics, runtime.clock
+    ruled = {r.backend for r in policy.throttle}
+    capped = {
+        r.backend
+        for r in policy.throttle
+        if r.limit is not None and r.limit.max_concurrency is not None
+    }
+    guards: dict[str, BackendGuard] = {}
+    for b in policy.backends:
+        if b.max_concurrency is None and b.circuit_breaker is None and b.name not in ruled:
+            continue
+        guard = registry.get(
+            "guard", b.name, None, functools.partial(BackendGuard, b.name, metrics, clock)
+        )
+        guard.configure(b, needs_admission=b.name in capped)
+        guards[b.name] = guard
+    control = wire_gpu(policy, registry, metrics, clock, guards)
+    limiters: dict[str, RateLimiter] = {}
+    for route in policy.routes:
+        if route.rate_limit is not None:
+            r = route.rate_limit
+            limit = RateLimit(r.requests_per_s, r.tokens_per_min, r.burst)
+            limiters[route.name] = registry.get(
+                "rate_limit", route.name, limit, functools.partial(RateLimiter, limit, clock=clock)
+            )
+    if not (guards or limiters or any(r.fallback for r in policy.routes)):
+        return []
+    rb = policy.retry_budget
+    budget_config = RetryBudgetConfig(rb.ratio, rb.min_retries_per_s, rb.window_s)
+    budget = registry.get(
+        "retry_budget",
+        "",
+        budget_config,
+        functools.partial(RetryBudget, budget_config, clock=clock),
+    )
+    stage = Resilience(
+        guards=guards, control=control, budget=budget, limiters=limiters, metrics=metrics
+    )
+    return [stage]

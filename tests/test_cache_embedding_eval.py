@@ -1,0 +1,101 @@
+"""Embedding rows of ``evaluate``: per threshold, cosine alone, with the guard and with the
+tier's verification, plus the tiers of an embedding route in order; and, with the local
+model, the quality targets at the documented default: precision >= 0.95 at recall >= 0.30
+on the question pairs, at most 1 false hit in 30 adversarial negatives."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gateway.cache.embedding import local
+from gateway.cache.evaluate import (
+    DEFAULT_SETTING,
+    DEFAULT_THRESHOLDS,
+    EMBEDDING_SETTING,
+    Pair,
+    evaluate,
+    format_report,
+    local_embed,
+)
+
+from .test_cache_embedding import WordsEmbedder
+
+DATA = Path(__file__).parent.parent / "gateway" / "data"
+
+PAIRS = [
+    Pair(1, "How do I learn Python?", "How can I learn Python?"),
+    Pair(1, "What is the best way to learn Python?", "How should I learn Python?"),
+    Pair(1, "Same text", "Same text"),
+    Pair(0, "How do I learn Python?", "How do I learn Java?"),
+    Pair(0, "Flights from Paris to London", "Flights from London to Paris"),
+]
+
+
+def words(texts: Sequence[str]) -> np.ndarray:
+    embedder = WordsEmbedder()
+    return np.stack([embedder.vector(t) for t in texts])
+
+
+def test_embedding_rows_per_threshold_and_the_route_stack() -> None:
+    report = evaluate(PAIRS, embed=words, thresholds=(0.2, 0.9))
+    rows = {r.setting: r for r in report.rows}
+    for name in ("embedding>=0.20", "embedding>=0.20+guard", "embedding>=0.20+verify"):
+        assert name in rows and "embedding>=0.90+verify" in rows
+    for row in report.rows:
+        assert row.true_hits + row.false_hits + row.misses + row.true_rejects == len(PAIRS)
+    assert rows["embedding>=0.20"].false_hits == 2  # similar words, different questions
+    assert rows["embedding>=0.20+verify"].false_hits == 0
+    assert rows["embedding>=0.20+verify"].true_hits == 3
+    assert rows["embedding>=0.20+guard"].true_hits == 1  # the guard alone: exact text only
+    assert report.embedding_default == EMBEDDING_SETTING
+    assert EMBEDDING_SETTING.startswith(DEFAULT_SETTING + "+embedding>=")
+    assert rows[EMBEDDING_SETTING].false_hits == 0
+
+
+def test_without_an_embedder_the_report_is_unchanged() -> None:
+    report = evaluate(PAIRS)
+    assert report.embedding_default is None
+    assert not any(r.setting.startswith("embedding") for r in report.rows)
+    assert json.loads(report.to_json())["embedding_default"] is None
+
+
+def test_the_table_marks_the_embedding_default_and_json_names_it() -> None:
+    report = evaluate(PAIRS, embed=words)
+    table = format_report(report)
+    assert f"+ {EMBEDDING_SETTING}" in table and f"* {DEFAULT_SETTING}" in table
+    data = json.loads(report.to_json())
+    assert data["embedding_default"] == EMBEDDING_SETTING
+    settings = [row["setting"] for row in data["rows"]]
+    assert [s for s in settings if s.endswith("+verify")] == [
+        f"embedding>={t:.2f}+verify" for t in DEFAULT_THRESHOLDS
+    ]
+
+
+needs_model = pytest.mark.skipif(
+    not local.available()[0], reason=f"local embedding model unavailable: {local.available()[1]}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_embed() -> object:
+    return local_embed()
+
+
+@needs_model
+def test_quality_targets_on_the_question_pairs(model_embed: object) -> None:
+    row = evaluate(DATA / "question_pairs.tsv", embed=model_embed).row(EMBEDDING_SETTING)  # type: ignore[arg-type]
+    assert row.positives >= 100 and row.negatives >= 100
+    assert row.precision is not None and row.precision >= 0.95
+    assert row.recall is not None and row.recall >= 0.30
+
+
+@needs_model
+def test_quality_targets_on_the_adversarial_pairs(model_embed: object) -> None:
+    row = evaluate(DATA / "adversarial_pairs.tsv", embed=model_embed).row(EMBEDDING_SETTING)  # type: ignore[arg-type]
+    assert row.negatives >= 150
+    assert row.false_hits <= row.negatives / 30

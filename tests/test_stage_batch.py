@@ -1,0 +1,475 @@
+"""Micro-batching through a running gateway, against a small real model server per API.
+
+The model server answers deterministically from each input (a vector derived from the text,
+the input doubled, ...), so every test can check that each client got exactly its own answer;
+it records the inputs and headers of every call it served, to show which requests shared one.
+Its ``gate`` holds answers: with the first call held the backend is busy, so the requests
+sent next wait in the batcher (``max_wait_ms`` is far too long to elapse in a test) and go
+together the moment the held call returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.batching import Batcher
+from tests.conftest import Running
+
+NEVER_MS = 600_000  # no test waits this long for company: batches go when the backend frees
+
+
+def vector(text: Any) -> list[float]:
+    """The fake model's embedding: a function of the input only."""
+    s = str(text)
+    return [float(len(s)), float(sum(map(ord, s)) % 997)]
+
+
+@dataclass
+class Seen:
+    """One call as the model server received it."""
+
+    path: str
+    inputs: list[Any]
+    body: dict[str, Any]
+    authorization: str
+
+
+class Model:
+    """A tiny model server speaking every batchable API."""
+
+    def __init__(self) -> None:
+        self.calls: list[Seen] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.oom_above: int | None = None
+        self.app = web.Application()
+        self.app.router.add_post("/v1/embeddings", self.embeddings)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/embed", self.tei)
+        self.app.router.add_post("/v2/models/{model}/infer", self.kserve)
+        self.app.router.add_post("/v1/models/{model}:predict", self.tfserving)
+
+    async def _record(self, request: web.Request, inputs: list[Any], body: Any) -> None:
+        auth = request.headers.get("Authorization", "")
+        self.calls.append(Seen(request.path, inputs, body, auth))
+        await self.gate.wait()
+
+    def sizes(self, path: str | None = None) -> list[int]:
+        return [len(c.inputs) for c in self.calls if path is None or c.path == path]
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        await self._record(request, inputs, body)
+        if "POISON" in inputs:
+            return web.json_response({"error": {"message": "bad input POISON"}}, status=400)
+        if self.oom_above is not None and len(inputs) > self.oom_above:
+            message = "CUDA out of memory. Tried to allocate 2.00 GiB"
+            return web.json_response({"error": {"message": message}}, status=500)
+        data = [
+            {"object": "embedding", "index": i, "embedding": vector(t)}
+            for i, t in enumerate(inputs)
+        ]
+        data.reverse()  # order is not promised: answers are matched by index
+        tokens = sum(len(str(t).split()) for t in inputs)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return web.json_response(
+            {"object": "list", "data": data, "model": body["model"], "usage": usage}
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        await self._record(request, prompts, body)
+        choices = [
+            {"index": i, "text": f"{p}!", "finish_reason": "stop", "logprobs": None}
+            for i, p in enumerate(prompts)
+        ]
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for choice in choices:
+                event = {"object": "text_completion", "choices": [choice]}
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        usage = {"prompt_tokens": 2 * len(prompts), "completion_tokens": len(prompts)}
+        usage["total_tokens"] = 3 * len(prompts)
+        return web.json_response({"object": "text_completion", "choices": choices, "usage": usage})
+
+    async def tei(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        inputs = body["inputs"] if isinstance(body["inputs"], list) else [body["inputs"]]
+        await self._record(request, inputs, body)
+        return web.json_response([vector(t) for t in inputs])
+
+    async def kserve(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        (tensor,) = body["inputs"]
+        rows, width = tensor["shape"]
+        flat = tensor["data"]
+        await self._record(request, [flat[r * width : (r + 1) * width] for r in range(rows)], body)
+        out = {
+            "name": "out",
+            "datatype": "FP32",
+            "shape": [rows, width],
+            "data": [2 * x for x in flat],
+        }
+        answer: dict[str, Any] = {"model_name": request.match_info["model"], "outputs": [out]}
+        if "id" in body:
+            answer["id"] = body["id"]
+        return web.json_response(answer)
+
+    async def tfserving(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        await self._record(request, body["instances"], body)
+        return web.json_response({"predictions": [sum(i) for i in body["instances"]]})
+
+
+POLICY = """
+backends:
+  model: {{url: "{url}"}}
+routes:
+  - name: embeddings
+    match: {{path: /v1/embeddings}}
+    backend: model
+    batch: {{max_size: 64, max_wait_ms: {never}}}
+  - name: completions
+    match: {{path: /v1/completions}}
+    backend: model
+    batch: {{max_size: 64, max_wait_ms: {never}}}
+  - name: tei
+    match: {{path: /embed}}
+    backend: model
+    batch: {{max_size: 64, max_wait_ms: {never}}}
+  - name: kserve
+    match: {{path: "/v2/models/*"}}
+    backend: model
+    batch: {{max_size: 64, max_wait_ms: {never}}}
+  - name: tfserving
+    match: {{path: "/v1/models/*"}}
+    backend: model
+    batch: {{max_size: 64, max_wait_ms: {never}}}
+"""
+
+
+@dataclass
+class Setup:
+    model: Model
+    running: Running
+    session: aiohttp.ClientSession
+    policy_path: Path
+
+    async def post(
+        self, path: str, body: Any, *, auth: str = "Bearer tenant-a"
+    ) -> tuple[int, Any, Any]:
+        async with self.session.post(
+            self.running.url + path, json=body, headers={"Authorization": auth}
+        ) as resp:
+            return resp.status, await resp.json(), resp.headers
+
+    def batcher(self, route: str) -> Batcher:
+        found = [
+            b
+            for name, b in self.running.gateway.registry.items("batcher")
+            if name.startswith(route + " ")
+        ]
+        assert len(found) == 1, found
+        return found[0]
+
+    async def busy(self, path: str, body: Any) -> asyncio.Task[Any]:
+        """One request held upstream: from now on the backend is busy."""
+        self.model.gate.clear()
+        before = len(self.model.calls)
+        task = asyncio.create_task(self.post(path, body))
+        await until(lambda: len(self.model.calls) == before + 1)
+        return task
+
+    async def metric(self, name: str, **labels: str) -> float:
+        async with self.session.get(self.running.admin_url + "/metrics") as resp:
+            text = await resp.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    return float(sample.value)
+        raise AssertionError(f"no sample {name}{labels}")
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait for a condition the gateway reaches over real sockets (a guard, not a delay)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+@pytest.fixture
+async def setup(serve_app, start_gateway, tmp_path) -> AsyncIterator[Setup]:
+    model = Model()
+    url = await serve_app(model.app)
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY.format(url=url, never=NEVER_MS))
+    running = await start_gateway(policy=path)
+    async with aiohttp.ClientSession() as session:
+        yield Setup(model, running, session, path)
+        model.gate.set()
+
+
+def embed(text: Any, **fields: Any) -> dict[str, Any]:
+    return {"model": "e5", "input": text, **fields}
+
+
+async def test_concurrent_callers_each_get_exactly_their_own_vectors_also_when_sending_lists(setup):
+    first = await setup.busy("/v1/embeddings", embed("first"))
+    inputs: list[Any] = [
+        f"text number {i}" if i % 3 else [f"list {i} a", f"list {i} bb", f"list {i} ccc"]
+        for i in range(24)
+    ]
+    tasks = [asyncio.create_task(setup.post("/v1/embeddings", embed(x))) for x in inputs]
+    await until(lambda: setup.batcher("embeddings").waiting == len(inputs))
+    setup.model.gate.set()
+    results = await asyncio.gather(*tasks)
+    await first
+
+    assert len(setup.model.calls) == 2  # the held one, then everyone else together
+    sent = [t for x in inputs for t in (x if isinstance(x, list) else [x])]
+    assert sorted(setup.model.calls[1].inputs) == sorted(sent)
+    prompt_tokens = 0
+    for x, (status, answer, _) in zip(inputs, results, strict=True):
+        assert status == 200
+        own = x if isinstance(x, list) else [x]
+        assert [d["index"] for d in answer["data"]] == list(range(len(own)))
+        assert [d["embedding"] for d in answer["data"]] == [vector(t) for t in own]
+        prompt_tokens += answer["usage"]["prompt_tokens"]
+    assert prompt_tokens == sum(len(t.split()) for t in sent)  # usage apportioned, none lost
+    assert await setup.metric("gateway_batch_size_count", route="embeddings") == 2
+    assert await setup.metric("gateway_batch_size_sum", route="embeddings") == 1 + len(sent)
+
+
+ADAPTER_CASES = {
+    "openai-embeddings": (
+        "/v1/embeddings",
+        lambda i: embed(f"text {i}" * (i + 1)),
+        lambda i, a: (
+            a["data"]
+            == [{"object": "embedding", "index": 0, "embedding": vector(f"text {i}" * (i + 1))}]
+        ),
+    ),
+    "tei-embed": (
+        "/embed",
+        lambda i: {"inputs": f"text {i}" * (i + 1), "normalize": True},
+        lambda i, a: a == [vector(f"text {i}" * (i + 1))],
+    ),
+    "kserve-v2": (
+        "/v2/models/double/infer",
+        lambda i: {
+            "id": f"r{i}",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [i, i + 0.5]}],
+        },
+        lambda i, a: (
+            a["id"] == f"r{i}"
+            and a["outputs"][0]["shape"] == [1, 2]
+            and a["outputs"][0]["data"] == [2 * i, 2 * i + 1]
+        ),
+    ),
+    "tfserving-predict": (
+        "/v1/models/sum:predict",
+        lambda i: {"instances": [[i, 10]]},
+        lambda i, a: a["predictions"] == [i + 10],
+    ),
+    "openai-completions": (
+        "/v1/completions",
+        lambda i: {"model": "c", "prompt": f"prompt {i}", "temperature": 0, "max_tokens": 4},
+        lambda i, a: (
+            a["choices"]
+            == [{"index": 0, "text": f"prompt {i}!", "finish_reason": "stop", "logprobs": None}]
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADAPTER_CASES))
+async def test_each_adapter_merges_concurrent_requests_into_one_call_and_answers_each_its_own(
+    setup, case
+):
+    path, make, check = ADAPTER_CASES[case]
+    first = await setup.busy(path, make(100))
+    tasks = [asyncio.create_task(setup.post(path, make(i))) for i in range(5)]
+    await until(
+        lambda: sum(b.waiting for _, b in setup.running.gateway.registry.items("batcher")) == 5
+    )
+    setup.model.gate.set()
+    results = await asyncio.gather(*tasks)
+    status, answer, _ = await first
+
+    assert status == 200 and check(100, answer)
+    assert setup.model.sizes(setup.model.calls[0].path) == [1, 5]
+    for i, (status, answer, headers) in enumerate(results):
+        assert status == 200, answer
+        assert check(i, answer), answer
+        assert headers["Content-Type"].startswith("application/json")
+
+
+async def test_a_poison_input_fails_only_its_own_request_by_bisection(setup):
+    first = await setup.busy("/v1/embeddings", embed("first"))
+    texts = ["alpha", "beta", "POISON", "gamma", "delta"]
+    tasks = [asyncio.create_task(setup.post("/v1/embeddings", embed(t))) for t in texts]
+    await until(lambda: setup.batcher("embeddings").waiting == len(texts))
+    setup.model.gate.set()
+    results = await asyncio.gather(*tasks)
+    await first
+
+    for text, (status, answer, _) in zip(texts, results, strict=True):
+        if text == "POISON":
+            assert status == 400
+            assert answer == {"error": {"message": "bad input POISON"}}  # the upstream's own
+        else:
+            assert status == 200
+            assert answer["data"][0]["embedding"] == vector(text)
+    assert await setup.metric("gateway_batch_splits_total", route="embeddings") >= 2
+
+
+async def test_out_of_memory_halves_the_batch_size_and_every_request_still_succeeds(setup):
+    setup.model.oom_above = 2
+    first = await setup.busy("/v1/embeddings", embed("first"))
+    texts = [f"t{i}" for i in range(4)]
+    tasks = [asyncio.create_task(setup.post("/v1/embeddings", embed(t))) for t in texts]
+    await until(lambda: setup.batcher("embeddings").waiting == len(texts))
+    setup.model.gate.set()
+    results = await asyncio.gather(*tasks)
+    await first
+
+    assert [status for status, _, _ in results] == [200] * 4
+    assert [a["data"][0]["embedding"] for _, a, _ in results] == [vector(t) for t in texts]
+    assert setup.model.sizes() == [1, 4, 2, 2]
+    assert setup.batcher("embeddings").limit == 2
+    assert await setup.metric("gateway_batch_oom_backoffs_total", route="embeddings") == 1
+    assert await setup.metric("gateway_batch_limit", route="embeddings") == 2
+
+
+async def test_requests_of_different_tenants_never_share_a_call(setup):
+    first = await setup.busy("/v1/embeddings", embed("first"))
+    tenants = ["a", "b", "a", "b", "c"]
+    tasks = [
+        asyncio.create_task(
+            setup.post("/v1/embeddings", embed(f"{t}-{i}"), auth=f"Bearer tenant-{t}")
+        )
+        for i, t in enumerate(tenants)
+    ]
+    await until(lambda: setup.batcher("embeddings").waiting == len(tenants))
+    setup.model.gate.set()
+    results = await asyncio.gather(*tasks)
+    await first
+
+    assert all(status == 200 for status, _, _ in results)
+    merged = setup.model.calls[1:]
+    assert sorted(len(c.inputs) for c in merged) == [1, 2, 2]
+    for call in merged:
+        owners = {text.split("-")[0] for text in call.inputs}
+        assert len(owners) == 1
+        assert call.authorization == f"Bearer tenant-{owners.pop()}"  # each on its own credentials
+
+
+async def test_requests_differing_in_a_parameter_never_share_a_call(setup):
+    first = await setup.busy("/v1/embeddings", embed("first"))
+    bodies = [embed(f"x{i}", model="small" if i % 2 else "large", dimensions=8) for i in range(4)]
+    bodies.append(embed("x4", model="small", dimensions=16))
+    tasks = [asyncio.create_task(setup.post("/v1/embeddings", b)) for b in bodies]
+    await until(lambda: setup.batcher("embeddings").waiting == len(bodies))
+    setup.model.gate.set()
+    results = await asyncio.gather(*tasks)
+    await first
+
+    assert all(status == 200 for status, _, _ in results)
+    merged = setup.model.calls[1:]
+    assert sorted(len(c.inputs) for c in merged) == [1, 2, 2]
+    for call in merged:
+        mine = [b for b in bodies if b["input"] in call.inputs]
+        assert {(b["model"], b["dimensions"]) for b in mine} == {
+            (call.body["model"], call.body["dimensions"])
+        }
+
+
+async def test_streaming_and_sampled_requests_are_never_merged(setup):
+    setup.model.gate.clear()
+    bodies = [
+        {"model": "c", "prompt": "sampled 1", "temperature": 0.8},
+        {"model": "c", "prompt": "sampled 2", "temperature": 0.8},
+        {"model": "c", "prompt": "no temperature"},
+        {"model": "c", "prompt": "streamed 1", "temperature": 0, "stream": True},
+        {"model": "c", "prompt": "streamed 2", "temperature": 0, "stream": True},
+    ]
+
+    async def send(body: dict[str, Any]) -> tuple[int, bytes]:
+        async with setup.session.post(setup.running.url + "/v1/completions", json=body) as resp:
+            return resp.status, await resp.read()
+
+    tasks = [asyncio.create_task(send(b)) for b in bodies]
+    await until(lambda: len(setup.model.calls) == len(bodies))  # each went on alone, at once
+    setup.model.gate.set()
+    results = await asyncio.gather(*tasks)
+
+    assert setup.model.sizes() == [1] * len(bodies)
+    assert all(status == 200 for status, _ in results)
+    assert b"data: [DONE]" in results[3][1]
+    assert setup.batcher("completions").upstream_calls == 0
+
+
+async def test_a_body_the_adapter_cannot_batch_goes_straight_on(setup):
+    first = await setup.busy("/embed", {"inputs": "first"})
+    task = asyncio.create_task(setup.post("/embed", {"inputs": []}))  # no input: not batchable
+    await until(lambda: len(setup.model.calls) == 2)  # it did not wait for the busy backend
+    setup.model.gate.set()
+    status, answer, _ = await task
+    assert (status, answer) == (200, [])
+    await first
+    assert setup.batcher("tei").upstream_calls == 1
+
+
+async def test_a_reload_keeps_an_unchanged_batcher_and_replaces_a_changed_one(setup):
+    gateway = setup.running.gateway
+    before = setup.batcher("embeddings")
+    text = setup.policy_path.read_text()
+    setup.policy_path.write_text(text.replace("name: tei", "name: tei-renamed"))
+    gateway.reload()  # (the file watcher may have been first)
+    assert "tei-renamed" in [r.name for r in gateway.snapshot.policy.routes]
+    assert setup.batcher("embeddings") is before
+
+    setup.policy_path.write_text(
+        text.replace(
+            f"batch: {{max_size: 64, max_wait_ms: {NEVER_MS}}}\n  - name: completions",
+            f"batch: {{max_size: 8, max_wait_ms: {NEVER_MS}}}\n  - name: completions",
+        )
+    )
+    gateway.reload()
+    after = setup.batcher("embeddings")
+    assert after is not before and after.limit == 8
+    status, answer, _ = await setup.post("/v1/embeddings", embed("after reload"))
+    assert status == 200 and answer["data"][0]["embedding"] == vector("after reload")
+
+
+def test_policies_without_batch_or_coalesce_get_neither_stage():
+    from gateway.clock import SYSTEM_CLOCK
+    from gateway.metrics import Metrics
+    from gateway.policy.load import zero_config_policy
+    from gateway.stages import Runtime, batch, coalesce
+    from gateway.state import Registry
+
+    runtime = Runtime(Metrics(), Registry(), SYSTEM_CLOCK, transport=None)  # type: ignore[arg-type]
+    policy = zero_config_policy("http://127.0.0.1:1")
+    assert batch.build(policy, runtime) == [] and coalesce.build(policy, runtime) == []
+    assert repr(runtime.registry) == "<Registry {}>"

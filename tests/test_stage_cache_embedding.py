@@ -1,0 +1,161 @@
+"""The seam to the embedding tier: asked after the exact and SimHash tiers, told about every
+stored answer, never able to serve another tenant's entry; and when its module is missing,
+``gateway check`` and the gateway say so and keep serving the other tiers.
+
+The tier's module (``gateway.cache.embedding``) ships separately, so these tests put a
+stand-in for it, or its absence, into ``sys.modules``: the seam is the boundary here.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.cache.keys import RequestKey
+from gateway.cache.tiers import Hit
+from gateway.cli import main
+from gateway.sim import SimConfig, start_sim
+from gateway.stages.cache_embedding import MODULE, unavailable
+
+POLICY = """
+backends:
+  gpu: {{url: "{sim}"}}
+routes:
+  - name: chat
+    match: {{path: /v1/chat/completions}}
+    backend: gpu
+    cache: {{ttl_s: 60, semantic: {{method: embedding}}}}
+"""
+
+
+class StandInTier:
+    """Answers every lookup with the last entry added, whoever asks: a tier gone wrong."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.added: list[tuple[str, str]] = []
+        self.looked_up: list[str] = []
+
+    async def lookup(self, key: RequestKey, text: str) -> Hit | None:
+        self.looked_up.append(text)
+        if not self.added:
+            return None
+        entry_key = self.added[-1][1]
+        entry = await self.store.get(entry_key)
+        return Hit(entry, "embedding", 0.97, entry_key) if entry is not None else None
+
+    async def add(self, key: RequestKey, text: str, entry_key: str) -> None:
+        self.added.append((text, entry_key))
+
+
+@pytest.fixture
+async def sim() -> Any:
+    server = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0))
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+def tiers(monkeypatch: pytest.MonkeyPatch) -> list[StandInTier]:
+    made: list[StandInTier] = []
+    module = types.ModuleType(MODULE)
+
+    def from_semantic(semantic: Any, context: Any) -> StandInTier:
+        assert semantic.method == "embedding" and context.route == "chat"
+        made.append(StandInTier(context.store))
+        return made[-1]
+
+    module.from_semantic = from_semantic  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, MODULE, module)
+    return made
+
+
+def ask(text: str) -> dict[str, Any]:
+    return {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": text}]}
+
+
+async def test_the_embedding_tier_answers_after_exact_and_simhash(
+    sim: Any, tiers: list[StandInTier], start_gateway: Any, tmp_path: Path
+) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY.format(sim=sim.url))
+    gw = await start_gateway(policy=policy, warmup=False)
+    (tier,) = tiers
+    url = gw.url + "/v1/chat/completions"
+    alice = {"Authorization": "Bearer a"}
+    async with httpx.AsyncClient(headers=alice) as client:
+        stored = await client.post(url, json=ask("What is the capital of France?"))
+        assert stored.headers["X-Gateway-Cache"] == "miss"
+        assert tier.added and tier.added[0][0] == "What is the capital of France?"
+        exact = await client.post(url, json=ask("What is the capital of France?"))
+        near = await client.post(url, json=ask("what is the capital of france"))
+        assert exact.headers["X-Gateway-Cache-Match"] == "exact"
+        assert near.headers["X-Gateway-Cache-Match"] == "simhash"
+        assert tier.looked_up == ["What is the capital of France?"]  # only on the miss
+        para = await client.post(url, json=ask("Which city is France's capital?"))
+        assert para.headers["X-Gateway-Cache"] == "hit"
+        assert para.headers["X-Gateway-Cache-Match"] == "embedding"
+        assert para.headers["X-Gateway-Cache-Similarity"] == "0.970"
+        assert para.json()["id"] == stored.json()["id"]
+
+
+async def test_an_embedding_hit_of_another_tenant_or_context_is_refused(
+    sim: Any, tiers: list[StandInTier], start_gateway: Any, tmp_path: Path
+) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY.format(sim=sim.url))
+    gw = await start_gateway(policy=policy, warmup=False)
+    url = gw.url + "/v1/chat/completions"
+    async with httpx.AsyncClient() as client:
+        alice = {"Authorization": "a"}
+        await client.post(url, json=ask("Alice's secret question"), headers=alice)
+        other_context = ask("Alice asks again")
+        other_context["max_tokens"] = 3
+        own = await client.post(url, json=other_context, headers=alice)
+        assert own.headers["X-Gateway-Cache"] == "miss"
+        bob = await client.post(url, json=ask("Bob asks this"), headers={"Authorization": "b"})
+        assert bob.headers["X-Gateway-Cache"] == "miss"
+        assert len(tiers[0].looked_up) == 3  # each was offered the wrong entry, and refused
+
+
+async def test_without_the_embedding_module_check_warns_and_the_gateway_serves_the_rest(
+    sim: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    start_gateway: Any,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, MODULE, None)  # as if the extra were not installed
+    reason = unavailable()
+    assert reason is not None and "embedding tier is unavailable" in reason
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY.format(sim=sim.url))
+    assert main(["check", str(policy)]) == 0
+    err = capsys.readouterr().err
+    assert "routes[0].cache.semantic.method: the embedding tier is unavailable" in err
+    gw = await start_gateway(policy=policy, warmup=False)
+    async with httpx.AsyncClient() as client:
+        url = gw.url + "/v1/chat/completions"
+        await client.post(url, json=ask("Still cached?"))
+        again = await client.post(url, json=ask("still cached"))
+        assert again.headers["X-Gateway-Cache-Match"] == "simhash"
+
+
+def test_check_warns_when_max_distance_exceeds_the_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        POLICY.format(sim="http://127.0.0.1:1").replace(
+            "method: embedding", "method: simhash, max_distance: 9"
+        )
+    )
+    assert main(["check", str(policy)]) == 0
+    assert "max_distance: 9 is beyond what the SimHash index finds; 3 is used" in (
+        capsys.readouterr().err
+    )
