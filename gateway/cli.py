@@ -209,10 +209,12 @@ def _demo(args: argparse.Namespace) -> int:
         print("error: --duration must be > 0 and --clients >= 1", file=sys.stderr)
         return 2
     options = DemoOptions(duration_s=args.duration, clients=args.clients, as_json=args.json)
+    if args.log_level == "info":  # the demo's own table tells the story; keep logs to problems
+        logging.getLogger().setLevel(logging.WARNING)
     if not args.json:
         print(
             "running the demo: the workload straight at a simulated GPU, then through the "
-            f"gateway ({2 * args.duration:g} s)...",
+            f"gateway ({2 * args.duration:g} s), then the thermal scene (about 10 s)...",
             file=sys.stderr,
             flush=True,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from ..clock import SYSTEM_CLOCK, Clock
@@ -151,3 +152,31 @@ class AimdLimit:
             f"<AimdLimit limit={self.limit}/{self._max} target={self.target_latency_ms:.0f}ms "
             f"p{self._quantile * 100:.0f}={p_text} samples={len(self._samples)}>"
         )
+
+
+class CappedLimit:
+    """Another limit, held at or below a cap read per batch (a GPU throttle rule's
+    ``limit: {batch_max_size}`` while it holds); the inner limit keeps learning."""
+
+    def __init__(self, inner: BatchLimit, cap: Callable[[], int | None]) -> None:
+        self._inner = inner
+        self._cap = cap
+
+    @property
+    def limit(self) -> int:
+        cap = self._cap()
+        inner = self._inner.limit
+        return inner if cap is None else max(1, min(inner, cap))
+
+    @property
+    def max_size(self) -> int:
+        return self._inner.max_size
+
+    def observe(self, latency_s: float, items: int) -> None:
+        self._inner.observe(latency_s, items)
+
+    def backoff_to(self, size: int) -> None:
+        self._inner.backoff_to(size)
+
+    def __repr__(self) -> str:
+        return f"<CappedLimit limit={self.limit} cap={self._cap()} inner={self._inner!r}>"

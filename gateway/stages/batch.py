@@ -30,6 +30,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..batching import (
@@ -45,13 +46,14 @@ from ..batching import (
     TFServingPredict,
     adapter_for,
 )
-from ..batching.aimd import BatchLimit
+from ..batching.aimd import BatchLimit, CappedLimit
 from ..cache.keys import scope_hash
 from ..errors import Overloaded
 from ..metrics import Metrics
 from ..pipeline import Call, Handler, Headers, Reply, Stage
 from ..policy.model import Batch, Policy, Route
 from . import Runtime
+from .gpu import batch_limit
 
 DEFAULT_SLOTS = 1
 QUEUED_AT_BACKEND = 1  # fixed size: batches let upstream past the backend's slots
@@ -236,7 +238,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         slots = policy.backend(route.backend).max_concurrency or DEFAULT_SLOTS
         for adapter in route_adapters(route):
             name = f"{route.name} {route.backend} {adapter.name}"
-            make = _factory(name, route.name, route.batch, adapter, slots, runtime)
+            make = _factory(name, route, route.batch, adapter, slots, runtime)
             batchers[(route.name, route.backend, adapter.name)] = runtime.registry.get(
                 "batcher", name, (route.batch, slots), make
             )
@@ -253,11 +255,13 @@ def route_adapters(route: Route) -> tuple[Adapter, ...]:
 
 
 def _factory(
-    name: str, route: str, batch: Batch, adapter: Adapter, slots: int, runtime: Runtime
+    name: str, route: Route, batch: Batch, adapter: Adapter, slots: int, runtime: Runtime
 ) -> Callable[[], Batcher]:
     def make() -> Batcher:
-        observer = RouteObserver(runtime.metrics, route)
-        limit = _limit(batch, runtime)
+        observer = RouteObserver(runtime.metrics, route.name)
+        limit = CappedLimit(
+            _limit(batch, runtime), partial(batch_limit, runtime.registry, route.backend)
+        )
         observer.limit_changed(limit.limit)
         return Batcher(
             _ItemAdapter(adapter),
