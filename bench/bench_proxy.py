@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +82,70 @@ async def first_byte_ms(port: int, n: int) -> list[float]:
     return times
 
 
+COMPONENTS = (
+    (
+        "socket writes (kernel send, in aiohttp's and the upstream client's write calls)",
+        ("_writelines", "http1.py:send"),
+    ),
+    ("aiohttp server (HTTP parsing, request/response objects, task per request)", ("aiohttp/",)),
+    ("gateway: upstream client (gateway/http1.py, upstream.py)", ("http1.py", "upstream.py")),
+    ("gateway: edge, routing, validation, metrics calls", ("gateway/",)),
+    ("prometheus_client", ("prometheus_client/",)),
+    ("json / re / other stdlib", ("json/", "re/", "python3.11/")),
+)
+
+
+def profile(pid: int, seconds: int, tmp: Path) -> list[tuple[str, float]]:
+    """Where the gateway's CPU goes under saturation, from py-spy samples (leaf frames),
+    grouped into components; empty when py-spy is not installed."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return []
+    out = tmp / "profile.txt"
+    subprocess.run(
+        [
+            spy,
+            "record",
+            "-p",
+            str(pid),
+            "-d",
+            str(seconds),
+            "-r",
+            "400",
+            "-f",
+            "raw",
+            "-o",
+            str(out),
+            "--nonblocking",
+        ],
+        capture_output=True,
+        check=False,
+    )
+    if not out.exists():
+        return []
+    totals: dict[str, int] = {}
+    samples = 0
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        samples += n
+        leaf = stack.rsplit(";", 1)[-1]
+        where = leaf.replace(" (", ":").replace(")", "")
+        name = "other (event loop, idle callbacks)"
+        for label, needles in COMPONENTS:
+            if any(_matches(where, needle) for needle in needles):
+                name = label
+                break
+        totals[name] = totals.get(name, 0) + n
+    return sorted(((k, 100 * v / samples) for k, v in totals.items()), key=lambda kv: -kv[1])
+
+
+def _matches(where: str, needle: str) -> bool:
+    if needle == "http1.py:send":  # the line of Connection.send that writes the request
+        return where.startswith("Connection.send:") and "http1.py" in where
+    return needle in where
+
+
 def run(duration: int) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     script = tmp / "post.lua"
@@ -89,6 +155,7 @@ def run(duration: int) -> str:
     )
     backend_port, gateway_port, admin_port, nginx_port = (free_port() for _ in range(4))
     rows: list[tuple[str, dict[str, float]]] = []
+    breakdown: list[tuple[str, float]] = []
     first_bytes: dict[str, float] = {}
     rss = float("nan")
     with process(python("-m", "bench.backend", str(backend_port)), backend_port):
@@ -129,6 +196,14 @@ def run(duration: int) -> str:
                 if pid is not None:
                     rss = rss_mb(pid)
                 fb = asyncio.run(first_byte_ms(port, 300))
+                if pid is not None:
+                    loader = subprocess.Popen(
+                        ["wrk", "-t1", "-c32", f"-d{duration + 2}s", "-s", str(script), url],
+                        stdout=subprocess.DEVNULL,
+                    )
+                    time.sleep(1)
+                    breakdown = profile(pid, duration - 1, tmp)
+                    loader.wait()
                 first_bytes[name] = statistics.median(fb)
                 rows.append(
                     (
@@ -146,10 +221,15 @@ def run(duration: int) -> str:
             gateway.__exit__(None, None, None)
             if nginx is not None:
                 nginx.__exit__(None, None, None)
-    return report(rows, rss, duration)
+    return report(rows, rss, duration, breakdown)
 
 
-def report(rows: list[tuple[str, dict[str, float]]], rss: float, duration: int) -> str:
+def report(
+    rows: list[tuple[str, dict[str, float]]],
+    rss: float,
+    duration: int,
+    breakdown: list[tuple[str, float]],
+) -> str:
     by = dict(rows)
     d, g = by["direct"], by["gateway"]
     lines = [
@@ -183,6 +263,16 @@ def report(rows: list[tuple[str, dict[str, float]]], rss: float, duration: int) 
         f"| streaming first byte added <= 1 ms | {added_fb:.3f} ms | {verdict(added_fb <= 1)} |",
         f"| gateway RSS <= 100 MB under that load | {rss:.0f} MB | {verdict(rss <= 100)} |",
     ]
+    if breakdown:
+        lines += [
+            "",
+            "Where the gateway's CPU goes at saturation (py-spy, leaf frames grouped; "
+            "measured in the same run under the same 32-connection load):",
+            "",
+            "| component | share of samples |",
+            "|---|---|",
+        ]
+        lines += [f"| {name} | {pct:.0f}% |" for name, pct in breakdown]
     return "\n".join(lines)
 
 

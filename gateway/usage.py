@@ -17,13 +17,14 @@ def from_body(body: bytes) -> tuple[int, int] | None:
 
     Read with two regular expressions rather than a parse of the whole answer: this runs
     for every response and the answer itself is not needed."""
-    if _MARK not in body:
+    start = body.rfind(_MARK)  # a key: inside a JSON string its quotes would be escaped
+    if start < 0:
         return None
-    prompt = _PROMPT.findall(body)
-    if not prompt:
+    prompt = _PROMPT.search(body, start)
+    if prompt is None:
         return None
-    completion = _COMPLETION.findall(body)
-    return int(prompt[-1]), int(completion[-1]) if completion else 0
+    completion = _COMPLETION.search(body, start)
+    return int(prompt.group(1)), int(completion.group(1)) if completion else 0
 
 
 def _counts(usage: Any) -> tuple[int, int] | None:
