@@ -9,7 +9,7 @@ import pytest
 
 from gateway.cache.evaluate import DEFAULT_SETTING, Pair, evaluate, format_report, read_pairs
 from gateway.cache.guard import check
-from gateway.cache.normalize import normalize
+from gateway.cache.normalize import comparable_form, normalize
 from gateway.cache.simhash import MAX_DISTANCE, bands, fingerprint, hamming
 
 DATA = Path(__file__).parent.parent / "gateway" / "data"
@@ -131,3 +131,31 @@ def test_read_pairs_rejects_malformed_lines(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad\.tsv:2"):
         read_pairs(path)
     assert evaluate([Pair(1, "a b", "a b")]).row("exact").true_hits == 1
+
+
+def test_comparable_forms_are_equal_exactly_when_normalised_messages_are() -> None:
+    """Equal forms stand in for the guard on stored prompts, so they must never merge two
+    different normalised messages (token text, kind, case, quoted spans, code)."""
+    pairs = read_pairs(DATA / "adversarial_pairs.tsv")
+    texts = [t for p in pairs for t in (p.first, p.second)] + [
+        'Say "x y" twice',
+        'Say "x" y twice',
+        "Say x 'y' twice",
+        "Compare C++ and C",
+        "Compare C and C++",
+        "Where is paris?",
+        "Where is Paris?",
+        "Where is Paris!",
+        "What is 12 plus 3?",
+        "What is 1 2 plus 3?",
+        "Run ```ls -la``` here",
+        "Run ```ls  -la``` here",
+    ]
+    by_form: dict[str, set[object]] = {}
+    for text in texts:
+        by_form.setdefault(comparable_form(normalize(text)), set()).add(normalize(text))
+    assert all(len(norms) == 1 for norms in by_form.values())
+    assert len(by_form) == len({normalize(t) for t in texts})
+    assert comparable_form(normalize("Where is Paris?")) == comparable_form(
+        normalize("where is Paris!")
+    )

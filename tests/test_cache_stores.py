@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import pytest
 from gateway.cache import CachedResponse, ResponseCache, request_key, scope_hash
 from gateway.cache.evaluate import read_pairs
 from gateway.cache.items import CachedItem, plan_items
+from gateway.cache.simhash import fingerprint
 from gateway.cache.stores import MemoryStore, RedisStore
 from gateway.errors import StoreError
 from gateway.testing import FakeClock, FlakyStore
@@ -116,6 +117,34 @@ async def test_near_duplicate_hit_for_case_and_punctuation_edits(harness: Harnes
     hit = await harness.cache.lookup(key_for(chat("what is the capital of france")))
     assert hit is not None and hit.match == "simhash"
     assert await harness.cache.lookup(key_for(chat("What is the capital of Spain?"))) is None
+
+
+async def test_near_duplicate_with_a_typo_passes_the_full_guard(harness: Harness) -> None:
+    """A query whose normalised form differs from the stored one is guarded in full."""
+    stored = "Explain kubernetes deployment strategies"
+    await harness.cache.put(key_for(chat(stored)), answer("x"), 60)
+    hit = await harness.cache.lookup(key_for(chat("explain kubernetes deploymnet strategies")))
+    assert hit is not None and hit.match == "simhash" and hit.entry.prompt == stored
+    assert await harness.cache.lookup(key_for(chat("Explain kubernetes deployment"))) is None
+
+
+async def test_entries_stored_without_a_prompt_form_are_guarded_on_their_prompt(
+    harness: Harness,
+) -> None:
+    """Entries written before ``prompt_form`` existed still hit, through the full guard."""
+    key = key_for(chat("What is the capital of France?"))
+    assert key.prompt is not None
+    legacy = replace(
+        answer("Paris"),
+        scope=key.scope,
+        prompt=key.prompt,
+        context=key.context,
+        fingerprint=fingerprint(key.prompt),
+    )
+    await harness.store.set(key.exact, legacy, 60)
+    hit = await harness.cache.lookup(key_for(chat("what is the capital of france")))
+    assert hit is not None and hit.match == "simhash" and hit.entry.prompt_form is None
+    assert await harness.cache.lookup(key_for(chat("What is the capital of France now?"))) is None
 
 
 async def test_near_duplicate_requires_identical_context(harness: Harness) -> None:

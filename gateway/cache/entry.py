@@ -28,8 +28,10 @@ class CachedResponse:
 
     ``scope`` is the tenant scope hash, ``prompt`` the final user message the answer was
     for (the guard re-checks it on near-duplicate hits), ``fingerprint`` its SimHash and
-    ``context`` its context key (both None when the near tier does not apply), and
-    ``created_at`` the wall time it was stored, for the ``Age`` header.
+    ``context`` its context key (both None when the near tier does not apply),
+    ``prompt_form`` the prompt's ``normalize.comparable_form`` (None in entries stored before
+    it existed: the guard then normalises ``prompt`` again), and ``created_at`` the wall time
+    it was stored, for the ``Age`` header.
     """
 
     status: int
@@ -44,6 +46,7 @@ class CachedResponse:
     prompt: str | None = None
     context: str | None = None
     fingerprint: int | None = None
+    prompt_form: str | None = None
 
     def __post_init__(self) -> None:
         if (self.body is None) == (self.events is None):
@@ -75,6 +78,7 @@ def dumps(entry: CachedResponse) -> bytes:
         "p": entry.prompt,
         "x": entry.context,
         "f": entry.fingerprint,
+        "n": entry.prompt_form,
         "e": entry.events is not None,
     }
     header = json.dumps(head, separators=(",", ":")).encode()
@@ -115,6 +119,7 @@ def loads(data: bytes) -> CachedResponse:
             prompt=head["p"],
             context=head["x"],
             fingerprint=head["f"],
+            prompt_form=head.get("n"),
         )
     except (struct.error, KeyError, TypeError, zlib.error, json.JSONDecodeError) as exc:
         raise ValueError(f"corrupt cache entry: {exc}") from exc

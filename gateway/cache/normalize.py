@@ -116,6 +116,17 @@ _SPECIAL = (
     frozenset(_CONTRACTIONS) | frozenset(_BARE) | frozenset(_NUMBER_WORDS) | frozenset(_ORDINALS)
 )
 
+FORM_VERSION = "n1"
+"""Prefix of every ``comparable_form``.  Bump it whenever ``normalize`` changes its output
+for any text: forms stored by an older version then never equal a current one, and the guard
+falls back to normalising the stored prompt again."""
+
+_FORM_CODES = {
+    (kind, cased): code.upper() if cased else code
+    for kind, code in ((WORD, "w"), (NUMBER, "n"), (SYMBOL, "s"))
+    for cased in (False, True)
+}
+
 
 _tuple_new = tuple.__new__
 
@@ -198,6 +209,25 @@ def normalize(text: str) -> Normalized:
         end -= 1
     kept = tuple(t for t in tokens[start:end] if t.text not in FILLERS)
     return Normalized(kept, quoted, code)
+
+
+def comparable_form(norm: Normalized) -> str:
+    """``norm`` as one string, equal for two messages exactly when their normalised forms
+    are equal (every token's text, kind and case flag, every quoted span and code block).
+
+    Each item is written as its length, a one-letter code and its text, so no text can
+    forge a boundary.  A stored entry keeps its prompt's form so that a near-duplicate lookup
+    whose query has the same form needs no second ``normalize``.
+    """
+    parts = [FORM_VERSION]
+    append = parts.append
+    for text, kind, cased in norm.tokens:
+        append(f"{len(text)}{_FORM_CODES[kind, cased]}{text}")
+    for span in norm.quoted:
+        append(f"{len(span)}q{span}")
+    for block in norm.code:
+        append(f"{len(block)}c{block}")
+    return "".join(parts)
 
 
 def _word_tokens(word: str, cased: bool) -> list[Token]:

@@ -20,6 +20,7 @@ from .entry import CachedResponse
 from .guard import check
 from .items import CachedItem, ItemPlan, decode_item, encode_item
 from .keys import RequestKey
+from .normalize import comparable_form, normalize
 from .simhash import BITS, MAX_DISTANCE, fingerprint
 from .stores.base import CacheStore
 
@@ -48,6 +49,12 @@ class Hit:
 def prompt_fingerprint(prompt: str) -> int:
     """The SimHash of a prompt, memoised between a miss's lookup and its store."""
     return fingerprint(prompt)
+
+
+@lru_cache(maxsize=1024)
+def prompt_form(prompt: str) -> str:
+    """The ``comparable_form`` of a prompt, memoised between a miss's lookup and its store."""
+    return comparable_form(normalize(prompt))
 
 
 class ResponseCache:
@@ -86,7 +93,8 @@ class ResponseCache:
     async def put(self, key: RequestKey, entry: CachedResponse, ttl_s: float) -> bool:
         """Store ``entry`` as the answer for ``key``; False when the store failed.
 
-        The entry's scope, prompt, context and fingerprint are taken from ``key``.
+        The entry's scope, prompt, context, fingerprint and prompt form are taken from
+        ``key``.
         """
         entry = replace(
             entry,
@@ -94,6 +102,7 @@ class ResponseCache:
             prompt=key.prompt,
             context=key.context,
             fingerprint=prompt_fingerprint(key.prompt) if key.prompt is not None else None,
+            prompt_form=prompt_form(key.prompt) if key.prompt is not None else None,
         )
         try:
             await self.store.set(key.exact, entry, ttl_s)
@@ -170,6 +179,7 @@ class ResponseCache:
         if not near or key.context is None or key.prompt is None:
             return None
         fp = prompt_fingerprint(key.prompt)
+        form = prompt_form(key.prompt)
         candidates = await self.store.candidates(key.context, fp, self.max_distance)
         for candidate in candidates[:MAX_CANDIDATES]:
             found = candidate.entry or await self.store.get(candidate.key)
@@ -178,7 +188,9 @@ class ResponseCache:
                 and found.scope == key.scope
                 and found.context == key.context
                 and found.prompt is not None
-                and check(found.prompt, key.prompt).ok
+                # Equal forms mean equal normalised messages, which the guard always passes:
+                # the stored prompt need not be normalised again.
+                and (found.prompt_form == form or check(found.prompt, key.prompt).ok)
             ):
                 return Hit(found, SIMHASH, 1 - candidate.distance / BITS, candidate.key)
         return None

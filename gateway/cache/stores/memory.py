@@ -14,13 +14,13 @@ the dict slots, metadata and index (measured: bench/bench_cache_lookup.py), so
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import NamedTuple
 
 from ...clock import SYSTEM_CLOCK, Clock
 from ..entry import CachedResponse, dumps, loads
-from ..simhash import bands
+from ..simhash import BAND_BITS, bands
 from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
@@ -45,9 +45,11 @@ class MemoryStore:
         self._clock = clock
         self._data: OrderedDict[str, bytes] = OrderedDict()
         self._meta: dict[str, _Meta] = {}
-        # context -> (band index << 16 | band value) -> one key, or a set when shared: most
-        # buckets hold a single key, and a bare str saves a set object per band.
-        self._index: dict[str, dict[int, str | set[str]]] = {}
+        # context -> (band index << 16 | band value) -> one key, or {key: fingerprint} when
+        # shared: most buckets hold a single key, and a bare str saves an object per band.
+        # Shared buckets keep the fingerprints so that a lookup scanning them reads no
+        # metadata until a member is within the distance.
+        self._index: dict[str, dict[int, str | dict[str, int | None]]] = {}
         self._buckets = 0
         self._bytes = 0
         self.evictions = 0
@@ -107,13 +109,22 @@ class MemoryStore:
             members = buckets.get(slot_id)
             if members is None:
                 continue
-            scan = (members,) if isinstance(members, str) else islice(members, MAX_BUCKET_SCAN)
-            for key in scan:
-                meta = meta_of(key)
-                if meta is None or meta.fingerprint is None or key in found:
+            scan: Iterable[tuple[str, int | None]]
+            if isinstance(members, str):
+                single = meta_of(members)
+                scan = ((members, single.fingerprint if single is not None else None),)
+            elif len(members) <= MAX_BUCKET_SCAN:
+                scan = members.items()
+            else:  # the newest members, which an older overflow must not hide
+                scan = islice(reversed(members.items()), MAX_BUCKET_SCAN)
+            for key, filed in scan:
+                if filed is None:
                     continue
-                distance = (fingerprint ^ meta.fingerprint).bit_count()
-                if distance > max_distance:
+                distance = (fingerprint ^ filed).bit_count()
+                if distance > max_distance or key in found:
+                    continue
+                meta = meta_of(key)
+                if meta is None:
                     continue
                 if meta.expires_at <= now:
                     expired.append(key)
@@ -186,9 +197,9 @@ class MemoryStore:
                 self._buckets += 1
             elif isinstance(members, str):
                 if members != key:
-                    buckets[slot_id] = {members, key}
+                    buckets[slot_id] = {members: self._meta[members].fingerprint, key: fingerprint}
             else:
-                members.add(key)
+                members[key] = fingerprint
 
     def _unfile(self, key: str, context: str, fingerprint: int) -> None:
         buckets = self._index.get(context)
@@ -199,10 +210,10 @@ class MemoryStore:
             if members == key:
                 del buckets[slot_id]
                 self._buckets -= 1
-            elif isinstance(members, set):
-                members.discard(key)
+            elif isinstance(members, dict):
+                members.pop(key, None)
                 if len(members) == 1:
-                    buckets[slot_id] = members.pop()
+                    buckets[slot_id] = next(iter(members))
         if not buckets:
             del self._index[context]
 
@@ -214,4 +225,4 @@ class MemoryStore:
 
 
 def _slot_ids(fingerprint: int) -> list[int]:
-    return [i << 16 | value for i, value in enumerate(bands(fingerprint))]
+    return [i << BAND_BITS | value for i, value in enumerate(bands(fingerprint))]
