@@ -10,13 +10,13 @@ import httpx
 
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeClock
+from tests.helpers import until
 from tests.test_stage_resilience import (
     Model,
     metric,
     metrics_of,
     policy,
     post,
-    until,
     write_policy,
 )
 

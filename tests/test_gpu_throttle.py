@@ -16,6 +16,7 @@ import pytest
 
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeClock, FakeNvml
+from tests.helpers import until
 from tests.test_stage_resilience import (
     Exporter,
     Model,
@@ -23,7 +24,6 @@ from tests.test_stage_resilience import (
     metrics_of,
     policy,
     post,
-    until,
     write_policy,
 )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.batching import Batcher
 from tests.conftest import Running
+from tests.helpers import until
 
 NEVER_MS = 600_000  # no test waits this long for company: batches go when the backend frees
 
@@ -205,16 +206,6 @@ class Setup:
                 ):
                     return float(sample.value)
         raise AssertionError(f"no sample {name}{labels}")
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait for a condition the gateway reaches over real sockets (a guard, not a delay)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.002)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.singleflight import SingleFlight
 from tests.conftest import Running
+from tests.helpers import until
 
 WORDS = ["Hello", " from", " the", " one", " shared", " call"]
 USAGE = {"prompt_tokens": 5, "completion_tokens": len(WORDS), "total_tokens": 5 + len(WORDS)}
@@ -183,16 +184,6 @@ class Setup:
                 ):
                     return float(sample.value)
         return 0.0
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait for a condition the gateway reaches over real sockets (a guard, not a delay)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.002)
 
 
 async def read_events(resp: aiohttp.ClientResponse, n: int) -> bytes:

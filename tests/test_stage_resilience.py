@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import yaml
 from aiohttp import web
 
 from gateway.testing import FakeClock
+from tests.helpers import until
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -152,16 +152,6 @@ def policy(
     first = next(iter(backends))
     routes = [{"name": "chat", "match": {"path": "/v1/*"}, "backend": first, **(route or {})}]
     return {"backends": backends, "routes": routes, **more}
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait for the gateway's I/O to make ``predicate`` true (time itself never moves)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.002)
 
 
 async def post(client: httpx.AsyncClient, url: str, tag: str = "hello", **kw: Any):
