@@ -263,8 +263,10 @@ class Connection(asyncio.Protocol):
             headers.append((key, val))
         self._keep_alive = keep_alive
         if self._no_body or status in (204, 304):
+            # No body follows; a HEAD answer's Content-Length still describes the GET's.
             self._state = _DONE
-            length = 0 if not chunked else None
+            if status in (204, 304):
+                length = None if chunked else 0
             self._finish()
         elif chunked:
             length = None

@@ -132,6 +132,7 @@ class Pool:
         if (
             length is not None
             and length <= BUFFER_LIMIT_BYTES
+            and method != "HEAD"  # relayed as a stream so its Content-Length is kept
             and not _is_event_stream(resp.headers)
         ):
             try:
