@@ -167,9 +167,9 @@ class Connection(asyncio.Protocol):
             state = self._state
             if state == _HEAD:
                 end = buf.find(b"\r\n\r\n")
+                if end > MAX_HEAD_BYTES or (end < 0 and len(buf) > MAX_HEAD_BYTES):
+                    raise self._bad("response head too large")
                 if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise self._bad("response head too large")
                     return
                 head = bytes(buf[:end])
                 del buf[: end + 4]
@@ -222,8 +222,13 @@ class Connection(asyncio.Protocol):
             elif state == _UNTIL_CLOSE:
                 self._deliver(bytes(buf))
                 buf.clear()
-            else:  # _DONE: bytes after a complete response
-                raise self._bad("unexpected bytes after the response")
+            else:  # _DONE: bytes after a complete response; the answer stands, but a
+                # connection out of step with its framing is never reused
+                buf.clear()
+                self.reusable = False
+                if self.transport is not None:
+                    self.transport.close()
+                return
 
     def _on_head(self, raw: bytes) -> None:
         lines = raw.split(b"\r\n")
