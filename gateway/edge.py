@@ -124,6 +124,7 @@ class Edge:
             method=request.method,
             path=path,
             query=request.query_string,
+            raw_target=request.raw_path,
             headers=tuple(headers),
             body=body,
             json=data,

@@ -36,6 +36,8 @@ class Call:
     for pass-through paths.  ``policy`` is the snapshot captured once at the edge: the whole
     request runs on it even if a reload swaps the live policy meanwhile.  ``backend`` starts as
     the route's backend; a stage that redirects the call passes on a copy with another one.
+    ``path`` and ``query`` are decoded (routing and stages match on them); ``raw_target`` is
+    the path and query exactly as the client sent them, which is what goes upstream.
     """
 
     id: str
@@ -50,6 +52,7 @@ class Call:
     backend: str
     started: float
     tenant: str = ""
+    raw_target: str = ""
     notes: dict[str, Any] = field(default_factory=dict)
 
     def header(self, name: str, default: str | None = None) -> str | None:

@@ -19,7 +19,7 @@ class Forward:
             names = {k.lower() for k, _ in backend.headers}
             headers = [(k, v) for k, v in headers if k.lower() not in names]
             headers.extend(backend.headers)
-        path_qs = call.path + ("?" + call.query if call.query else "")
+        path_qs = call.raw_target or call.path + ("?" + call.query if call.query else "")
         return await self._transport.send(
             backend, call.method, path_qs, headers, call.body, streaming=call.streaming
         )

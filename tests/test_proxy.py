@@ -306,3 +306,13 @@ async def test_backend_headers_take_env_values_and_are_redacted(
     assert recorder.seen[-1].headers["Authorization"] == "Bearer sk-secret-123"
     assert "sk-secret-123" not in shown.text
     assert shown.json()["policy"]["backends"]["main"]["headers"]["Authorization"] == "***"
+
+
+async def test_path_and_query_go_upstream_exactly_as_sent(upstream, start_gateway):
+    recorder, url = upstream
+    gw = await start_gateway(upstream=url)
+    target = "/v2/models/my%20model/infer?x=%2F&y=a+b&z=%E2%9C%93"
+    async with httpx.AsyncClient() as client:
+        r = await client.post(gw.url + target, content=b"{}")
+    assert r.status_code == 200
+    assert recorder.seen[-1].path_qs == target
