@@ -37,6 +37,8 @@ from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 
 DEFAULT_PREFIX = "gw:"
 DEFAULT_BUDGET_S = 0.05
+ENTRIES_PER_BUDGET = 10
+"""Entries written (or read) within one ``budget_s``; larger batches get proportionally more."""
 DEFAULT_RETRY_S = 2.0
 PURGE_BATCH = 500
 
@@ -99,7 +101,7 @@ class RedisStore:
             return list(await pipe.execute())
 
         out: list[CachedResponse | None] = []
-        for data in await self._run("get_many", read) if keys else []:
+        for data in await self._run("get_many", read, entries=len(keys)) if keys else []:
             try:
                 out.append(None if data is None else loads(data))
             except ValueError:
@@ -127,7 +129,7 @@ class RedisStore:
                         _add_expiring(pipe, bucket, member, ttl_ms)
             await pipe.execute()
 
-        await self._run("set", write)
+        await self._run("set", write, entries=len(payloads))
 
     async def delete(self, key: str) -> None:
         await self._run("delete", lambda: self._client.delete(self._entry(key)))
@@ -228,13 +230,18 @@ class RedisStore:
             if not count_entries or _as_bytes(name).startswith(entry_prefix)
         )
 
-    async def _run(self, op: str, fn: Callable[[], Awaitable[T]], bounded: bool = True) -> T:
+    async def _run(
+        self, op: str, fn: Callable[[], Awaitable[T]], bounded: bool = True, entries: int = 1
+    ) -> T:
         if self._down_until is not None:
             if self._clock.now() >= self._down_until and self._probe is None:
                 self._probe = asyncio.create_task(self._background_probe())
             raise StoreError(f"redis {op}: unavailable, retrying in the background")
         try:
-            async with asyncio.timeout(self.budget_s if bounded else None):
+            # The budget is per request's worth of work: a batch of many entries (a
+            # 100-input embeddings call) gets it once per ENTRIES_PER_BUDGET of them.
+            budget = self.budget_s * max(1.0, entries / ENTRIES_PER_BUDGET)
+            async with asyncio.timeout(budget if bounded else None):
                 return await fn()
         except (RedisError, *_DOWN_ERRORS) as exc:
             self.errors += 1
