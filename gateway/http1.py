@@ -330,6 +330,10 @@ class Connection(asyncio.Protocol):
         if self._state == _DONE:
             return
         now = self._loop.time()
+        if self._paused:
+            # Silence while we hold the backend back for a slow client is not the
+            # backend's: the idle clock starts again from here.
+            self._last_data = now
         if now >= self._deadline:
             what = "did not answer in time"
         elif now - self._last_data >= self._idle_s:

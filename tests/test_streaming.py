@@ -142,3 +142,41 @@ async def test_slow_client_gets_back_pressure_not_unbounded_buffers(serve_app, s
     await asyncio.wait_for(blocked.wait(), 30)
     writer.close()
     assert sent < 32 * 1024 * 1024
+
+
+async def test_a_client_slower_than_the_idle_timeout_is_not_the_backends_silence(
+    serve_app, start_gateway, tmp_path
+):
+    """Back-pressure pauses reading from the backend; that pause must not count as the
+    backend going quiet."""
+    chunk = b"y" * 65536
+    total = 512  # 32 MiB: far past the socket buffers in between
+
+    async def firehose(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(total):
+            await response.write(chunk)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/firehose", firehose)
+    url = await serve_app(app)
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{url}", idle_timeout_s: 0.3}}}}
+        routes: [{{match: {{path: "*"}}, backend: main}}]
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    received = 0
+    async with httpx.AsyncClient() as client:
+        async with client.stream("GET", gw.url + "/firehose") as r:
+            pauses = 3
+            async for piece in r.aiter_raw():
+                received += len(piece)
+                if pauses:  # a slow reader: each pause is longer than the idle limit
+                    pauses -= 1
+                    await asyncio.sleep(0.5)
+    assert received == total * len(chunk)
