@@ -15,7 +15,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from . import http1
-from .errors import UpstreamUnavailable
+from .errors import UpstreamTimeout, UpstreamUnavailable
 from .headers import RESPONSE_OWNED, strip
 from .metrics import Metrics
 from .pipeline import Reply
@@ -163,11 +163,23 @@ class Pool:
     async def _exchange(
         self, head: bytes, body: bytes, method: str, timeout_s: float, idle_s: float
     ) -> tuple[http1.Connection, http1.Head]:
+        deadline = self._http.loop.time() + timeout_s
         for attempt in (1, 2):
-            conn = await self._http.acquire(fresh=attempt == 2)
+            # Waiting for a free pooled connection counts against the exchange's time: a
+            # pool full of long streams must not hold a request forever.
+            try:
+                async with asyncio.timeout_at(deadline):
+                    conn = await self._http.acquire(fresh=attempt == 2)
+            except TimeoutError as exc:
+                raise UpstreamTimeout(
+                    f"no free connection to backend {self.name!r} within {timeout_s:g} s "
+                    f"(max_connections {self._limit} in use)",
+                    self.name,
+                ) from exc
+            remaining_s = max(deadline - self._http.loop.time(), 0.001)
             try:
                 resp = await conn.send(
-                    head, body, no_body=method == "HEAD", timeout_s=timeout_s, idle_s=idle_s
+                    head, body, no_body=method == "HEAD", timeout_s=remaining_s, idle_s=idle_s
                 )
                 return conn, resp
             except http1.StaleConnection as exc:

@@ -90,3 +90,44 @@ async def test_pool_opens_at_most_max_connections_to_a_backend(serve_app, start_
         gate.set()
         results = await asyncio.gather(*tasks)
     assert [r.status_code for r in results] == [200] * 10
+
+
+async def test_waiting_for_a_pooled_connection_is_bounded_by_the_timeout(
+    serve_app, start_gateway, tmp_path
+):
+    gate = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: {}\n\n")
+        await gate.wait()
+        return response
+
+    async def quick(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stream)
+    app.router.add_get("/quick", quick)
+    url = await serve_app(app)
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{url}", max_connections: 1, timeout_s: 0.3}}}}
+        routes: [{{match: {{path: "*"}}, backend: main}}]
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    async with httpx.AsyncClient() as client:
+        async with client.stream(
+            "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}
+        ) as held:
+            chunks = held.aiter_raw()
+            await chunks.__anext__()  # the stream holds the only connection
+            waiting = await client.get(gw.url + "/quick")
+            gate.set()
+        after = await client.get(gw.url + "/quick")
+    assert waiting.status_code == 504
+    assert "no free connection" in waiting.json()["error"]["message"]
+    assert after.status_code == 200
