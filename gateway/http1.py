@@ -478,10 +478,6 @@ class Pool:
         self._open -= len(self._idle)
         self._idle.clear()
 
-    @property
-    def open_connections(self) -> int:
-        return self._open
-
     def __repr__(self) -> str:
         return (
             f"<http1.Pool {self.name} {self.host}:{self.port} open={self._open}/"

@@ -119,7 +119,7 @@ class Pool:
                 self.inflight -= 1
                 self._inflight_gauge.dec()
                 if self._retired and self.inflight == 0:
-                    await self._close_sessions()
+                    await self._close_pool()
 
         try:
             conn, resp = await self._exchange(head, body, method, timeout_s, backend.idle_timeout_s)
@@ -211,18 +211,18 @@ class Pool:
         self._retired = True
         if self.inflight == 0:
             self._closing = True
-            task = asyncio.get_running_loop().create_task(self._close_sessions())
+            task = asyncio.get_running_loop().create_task(self._close_pool())
             _BACKGROUND.add(task)
             task.add_done_callback(_BACKGROUND.discard)
 
-    async def _close_sessions(self) -> None:
+    async def _close_pool(self) -> None:
         self._closing = True
         self._http.close()
         self._closed.set()
 
     async def aclose(self) -> None:
         """Close now."""
-        await self._close_sessions()
+        await self._close_pool()
 
     def __repr__(self) -> str:
         state = "retired" if self._retired else "live"
