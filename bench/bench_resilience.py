@@ -127,14 +127,14 @@ async def serving(*apps: web.Application) -> AsyncIterator[list[str]]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(policy: dict[str, Any]) -> AsyncIterator[str]:
+async def gateway(policy: dict[str, Any], admin_port: int | None = None) -> AsyncIterator[str]:
     """``gateway serve`` on a free port with ``policy``; yields its URL.  Waits happen off the
     event loop: the backends it talks to live on that loop."""
     policy = {**policy, "server": {"shutdown_grace_s": 1, **policy.get("server", {})}}
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / "policy.yaml"
         file.write_text(yaml.safe_dump(policy))
-        port, admin = free_port(), free_port()
+        port, admin = free_port(), admin_port or free_port()
         args = [
             *(sys.executable, "-m", "gateway", "--log-level", "error", "serve"),
             *("--policy", str(file), "--port", str(port), "--admin-port", str(admin)),

@@ -1,7 +1,8 @@
 """The ``nvml`` telemetry source: read one GPU through NVML (the ``pynvml`` module).
 
-For a sidecar that shares the GPU's container or node.  NVML calls block (about 0.1 ms a
-sample, longer on first use), so every call runs in a worker thread, never on the event loop.
+For a sidecar that shares the GPU's container or node.  NVML calls block (a whole sample took
+about 35 us on an H200, the first one, which starts NVML, about 120 ms), so every call runs in
+a worker thread, never on the event loop.
 The module is injected: the real ``pynvml`` by default, ``gateway.testing.FakeNvml`` in tests.
 pynvml's exceptions are translated here, once: a reading the device does not support (memory
 temperature on many boards, power limits on some) becomes an unknown signal; any other NVML
