@@ -9,7 +9,8 @@ straight at it and through ``gateway serve`` (the clients and both servers each 
 process, as in ``bench.bench_batching``, whose load this reuses).  A sample of each phase's
 answers (``--check``) is compared with the model's own answer for the same text, asked
 alone: a batch computes in other kernel shapes and pads inputs to a common length, so
-vectors agree to float rounding (cosine >= 0.999), not bit for bit.  Writes the "gpu-batching" section of docs/benchmarks.md.
+vectors agree to float rounding (cosine >= 0.999), not bit for bit.  Writes the
+"gpu-batching" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
