@@ -357,7 +357,8 @@ def report(
     ]
     redis_line = (
         f"{redis_per_entry:.0f} B/entry in Redis (`INFO used_memory` over {REDIS_ENTRIES} "
-        "entries: entry, three purge-index sets, four SimHash band buckets)"
+        "entries: entry, three purge-index sets, four SimHash band buckets, the counts' "
+        "sorted set and hash)"
         if redis_per_entry is not None
         else "Redis not measured (no redis-server binary)"
     )

@@ -13,12 +13,17 @@ from typing import Any
 import pytest
 
 from gateway.cache import CachedResponse, ResponseCache, request_key, scope_hash
+from gateway.cache.entry import dumps
 from gateway.cache.evaluate import read_pairs
 from gateway.cache.items import CachedItem, plan_items
 from gateway.cache.simhash import fingerprint
 from gateway.cache.stores import MemoryStore, RedisStore
+from gateway.cache.stores.memory import ENTRY_OVERHEAD_BYTES as MEMORY_OVERHEAD
+from gateway.cache.stores.redis_counts import ENTRY_OVERHEAD_BYTES as REDIS_OVERHEAD
+from gateway.cache.stores.redis_counts import SWEEP_BATCH
 from gateway.errors import StoreError
 from gateway.testing import FakeClock, FlakyStore
+from tests.helpers import until
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
 
 PAIRS = Path(__file__).parent.parent / "gateway" / "data" / "adversarial_pairs.tsv"
@@ -49,6 +54,20 @@ class Harness:
                 await self.redis.pexpireat(name, 1)
             else:
                 await self.redis.pexpire(name, int(left - seconds * 1000))
+
+    async def counts(self) -> tuple[int | None, int | None]:
+        """The store's entry and byte counts, brought up to date (expired entries dropped)."""
+        if self.redis is None:
+            self.store.sweep()
+            stats = self.store.stats()
+        else:
+            stats = await self.store.refresh_counts()
+        return stats.entries, stats.bytes
+
+    def footprint(self, *entries: CachedResponse) -> int:
+        """The bytes the store counts for ``entries``: serialised size plus overhead."""
+        overhead = REDIS_OVERHEAD if self.redis is not None else MEMORY_OVERHEAD
+        return sum(len(dumps(entry)) + overhead for entry in entries)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -263,6 +282,48 @@ async def test_deleted_entry_is_a_miss(harness: Harness) -> None:
     assert await harness.cache.lookup(key_for(chat("delete me"))) is None
 
 
+async def test_counts_follow_writes_and_a_rewrite_is_counted_once(harness: Harness) -> None:
+    assert await harness.counts() == (0, 0)
+    small, large = answer("x"), answer("x" * 500)
+    await harness.store.set_many([("a", small), ("b", small), ("c", small)], 60)
+    assert await harness.counts() == (3, harness.footprint(small, small, small))
+    await harness.store.set("a", small, 60)
+    await harness.store.set_many([("b", large), ("b", large)], 60)
+    assert await harness.counts() == (3, harness.footprint(small, large, small))
+    await harness.store.delete("c")
+    await harness.store.delete("c")
+    assert await harness.counts() == (2, harness.footprint(small, large))
+
+
+async def test_counts_drop_entries_as_they_expire(harness: Harness) -> None:
+    entry = answer("x")
+    await harness.store.set("short", entry, 30)
+    await harness.store.set("long", entry, 100)
+    await harness.advance(29)
+    assert await harness.counts() == (2, harness.footprint(entry, entry))
+    await harness.advance(2)
+    assert await harness.counts() == (1, harness.footprint(entry))
+    await harness.store.set("short", entry, 30)  # stored again after its expiry
+    assert await harness.counts() == (2, harness.footprint(entry, entry))
+    await harness.advance(100)
+    assert await harness.counts() == (0, 0)
+
+
+async def test_counts_follow_filtered_purges_and_purge_all(harness: Harness) -> None:
+    main, small = answer("m", "main"), answer("s" * 50, "small")
+    await harness.store.set_many([("m1", main), ("m2", main), ("s1", small)], 60)
+    assert await harness.counts() == (3, harness.footprint(main, main, small))
+    assert await harness.store.purge(backend="small") == 1
+    assert await harness.counts() == (2, harness.footprint(main, main))
+    assert await harness.store.purge(backend="main", model_version="v1") == 2
+    assert await harness.counts() == (0, 0)
+    await harness.store.set_many([("m1", main), ("s1", small)], 60)
+    assert await harness.store.purge() == 2
+    assert await harness.counts() == (0, 0)
+    await harness.store.set("m1", main, 60)
+    assert await harness.counts() == (1, harness.footprint(main))
+
+
 # Memory store only
 
 
@@ -389,10 +450,158 @@ async def test_redis_ttl_and_index_keys_use_plain_commands(redis_url: str) -> No
         await cache.put(key_for(chat("Why is the sky blue?")), answer("x"), 30)
         names = sorted([n.decode() async for n in admin.scan_iter(match="plain:*")])
         kinds = sorted({n.split(":")[1] for n in names})
-        assert kinds == ["b", "e", "i"] and len(names) == 1 + 4 + 3
+        assert kinds == ["b", "bytes", "e", "i", "n", "sz"] and len(names) == 1 + 4 + 3 + 3
         for name in names:
-            assert 0 < await admin.pttl(name) <= 30_000
+            if name in ("plain:n", "plain:sz", "plain:bytes"):
+                assert await admin.pttl(name) == -1  # counts: never a volatile-* eviction
+            else:
+                assert 0 < await admin.pttl(name) <= 30_000
     finally:
         await cache.purge()
+        await store.close()
+        await admin.aclose()
+
+
+@pytest.fixture
+async def replicas(redis_url: str) -> AsyncIterator[tuple[RedisStore, RedisStore, FakeClock]]:  # noqa: F811
+    """Two gateways' stores on one Redis prefix, sharing a clock."""
+    clock = FakeClock()
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    first = RedisStore.from_url(redis_url, prefix=prefix, clock=clock, budget_s=0.5)
+    second = RedisStore.from_url(redis_url, prefix=prefix, clock=clock, budget_s=0.5)
+    try:
+        yield first, second, clock
+    finally:
+        await first.purge()
+        await first.close()
+        await second.close()
+
+
+async def test_redis_counts_are_shared_by_replicas(
+    replicas: tuple[RedisStore, RedisStore, FakeClock],
+) -> None:
+    first, second, _ = replicas
+    entry = answer("x")
+    await first.set_many([(f"a{i}", entry) for i in range(20)], 60)
+    await second.set_many([(f"b{i}", entry) for i in range(10)], 60)
+    await second.set_many([(f"a{i}", entry) for i in range(5)], 60)  # rewrites of first's
+    size = len(dumps(entry)) + REDIS_OVERHEAD
+    assert (await first.refresh_counts()).entries == 30
+    assert (await second.refresh_counts()).bytes == 30 * size
+    assert (await first.refresh_counts()).bytes == 30 * size
+    assert "entries=30" in repr(first)
+
+
+async def test_redis_replicas_sweeping_at_once_subtract_each_expiry_once(
+    replicas: tuple[RedisStore, RedisStore, FakeClock],
+) -> None:
+    first, second, clock = replicas
+    entry = answer("x")
+    expiring = [(f"a{i}", entry) for i in range(SWEEP_BATCH + 20)]  # two sweep batches
+    await first.set_many(expiring, 10)
+    await second.set_many([(f"b{i}", entry) for i in range(10)], 100)
+    clock.advance(20)
+    # Each read may still include what the other has swept but not yet subtracted; what
+    # they subtracted between them is exact once both have settled.
+    await asyncio.gather(first.refresh_counts(), second.refresh_counts())
+    size = len(dumps(entry)) + REDIS_OVERHEAD
+    for store in (first, second):
+        stats = await store.refresh_counts()
+        assert (stats.entries, stats.bytes) == (10, 10 * size)
+    assert first.errors == second.errors == 0
+
+
+async def test_redis_a_purge_racing_a_sweep_subtracts_each_entry_once(
+    replicas: tuple[RedisStore, RedisStore, FakeClock],
+) -> None:
+    """Whoever takes a key out of the expiry set (the sweep's ``ZPOPMIN``, the purge's
+    ``ZREM``) subtracts its size; the other leaves it alone."""
+    first, second, clock = replicas
+    small, large = answer("s", "small"), answer("m" * 100, "main")
+    await first.set_many([(f"s{i}", small) for i in range(300)], 10)
+    await first.set_many([(f"m{i}", large) for i in range(5)], 100)
+    clock.advance(20)  # the small ones are due for the sweep, still in Redis for the purge
+    purged, _ = await asyncio.gather(second.purge(backend="small"), first.refresh_counts())
+    assert purged == 300
+    for store in (first, second):
+        stats = await store.refresh_counts()
+        assert (stats.entries, stats.bytes) == (5, 5 * (len(dumps(large)) + REDIS_OVERHEAD))
+
+
+async def test_redis_a_purge_leaves_a_key_another_sweep_has_taken_to_that_sweep(
+    redis_url: str,  # noqa: F811
+) -> None:
+    import redis.asyncio as aioredis
+
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    store = RedisStore.from_url(redis_url, prefix=prefix, clock=FakeClock(), budget_s=0.5)
+    other = aioredis.Redis.from_url(redis_url)  # another replica, halfway through a sweep
+    try:
+        await store.set_many([("a", answer("x")), ("b", answer("x" * 50))], 60)
+        assert [key for key, _ in await other.zpopmin(prefix + "n", 1)] == [b"a"]
+        assert await store.purge(backend="main") == 2
+        size = await other.hget(prefix + "sz", "a")  # the sweep settles what it took
+        assert size is not None
+        await other.hdel(prefix + "sz", "a")
+        await other.decrby(prefix + "bytes", int(size))
+        assert (await store.refresh_counts()).entries == 0
+        assert await other.get(prefix + "bytes") == b"0"
+    finally:
+        await store.purge()
+        await store.close()
+        await other.aclose()
+
+
+async def test_redis_stats_answer_at_once_and_refresh_in_the_background(
+    redis_url: str,  # noqa: F811
+) -> None:
+    """``stats()`` never waits on Redis: it starts a refresh when the counts are stale."""
+    clock = FakeClock()
+    store = RedisStore.from_url(
+        redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:", clock=clock, count_refresh_s=10
+    )
+    try:
+        await store.set_many([("a", answer("x")), ("b", answer("x"))], 60)
+        assert store.stats().entries is None  # nothing read yet; a refresh is started
+        await until(lambda: store.stats().entries == 2)
+        await store.set("c", answer("x"), 60)
+        clock.advance(9)
+        await asyncio.sleep(0.01)
+        assert store.stats().entries == 2  # fresh enough: no refresh
+        clock.advance(1)
+        await until(lambda: store.stats().entries == 3)
+        clock.advance(10)
+        assert (await asyncio.to_thread(store.stats)).entries == 3  # no loop there: no refresh
+    finally:
+        await store.purge()
+        await store.close()
+
+
+async def test_redis_counts_survive_an_outage_and_read_zero_after_a_flush(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    import redis.asyncio as aioredis
+
+    clock = FakeClock()
+    store = RedisStore.from_url(redis_server.url, clock=clock, budget_s=0.5)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.set_many([("a", answer("x")), ("b", answer("x"))], 60)
+        assert (await store.refresh_counts()).entries == 2
+        redis_server.stop()
+        with pytest.raises(StoreError):
+            await store.refresh_counts()
+        clock.advance(10)
+        store.stats()  # a background refresh, failing quietly
+        await asyncio.sleep(0.01)
+        stats = store.stats()
+        assert stats.entries == 2 and not stats.available and store.errors >= 1
+        redis_server.start()
+        assert await store.ping()
+        await store.set("c", answer("x"), 60)  # the restarted server is empty
+        assert (await store.refresh_counts()).entries == 1
+        await admin.flushall()
+        assert (await store.refresh_counts()).entries == 0 and store.stats().bytes == 0
+    finally:
         await store.close()
         await admin.aclose()

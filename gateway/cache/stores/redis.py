@@ -6,7 +6,9 @@ operations, no hash tags needed, no modules, no Lua):
 * ``e:<key>``: the serialised entry, ``SET .. PX ttl``;
 * ``b:<context>:<band>:<value>``: a set of ``<fingerprint hex>:<key>``, one per SimHash
   band, expiring with the longest-lived entry filed in it (``EXPIRE NX`` then ``EXPIRE GT``);
-* ``i:b:<backend>``, ``i:m:<model_version>``, ``i:s:<scope>``: sets of keys for purging.
+* ``i:b:<backend>``, ``i:m:<model_version>``, ``i:s:<scope>``: sets of keys for purging;
+* ``n`` (keys by expiry time), ``sz`` (key -> serialised size) and ``bytes`` (their sum): the
+  entry and byte counts every replica shares, without TTL (``redis_counts``).
 
 Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
 
@@ -34,6 +36,7 @@ from ...errors import StoreError
 from ..entry import CachedResponse, dumps, loads
 from ..simhash import bands, hamming
 from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
+from .redis_counts import DEFAULT_REFRESH_S, RedisCounts
 
 DEFAULT_PREFIX = "gw:"
 DEFAULT_BUDGET_S = 0.05
@@ -57,6 +60,7 @@ class RedisStore:
         budget_s: float = DEFAULT_BUDGET_S,
         retry_s: float = DEFAULT_RETRY_S,
         clock: Clock = SYSTEM_CLOCK,
+        count_refresh_s: float = DEFAULT_REFRESH_S,
     ) -> None:
         self._client = client
         self._prefix = prefix
@@ -66,6 +70,7 @@ class RedisStore:
         self._down_until: float | None = None
         self._probe: asyncio.Task[bool] | None = None
         self.errors = 0
+        self._counts = RedisCounts(client, prefix, self._run, clock, count_refresh_s)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:
@@ -116,6 +121,7 @@ class RedisStore:
         if not items or ttl_s <= 0:
             return
         payloads = [(key, entry, dumps(entry)) for key, entry in items]
+        sizes = {key: len(data) for key, _, data in payloads}
 
         async def write() -> None:
             pipe = self._client.pipeline(transaction=False)
@@ -127,12 +133,17 @@ class RedisStore:
                     member = f"{entry.fingerprint:016x}:{key}".encode()
                     for bucket in self._buckets(entry.context, entry.fingerprint):
                         _add_expiring(pipe, bucket, member, ttl_ms)
-            await pipe.execute()
+            counting = self._counts.queue_write(pipe, sizes, ttl_ms)
+            self._counts.written((await pipe.execute())[-counting:])
 
         await self._run("set", write, entries=len(payloads))
 
     async def delete(self, key: str) -> None:
-        await self._run("delete", lambda: self._client.delete(self._entry(key)))
+        async def delete() -> None:
+            await self._client.delete(self._entry(key))
+            await self._counts.forget([key])
+
+        await self._run("delete", delete)
 
     async def candidates(
         self, context: str, fingerprint: int, max_distance: int
@@ -174,6 +185,9 @@ class RedisStore:
                 keys = members if keys is None else keys & members
             doomed = sorted(keys or ())
             deleted = await self._delete_many(self._entry(k.decode()) for k in doomed)
+            for start in range(0, len(doomed), PURGE_BATCH):
+                await self._counts.forget(doomed[start : start + PURGE_BATCH])
+            self._counts.due()
             for index in indexes:
                 if len(indexes) == 1:
                     await self._client.delete(index)
@@ -196,9 +210,20 @@ class RedisStore:
         return True
 
     def stats(self) -> StoreStats:
-        return StoreStats(None, None, errors=self.errors, available=self.available)
+        """The shared counts as of the last refresh (None before the first); starts a
+        background refresh when they are older than ``count_refresh_s``."""
+        self._counts.poll()
+        return StoreStats(
+            self._counts.entries, self._counts.bytes, errors=self.errors, available=self.available
+        )
+
+    async def refresh_counts(self) -> StoreStats:
+        """Refresh the shared counts now (sweeping expired members); ``StoreError``."""
+        await self._counts.refresh()
+        return self.stats()
 
     async def close(self) -> None:
+        await self._counts.close()
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)
@@ -213,7 +238,9 @@ class RedisStore:
             if len(batch) >= PURGE_BATCH:
                 deleted += await self._delete_many(batch, count_entries=True)
                 batch = []
-        return deleted + await self._delete_many(batch, count_entries=True)
+        deleted += await self._delete_many(batch, count_entries=True)
+        self._counts.cleared()
+        return deleted
 
     async def _delete_many(self, names: Iterable[bytes | str], count_entries: bool = False) -> int:
         names = list(names)
@@ -278,7 +305,11 @@ class RedisStore:
             state = "up"
         else:
             state = f"down retry_in={max(0.0, self._down_until - self._clock.now()):.1f}s"
-        return f"<RedisStore prefix={self._prefix!r} {state} errors={self.errors}>"
+        counts = self._counts
+        return (
+            f"<RedisStore prefix={self._prefix!r} {state} entries={counts.entries} "
+            f"bytes={counts.bytes} errors={self.errors}>"
+        )
 
 
 def _add_expiring(pipe: Any, name: str, member: bytes, ttl_ms: int) -> None:
