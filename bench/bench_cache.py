@@ -227,9 +227,9 @@ async def lookup_profile(store: Any, texts: list[str]) -> dict[str, tuple[float,
     steps: dict[str, list[float]] = {
         name: []
         for name in (
-            "exact key (canonical JSON, sha256)",
+            "exact key (one canonical JSON of the body, sha256)",
             "exact get (a miss)",
-            "context key (second canonical form, prompt normalised for its signature)",
+            "context key (from the canonical form; prompt normalised for its signature)",
             "SimHash fingerprint of the normalised prompt",
             "band-bucket candidates",
             "load the nearest candidate's entry",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from gateway.cache.evaluate import DEFAULT_SETTING, Pair, evaluate, format_report, read_pairs
 from gateway.cache.guard import check
 from gateway.cache.normalize import comparable_form, normalize
-from gateway.cache.simhash import MAX_DISTANCE, bands, fingerprint, hamming
+from gateway.cache.simhash import MAX_DISTANCE, bands, features, fingerprint, hamming
 
 DATA = Path(__file__).parent.parent / "gateway" / "data"
 PAWS = Path("/work/shared/data/paws_wiki_dev.tsv")
@@ -45,6 +47,43 @@ def test_fingerprint_is_stable_and_banded() -> None:
     assert fp == fingerprint("what is the capital of france")
     assert 0 <= fp < 2**64 and len(bands(fp)) == MAX_DISTANCE + 1
     assert hamming(fp, fp ^ 0b111) == 3
+
+
+def test_capitals_are_marked_only_mid_sentence() -> None:
+    norm = normalize("Is it in Paris? Paris is big.\nParis, or Rome: Rome it is; London then")
+    cased = [t.text for t in norm.tokens if t.cased]
+    assert cased == ["paris", "rome", "london"]
+    assert len(norm.tokens) == 15
+
+
+def _reference_fingerprint(feats: list[str]) -> int:
+    """SimHash spelled out: bit i is set when more than half the features' blake2b hashes
+    have bit i set."""
+    ones = [0] * 64
+    for feature in feats:
+        digest = hashlib.blake2b(feature.encode(), digest_size=8).digest()
+        value = int.from_bytes(digest, "big")
+        for bit in range(64):
+            ones[bit] += value >> bit & 1
+    return sum(1 << bit for bit in range(64) if ones[bit] * 2 > len(feats))
+
+
+def test_fingerprint_is_the_majority_vote_of_feature_hashes() -> None:
+    """The vectorised vote equals a per-bit count on random messages of 0 to 60 tokens,
+    ties (an even number of features) included."""
+    rng = random.Random(5)
+    vocabulary = "how do I what is the not C++ 42 3.5 Paris paris configure - ? don't".split()
+    vocabulary += ["".join(rng.choices("abcdefghij", k=rng.randint(1, 9))) for _ in range(50)]
+    for _ in range(400):
+        text = " ".join(rng.choices(vocabulary, k=rng.randint(0, 60)))
+        assert fingerprint(text) == _reference_fingerprint(features(normalize(text)))
+
+
+def test_fingerprints_are_stable_across_versions() -> None:
+    """Stores keep fingerprints: a change of the features or their hash would strand every
+    stored entry outside its query's buckets."""
+    assert fingerprint("What is the capital of France?") == 0x33FD4672F95DD2DE
+    assert fingerprint("How do I reverse a list in Python?") == 4148582368393062224
 
 
 def test_fingerprints_within_max_distance_share_a_band() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.cache import cacheability, request_key, scope_hash
+from gateway.cache.keys import RequestKey, with_context
 
 CHAT = "/v1/chat/completions"
 WHERE = {"scope": "s", "route": "r", "backend": "main", "model_version": "v1", "path": CHAT}
@@ -116,3 +117,57 @@ def test_scope_hash_hides_values_and_separates_tenants() -> None:
     assert missing != scope_hash([("Authorization", "")], ["authorization"])
     two = ["authorization", "x-tenant"]
     assert scope_hash([("x-tenant", "t1")], two) != scope_hash([("x-tenant", "t2")], two)
+
+
+BLANK = "\x00final-user-message\x00"
+"""The placeholder a context key's JSON holds instead of the final user text."""
+SYSTEM_BLANK_ONE_PART = {
+    "model": "m",
+    "temperature": 0.0,
+    "messages": [
+        {"role": "system", "content": BLANK},
+        {"role": "user", "content": [{"type": "text", "text": 'Héllo "there"'}]},
+    ],
+}
+PINNED = [
+    (
+        chat("What is 2+2?"),
+        "248fcf3cda7184ab28343e25b70a119d38af195c",
+        "5705e92ad1994bf8c0061ff6e8905dcaf275ad96",
+    ),
+    (
+        chat("hi", tool_choice=BLANK),
+        "bff6121112db5b337f393659a1badde59c7ee49b",
+        "1c33b87c14b26c3378cbd098b8a56f90e4110348",
+    ),
+    (
+        chat(BLANK),
+        "c26fb40f8a227ed1b23455c3ef1fb30cf5ee9195",
+        "ce844a936c2a2dace76d7f67cb1b08306061a33c",
+    ),
+    (
+        SYSTEM_BLANK_ONE_PART,
+        "c4af688ea6f3115d98c86d0cc83b06b1ad5a0fa6",
+        "f016b4b0cfc8b8b8f4f67121cf5cc3c59401d18e",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "exact", "context"), PINNED)
+def test_keys_are_stable_across_versions(body: dict[str, Any], exact: str, context: str) -> None:
+    """Stored entries are found by these keys: changing them strands every stored entry, so
+    only a new key version may.  Bodies holding the placeholder's own text included."""
+    key = request_key(body, **WHERE)
+    assert (key.exact, key.context) == (exact, context)
+
+
+@pytest.mark.parametrize("body", [body for body, _, _ in PINNED])
+def test_keys_are_the_same_however_they_are_built(body: dict[str, Any]) -> None:
+    """The exact-first path (``near=False``, then ``with_context``) and a hand-built key
+    given its context give the key ``request_key`` gives at once."""
+    where = {k: v for k, v in WHERE.items() if k != "scope"}
+    full = request_key(body, **WHERE)
+    first = request_key(body, near=False, **WHERE)
+    assert first.exact == full.exact and first.context is None
+    assert with_context(first, body, **where) == full
+    assert with_context(RequestKey(full.scope, full.exact), body, **where) == full

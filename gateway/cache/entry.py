@@ -101,7 +101,9 @@ def loads(data: bytes) -> CachedResponse:
         if magic != _MAGIC:
             raise ValueError("not a cache entry")
         start = _HEAD.size
-        head = json.loads(data[start : start + size])
+        # ``dumps`` writes the header as ASCII: decoding it here skips ``json.loads``'s
+        # detection of a byte string's encoding, which is Python code.
+        head = json.loads(data[start : start + size].decode())
         payload = data[start + size :]
         if flags & _ZLIB:
             payload = zlib.decompress(payload)

@@ -100,11 +100,11 @@ def signature(text: str | Normalized) -> str:
 
 
 def _numbers(norm: Normalized) -> tuple[str, ...]:
-    return tuple(t.text for t in norm.tokens if t.kind == NUMBER)
+    return tuple([t.text for t in norm.tokens if t.kind == NUMBER])
 
 
 def _negations(norm: Normalized) -> int:
-    return sum(1 for t in norm.tokens if t.text in NEGATIONS)
+    return len([t for t in norm.tokens if t.text in NEGATIONS])
 
 
 def _sequence(a: tuple[Token, ...], b: tuple[Token, ...]) -> Verdict:

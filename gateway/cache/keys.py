@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .guard import signature
@@ -51,6 +51,10 @@ IGNORED_FIELDS = frozenset(
 CHAT_PATH_SUFFIX = "/chat/completions"
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
+# One encoder for every key: ``json.dumps`` with options builds a new one per call, which
+# costs as much as encoding a small body.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_BLANK_JSON = _CANONICAL_JSON.encode(_BLANK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +70,16 @@ class RequestKey:
     """Everything a store lookup needs about one cacheable request.
 
     ``context`` and ``prompt`` are set only when the near-duplicate tier applies: a chat
-    request whose last message is a user message with plain text content.
+    request whose last message is a user message with plain text content.  ``blanked``, set
+    whenever it could apply, is the canonical JSON the context key hashes, kept so that
+    ``with_context`` need not serialise the body again.
     """
 
     scope: str
     exact: str
     context: str | None = None
     prompt: str | None = None
+    blanked: str | None = field(default=None, repr=False, compare=False)
 
 
 def scope_hash(headers: Iterable[tuple[str, str]], scope_headers: Iterable[str]) -> str:
@@ -112,10 +119,10 @@ def cacheability(
             return Cacheability(False, "temperature is not set to 0")
         if temperature != 0:
             return Cacheability(False, "temperature is not 0")
-    for field in ("n", "best_of"):
-        value = body.get(field, 1)
+    for name in ("n", "best_of"):
+        value = body.get(name, 1)
         if value is not None and value != 1:
-            return Cacheability(False, f"{field} is not 1")
+            return Cacheability(False, f"{name} is not 1")
     if _has_remote_media(body.get("messages")):
         return Cacheability(False, "a message refers to a remote URL")
     return Cacheability(True)
@@ -136,8 +143,15 @@ def request_key(
     the exact tier first and pays for the rest only on a miss)."""
     canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
     prefix = (scope, route, backend, model_version, path)
-    key = RequestKey(scope, _digest("exact", *prefix, _dumps_canon(canon)))
-    return _with_context(key, body, canon, prefix) if near else key
+    prompt = _near_prompt(body, path)
+    if prompt is None:
+        return RequestKey(scope, _digest("exact", *prefix, _dumps_canon(canon)))
+    # Both keys from one serialisation: the context's form, and the body's from it.
+    blanked = _dumps_blanked(canon)
+    exact = _digest("exact", *prefix, _unblank(blanked, canon))
+    if not near:
+        return RequestKey(scope, exact, blanked=blanked)
+    return RequestKey(scope, exact, _context(prefix, blanked, prompt), prompt, blanked)
 
 
 def with_context(
@@ -151,23 +165,44 @@ def with_context(
 ) -> RequestKey:
     """``key`` (from ``request_key(..., near=False)`` for the same arguments) with its
     context key and prompt added when near-dup applies."""
-    canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
-    return _with_context(key, body, canon, (key.scope, route, backend, model_version, path))
-
-
-def _with_context(
-    key: RequestKey, body: Mapping[str, Any], canon: dict[str, Any], prefix: tuple[str, ...]
-) -> RequestKey:
-    prompt = final_user_text(body) if prefix[-1].endswith(CHAT_PATH_SUFFIX) else None
+    prompt = _near_prompt(body, path)
     if prompt is None:
         return key
-    # The context is the same canonical form with the final message's text blanked: blank
-    # it in the canonical copy rather than canonicalise the body twice.
+    blanked = key.blanked
+    if blanked is None:  # a key built by hand
+        blanked = _dumps_blanked(_canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS}))
+    context = _context((key.scope, route, backend, model_version, path), blanked, prompt)
+    return RequestKey(key.scope, key.exact, context, prompt, blanked)
+
+
+def _near_prompt(body: Mapping[str, Any], path: str) -> str | None:
+    return final_user_text(body) if path.endswith(CHAT_PATH_SUFFIX) else None
+
+
+def _context(prefix: tuple[str, ...], blanked: str, prompt: str) -> str:
+    return _digest("context", *prefix, blanked, signature(prompt))
+
+
+def _dumps_blanked(canon: dict[str, Any]) -> str:
+    """The canonical JSON of a near-dup request with its final message's content blanked:
+    what its context key hashes."""
     messages = list(canon["messages"])
     messages[-1] = dict(messages[-1], content=_BLANK)
-    blanked = _dumps_canon({**canon, "messages": messages})
-    context = _digest("context", *prefix, blanked, signature(prompt))
-    return RequestKey(key.scope, key.exact, context, prompt)
+    return _dumps_canon({**canon, "messages": messages})
+
+
+def _unblank(blanked: str, canon: dict[str, Any]) -> str:
+    """``_dumps_canon(canon)``, from ``blanked`` (``_dumps_blanked(canon)``) without
+    serialising the whole body a second time.
+
+    JSON is written value by value, so a value's text inside the whole is its own
+    ``_dumps_canon``: putting the final content's JSON back in place of the blank's gives
+    the body's.  Only where the blank's text occurs once is it known to be that place; a
+    body that holds the blank's text itself (never a real one) is serialised again.
+    """
+    if blanked.count(_BLANK_JSON) != 1:
+        return _dumps_canon(canon)
+    return blanked.replace(_BLANK_JSON, _dumps_canon(canon["messages"][-1]["content"]))
 
 
 def item_key(
@@ -219,7 +254,7 @@ def _dumps(value: Any) -> str:
 
 
 def _dumps_canon(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _CANONICAL_JSON.encode(value)
 
 
 def _canon(value: Any) -> Any:

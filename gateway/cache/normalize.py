@@ -104,9 +104,11 @@ _QUOTE = re.compile(
 )
 _HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# Words first, as most tokens are: the alternatives start with disjoint characters, so their
+# order changes no match.
 _TOKEN = re.compile(
-    r"(?P<num>\d+(?:[.:]\d+)*)"
-    r"|(?P<word>[^\W\d_]+(?:'[^\W\d_]+)*[+#]*)"
+    r"(?P<word>[^\W\d_]+(?:'[^\W\d_]+)*[+#]*)"
+    r"|(?P<num>\d+(?:[.:]\d+)*)"
     "|(?P<sym>[^\\w\\s.,!?;:\"'()\\[\\]{}`\u2026\u2013\u2014\u201c\u201d\u2018\u2019\u00ab\u00bb])"
 )
 _KEEP_APOSTROPHE = re.compile("[\u2018\u2019]")
@@ -175,39 +177,36 @@ def normalize(text: str) -> Normalized:
         text = _HYPHEN.sub(" ", text)
     if "," in text:
         text = _THOUSANDS.sub("", text)
-    # The lookup path runs this loop once per word: a single-space gap skips the sentence
-    # check, and tokens are built with tuple.__new__ (NamedTuple's own __new__ is Python).
+    # The lookup path runs this loop once per word.  ``split`` returns, in one call, each
+    # token's groups after the text before it: [gap, word, num, sym, gap, word, ...], a
+    # group None where it did not match, and last the text after the last token, which
+    # zip leaves over.  Most gaps are one space, which skips the sentence check; tokens
+    # are built with tuple.__new__ (NamedTuple's own __new__ is Python).
     tokens: list[Token] = []
     append = tokens.append
     sentence_start = True
-    previous_end = 0
-    for m in _TOKEN.finditer(text):
-        start, end = m.span()
-        if (
-            start > previous_end
-            and (start - previous_end > 1 or text[previous_end] != " ")
-            and not _SENTENCE_ENDS.isdisjoint(text[previous_end:start])
-        ):
+    parts = iter(_TOKEN.split(text))
+    for gap, raw, number, symbol in zip(parts, parts, parts, parts, strict=False):
+        if gap != " " and not _SENTENCE_ENDS.isdisjoint(gap):
             sentence_start = True
-        previous_end = end
-        raw = m.group()
-        group = m.lastgroup
-        if group == "word":
+        if raw is not None:
             word = raw.lower()
             cased = not sentence_start and word != raw
             if "'" in word or word in _SPECIAL:
                 tokens.extend(_word_tokens(word, cased))
             else:
                 append(_tuple_new(Token, (word, WORD, cased)))
+        elif number is not None:
+            append(_tuple_new(Token, (number, NUMBER, False)))
         else:
-            append(_tuple_new(Token, (raw, NUMBER if group == "num" else SYMBOL, False)))
+            append(_tuple_new(Token, (symbol, SYMBOL, False)))
         sentence_start = False
     start, end = 0, len(tokens)
     while start < end and tokens[start].text in EDGE_FILLERS:
         start += 1
     while end > start and tokens[end - 1].text in EDGE_FILLERS:
         end -= 1
-    kept = tuple(t for t in tokens[start:end] if t.text not in FILLERS)
+    kept = tuple([t for t in tokens[start:end] if t.text not in FILLERS])
     return Normalized(kept, quoted, code)
 
 

@@ -7,7 +7,10 @@ and last letter, so a typo moves no feature at all.  Filler, case and punctuatio
 reach the features either (see ``normalize``): every pair the guard accepts has equal
 fingerprints, and SimHash distance only widens the candidates.
 Feature hashes are blake2b, stable across processes and replicas (Python's ``hash`` is
-salted per process), and memoised.
+salted per process).  A fingerprint's bit is set where most features' hashes have it set:
+each feature's set bit positions are memoised (the vocabulary of prompts repeats) and one
+``numpy.bincount`` over all of them tallies the votes, a handful of array calls whatever
+the number of features.
 
 A fingerprint is split into ``BANDS`` bands of ``BAND_BITS`` bits: two fingerprints within
 Hamming distance ``BANDS - 1`` agree exactly on at least one band (pigeonhole), so a lookup
@@ -32,11 +35,15 @@ MAX_DISTANCE = BANDS - 1
 """The largest Hamming distance the banded index can find without a scan."""
 
 _MASK = (1 << BAND_BITS) - 1
+_BAND_SHIFTS = tuple(range(BITS - BAND_BITS, -1, -BAND_BITS))  # most significant band first
 
 
 @lru_cache(maxsize=1 << 16)
-def _feature_hash(feature: str) -> int:
-    return int.from_bytes(hashlib.blake2b(feature.encode(), digest_size=8).digest(), "big")
+def _feature_bits(feature: str) -> bytes:
+    """The positions of the set bits of ``feature``'s 64-bit hash, one byte each, counted
+    from the least significant bit."""
+    digest = int.from_bytes(hashlib.blake2b(feature.encode(), digest_size=8).digest(), "big")
+    return bytes(i for i in range(BITS) if digest >> i & 1)
 
 
 def features(norm: Normalized) -> list[str]:
@@ -51,12 +58,12 @@ def fingerprint(text: str | Normalized) -> int:
     feats = features(norm)
     if not feats:
         return 0
-    # Big-endian bytes unpacked give each hash's bits most significant first; the majority
-    # bits packed back, read big-endian, are the fingerprint.
-    hashes = np.array([_feature_hash(f) for f in feats], dtype=">u8")
-    bits = np.unpackbits(hashes.view(np.uint8)).reshape(len(feats), BITS)
-    ones = bits.sum(axis=0, dtype=np.int32)
-    return int.from_bytes(np.packbits(ones * 2 > len(feats)).tobytes(), "big")
+    votes = np.frombuffer(b"".join(map(_feature_bits, feats)), dtype=np.uint8)
+    ones = np.bincount(votes, minlength=BITS)
+    # ones[i] features have bit i set; the fingerprint's bit i is set on a strict majority
+    # (ones * 2 > n, which is ones > n // 2), packed least significant bit first.
+    majority = np.packbits(ones > len(feats) // 2, bitorder="little")
+    return int.from_bytes(majority.tobytes(), "little")
 
 
 def hamming(a: int, b: int) -> int:
@@ -66,4 +73,4 @@ def hamming(a: int, b: int) -> int:
 
 def bands(fp: int) -> tuple[int, ...]:
     """The ``BANDS`` band values of a fingerprint, most significant first."""
-    return tuple((fp >> (BITS - BAND_BITS * (i + 1))) & _MASK for i in range(BANDS))
+    return tuple([(fp >> shift) & _MASK for shift in _BAND_SHIFTS])

@@ -179,8 +179,10 @@ class ResponseCache:
         if not near or key.context is None or key.prompt is None:
             return None
         fp = prompt_fingerprint(key.prompt)
-        form = prompt_form(key.prompt)
         candidates = await self.store.candidates(key.context, fp, self.max_distance)
+        if not candidates:  # the prompt's form is needed only to compare it with theirs
+            return None
+        form = prompt_form(key.prompt)
         for candidate in candidates[:MAX_CANDIDATES]:
             found = candidate.entry or await self.store.get(candidate.key)
             if (
