@@ -5,19 +5,23 @@ index.py    VectorIndex: one context's vectors, binary prefilter then exact cosi
 verify.py   the guard, or its checks over reworded question frames
 local.py    the local model (the ``embedding`` extra): MiniLM int8 ONNX on onnxruntime
 backend.py  a policy backend's /v1/embeddings instead of the local model
+shared.py   SharedIndex: with the Redis store, every replica's index entries in one stream
 
 This package imports without the extra (numpy only); ``available()`` says whether the
 local model can run, and ``from_semantic`` builds a route's tier from its policy, the seam
-``gateway.stages.cache_embedding`` calls.
+``gateway.stages.cache_embedding`` calls; over a ``RedisStore`` the tier's index is shared
+by every replica.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..stores.redis import RedisStore
 from . import local
 from .backend import BackendEmbedder
-from .local import LocalEmbedder, LocalModel
+from .local import MODEL_NAME, LocalEmbedder, LocalModel
+from .shared import SharedIndex
 from .tier import DEFAULT_MAX_ENTRIES, DEFAULT_THRESHOLD, EMBEDDING, Embed, EmbeddingTier
 from .verify import verify
 
@@ -33,6 +37,7 @@ __all__ = [
     "EmbeddingTier",
     "LocalEmbedder",
     "LocalModel",
+    "SharedIndex",
     "available",
     "from_semantic",
     "verify",
@@ -51,7 +56,10 @@ def available(embedder: str | None = None) -> tuple[bool, str]:
 
 
 def from_semantic(semantic: Semantic, context: Any) -> EmbeddingTier:
-    """The tier for a route's ``cache.semantic`` settings.
+    """The tier for a route's ``cache.semantic`` settings, its index shared by every
+    replica when the store is Redis.  Replicas share vectors only with the same embedder
+    identity: the local model's name, or the backend's name, ``model_version`` and
+    ``embedder_model``.
 
     ``context`` is the stage's ``EmbeddingContext`` (store, policy, transport).  Raises
     ``ImportError`` naming the install command when the local model is needed but the
@@ -60,6 +68,7 @@ def from_semantic(semantic: Semantic, context: Any) -> EmbeddingTier:
     if semantic.embedder:
         backend = context.policy.backend(semantic.embedder)
         embed: Embed = BackendEmbedder(context.transport, backend, model=semantic.embedder_model)
+        identity = f"backend:{backend.name}@{backend.model_version}:{semantic.embedder_model or ''}"
     else:
         ok, reason = local.available()
         if not ok:
@@ -67,4 +76,8 @@ def from_semantic(semantic: Semantic, context: Any) -> EmbeddingTier:
         embedder = local.shared()
         embedder.start_loading()  # off the event loop; the first lookup waits for it
         embed = embedder
-    return EmbeddingTier(context.store, embed, threshold=semantic.threshold)
+        identity = f"local:{MODEL_NAME}"
+    tier = EmbeddingTier(context.store, embed, threshold=semantic.threshold)
+    if isinstance(context.store, RedisStore):
+        tier.share(context.store, context.route, identity, context.clock)
+    return tier

@@ -11,13 +11,17 @@ includes the tenant scope), and returns the first candidate that
 3. passes ``verify`` against the message it was stored for: the near-duplicate guard, or
    the guard's checks over reworded question frames (see ``verify``).
 
-The index lives in this process (one ``VectorIndex`` per context) and is bounded by
-``max_entries`` across contexts, least recently used first out.  An embedder failure is a
-miss, counted.  A context with nothing cached costs no embedding.
+The index is held in this process (one ``VectorIndex`` per context), bounded by
+``max_entries`` across contexts, least recently used first out.  Over the Redis store it is
+shared (``share``, ``shared.py``): what any replica indexes reaches every replica's index
+through a Redis stream, read before each lookup, so a replica finds paraphrases of answers
+the others stored.  An embedder failure is a miss, counted.  A context with nothing cached
+(here or, after the read, by another replica) costs no embedding.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,11 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import GatewayError, StoreError
 from ..keys import RequestKey
 from ..stores.base import CacheStore
+from ..stores.redis import RedisStore
 from ..tiers import Hit
 from .index import VectorIndex
+from .shared import SharedIndex
 from .verify import verify
 
 log = logging.getLogger("gateway.cache")
@@ -76,6 +83,8 @@ class EmbeddingTier:
         self.max_entries = max_entries
         self.max_candidates = max_candidates
         self.name = name or getattr(embed, "name", type(embed).__name__)
+        self.dims: int | None = None
+        self.shared: SharedIndex | None = None
         self._embed = embed
         self._indexes: dict[str, VectorIndex] = {}
         self._lru: OrderedDict[str, str] = OrderedDict()  # entry key -> context
@@ -90,13 +99,32 @@ class EmbeddingTier:
     def contexts(self) -> int:
         return len(self._indexes)
 
+    def share(
+        self, store: RedisStore, route: str, embedder: str, clock: Clock = SYSTEM_CLOCK
+    ) -> SharedIndex:
+        """Share this index with every tier of ``route`` over ``store`` whose embedder is
+        ``embedder`` (an identity: the model, and what else changes its vectors)."""
+        self.shared = SharedIndex(
+            store, route, embedder, self.add_vector, max_entries=self.max_entries, clock=clock
+        )
+        return self.shared
+
     async def lookup(self, key: RequestKey, text: str) -> Hit | None:
         """A verified cached answer to a paraphrase of ``text`` in ``key``'s context."""
+        vector: np.ndarray | None = None
+        embedded = False
+        if self.shared is not None and key.context is not None:
+            if key.context in self._indexes:  # embed while the other replicas' news is read
+                vector, _ = await asyncio.gather(self._vector(text), self.shared.sync())
+                embedded = True
+            else:
+                await self.shared.sync()
         index = self._indexes.get(key.context) if key.context is not None else None
         if index is None or not len(index):
             self.results["miss"] += 1
             return None
-        vector = await self._vector(text)
+        if not embedded:
+            vector = await self._vector(text)
         if vector is None or vector.shape[0] != index.dims:
             self.results["miss"] += 1
             return None
@@ -133,16 +161,35 @@ class EmbeddingTier:
         if vector is None:
             return
         index = self._indexes.get(key.context)
-        if index is None or index.dims != vector.shape[0]:
-            if index is not None:  # the embedder's dimensions changed: start over
-                for old in index.keys():
-                    self._lru.pop(old, None)
-            index = self._indexes[key.context] = VectorIndex(vector.shape[0])
+        if index is not None and index.dims != vector.shape[0]:
+            for old in index.keys():  # the embedder's dimensions changed: start over
+                self._lru.pop(old, None)
+            del self._indexes[key.context]
+        self._file(key.context, entry_key, vector)
+        if self.shared is not None:
+            await self.shared.publish(key.context, entry_key, vector)
+
+    def add_vector(self, context: str, entry_key: str, vector: np.ndarray) -> bool:
+        """Index another replica's unit ``vector`` for ``entry_key`` in ``context``; False
+        (not indexed) when its dimensions are not this embedder's."""
+        index = self._indexes.get(context)
+        dims = vector.shape[0]
+        if (self.dims is not None and dims != self.dims) or (
+            index is not None and dims != index.dims
+        ):
+            return False
+        self._file(context, entry_key, vector)
+        return True
+
+    def _file(self, context: str, entry_key: str, vector: np.ndarray) -> None:
+        index = self._indexes.get(context)
+        if index is None:
+            index = self._indexes[context] = VectorIndex(vector.shape[0])
         previous = self._lru.pop(entry_key, None)
-        if previous is not None and previous != key.context:
+        if previous is not None and previous != context:
             self._drop(previous, entry_key)
         index.add(entry_key, vector)
-        self._lru[entry_key] = key.context
+        self._lru[entry_key] = context
         while len(self._lru) > self.max_entries:
             old_key, old_context = self._lru.popitem(last=False)
             self._drop(old_context, old_key)
@@ -159,6 +206,11 @@ class EmbeddingTier:
         """Drop every indexed entry."""
         self._indexes.clear()
         self._lru.clear()
+
+    async def aclose(self) -> None:
+        """Stop reading the shared stream (when a reload replaces the tier)."""
+        if self.shared is not None:
+            await self.shared.aclose()
 
     def nbytes(self) -> int:
         """Bytes held by the vector arrays of every context."""
@@ -189,6 +241,7 @@ class EmbeddingTier:
             self.results["embed_error"] += 1
             return None
         vector = vector / norm
+        self.dims = vector.shape[0]
         self._memo[text] = vector
         if len(self._memo) > MEMO_TEXTS:
             self._memo.popitem(last=False)
@@ -210,5 +263,6 @@ class EmbeddingTier:
         return (
             f"<EmbeddingTier embedder={self.name} threshold={self.threshold:.2f} "
             f"entries={len(self)}/{self.max_entries} contexts={self.contexts} "
-            f"rejected={rejected}{' ' + results if results else ''}>"
+            f"rejected={rejected}{' ' + results if results else ''}"
+            f"{' shared=' + self.shared.last_id if self.shared is not None else ''}>"
         )

@@ -8,7 +8,9 @@ operations, no hash tags needed, no modules, no Lua):
   band, expiring with the longest-lived entry filed in it (``EXPIRE NX`` then ``EXPIRE GT``);
 * ``i:b:<backend>``, ``i:m:<model_version>``, ``i:s:<scope>``: sets of keys for purging;
 * ``n`` (keys by expiry time), ``sz`` (key -> serialised size) and ``bytes`` (their sum): the
-  entry and byte counts every replica shares, without TTL (``redis_counts``).
+  entry and byte counts every replica shares, without TTL (``redis_counts``);
+* ``v:<route>``: a stream of the embedding tier's index entries, so that every replica's
+  tier finds paraphrases of answers any replica stored (``embedding/shared.py``).
 
 Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
 
@@ -21,7 +23,7 @@ next operation starts one background PING; when it answers, Redis is up again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -46,6 +48,8 @@ DEFAULT_RETRY_S = 2.0
 PURGE_BATCH = 500
 
 T = TypeVar("T")
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+"""A stream entry: its id and fields."""
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError)
 
 
@@ -197,6 +201,41 @@ class RedisStore:
             return deleted
 
         return await self._run("purge", purge, bounded=False)
+
+    async def stream_add(self, stream: str, fields: Mapping[str, bytes], max_len: int) -> bytes:
+        """Append ``fields`` to the stream ``<prefix><stream>`` (XADD), trimmed to about
+        ``max_len`` entries (``MAXLEN ~``, whole nodes at a time); the new entry's id."""
+        name = self._prefix + stream
+
+        async def add() -> bytes:
+            return _as_bytes(
+                await self._client.xadd(name, dict(fields), maxlen=max_len, approximate=True)
+            )
+
+        return await self._run("xadd", add)
+
+    async def stream_read(self, stream: str, after: bytes, count: int) -> list[StreamEntry]:
+        """Up to ``count`` entries of the stream after the id ``after``, oldest first; an
+        empty list when there is nothing newer, or no stream.  ``XRANGE (after + COUNT``:
+        XREAD without BLOCK, in a reply shaped alike in RESP2 and RESP3."""
+        name = self._prefix + stream
+
+        async def read() -> list[StreamEntry]:
+            entries = await self._client.xrange(name, b"(" + after, "+", count=count)
+            return [(_as_bytes(i), f) for i, f in entries]
+
+        return await self._run("xrange", read, entries=count)
+
+    async def stream_last(self, stream: str) -> bytes | None:
+        """The id of the stream's last entry (XREVRANGE + - COUNT 1); None when the stream
+        is absent or empty."""
+        name = self._prefix + stream
+
+        async def last() -> bytes | None:
+            entries = await self._client.xrevrange(name, "+", "-", count=1)
+            return _as_bytes(entries[0][0]) if entries else None
+
+        return await self._run("xrevrange", last)
 
     async def ping(self) -> bool:
         """Probe Redis within the budget; marks it up on success."""
