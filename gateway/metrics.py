@@ -7,12 +7,12 @@ a reload can change them without re-registering anything.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
 # Seconds; dense below 10 ms where the gateway's own overhead lives, up to long generations.
@@ -120,7 +120,7 @@ class Metrics:
         )
         self.cache_entries = Gauge(
             "gateway_cache_entries",
-            "Entries in the cache store (memory store; Redis reports none).",
+            "Entries in the cache store (with Redis: every replica's, refreshed every 10 s).",
             registry=r,
         )
         self.cache_bytes = Gauge(
@@ -131,6 +131,8 @@ class Metrics:
             "Cache store operations that failed (answered as misses).",
             registry=r,
         )
+        self.embedding = EmbeddingCollector()
+        r.register(self.embedding)
         # -- single flight and batching (issue 5) --
         self.coalesced = Counter(
             "gateway_coalesced_requests",
@@ -291,6 +293,35 @@ class Metrics:
         if not self.const_labels:
             return generate_latest(self.registry)
         return generate_latest(_Labelled(self.registry, dict(self.const_labels)))
+
+
+class EmbeddingCollector:
+    """The embedding tiers' figures, read at scrape time from the tiers of the live policy
+    (``tiers`` is set by the cache stage; each tier counts for itself)."""
+
+    def __init__(self) -> None:
+        self.tiers: Callable[[], Iterable[tuple[str, Any]]] = tuple
+
+    def collect(self) -> Iterator[Metric]:
+        entries = GaugeMetricFamily(
+            "gateway_cache_embedding_entries",
+            "Vectors in a route's embedding index in this process (every replica's, with Redis).",
+            labels=["route"],
+        )
+        shared = CounterMetricFamily(
+            "gateway_cache_embedding_shared",
+            "A route's embedding index shared through Redis, by event: published, indexed "
+            "(another replica's), own, other_embedder, refused, malformed, restarts, "
+            "publish_error, read_error.",
+            labels=["route", "event"],
+        )
+        for route, tier in self.tiers():
+            entries.add_metric([route], len(tier))
+            if tier.shared is not None:
+                for event, count in sorted(tier.shared.counts.items()):
+                    shared.add_metric([route, event], count)
+        yield entries
+        yield shared
 
 
 class _Labelled:

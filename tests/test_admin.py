@@ -157,6 +157,8 @@ def test_metric_names_are_the_public_contract():
         "gateway_breaker_state",
         "gateway_breaker_transitions",
         "gateway_cache_bytes",
+        "gateway_cache_embedding_entries",
+        "gateway_cache_embedding_shared",
         "gateway_cache_entries",
         "gateway_cache_lookup_seconds",
         "gateway_cache_lookups",

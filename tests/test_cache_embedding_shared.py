@@ -370,6 +370,13 @@ async def test_two_gateways_on_one_redis_answer_each_others_paraphrases(
             )
             assert other.headers["X-Gateway-Cache"] == "miss"
             assert other.json()["id"] != stored.json()["id"]
+            published = (await http.get(first.admin_url + "/metrics")).text
+            seen = (await http.get(second.admin_url + "/metrics")).text
+        assert 'gateway_cache_embedding_shared_total{event="published",route="chat"} 1.0' in (
+            published
+        )
+        assert 'gateway_cache_embedding_shared_total{event="indexed",route="chat"} 1.0' in seen
+        assert 'gateway_cache_embedding_entries{route="chat"} 2.0' in seen  # alice's and bob's
     finally:
         await sim.close()
         async for name in client.scan_iter(match="gw:*"):

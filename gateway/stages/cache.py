@@ -69,13 +69,16 @@ def cache_stages(policy: Policy, runtime: Runtime) -> list[Stage]:
     if not any(route.cache is not None for route in policy.routes):
         metrics.cache_entries.set_function(lambda: 0.0)
         metrics.cache_bytes.set_function(lambda: 0.0)
+        metrics.embedding.tiers = tuple
         return []
     state = runtime.registry.get(
         STORE_KIND, STORE_NAME, policy.cache, lambda: CacheState(policy.cache, runtime.clock)
     )
     metrics.cache_entries.set_function(lambda: float(state.stats().entries or 0))
     metrics.cache_bytes.set_function(lambda: float(state.stats().bytes or 0))
-    return [CacheStage(policy, runtime, state)]
+    stage = CacheStage(policy, runtime, state)
+    metrics.embedding.tiers = stage.embedding_tiers
+    return [stage]
 
 
 class RouteRules:
@@ -120,6 +123,10 @@ class CacheStage:
         for route in policy.routes:
             if route.cache is not None:
                 self._routes[route.name] = self._rules(policy, runtime, route, route.cache)
+
+    def embedding_tiers(self) -> list[tuple[str, EmbeddingTier]]:
+        """(route, tier) of every route with an embedding tier, for the metrics."""
+        return [(n, r.embedding) for n, r in self._routes.items() if r.embedding is not None]
 
     def _rules(
         self, policy: Policy, runtime: Runtime, route: Route, rule: RouteCache
