@@ -20,7 +20,7 @@ from aiohttp import web
 from . import stages
 from .admin import admin_routes
 from .clock import SYSTEM_CLOCK, Clock
-from .edge import Edge
+from .edge import DataServer, Edge
 from .errors import PolicyError
 from .metrics import Metrics
 from .pipeline import Handler, compose
@@ -149,7 +149,7 @@ class Gateway:
     def data_server(self) -> web.Server:
         """The data plane: aiohttp's low-level server (every path is the edge's; no router
         or middleware to pay for)."""
-        return web.Server(
+        return DataServer(
             Edge(self).handle, handler_cancellation=True, max_field_size=65536, access_log=None
         )
 

@@ -14,9 +14,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from . import openai_body
-from .errors import BodyTooLarge, GatewayError, SlowReader, UpstreamError
+from .errors import BodyTooLarge, GatewayError, MalformedRequest, SlowReader, UpstreamError
 from .headers import REQUEST_OWNED, strip
 from .pipeline import Call, Reply
 from .routing import OPENAI_JSON_PATHS
@@ -54,6 +55,47 @@ def error_response(exc: GatewayError, request_id: str = "") -> web.Response:
     if backend:
         headers["X-Gateway-Backend"] = backend
     return web.Response(status=exc.status, body=error_body(exc), headers=headers)
+
+
+class DataServer(web.Server):
+    """aiohttp's low-level server, whose connections answer the errors aiohttp raises
+    itself (before the edge sees a request) in the gateway's OpenAI shape too."""
+
+    def __call__(self) -> RequestHandler:
+        try:
+            return _Connection(self, loop=self._loop, **self._kwargs)
+        except (AttributeError, TypeError):  # another aiohttp's internals: its own errors
+            return super().__call__()
+
+
+class _Connection(RequestHandler):
+    """One client connection of the data plane."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """An unreadable request line or header, a head too large (4xx: the client's
+        mistake, a warning), or a failure of the edge itself (5xx, logged with its
+        traceback) as ``{"error": ...}`` JSON; the connection is closed after it."""
+        if status >= 500:
+            log.error("request from %s failed", request.remote, exc_info=exc)
+            error = GatewayError("the gateway failed to handle the request")
+            error.status = status
+        else:
+            # aiohttp's parser messages add the offending bytes on later lines
+            detail = message or (str(exc) if exc is not None else "")
+            reason = detail.strip().split("\n", 1)[0].rstrip(": ") or "malformed request"
+            log.warning("refused a malformed request from %s: %s", request.remote, reason)
+            error = MalformedRequest(reason, status)
+        if request.writer.output_size > 0:  # part of an answer went out: nothing to add
+            raise ConnectionError("cannot answer with an error: the response has begun")
+        response = error_response(error)
+        response.force_close()
+        return response
 
 
 class Edge:

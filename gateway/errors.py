@@ -66,6 +66,17 @@ class RequestError(GatewayError):
     code = "invalid_request"
 
 
+class MalformedRequest(RequestError):
+    """The request is not HTTP the gateway can read (its request line, a header, its
+    framing, a head too large); refused before it reaches the edge."""
+
+    code = "malformed_request"
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class BadRequest(RequestError):
     """The body is not valid JSON, or not a valid body for its OpenAI endpoint."""
 
