@@ -215,14 +215,13 @@ def run(duration: int, rounds: int) -> str:
                     breakdown = profile(pid, duration - 1, tmp)
                     loader.wait()
                 first_bytes[name] = statistics.median(fb)
-                median = lambda values: statistics.median(values)  # noqa: E731
                 rows.append(
                     (
                         name,
                         {
-                            "p50": median(one["p50_ms"] for one, _ in runs[name]),
-                            "p99": median(one["p99_ms"] for one, _ in runs[name]),
-                            "rps": median(sat["rps"] for _, sat in runs[name]),
+                            "p50": statistics.median(one["p50_ms"] for one, _ in runs[name]),
+                            "p99": statistics.median(one["p99_ms"] for one, _ in runs[name]),
+                            "rps": statistics.median(sat["rps"] for _, sat in runs[name]),
                             "errors": sum(one["errors"] + sat["errors"] for one, sat in runs[name]),
                             "fb": first_bytes[name],
                             "rps_rounds": [sat["rps"] for _, sat in runs[name]],
