@@ -415,6 +415,27 @@ async def test_redis_killed_mid_test_fails_fast_then_recovers(
         await store.close()
 
 
+async def test_a_redis_restart_between_requests_costs_no_miss(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Every pooled connection dies with the server; the next commands, single and
+    pipelined, reconnect at once instead of failing and marking Redis down."""
+    store = RedisStore.from_url(redis_server.url, budget_s=0.5)
+    cache = ResponseCache(store)
+    keys = [key_for(chat(f"Question {i}?")) for i in range(4)]
+    try:
+        await asyncio.gather(*(cache.put(k, answer(f"A{i}"), 60) for i, k in enumerate(keys)))
+        redis_server.stop()
+        redis_server.start()  # empty: a restart keeps nothing here
+        assert await cache.lookup(keys[0]) is None  # a plain miss, not a store error
+        assert await store.get_many([k.exact for k in keys]) == [None] * 4
+        assert await cache.put(keys[1], answer("again"), 60)
+        assert await cache.lookup(keys[1]) is not None
+        assert store.available and store.errors == 0 and cache.store_errors == 0
+    finally:
+        await store.close()
+
+
 async def test_redis_slow_beyond_budget_is_a_fast_store_error() -> None:
     """A server that accepts connections but never answers costs one budget, then nothing."""
 

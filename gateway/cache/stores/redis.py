@@ -17,7 +17,9 @@ Index members may outlive their entries; a dangling member is a miss, never a wr
 Every operation runs under a time budget (default 50 ms).  Any redis or socket failure is
 translated once, here, into ``StoreError``; a connection failure or timeout also marks Redis
 down, and while it is down operations raise ``StoreError`` at once.  After ``retry_s`` the
-next operation starts one background PING; when it answers, Redis is up again.
+next operation starts one background PING; when it answers, Redis is up again.  A command
+whose pooled connection has died (Redis restarted since it was opened) is tried once more
+on a new connection first, so a restart that finished costs no request a miss.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ DEFAULT_BUDGET_S = 0.05
 ENTRIES_PER_BUDGET = 10
 """Entries written (or read) within one ``budget_s``; larger batches get proportionally more."""
 DEFAULT_RETRY_S = 2.0
+CONNECTION_RETRIES = 1
 PURGE_BATCH = 500
 
 T = TypeVar("T")
@@ -78,14 +81,18 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:
-        """A store on a new client for ``url`` with no client-side retries (the budget and
-        the circuit decide) and socket timeouts bounded by the budget."""
+        """A store on a new client for ``url`` with socket timeouts bounded by the budget
+        and one immediate retry of a command whose connection failed, on a new connection:
+        after a Redis restart every pooled connection is dead, and each would otherwise
+        fail one request and mark Redis down for ``retry_s``.  The budget bounds both
+        tries; the circuit decides the rest.  A retried write is harmless: entries are
+        overwritten whole, and the counts owe the size the first try wrote."""
         budget_s = options.get("budget_s", DEFAULT_BUDGET_S)
         client = aioredis.Redis.from_url(
             url,
             socket_timeout=max(budget_s * 4, 0.2),
             socket_connect_timeout=max(budget_s * 4, 0.2),
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), CONNECTION_RETRIES),
         )
         return cls(client, **options)
 
