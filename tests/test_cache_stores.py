@@ -483,6 +483,25 @@ async def test_redis_ttl_and_index_keys_use_plain_commands(redis_url: str) -> No
         await admin.aclose()
 
 
+async def test_redis_purge_of_everything_keeps_to_its_own_prefix_even_with_glob_characters(
+    redis_url: str,  # noqa: F811
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    globbed = RedisStore.from_url(redis_url, prefix=f"g*{tag}:", budget_s=0.5)
+    neighbour = RedisStore.from_url(redis_url, prefix=f"gX{tag}:", budget_s=0.5)
+    key = key_for(chat("Why is the sky blue?"))
+    try:
+        await ResponseCache(globbed).put(key, answer("x"), 30)
+        await ResponseCache(neighbour).put(key, answer("y"), 30)
+        assert await globbed.purge() >= 1
+        assert await globbed.get(key.exact) is None
+        assert await neighbour.get(key.exact) is not None
+    finally:
+        await neighbour.purge()
+        await globbed.close()
+        await neighbour.close()
+
+
 @pytest.fixture
 async def replicas(redis_url: str) -> AsyncIterator[tuple[RedisStore, RedisStore, FakeClock]]:  # noqa: F811
     """Two gateways' stores on one Redis prefix, sharing a clock."""

@@ -5,15 +5,15 @@ own process.  So every tier over a ``RedisStore`` appends each vector it indexes
 stream per route, ``<prefix>v:<route>``, and indexes the other replicas' from it: a replica
 finds paraphrases of answers any replica stored, as it finds their exact and SimHash matches.
 
-A stream entry has one field, ``i``: its origin (random per tier instance, so a tier skips
-what it published itself), the embedder's identity (a tier ignores other embedders'
-vectors; one of other dimensions is refused by ``apply``), the context key and the entry
-key, joined by 0x1F bytes, then a 0x00 byte and the unit vector as little-endian float16.
-One field, not one per part: parsing is most of a catch-up's time, and it is paid per field
-(about 10 us a field with redis-py's own parser; less with hiredis, a dependency). With
-MiniLM (384 dims, 768 B) an entry takes about 1 kB in Redis; the stream is trimmed to about
-``max_entries`` (``XADD MAXLEN ~``, plus up to one stream node, 100 entries by default),
-the bound of each replica's index, so about 100 MB at the default 100k.
+A stream entry (its format in ``stores/vector_stream.py``) holds its origin (random per
+tier instance, so a tier skips what it published itself), the embedder's identity (a tier
+ignores other embedders' vectors; one of other dimensions is refused by ``apply``), the
+context key, the entry key and the unit vector as float16, in one field: parsing is most of
+a catch-up's time, and it is paid per field (about 10 us a field with redis-py's own
+parser; less with hiredis, a dependency).  With MiniLM (384 dims, 768 B) an entry takes
+about 1 kB in Redis; the stream is trimmed to about ``max_entries`` (``XADD MAXLEN ~``,
+plus up to one stream node, 100 entries by default), the bound of each replica's index, so
+about 100 MB at the default 100k.
 
 Catch-up runs without a long-lived task.  ``sync()`` (each lookup) starts a reader task if
 none runs, or asks the running one for one more pass, and waits, at most ``wait_s``, for a
@@ -32,14 +32,16 @@ A purge of everything deletes the stream (it is under the prefix).  Stream ids a
 clock in milliseconds, so a stream created afresh normally continues above the last id
 seen; but where Redis's clock is behind (a failover, a restored server) it would not, and
 reading on from the last id seen would skip its entries for good.  So a pass that caught up
-asks, at most every ``RECHECK_S``, for the stream's last id: when the stream is gone or
-ends below the last id seen, reading starts again from the beginning.  A publish whose new
-id is below the last id seen says the same at once.  Re-reading is harmless: an entry
-indexed again replaces itself.
+asks, at most every ``RECHECK_S``, for the stream's last generated id: when the stream is
+gone or ends below the last id seen, reading starts again from the beginning.  A publish
+whose new id is below the last id seen says the same at once.  Re-reading is harmless: an
+entry indexed again replaces itself.
 
-A filtered purge leaves the purged entries' vectors in the stream until trimmed: they point
-at nothing, and a lookup drops a pointer whose entry is gone.  The index is only ever a
-list of candidates: the tier fetches each from the store and re-checks scope, context and
+A filtered purge deletes the purged entries' records from the stream too (``XDEL``, in the
+store); replicas that indexed them already drop each pointer when a lookup finds its entry
+gone.  ``XDEL`` does not lower the stream's last generated id, which the recheck reads, so
+deleting the newest records is not taken for a restart.  The index is only ever a list of
+candidates: the tier fetches each from the store and re-checks scope, context and
 ``verify``, so a shared index cannot produce a cross-tenant or unverified hit.
 """
 
@@ -55,14 +57,11 @@ import numpy as np
 
 from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import StoreError
+from ..stores import vector_stream
 from ..stores.redis import RedisStore, StreamEntry
 
 log = logging.getLogger("gateway.cache")
 
-STREAM = "v:"
-"""The stream of route R is ``<store prefix>v:R``."""
-FIELD = "i"
-SEP = b"\x1f"
 READ_COUNT = 200
 """Entries per read.  Reading and indexing them holds the event loop for about 6 ms
 (measured on 2 cores: 30 us an entry with hiredis, 60 with redis-py's own parser), so a
@@ -93,7 +92,7 @@ class SharedIndex:
         wait_s: float | None = None,
     ) -> None:
         self.store = store
-        self.stream = STREAM + route
+        self.stream = vector_stream.STREAM + route
         self.embedder = embedder
         self.max_entries = max_entries
         self.wait_s = store.budget_s if wait_s is None else wait_s
@@ -103,7 +102,7 @@ class SharedIndex:
         self._apply = apply
         self._clock = clock
         self._origin = self.origin.encode()
-        self._embedder = embedder.encode().replace(SEP, b" ").replace(b"\x00", b" ")
+        self._embedder = vector_stream.clean(embedder.encode())
         self._last = START
         self._backlog = False
         self._recheck_at = 0.0
@@ -123,13 +122,16 @@ class SharedIndex:
         """Append an entry for ``vector`` (unit length) filed under ``entry_key`` in
         ``context``; a failure is counted, never raised."""
         keys = (context.encode(), entry_key.encode())
-        if any(SEP in k or b"\x00" in k for k in keys):  # never so for the cache's hex keys
+        if not all(map(vector_stream.packable, keys)):
             self.counts["unpublishable"] += 1
             return
-        head = SEP.join((self._origin, self._embedder, *keys))
-        data = head + b"\x00" + vector.astype("<f2").tobytes()
+        data = vector_stream.pack(
+            self._origin, self._embedder, *keys, vector.astype("<f2").tobytes()
+        )
         try:
-            new_id = await self.store.stream_add(self.stream, {FIELD: data}, self.max_entries)
+            new_id = await self.store.stream_add(
+                self.stream, {vector_stream.FIELD: data}, self.max_entries
+            )
         except StoreError as exc:
             self._failed("publish_error", exc)
             return
@@ -209,19 +211,17 @@ class SharedIndex:
             self._restart("the stream restarted below the last id read")
 
     def _take(self, entry: StreamEntry) -> None:
-        head, _, raw = entry[1].get(FIELD.encode(), b"").partition(b"\x00")
-        parts = head.split(SEP)
-        if len(parts) != 4:
+        record = vector_stream.unpack(entry[1])
+        if record is None:
             self.counts["malformed"] += 1
             return
-        origin, embedder, context, entry_key = parts
-        if origin == self._origin:
+        if record.origin == self._origin:
             self.counts["own"] += 1
             return
-        if embedder != self._embedder:
+        if record.embedder != self._embedder:
             self.counts["other_embedder"] += 1
             return
-        decoded = _decode(context, entry_key, raw)
+        decoded = _decode(record.context, record.entry_key, record.vector)
         if decoded is None:
             self.counts["malformed"] += 1
         elif self._apply(*decoded):

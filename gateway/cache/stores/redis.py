@@ -10,7 +10,8 @@ operations, no hash tags needed, no modules, no Lua):
 * ``n`` (keys by expiry time), ``sz`` (key -> serialised size) and ``bytes`` (their sum): the
   entry and byte counts every replica shares, without TTL (``redis_counts``);
 * ``v:<route>``: a stream of the embedding tier's index entries, so that every replica's
-  tier finds paraphrases of answers any replica stored (``embedding/shared.py``).
+  tier finds paraphrases of answers any replica stored (``embedding/shared.py``; the record
+  format in ``vector_stream.py``); a filtered purge deletes its entries' records there.
 
 Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
 
@@ -32,13 +33,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import StoreError
 from ..entry import CachedResponse, dumps, loads
 from ..simhash import bands, hamming
+from . import vector_stream
 from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 from .redis_counts import DEFAULT_REFRESH_S, RedisCounts
 
@@ -205,11 +207,13 @@ class RedisStore:
                 else:
                     for start in range(0, len(doomed), PURGE_BATCH):
                         await self._client.srem(index, *doomed[start : start + PURGE_BATCH])
+            if doomed:
+                await self._prune_vectors(frozenset(doomed))
             return deleted
 
         return await self._run("purge", purge, bounded=False)
 
-    async def stream_add(self, stream: str, fields: Mapping[str, bytes], max_len: int) -> bytes:
+    async def stream_add(self, stream: str, fields: Mapping[bytes, bytes], max_len: int) -> bytes:
         """Append ``fields`` to the stream ``<prefix><stream>`` (XADD), trimmed to about
         ``max_len`` entries (``MAXLEN ~``, whole nodes at a time); the new entry's id."""
         name = self._prefix + stream
@@ -234,15 +238,20 @@ class RedisStore:
         return await self._run("xrange", read, entries=count)
 
     async def stream_last(self, stream: str) -> bytes | None:
-        """The id of the stream's last entry (XREVRANGE + - COUNT 1); None when the stream
-        is absent or empty."""
+        """The last id the stream generated (``XINFO STREAM``), which ``XDEL`` of its newest
+        entries does not lower; None when there is no stream."""
         name = self._prefix + stream
 
         async def last() -> bytes | None:
-            entries = await self._client.xrevrange(name, "+", "-", count=1)
-            return _as_bytes(entries[0][0]) if entries else None
+            try:
+                info = await self._client.xinfo_stream(name)
+            except ResponseError as exc:
+                if "no such key" in str(exc).lower():
+                    return None
+                raise
+            return _as_bytes(info["last-generated-id"])
 
-        return await self._run("xrevrange", last)
+        return await self._run("xinfo", last)
 
     async def ping(self) -> bool:
         """Probe Redis within the budget; marks it up on success."""
@@ -279,7 +288,9 @@ class RedisStore:
     async def _purge_all(self) -> int:
         batch: list[bytes] = []
         deleted = 0
-        async for name in self._client.scan_iter(match=self._prefix + "*", count=PURGE_BATCH):
+        async for name in self._client.scan_iter(
+            match=_glob_escape(self._prefix) + "*", count=PURGE_BATCH
+        ):
             batch.append(name)
             if len(batch) >= PURGE_BATCH:
                 deleted += await self._delete_many(batch, count_entries=True)
@@ -287,6 +298,23 @@ class RedisStore:
         deleted += await self._delete_many(batch, count_entries=True)
         self._counts.cleared()
         return deleted
+
+    async def _prune_vectors(self, doomed: frozenset[bytes]) -> int:
+        """Delete the embedding index streams' records of the ``doomed`` entry keys (every
+        route's stream, read through in batches); how many were deleted."""
+        pattern = _glob_escape(self._prefix + vector_stream.STREAM) + "*"
+        pruned = 0
+        async for name in self._client.scan_iter(match=pattern, count=PURGE_BATCH, _type="STREAM"):
+            start = b"-"
+            while True:
+                records = await self._client.xrange(name, start, "+", count=PURGE_BATCH)
+                ids = [i for i, f in records if vector_stream.entry_key(f) in doomed]
+                if ids:
+                    pruned += int(await self._client.xdel(name, *ids))
+                if len(records) < PURGE_BATCH:
+                    break
+                start = b"(" + _as_bytes(records[-1][0])
+        return pruned
 
     async def _delete_many(self, names: Iterable[bytes | str], count_entries: bool = False) -> int:
         names = list(names)
@@ -362,6 +390,11 @@ def _add_expiring(pipe: Any, name: str, member: bytes, ttl_ms: int) -> None:
     pipe.sadd(name, member)
     pipe.pexpire(name, ttl_ms, nx=True)
     pipe.pexpire(name, ttl_ms, gt=True)
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a SCAN ``MATCH`` pattern (a prefix may hold ``*``)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _as_bytes(name: bytes | str) -> bytes:
