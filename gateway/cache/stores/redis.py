@@ -6,7 +6,8 @@ operations, no hash tags needed, no modules, no Lua):
 * ``e:<key>``: the serialised entry, ``SET .. PX ttl``;
 * ``b:<context>:<band>:<value>``: a set of ``<fingerprint hex>:<key>``, one per SimHash
   band, expiring with the longest-lived entry filed in it (``EXPIRE NX`` then ``EXPIRE GT``);
-* ``i:b:<backend>``, ``i:m:<model_version>``, ``i:s:<scope>``: sets of keys for purging;
+* ``i:b:<backend>``, ``i:m:<model_version>``, ``i:s:<scope>``: sets of keys for purging
+  (``redis_purge``);
 * ``n`` (keys by expiry time), ``sz`` (key -> serialised size) and ``bytes`` (their sum): the
   entry and byte counts every replica shares, without TTL (``redis_counts``);
 * ``v:<route>``: a stream of the embedding tier's index entries, so that every replica's
@@ -26,7 +27,8 @@ on a new connection first, so a restart that finished costs no request a miss.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -40,9 +42,9 @@ from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import StoreError
 from ..entry import CachedResponse, dumps, loads
 from ..simhash import bands, hamming
-from . import vector_stream
 from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 from .redis_counts import DEFAULT_REFRESH_S, RedisCounts
+from .redis_purge import RedisPurge
 
 DEFAULT_PREFIX = "gw:"
 DEFAULT_BUDGET_S = 0.05
@@ -50,7 +52,6 @@ ENTRIES_PER_BUDGET = 10
 """Entries written (or read) within one ``budget_s``; larger batches get proportionally more."""
 DEFAULT_RETRY_S = 2.0
 CONNECTION_RETRIES = 1
-PURGE_BATCH = 500
 
 T = TypeVar("T")
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
@@ -80,6 +81,7 @@ class RedisStore:
         self._probe: asyncio.Task[bool] | None = None
         self.errors = 0
         self._counts = RedisCounts(client, prefix, self._run, clock, count_refresh_s)
+        self._purge = RedisPurge(client, prefix, self._counts, self._entry)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:
@@ -184,34 +186,13 @@ class RedisStore:
         scope: str | None = None,
     ) -> int:
         if backend is None and model_version is None and scope is None:
-            return await self._run("purge", self._purge_all, bounded=False)
+            return await self._run("purge", self._purge.everything, bounded=False)
         indexes = [
             self._key("i", kind, value)
             for kind, value in (("b", backend), ("m", model_version), ("s", scope))
             if value is not None
         ]
-
-        async def purge() -> int:
-            keys: set[bytes] | None = None
-            for index in indexes:
-                members = set(await self._client.smembers(index))
-                keys = members if keys is None else keys & members
-            doomed = sorted(keys or ())
-            deleted = await self._delete_many(self._entry(k.decode()) for k in doomed)
-            for start in range(0, len(doomed), PURGE_BATCH):
-                await self._counts.forget(doomed[start : start + PURGE_BATCH])
-            self._counts.due()
-            for index in indexes:
-                if len(indexes) == 1:
-                    await self._client.delete(index)
-                else:
-                    for start in range(0, len(doomed), PURGE_BATCH):
-                        await self._client.srem(index, *doomed[start : start + PURGE_BATCH])
-            if doomed:
-                await self._prune_vectors(frozenset(doomed))
-            return deleted
-
-        return await self._run("purge", purge, bounded=False)
+        return await self._run("purge", partial(self._purge.matching, indexes), bounded=False)
 
     async def stream_add(self, stream: str, fields: Mapping[bytes, bytes], max_len: int) -> bytes:
         """Append ``fields`` to the stream ``<prefix><stream>`` (XADD), trimmed to about
@@ -285,52 +266,6 @@ class RedisStore:
             self._probe = None
         await self._client.aclose()
 
-    async def _purge_all(self) -> int:
-        batch: list[bytes] = []
-        deleted = 0
-        async for name in self._client.scan_iter(
-            match=_glob_escape(self._prefix) + "*", count=PURGE_BATCH
-        ):
-            batch.append(name)
-            if len(batch) >= PURGE_BATCH:
-                deleted += await self._delete_many(batch, count_entries=True)
-                batch = []
-        deleted += await self._delete_many(batch, count_entries=True)
-        self._counts.cleared()
-        return deleted
-
-    async def _prune_vectors(self, doomed: frozenset[bytes]) -> int:
-        """Delete the embedding index streams' records of the ``doomed`` entry keys (every
-        route's stream, read through in batches); how many were deleted."""
-        pattern = _glob_escape(self._prefix + vector_stream.STREAM) + "*"
-        pruned = 0
-        async for name in self._client.scan_iter(match=pattern, count=PURGE_BATCH, _type="STREAM"):
-            start = b"-"
-            while True:
-                records = await self._client.xrange(name, start, "+", count=PURGE_BATCH)
-                ids = [i for i, f in records if vector_stream.entry_key(f) in doomed]
-                if ids:
-                    pruned += int(await self._client.xdel(name, *ids))
-                if len(records) < PURGE_BATCH:
-                    break
-                start = b"(" + _as_bytes(records[-1][0])
-        return pruned
-
-    async def _delete_many(self, names: Iterable[bytes | str], count_entries: bool = False) -> int:
-        names = list(names)
-        if not names:
-            return 0
-        pipe = self._client.pipeline(transaction=False)
-        for name in names:
-            pipe.delete(name)
-        results = await pipe.execute()
-        entry_prefix = self._entry("").encode()
-        return sum(
-            int(r)
-            for name, r in zip(names, results, strict=True)
-            if not count_entries or _as_bytes(name).startswith(entry_prefix)
-        )
-
     async def _run(
         self, op: str, fn: Callable[[], Awaitable[T]], bounded: bool = True, entries: int = 1
     ) -> T:
@@ -390,11 +325,6 @@ def _add_expiring(pipe: Any, name: str, member: bytes, ttl_ms: int) -> None:
     pipe.sadd(name, member)
     pipe.pexpire(name, ttl_ms, nx=True)
     pipe.pexpire(name, ttl_ms, gt=True)
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` matched literally by a SCAN ``MATCH`` pattern (a prefix may hold ``*``)."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _as_bytes(name: bytes | str) -> bytes:

@@ -1,0 +1,113 @@
+"""Purging the Redis store: the entries matching filters, or everything under the prefix.
+
+A filtered purge reads the purge-index sets (``i:b:<backend>``, ``i:m:<model_version>``,
+``i:s:<scope>``), intersects them, deletes those entries, settles the shared counts at once
+and drops the keys from the sets.  It then deletes the purged entries' records from every
+route's embedding index stream (``v:*``, format in ``vector_stream``): ``XRANGE`` through
+each in batches, ``XDEL`` the matches, so no vector of a purged tenant's prompt stays
+readable in Redis.  A purge of everything deletes every key under the prefix (``SCAN``),
+streams and counts included.
+
+An operator asked and waits for the answer, so a purge runs without the per-request budget
+(the store's ``_run`` with ``bounded=False``); every command is single-key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from . import vector_stream
+from .redis_counts import RedisCounts
+
+PURGE_BATCH = 500
+"""Keys deleted, set members removed or stream records read per round trip."""
+
+
+class RedisPurge:
+    """The store's purges, over its client, prefix, counts and entry key naming."""
+
+    def __init__(
+        self, client: Any, prefix: str, counts: RedisCounts, entry: Callable[[str], str]
+    ) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._counts = counts
+        self._entry = entry
+
+    async def matching(self, indexes: Sequence[str]) -> int:
+        """Delete the entries in every one of the purge-index sets ``indexes``; how many."""
+        keys: set[bytes] | None = None
+        for index in indexes:
+            members = set(await self._client.smembers(index))
+            keys = members if keys is None else keys & members
+        doomed = sorted(keys or ())
+        deleted = await self._delete_many(self._entry(k.decode()) for k in doomed)
+        for start in range(0, len(doomed), PURGE_BATCH):
+            await self._counts.forget(doomed[start : start + PURGE_BATCH])
+        self._counts.due()
+        for index in indexes:
+            if len(indexes) == 1:
+                await self._client.delete(index)
+            else:
+                for start in range(0, len(doomed), PURGE_BATCH):
+                    await self._client.srem(index, *doomed[start : start + PURGE_BATCH])
+        if doomed:
+            await self._prune_vectors(frozenset(doomed))
+        return deleted
+
+    async def everything(self) -> int:
+        """Delete every key under the prefix; how many of them were entries."""
+        batch: list[bytes] = []
+        deleted = 0
+        async for name in self._client.scan_iter(
+            match=_glob_escape(self._prefix) + "*", count=PURGE_BATCH
+        ):
+            batch.append(name)
+            if len(batch) >= PURGE_BATCH:
+                deleted += await self._delete_many(batch, count_entries=True)
+                batch = []
+        deleted += await self._delete_many(batch, count_entries=True)
+        self._counts.cleared()
+        return deleted
+
+    async def _prune_vectors(self, doomed: frozenset[bytes]) -> int:
+        """Delete the embedding index streams' records of the ``doomed`` entry keys (every
+        route's stream, read through in batches); how many were deleted."""
+        pattern = _glob_escape(self._prefix + vector_stream.STREAM) + "*"
+        pruned = 0
+        async for name in self._client.scan_iter(match=pattern, count=PURGE_BATCH, _type="STREAM"):
+            start = b"-"
+            while True:
+                records = await self._client.xrange(name, start, "+", count=PURGE_BATCH)
+                ids = [i for i, f in records if vector_stream.entry_key(f) in doomed]
+                if ids:
+                    pruned += int(await self._client.xdel(name, *ids))
+                if len(records) < PURGE_BATCH:
+                    break
+                start = b"(" + _as_bytes(records[-1][0])
+        return pruned
+
+    async def _delete_many(self, names: Iterable[bytes | str], count_entries: bool = False) -> int:
+        names = list(names)
+        if not names:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.delete(name)
+        results = await pipe.execute()
+        entry_prefix = self._entry("").encode()
+        return sum(
+            int(r)
+            for name, r in zip(names, results, strict=True)
+            if not count_entries or _as_bytes(name).startswith(entry_prefix)
+        )
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a SCAN ``MATCH`` pattern (a prefix may hold ``*``)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _as_bytes(name: bytes | str) -> bytes:
+    return name if isinstance(name, bytes) else name.encode()
