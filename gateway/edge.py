@@ -9,11 +9,13 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from . import openai_body
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.edge")
 
 
+_REQUEST_LINE = re.compile(rb"[A-Z]+ +(?:/|https?:)")
 _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
 
@@ -92,12 +95,26 @@ class _Connection(RequestHandler):
             detail = message or (str(exc) if exc is not None else "")
             reason = detail.strip().split("\n", 1)[0].rstrip(": ") or "malformed request"
             log.warning("refused a malformed request from %s: %s", request.remote, reason)
-            error = MalformedRequest(reason, status)
+            error = MalformedRequest(reason, _head_status(status, exc, reason))
         if request.writer.output_size > 0:  # part of an answer went out: nothing to add
             raise ConnectionError("cannot answer with an error: the response has begun")
         response = error_response(error)
         response.force_close()
         return response
+
+
+def _head_status(status: int, exc: BaseException | None, reason: str) -> int:
+    """414 for a request target too long, 431 for a header line too long or too many header
+    lines (RFC 6585, as Envoy answers), else aiohttp's status.  aiohttp reports all of them
+    as 400; its C parser hands the too-long target over as a ``bytearray``, header parts as
+    ``bytes``, and its Python parser the whole request line (``GET /...``)."""
+    if isinstance(exc, LineTooLong):
+        line = exc.args[0] if exc.args else b""
+        raw = line.encode("latin-1", "replace") if isinstance(line, str) else bytes(line)
+        return 414 if isinstance(line, bytearray) or _REQUEST_LINE.match(raw) else 431
+    if reason.startswith("Too many headers"):
+        return 431
+    return status
 
 
 class Edge:

@@ -40,29 +40,54 @@ async def send_raw(url: str, data: bytes) -> tuple[int, dict[str, str], bytes]:
 
 
 @pytest.mark.parametrize(
-    "data",
+    ("data", "expected"),
     [
-        pytest.param(b"HELLO THERE\r\n\r\n", id="garbled request line"),
-        pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n", id="bad header"),
+        pytest.param(b"HELLO THERE\r\n\r\n", 400, id="garbled request line"),
+        pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n", 400, id="bad header"),
         pytest.param(
             b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
-            id="header too large",
+            431,
+            id="header value too large",
+        ),
+        pytest.param(
+            b"GET / HTTP/1.1\r\nHost: x\r\nX-Path: /" + b"a" * 70_000 + b"\r\n\r\n",
+            431,
+            id="header value like a path, too large",
+        ),
+        pytest.param(
+            b"GET / HTTP/1.1\r\nHost: x\r\nX-" + b"a" * 70_000 + b": 1\r\n\r\n",
+            431,
+            id="header name too large",
+        ),
+        pytest.param(
+            b"GET / HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"X-%d: v\r\n" % i for i in range(1000))
+            + b"\r\n",
+            431,
+            id="too many headers",
+        ),
+        pytest.param(
+            b"GET /v1/models?q=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+            414,
+            id="request target too long",
         ),
         pytest.param(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
             b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
+            400,
             id="conflicting content-length",
         ),
     ],
 )
 async def test_unparsable_requests_get_an_openai_shaped_4xx_and_the_gateway_serves_on(
-    data, upstream, start_gateway, caplog
+    data, expected, upstream, start_gateway, caplog
 ):
+    """400 for what cannot be read, 431 for a head too large, 414 for a target too long."""
     recorder, url = upstream
     gw = await start_gateway(upstream=url)
     with caplog.at_level(logging.WARNING):
         status, headers, body = await send_raw(gw.url, data)
-    assert 400 <= status < 500
+    assert status == expected
     assert headers["content-type"].startswith("application/json")
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error"
