@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from gateway.batching import Batcher, FixedLimit, OpenAIEmbeddings
-from gateway.batching.batcher import split_answer
+from gateway.batching.answer import split_answer
 
 BATCH = 32
 

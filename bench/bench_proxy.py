@@ -91,7 +91,10 @@ COMPONENTS = (
         ("_writelines", "http1.py:send"),
     ),
     ("aiohttp server (HTTP parsing, request/response objects, task per request)", ("aiohttp/",)),
-    ("gateway: upstream client (gateway/http1.py, upstream.py)", ("http1.py", "upstream.py")),
+    (
+        "gateway: upstream client (gateway/http1.py, http1_pool.py, upstream.py)",
+        ("http1.py", "http1_pool.py", "upstream.py"),
+    ),
     ("gateway: edge, routing, validation, metrics calls", ("gateway/",)),
     ("prometheus_client", ("prometheus_client/",)),
     ("json / re / other stdlib", ("json/", "re/", "python3.11/")),

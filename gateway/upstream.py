@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from . import http1
+from . import http1, http1_pool
 from .errors import UpstreamTimeout, UpstreamUnavailable
 from .headers import RESPONSE_OWNED, strip
 from .metrics import Metrics
@@ -69,7 +69,7 @@ class Pool:
         self._host_header = url.hostname if url.port is None else f"{url.hostname}:{url.port}"
         self.inflight = 0
         self._limit = backend.max_connections
-        self._http = http1.Pool(
+        self._http = http1_pool.Pool(
             backend.name,
             url.hostname or "",
             port,

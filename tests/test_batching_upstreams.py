@@ -22,10 +22,10 @@ from gateway.batching import (
     KServeInfer,
     OpenAICompletions,
     OpenAIEmbeddings,
+    Send,
     TEIEmbed,
     TFServingPredict,
 )
-from gateway.batching.batcher import Send
 
 NEVER = 3_600_000.0  # ms: no test here waits for max_wait; batches go when the backend frees
 

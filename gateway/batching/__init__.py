@@ -1,4 +1,5 @@
-"""Micro-batching of array-taking APIs: adapters per API, the batcher, and its size limit."""
+"""Micro-batching of array-taking APIs: adapters per API, the batcher, its merged calls and
+the answers they give, and the batch size limit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from .adapters import (
     adapter_for,
 )
 from .aimd import AimdLimit, BatchLimit, FixedLimit
-from .batcher import Answer, Batcher, BatchObserver, NullObserver, Send
+from .answer import Answer
+from .batcher import Batcher
+from .merged_calls import Send
+from .observer import BatchObserver, NullObserver
 
 __all__ = [
     "Adapter",

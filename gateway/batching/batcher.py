@@ -24,18 +24,8 @@ would read queueing as the cost of size and shrink the batches when the backend 
 A returning batch frees its slot before its answer is split, so the next one is on its way
 while the callers of the last are answered.
 
-Failures of a merged call are the batcher's to sort out, so that a caller sees what it would
-have seen alone:
-
-- 2xx: the answer is split by the adapter; an answer that cannot be split fails every
-  caller with ``BatchSplitError``.
-- out of memory (507, or a 5xx whose body says out of memory / OOM): the limit drops to half
-  the failed batch's items for good (``BatchLimit.backoff_to``) and the callers are retried
-  in chunks of the new limit, one chunk after another.  A lone caller gets the answer as is.
-- 4xx other than 408/429: the callers are split in halves, retried concurrently, and so on
-  down to single callers, so a poison input fails only its own request, with the upstream's
-  own status and body.  408 and 429 say nothing about the inputs and are not bisected.
-- any other status, and transport errors: every caller of that call gets the same.
+A batch that goes is one merged call upstream; how its answer, or its failure, reaches each
+caller is ``merged_calls``.
 
 A caller that goes away before its batch is sent leaves the batch; after that its share of
 the answer is dropped.  The upstream call itself runs on: the GPU is doing the work anyway.
@@ -44,88 +34,23 @@ the answer is dropped.  The upstream call itself runs on: the GPU is doing the w
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import BatchSplitError, GatewayError, Overloaded, UpstreamUnavailable
-from ..pipeline import Headers
-from . import rawjson
+from ..errors import Overloaded
 from .adapters import Adapter
 from .aimd import BatchLimit, FixedLimit
+from .answer import Answer
+from .merged_calls import MergedCalls, Send, chunks, fail
+from .observer import BatchObserver, NullObserver
 
 DEFAULT_MAX_SIZE = 32
 DEFAULT_MAX_WAIT_MS = 5.0
 DEFAULT_SLOTS = 1
-NOT_BISECTED = frozenset({408, 429})
-OOM_PATTERN = re.compile(rb"out of memory|outofmemory|\boom\b", re.IGNORECASE)
-OOM_SCAN_BYTES = 8192
 
-Send = Callable[[Any], Awaitable[tuple[int, Headers, bytes]]]
 Sleep = Callable[[float], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """One caller's answer: its share of a split answer, or the upstream's body as it came.
-
-    ``body`` is ready to send.  ``split`` is False when the body is the upstream's own,
-    passed through unsplit (an error for this caller alone, or for the whole call).
-    """
-
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    split: bool = True
-
-    @property
-    def json(self) -> Any:
-        """The body decoded (on every access), or None when it is not JSON."""
-        try:
-            return json.loads(self.body) if self.body else None
-        except ValueError:
-            return None
-
-
-class BatchObserver(Protocol):
-    """Where the batcher reports what the metrics show; bind the route's labels in it."""
-
-    def batch_sent(self, items: int) -> None:
-        """An upstream call with ``items`` items went out (``gateway_batch_size``)."""
-
-    def waited(self, seconds: float) -> None:
-        """A caller waited ``seconds`` before its batch went (``gateway_batch_wait_seconds``)."""
-
-    def limit_changed(self, limit: int) -> None:
-        """The batch size limit is now ``limit`` (``gateway_batch_limit``)."""
-
-    def split(self) -> None:
-        """A merged call answered 4xx and was split in halves (``gateway_batch_splits_total``)."""
-
-    def oom_backoff(self) -> None:
-        """The backend ran out of memory and the limit was halved (``..._oom_backoffs_total``)."""
-
-
-class NullObserver:
-    """Reports nowhere."""
-
-    def batch_sent(self, items: int) -> None:
-        pass
-
-    def waited(self, seconds: float) -> None:
-        pass
-
-    def limit_changed(self, limit: int) -> None:
-        pass
-
-    def split(self) -> None:
-        pass
-
-    def oom_backoff(self) -> None:
-        pass
 
 
 @dataclass(slots=True, eq=False)
@@ -173,7 +98,6 @@ class Batcher:
             raise ValueError("max_in_flight must be at least slots")
         self.name = name or adapter.name
         self._adapter = adapter
-        self._send = send
         self._limit: BatchLimit = limit or FixedLimit(DEFAULT_MAX_SIZE)
         self._max_wait_s = max_wait_ms / 1000.0
         self._slots = slots
@@ -181,15 +105,15 @@ class Batcher:
         self._depth = max_in_flight or slots
         self._observer: BatchObserver = observer or NullObserver()
         self._clock = clock
+        self._calls = MergedCalls(
+            adapter, send, limit=self._limit, observer=self._observer, clock=clock
+        )
         self._sleep = sleep
         self._groups: dict[Hashable, _Group] = {}
         self._in_flight = 0
         self._running: set[asyncio.Task[None]] = set()
         self._idle_call: asyncio.Handle | None = None
         self._closed = False
-        self.upstream_calls = 0
-        self.splits = 0
-        self.oom_backoffs = 0
 
     @property
     def limit(self) -> int:
@@ -205,6 +129,21 @@ class Batcher:
     def waiting(self) -> int:
         """Callers waiting for their batch to go."""
         return sum(len(g.callers) for g in self._groups.values())
+
+    @property
+    def upstream_calls(self) -> int:
+        """Merged calls sent upstream, retries included."""
+        return self._calls.upstream_calls
+
+    @property
+    def splits(self) -> int:
+        """Merged calls answered 4xx and split in halves."""
+        return self._calls.splits
+
+    @property
+    def oom_backoffs(self) -> int:
+        """Merged calls that ran the backend out of memory and lowered the limit."""
+        return self._calls.oom_backoffs
 
     async def submit(self, body: Any, scope: Hashable = ()) -> Answer:
         """Send ``body`` upstream in company and return this caller's share of the answer.
@@ -277,7 +216,7 @@ class Batcher:
 
     def _take(self, group: _Group) -> None:
         """Send the first callers of ``group`` up to the limit; the rest wait their turn."""
-        chunk = _chunks(group.callers, self._limit.limit)[0]
+        chunk = chunks(group.callers, self._limit.limit)[0]
         del group.callers[: len(chunk)]
         now = self._clock.now()
         for caller in chunk:
@@ -346,7 +285,7 @@ class Batcher:
             caller.group = None
             self._observer.waited(now - caller.arrived)
         # The limit may have dropped (AIMD, out of memory) since the group began.
-        for chunk in _chunks(group.callers, self._limit.limit):
+        for chunk in chunks(group.callers, self._limit.limit):
             self._dispatch(chunk)
 
     def _dispatch(self, callers: list[_Caller]) -> None:
@@ -358,13 +297,13 @@ class Batcher:
     async def _run(self, callers: list[_Caller]) -> None:
         slot = _Slot()
         try:
-            await self._attempt(callers, slot)
+            await self._calls.attempt(callers, release=lambda: self._free(slot))
         finally:
             self._free(slot)
 
-    def _free(self, slot: _Slot | None) -> None:
+    def _free(self, slot: _Slot) -> None:
         """Give back the batch's slot (once) and send what may go now."""
-        if slot is None or not slot.held:
+        if not slot.held:
             return
         slot.held = False
         self._in_flight -= 1
@@ -373,80 +312,12 @@ class Batcher:
         elif self._groups:
             self._flush_when_idle()
 
-    async def _attempt(self, callers: Sequence[_Caller], slot: _Slot | None = None) -> None:
-        live = [c for c in callers if not c.future.done()]
-        if not live:
-            return
-        try:
-            await self._call(live, slot)
-        except asyncio.CancelledError:
-            _fail(live, Overloaded("the batcher is closed", reason="shutdown"))
-            raise
-        except GatewayError as exc:
-            _fail(live, exc)
-        except Exception as exc:  # a bug must not leave callers waiting forever
-            error = GatewayError(f"batching failed: {exc!r}")
-            error.__cause__ = exc
-            _fail(live, error)
-
-    async def _call(self, live: list[_Caller], slot: _Slot | None) -> None:
-        bodies = [c.body for c in live]
-        items = sum(c.items for c in live)
-        merged = self._adapter.merge(bodies)
-        self.upstream_calls += 1
-        self._observer.batch_sent(items)
-        started = self._clock.now()
-        try:
-            status, headers, raw = await self._send(merged)
-        except GatewayError:
-            raise
-        except Exception as exc:
-            raise UpstreamUnavailable(f"batched call failed: {exc!r}") from exc
-        if 200 <= status < 300:
-            self._observe(self._clock.now() - started, items)
-            self._free(slot)  # the backend is done: the next batch goes before this one splits
-            shares = split_answer(self._adapter, status, raw, bodies)
-            for caller, share in zip(live, shares, strict=True):
-                _resolve(caller, Answer(status, share))
-        elif _out_of_memory(status, raw) and len(live) > 1:
-            self._back_off(items)
-            rest = live
-            while rest:  # one chunk at a time, each cut at the limit as it is by then
-                chunk = _chunks(rest, self._limit.limit)[0]
-                rest = rest[len(chunk) :]
-                await self._attempt(chunk)
-        elif 400 <= status < 500 and status not in NOT_BISECTED and len(live) > 1:
-            self.splits += 1
-            self._observer.split()
-            half = len(live) // 2
-            await asyncio.gather(self._attempt(live[:half]), self._attempt(live[half:]))
-        else:
-            if _out_of_memory(status, raw):
-                self._back_off(items)
-            answer = _as_is(status, headers, raw)
-            for caller in live:
-                _resolve(caller, answer)
-
-    def _observe(self, latency_s: float, items: int) -> None:
-        before = self._limit.limit
-        self._limit.observe(latency_s, items)
-        if self._limit.limit != before:
-            self._observer.limit_changed(self._limit.limit)
-
-    def _back_off(self, items: int) -> None:
-        self.oom_backoffs += 1
-        self._observer.oom_backoff()
-        before = self._limit.limit
-        self._limit.backoff_to(max(1, items // 2))
-        if self._limit.limit != before:
-            self._observer.limit_changed(self._limit.limit)
-
     async def aclose(self) -> None:
         """Refuse new callers, fail the waiting ones, and let the batches upstream finish."""
         self._closed = True
         for group in list(self._groups.values()):
             self._drop(group)
-            _fail(group.callers, Overloaded("the batcher is closed", reason="shutdown"))
+            fail(group.callers, Overloaded("the batcher is closed", reason="shutdown"))
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
 
@@ -460,50 +331,3 @@ class Batcher:
             f"splits={self.splits} oom_backoffs={self.oom_backoffs}"
             f"{f' held<={self._depth}' if self._hold else ''}{' closed' if self._closed else ''}>"
         )
-
-
-def split_answer(adapter: Adapter, status: int, raw: bytes, bodies: Sequence[Any]) -> list[bytes]:
-    """The upstream's answer to the merged ``bodies``, as one encoded answer per body."""
-    try:
-        if adapter.opaque_arrays:
-            response, arrays = rawjson.decode(raw)
-        else:
-            response, arrays = json.loads(raw), []
-        answers = adapter.split(status, response, bodies)
-        return [rawjson.encode(answer, arrays) for answer in answers]
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise BatchSplitError(f"the backend's answer cannot be split: {exc}") from exc
-
-
-def _resolve(caller: _Caller, answer: Answer) -> None:
-    if not caller.future.done():
-        caller.future.set_result(answer)
-
-
-def _fail(callers: Sequence[_Caller], exc: BaseException) -> None:
-    for caller in callers:
-        if not caller.future.done():
-            caller.future.set_exception(exc)
-
-
-def _out_of_memory(status: int, raw: bytes) -> bool:
-    return status == 507 or (status >= 500 and bool(OOM_PATTERN.search(raw[:OOM_SCAN_BYTES])))
-
-
-def _chunks(callers: list[_Caller], limit: int) -> list[list[_Caller]]:
-    """Consecutive runs of callers of at most ``limit`` items (a bigger caller runs alone)."""
-    chunks: list[list[_Caller]] = []
-    items = 0
-    for caller in callers:
-        if chunks and items + caller.items <= limit:
-            chunks[-1].append(caller)
-            items += caller.items
-        else:
-            chunks.append([caller])
-            items = caller.items
-    return chunks
-
-
-def _as_is(status: int, headers: Headers, raw: bytes) -> Answer:
-    content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
-    return Answer(status, raw, content_type or "application/octet-stream", split=False)

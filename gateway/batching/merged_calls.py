@@ -1,0 +1,187 @@
+"""A batcher's merged calls upstream, and each caller's share of what comes back.
+
+Failures of a merged call are the batcher's to sort out, so that a caller sees what it would
+have seen alone:
+
+- 2xx: the answer is split by the adapter; an answer that cannot be split fails every
+  caller with ``BatchSplitError``.
+- out of memory (507, or a 5xx whose body says out of memory / OOM): the limit drops to half
+  the failed batch's items for good (``BatchLimit.backoff_to``) and the callers are retried
+  in chunks of the new limit, one chunk after another.  A lone caller gets the answer as is.
+- 4xx other than 408/429: the callers are split in halves, retried concurrently, and so on
+  down to single callers, so a poison input fails only its own request, with the upstream's
+  own status and body.  408 and 429 say nothing about the inputs and are not bisected.
+- any other status, and transport errors: every caller of that call gets the same.
+
+A caller whose future is already done (it went away) is left out of a call, and an answer
+that comes for it later is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from ..clock import Clock
+from ..errors import GatewayError, Overloaded, UpstreamUnavailable
+from ..pipeline import Headers
+from .adapters import Adapter
+from .aimd import BatchLimit
+from .answer import Answer, as_is, split_answer
+from .observer import BatchObserver
+
+NOT_BISECTED = frozenset({408, 429})
+OOM_PATTERN = re.compile(rb"out of memory|outofmemory|\boom\b", re.IGNORECASE)
+OOM_SCAN_BYTES = 8192
+
+Send = Callable[[Any], Awaitable[tuple[int, Headers, bytes]]]
+
+
+class Caller(Protocol):
+    """What a merged call needs of one of its callers."""
+
+    body: Any
+    items: int
+    future: asyncio.Future[Answer]
+
+
+C = TypeVar("C", bound=Caller)
+
+
+class MergedCalls:
+    """Sends a batcher's merged calls to ``send`` and answers their callers; see the module doc.
+
+    ``limit`` and ``observer`` are the batcher's own: what the calls learn (latency, out of
+    memory) moves the limit the batcher cuts its batches at.
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        send: Send,
+        *,
+        limit: BatchLimit,
+        observer: BatchObserver,
+        clock: Clock,
+    ) -> None:
+        self._adapter = adapter
+        self._send = send
+        self._limit = limit
+        self._observer = observer
+        self._clock = clock
+        self.upstream_calls = 0
+        self.splits = 0
+        self.oom_backoffs = 0
+
+    async def attempt(
+        self, callers: Sequence[Caller], release: Callable[[], None] | None = None
+    ) -> None:
+        """One merged call for ``callers``, with its retries; every caller gets its answer.
+
+        ``release`` is called once the backend has answered a 2xx, before the answer is split.
+        """
+        live = [c for c in callers if not c.future.done()]
+        if not live:
+            return
+        try:
+            await self._call(live, release)
+        except asyncio.CancelledError:
+            fail(live, Overloaded("the batcher is closed", reason="shutdown"))
+            raise
+        except GatewayError as exc:
+            fail(live, exc)
+        except Exception as exc:  # a bug must not leave callers waiting forever
+            error = GatewayError(f"batching failed: {exc!r}")
+            error.__cause__ = exc
+            fail(live, error)
+
+    async def _call(self, live: list[Caller], release: Callable[[], None] | None) -> None:
+        bodies = [c.body for c in live]
+        items = sum(c.items for c in live)
+        merged = self._adapter.merge(bodies)
+        self.upstream_calls += 1
+        self._observer.batch_sent(items)
+        started = self._clock.now()
+        try:
+            status, headers, raw = await self._send(merged)
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise UpstreamUnavailable(f"batched call failed: {exc!r}") from exc
+        if 200 <= status < 300:
+            self._observe(self._clock.now() - started, items)
+            if release is not None:
+                release()  # the backend is done: the next batch goes before this one splits
+            shares = split_answer(self._adapter, status, raw, bodies)
+            for caller, share in zip(live, shares, strict=True):
+                _resolve(caller, Answer(status, share))
+        elif _out_of_memory(status, raw) and len(live) > 1:
+            self._back_off(items)
+            rest = live
+            while rest:  # one chunk at a time, each cut at the limit as it is by then
+                chunk = chunks(rest, self._limit.limit)[0]
+                rest = rest[len(chunk) :]
+                await self.attempt(chunk)
+        elif 400 <= status < 500 and status not in NOT_BISECTED and len(live) > 1:
+            self.splits += 1
+            self._observer.split()
+            half = len(live) // 2
+            await asyncio.gather(self.attempt(live[:half]), self.attempt(live[half:]))
+        else:
+            if _out_of_memory(status, raw):
+                self._back_off(items)
+            answer = as_is(status, headers, raw)
+            for caller in live:
+                _resolve(caller, answer)
+
+    def _observe(self, latency_s: float, items: int) -> None:
+        before = self._limit.limit
+        self._limit.observe(latency_s, items)
+        if self._limit.limit != before:
+            self._observer.limit_changed(self._limit.limit)
+
+    def _back_off(self, items: int) -> None:
+        self.oom_backoffs += 1
+        self._observer.oom_backoff()
+        before = self._limit.limit
+        self._limit.backoff_to(max(1, items // 2))
+        if self._limit.limit != before:
+            self._observer.limit_changed(self._limit.limit)
+
+    def __repr__(self) -> str:
+        return (
+            f"<MergedCalls {self._adapter.name} calls={self.upstream_calls} "
+            f"splits={self.splits} oom_backoffs={self.oom_backoffs}>"
+        )
+
+
+def chunks(callers: list[C], limit: int) -> list[list[C]]:
+    """Consecutive runs of callers of at most ``limit`` items (a bigger caller runs alone)."""
+    runs: list[list[C]] = []
+    items = 0
+    for caller in callers:
+        if runs and items + caller.items <= limit:
+            runs[-1].append(caller)
+            items += caller.items
+        else:
+            runs.append([caller])
+            items = caller.items
+    return runs
+
+
+def fail(callers: Sequence[Caller], exc: BaseException) -> None:
+    """Fail every caller that is still waiting with ``exc``."""
+    for caller in callers:
+        if not caller.future.done():
+            caller.future.set_exception(exc)
+
+
+def _resolve(caller: Caller, answer: Answer) -> None:
+    if not caller.future.done():
+        caller.future.set_result(answer)
+
+
+def _out_of_memory(status: int, raw: bytes) -> bool:
+    return status == 507 or (status >= 500 and bool(OOM_PATTERN.search(raw[:OOM_SCAN_BYTES])))

@@ -1,0 +1,136 @@
+"""Keep-alive HTTP/1.1 connections to one backend host, for the client in ``http1``.
+
+At most ``limit`` connections are open; callers past it wait in line.  An idle connection
+is reused most recently used first, and one that the backend closed while idle leaves the
+pool.  Connecting is where the socket's errors become the gateway's: a connect timeout is
+``UpstreamTimeout``, any other socket or TLS error (refused, unreachable, a failed
+handshake) ``UpstreamUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+
+from .errors import UpstreamTimeout, UpstreamUnavailable
+from .http1 import Connection
+
+
+class Pool:
+    """Keep-alive connections to one host, at most ``limit`` open; callers past it wait."""
+
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext | None,
+        limit: int,
+        connect_timeout_s: float,
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.loop = asyncio.get_running_loop()
+        self._ssl = ssl_context
+        self._limit = limit
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: list[Connection] = []
+        self._open = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
+
+    async def acquire(self, *, fresh: bool = False) -> Connection:
+        """An idle connection (most recently used first) or a new one."""
+        while True:
+            while self._idle and not fresh:
+                conn = self._idle.pop()
+                if not conn.closed:
+                    return conn
+                self._open -= 1
+            if self._open < self._limit:
+                break
+            waiter = self.loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                raise
+            if fresh and self._idle:  # make room for a fresh one
+                self._idle.pop(0).close()
+        self._open += 1
+        try:
+            return await self._connect()
+        except BaseException:
+            self._open -= 1
+            self._wake_one()
+            raise
+
+    async def _connect(self) -> Connection:
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self._ssl,
+                    server_hostname=self.host if self._ssl else None,
+                )
+        except TimeoutError as exc:
+            raise UpstreamTimeout(
+                f"connecting to backend {self.name!r} timed out", self.name
+            ) from exc
+        except (OSError, ssl.SSLError) as exc:
+            raise UpstreamUnavailable(
+                f"cannot connect to backend {self.name!r}: {exc}", self.name
+            ) from exc
+        sock = conn.transport.get_extra_info("socket") if conn.transport else None
+        if sock is not None:
+            import socket
+
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """Hand a connection back: kept when its exchange completed cleanly, else closed."""
+        if conn.reusable and conn.complete and not conn.closed and not self._closed:
+            self._idle.append(conn)
+        else:
+            if not conn.closed:
+                conn.close()
+            self._open -= 1
+        self._wake_one()
+
+    def forget(self, conn: Connection) -> None:
+        """A connection closed by the peer while idle leaves the pool."""
+        if conn in self._idle:
+            self._idle.remove(conn)
+            self._open -= 1
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        for conn in self._idle:
+            conn.close()
+        self._open -= len(self._idle)
+        self._idle.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"<http1.Pool {self.name} {self.host}:{self.port} open={self._open}/"
+            f"{self._limit} idle={len(self._idle)} waiting={len(self._waiters)}>"
+        )

@@ -1,0 +1,185 @@
+"""The policy of a backend (``backends.<name>``): the model server, with its timeouts, pool,
+warm-up, telemetry, concurrency queue and circuit breaker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .metadata import doc
+
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_STREAM_TIMEOUT_S = 600.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_WARMUP_TIMEOUT_S = 300.0
+DEFAULT_TELEMETRY_INTERVAL_MS = 1000
+DEFAULT_QUEUE_CAPACITY = 50
+DEFAULT_QUEUE_TIMEOUT_MS = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupRequest:
+    """A request sent to a backend before the gateway reports ready."""
+
+    path: str = field(metadata=doc("Path of the warm-up request, e.g. `/v1/chat/completions`."))
+    method: Literal["GET", "POST"] = field(default="POST", metadata=doc("HTTP method."))
+    body: Any = field(default=None, metadata=doc("JSON body sent as is (none for GET)."))
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """Where a backend's GPU and server signals come from."""
+
+    source: Literal["none", "prometheus", "nvml"] = field(
+        default="none",
+        metadata=doc(
+            "`prometheus` scrapes DCGM-exporter / vLLM / TGI metrics (the usual "
+            "source in Kubernetes, where a sidecar without its own GPU request "
+            "cannot open the GPU); `nvml` reads the GPU directly; `none`."
+        ),
+    )
+    url: str = field(default="", metadata=doc("Metrics URL for `prometheus`."))
+    extra_urls: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "More metrics URLs merged with `url` (e.g. DCGM exporter "
+            "and the model server's own `/metrics`)."
+        ),
+    )
+    index: int = field(default=0, metadata=doc("GPU index for `nvml`."))
+    gpu: str | None = field(
+        default=None,
+        metadata=doc(
+            "Only series with this `gpu` label (default: the hottest / fullest of all GPUs)."
+        ),
+    )
+    interval_ms: int = field(
+        default=DEFAULT_TELEMETRY_INTERVAL_MS,
+        metadata=doc(
+            "Polling interval; a signal is stale (unknown) "
+            "after 3 intervals without a fresh sample."
+        ),
+    )
+    fail_closed: bool = field(
+        default=False,
+        metadata=doc(
+            "Treat unknown signals as firing every rule. Default "
+            "fail open: a broken exporter never takes the service "
+            "down."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """The bounded FIFO queue in front of a backend's concurrency limit."""
+
+    capacity: int = field(
+        default=DEFAULT_QUEUE_CAPACITY,
+        metadata=doc(
+            "Requests that may wait; past it, 503 + Retry-After at once (or the route's fallback)."
+        ),
+    )
+    timeout_ms: int = field(
+        default=DEFAULT_QUEUE_TIMEOUT_MS, metadata=doc("Longest wait in the queue before a 503.")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitBreaker:
+    """Opens on a failure rate over a sliding window; half-open probes close it again."""
+
+    failure_rate: float = field(default=0.5, metadata=doc("Failure share that opens it."))
+    min_calls: int = field(default=20, metadata=doc("Calls in the window before it may open."))
+    window_s: float = field(default=30.0, metadata=doc("Sliding window of calls counted."))
+    open_s: float = field(default=30.0, metadata=doc("How long it stays open."))
+    half_open_calls: int = field(default=3, metadata=doc("Probe calls let through half-open."))
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """A model server the gateway forwards to."""
+
+    name: str = field(metadata=doc("The backend's name (its key under `backends`)."))
+    url: str = field(metadata=doc("Base URL, `http://` or `https://`; paths are appended."))
+    model_version: str = field(
+        default="",
+        metadata=doc(
+            "Version of the model served; part of every cache key, so bumping it "
+            "invalidates that backend's cached answers at once."
+        ),
+    )
+    timeout_s: float = field(
+        default=DEFAULT_TIMEOUT_S,
+        metadata=doc("Total time for a non-streaming exchange, headers and body (504 past it)."),
+    )
+    stream_timeout_s: float = field(
+        default=DEFAULT_STREAM_TIMEOUT_S,
+        metadata=doc(
+            "Total time for a streaming (SSE) exchange; long generations need more "
+            "than `timeout_s`."
+        ),
+    )
+    connect_timeout_s: float = field(
+        default=DEFAULT_CONNECT_TIMEOUT_S, metadata=doc("Time to open a TCP/TLS connection.")
+    )
+    idle_timeout_s: float = field(
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        metadata=doc(
+            "Longest silence between two chunks of a response (504 before the first "
+            "byte, stream cut after it)."
+        ),
+    )
+    max_connections: int = field(
+        default=DEFAULT_MAX_CONNECTIONS,
+        metadata=doc(
+            "Keep-alive pool size. Requests past it queue inside the pool, so never "
+            "set it below the backend's own concurrency."
+        ),
+    )
+    headers: tuple[tuple[str, str], ...] = field(
+        default=(),
+        metadata=doc(
+            "Extra headers sent upstream (e.g. an API key). Values may use "
+            "`${ENV_NAME}`; they are redacted wherever the policy is shown.",
+            mapping=True,
+            secret=True,
+            env=True,
+        ),
+    )
+    ca_bundle: str | None = field(
+        default=None, metadata=doc("PEM file of CAs for an `https` backend (system CAs if unset).")
+    )
+    verify_tls: bool = field(
+        default=True, metadata=doc("Verify the `https` backend's certificate. Leave on.")
+    )
+    warmup: tuple[WarmupRequest, ...] = field(
+        default=(),
+        metadata=doc(
+            "Requests sent at start; `/readyz` stays unready until each has answered, "
+            "so the first user request never pays the cold start."
+        ),
+    )
+    warmup_timeout_s: float = field(
+        default=DEFAULT_WARMUP_TIMEOUT_S,
+        metadata=doc("How long warm-up keeps retrying a backend that is still starting."),
+    )
+    telemetry: Telemetry = field(
+        default_factory=Telemetry, metadata=doc("GPU / server telemetry for throttle rules.")
+    )
+    max_concurrency: int | None = field(
+        default=None,
+        metadata=doc(
+            "Upstream calls in flight at most (a batched or "
+            "coalesced call counts once); off when unset."
+        ),
+    )
+    queue: Queue = field(default_factory=Queue, metadata=doc("The queue past `max_concurrency`."))
+    circuit_breaker: CircuitBreaker | None = field(
+        default=None,
+        metadata=doc(
+            "Circuit breaker over connect errors, timeouts and 5xx other than 503; none unless set."
+        ),
+    )

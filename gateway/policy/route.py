@@ -1,0 +1,185 @@
+"""The policy of a route (``routes[]``): what it matches, and what happens on the way to its
+backend: caching, coalescing, batching, a rate limit, a quality fallback."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .metadata import doc
+
+DEFAULT_CACHE_TTL_S = 600.0
+DEFAULT_SIMHASH_MAX_DISTANCE = 3
+DEFAULT_BATCH_MAX_SIZE = 16
+DEFAULT_BATCH_MAX_WAIT_MS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a route matches: a path glob and, optionally, the JSON body's `model`."""
+
+    path: str = field(
+        default="*",
+        metadata=doc(
+            "Shell-style glob on the path (`*` crosses `/`: `/v1/*` matches "
+            "`/v1/chat/completions`)."
+        ),
+    )
+    model: str | None = field(
+        default=None, metadata=doc("Glob on the body's `model` (OpenAI endpoints only).")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Semantic:
+    """Near-duplicate matching of the final user message, after the exact tier."""
+
+    method: Literal["off", "simhash", "embedding"] = field(
+        default="off",
+        metadata=doc(
+            "`simhash` (near-duplicates, guarded), `embedding` "
+            "(opt-in; needs the embedding extra or `embedder`), or "
+            "`off` (exact matches only)."
+        ),
+    )
+    max_distance: int = field(
+        default=DEFAULT_SIMHASH_MAX_DISTANCE,
+        metadata=doc("SimHash: largest Hamming distance (of 64 bits)."),
+    )
+    threshold: float | None = field(
+        default=None,
+        metadata=doc(
+            "Embedding: cosine similarity needed (default: the "
+            "calibrated value in docs/caching.md)."
+        ),
+    )
+    embedder: str | None = field(
+        default=None,
+        metadata=doc(
+            "Embedding: a backend whose `/v1/embeddings` embeds "
+            "prompts, instead of the local model."
+        ),
+    )
+    embedder_model: str | None = field(
+        default=None,
+        metadata=doc(
+            "Embedding: the `model` sent to the `embedder` backend (servers hosting several "
+            "models need it; TEI and single-model vLLM do not)."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RouteCache:
+    """Response caching on a route (deterministic requests only)."""
+
+    ttl_s: float = field(default=DEFAULT_CACHE_TTL_S, metadata=doc("Entry lifetime."))
+    semantic: Semantic = field(
+        default_factory=Semantic, metadata=doc("Near-duplicate tiers after the exact one.")
+    )
+    allow_sampled: bool = field(
+        default=False,
+        metadata=doc(
+            "Also cache requests with temperature > 0 (or none, "
+            "which means 1). Off: a sampled answer is not "
+            "reproducible."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Adaptive:
+    """AIMD on the batch size against a latency target (Clipper, NSDI'17)."""
+
+    target_latency_ms: float = field(metadata=doc("p90 batch latency to stay under."))
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Micro-batching of separate requests into one array call."""
+
+    max_size: int = field(
+        default=DEFAULT_BATCH_MAX_SIZE,
+        metadata=doc(
+            "Items per upstream call (keep <= the server's cap, "
+            "e.g. TEI's 32); the upper bound with `adaptive`."
+        ),
+    )
+    max_wait_ms: float = field(
+        default=DEFAULT_BATCH_MAX_WAIT_MS,
+        metadata=doc("Longest a request waits for company (only while the backend is busy)."),
+    )
+    adaptive: Adaptive | None = field(default=None, metadata=doc("Move the size by AIMD."))
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """A per-tenant rate limit (429 past it)."""
+
+    requests_per_s: float | None = field(default=None, metadata=doc("Requests per second."))
+    tokens_per_min: float | None = field(default=None, metadata=doc("Tokens per minute."))
+    burst: float | None = field(default=None, metadata=doc("Bucket size (default: 1 s of rate)."))
+
+
+@dataclass(frozen=True, slots=True)
+class Quality:
+    """Send low-confidence answers to the fallback instead (non-streaming only)."""
+
+    min_mean_logprob: float = field(
+        metadata=doc("Mean token logprob below which the answer is replaced by the fallback's.")
+    )
+    request_logprobs: bool = field(
+        default=True,
+        metadata=doc(
+            "Ask the backend for logprobs (stripped from the answer if the client did not ask)."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A rule sending matching requests to a backend; the first matching route wins."""
+
+    backend: str = field(metadata=doc("Name of the backend serving this route."))
+    match: Match = field(default_factory=Match, metadata=doc("What the route matches."))
+    name: str = field(
+        default="",
+        metadata=doc(
+            "Name used in metrics and logs; defaults to the path glob (plus the model glob)."
+        ),
+    )
+    fallback: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "Backends tried in order when the primary refuses, times out, answers 5xx before "
+            "any byte reached the client, has an open breaker, is rerouted by a throttle rule "
+            "or its queue is full. Never after a stream has started."
+        ),
+    )
+    priority: Literal["high", "normal", "low"] = field(
+        default="normal",
+        metadata=doc("Queue priority (the `X-Priority` header overrides); lowest is shed first."),
+    )
+    cache: RouteCache | None = field(default=None, metadata=doc("Response caching."))
+    coalesce: bool | None = field(
+        default=None,
+        metadata=doc(
+            "Identical in-flight requests share one upstream call (default: on where the "
+            "route caches)."
+        ),
+    )
+    batch: Batch | None = field(default=None, metadata=doc("Micro-batching into array calls."))
+    rate_limit: RateLimit | None = field(default=None, metadata=doc("Per-tenant rate limit."))
+    quality: Quality | None = field(default=None, metadata=doc("Low-confidence fallback."))
+
+    @property
+    def coalescing(self) -> bool:
+        """Whether identical in-flight requests share one call on this route."""
+        return self.coalesce if self.coalesce is not None else self.cache is not None
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A compiled shell-style glob where `*` also crosses `/` (as ``fnmatch``)."""
+    return re.compile(fnmatch.translate(pattern))
