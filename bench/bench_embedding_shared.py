@@ -17,7 +17,7 @@ Redis round trips on loopback:
 * a cold replica catching up a backlog of N entries (384-dim vectors, 100 contexts): the
   time until all are in its index, and Redis's memory per stream entry (``INFO memory``).
 
-Prints a markdown table; ``--write`` puts it in docs/benchmarks.md.
+Prints a markdown table and puts it in docs/benchmarks.md (``--no-write``: print only).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--backlog", type=int, nargs="+", default=[10_000, 100_000])
-    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     if shutil.which("redis-server") is None:
         raise SystemExit("needs a redis-server binary")
@@ -283,7 +283,7 @@ def main() -> None:
         table = asyncio.run(run(args.lookups, args.backlog, Path(tmp)))
     print()
     print(table)
-    if args.write:
+    if not args.no_write:
         update_section("embedding-shared", "## Embedding index shared through Redis\n\n" + table)
 
 
