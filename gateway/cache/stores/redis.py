@@ -12,7 +12,8 @@ operations, no hash tags needed, no modules, no Lua):
   entry and byte counts every replica shares, without TTL (``redis_counts``);
 * ``v:<route>``: a stream of the embedding tier's index entries, so that every replica's
   tier finds paraphrases of answers any replica stored (``embedding/shared.py``; the record
-  format in ``vector_stream.py``); a filtered purge deletes its entries' records there.
+  format in ``vector_stream.py``); a filtered purge deletes its entries' records there;
+* ``vs``: the set of those streams' names, for that purge.
 
 Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
 
@@ -42,6 +43,7 @@ from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import StoreError
 from ..entry import CachedResponse, dumps, loads
 from ..simhash import bands, hamming
+from . import vector_stream
 from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 from .redis_counts import DEFAULT_REFRESH_S, RedisCounts
 from .redis_purge import RedisPurge
@@ -196,13 +198,16 @@ class RedisStore:
 
     async def stream_add(self, stream: str, fields: Mapping[bytes, bytes], max_len: int) -> bytes:
         """Append ``fields`` to the stream ``<prefix><stream>`` (XADD), trimmed to about
-        ``max_len`` entries (``MAXLEN ~``, whole nodes at a time); the new entry's id."""
+        ``max_len`` entries (``MAXLEN ~``, whole nodes at a time), and file its name in the
+        set of streams a filtered purge prunes (in the same round trip); the new entry's id."""
         name = self._prefix + stream
 
         async def add() -> bytes:
-            return _as_bytes(
-                await self._client.xadd(name, dict(fields), maxlen=max_len, approximate=True)
-            )
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xadd(name, dict(fields), maxlen=max_len, approximate=True)
+            pipe.sadd(self._prefix + vector_stream.STREAMS, name)
+            new_id, _ = await pipe.execute()
+            return _as_bytes(new_id)
 
         return await self._run("xadd", add)
 

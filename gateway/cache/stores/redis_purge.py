@@ -3,10 +3,10 @@
 A filtered purge reads the purge-index sets (``i:b:<backend>``, ``i:m:<model_version>``,
 ``i:s:<scope>``), intersects them, deletes those entries, settles the shared counts at once
 and drops the keys from the sets.  It then deletes the purged entries' records from every
-route's embedding index stream (``v:*``, format in ``vector_stream``): ``XRANGE`` through
-each in batches, ``XDEL`` the matches, so no vector of a purged tenant's prompt stays
-readable in Redis.  A purge of everything deletes every key under the prefix (``SCAN``),
-streams and counts included.
+route's embedding index stream (named in the set ``vs``; format in ``vector_stream``):
+``XRANGE`` through each in batches, ``XDEL`` the matches, so no vector of a purged tenant's
+prompt stays readable in Redis.  A purge of everything deletes every key under the prefix
+(``SCAN``), streams and counts included.
 
 An operator asked and waits for the answer, so a purge runs without the per-request budget
 (the store's ``_run`` with ``bounded=False``); every command is single-key.
@@ -74,9 +74,8 @@ class RedisPurge:
     async def _prune_vectors(self, doomed: frozenset[bytes]) -> int:
         """Delete the embedding index streams' records of the ``doomed`` entry keys (every
         route's stream, read through in batches); how many were deleted."""
-        pattern = _glob_escape(self._prefix + vector_stream.STREAM) + "*"
         pruned = 0
-        async for name in self._client.scan_iter(match=pattern, count=PURGE_BATCH, _type="STREAM"):
+        for name in await self._client.smembers(self._prefix + vector_stream.STREAMS):
             start = b"-"
             while True:
                 records = await self._client.xrange(name, start, "+", count=PURGE_BATCH)

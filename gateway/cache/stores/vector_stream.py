@@ -16,6 +16,9 @@ from typing import NamedTuple
 
 STREAM = "v:"
 """The stream of route R is ``<store prefix>v:R``."""
+STREAMS = "vs"
+"""``<store prefix>vs`` is the set of the streams' names, filed by every append, so that a
+filtered purge finds them without scanning the keyspace."""
 FIELD = b"i"
 SEP = b"\x1f"
 _END = b"\x00"
