@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import http_parser, web
 from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.edge")
 
 
-_REQUEST_LINE = re.compile(rb"[A-Z]+ +(?:/|https?:)")
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ +\S")
+"""A method token, then the target: never a header line, whose name ends at a colon."""
+_PYTHON_PARSER = http_parser.HttpRequestParser is getattr(http_parser, "HttpRequestParserPy", None)
 _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
 
@@ -106,12 +108,15 @@ class _Connection(RequestHandler):
 def _head_status(status: int, exc: BaseException | None, reason: str) -> int:
     """414 for a request target too long, 431 for a header line too long or too many header
     lines (RFC 6585, as Envoy answers), else aiohttp's status.  aiohttp reports all of them
-    as 400; its C parser hands the too-long target over as a ``bytearray``, header parts as
-    ``bytes``, and its Python parser the whole request line (``GET /...``)."""
+    as 400.  Its C parser hands a too-long target over as a ``bytearray`` and header parts
+    as ``bytes``; its Python parser hands over whole lines, ``name: value`` or the request
+    line (``METHOD target``)."""
     if isinstance(exc, LineTooLong):
         line = exc.args[0] if exc.args else b""
+        if isinstance(line, bytearray):
+            return 414
         raw = line.encode("latin-1", "replace") if isinstance(line, str) else bytes(line)
-        return 414 if isinstance(line, bytearray) or _REQUEST_LINE.match(raw) else 431
+        return 414 if _PYTHON_PARSER and _REQUEST_LINE.match(raw) else 431
     if reason.startswith("Too many headers"):
         return 431
     return status

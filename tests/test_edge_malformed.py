@@ -67,9 +67,19 @@ async def send_raw(url: str, data: bytes) -> tuple[int, dict[str, str], bytes]:
             id="too many headers",
         ),
         pytest.param(
+            b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"a" * 70_000 + b"\r\n\r\n",
+            431,
+            id="header value like a request line, too large",
+        ),
+        pytest.param(
             b"GET /v1/models?q=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
             414,
             id="request target too long",
+        ),
+        pytest.param(
+            b"M-SEARCH /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+            414,
+            id="request target too long, another method",
         ),
         pytest.param(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
