@@ -5,7 +5,7 @@ own process.  So every tier over a ``RedisStore`` appends each vector it indexes
 stream per route, ``<prefix>v:<route>``, and indexes the other replicas' from it: a replica
 finds paraphrases of answers any replica stored, as it finds their exact and SimHash matches.
 
-A stream entry (its format in ``stores/vector_stream.py``) holds its origin (random per
+A stream entry (its format in ``cache/vector_stream.py``) holds its origin (random per
 tier instance, so a tier skips what it published itself), the embedder's identity (a tier
 ignores other embedders' vectors; one of other dimensions is refused by ``apply``), the
 context key, the entry key and the unit vector as float16, in one field: parsing is most of
@@ -57,7 +57,7 @@ import numpy as np
 
 from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import StoreError
-from ..stores import vector_stream
+from .. import vector_stream
 from ..stores.redis import RedisStore, StreamEntry
 
 log = logging.getLogger("gateway.cache")

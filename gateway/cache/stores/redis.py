@@ -12,7 +12,7 @@ operations, no hash tags needed, no modules, no Lua):
   entry and byte counts every replica shares, without TTL (``redis_counts``);
 * ``v:<route>``: a stream of the embedding tier's index entries, so that every replica's
   tier finds paraphrases of answers any replica stored (``embedding/shared.py``; the record
-  format in ``vector_stream.py``); a filtered purge deletes its entries' records there;
+  format in ``cache/vector_stream.py``); a filtered purge deletes its entries' records there;
 * ``vs``: the set of those streams' names, for that purge.
 
 Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
@@ -41,9 +41,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...clock import SYSTEM_CLOCK, Clock
 from ...errors import StoreError
+from .. import vector_stream
 from ..entry import CachedResponse, dumps, loads
 from ..simhash import bands, hamming
-from . import vector_stream
 from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
 from .redis_counts import DEFAULT_REFRESH_S, RedisCounts
 from .redis_purge import RedisPurge
@@ -91,14 +91,15 @@ class RedisStore:
         and one immediate retry of a command whose connection failed, on a new connection:
         after a Redis restart every pooled connection is dead, and each would otherwise
         fail one request and mark Redis down for ``retry_s``.  The budget bounds both
-        tries; the circuit decides the rest.  A retried write is harmless: entries are
-        overwritten whole, and the counts owe the size the first try wrote."""
+        tries; the circuit decides the rest.  Only connection errors are retried, never a
+        timeout: a command that timed out may have run, and running the counts' ``ZREM``
+        or ``DECRBY`` twice would skew them for good."""
         budget_s = options.get("budget_s", DEFAULT_BUDGET_S)
         client = aioredis.Redis.from_url(
             url,
             socket_timeout=max(budget_s * 4, 0.2),
             socket_connect_timeout=max(budget_s * 4, 0.2),
-            retry=Retry(NoBackoff(), CONNECTION_RETRIES),
+            retry=Retry(NoBackoff(), CONNECTION_RETRIES, supported_errors=(RedisConnectionError,)),
         )
         return cls(client, **options)
 

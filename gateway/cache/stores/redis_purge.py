@@ -1,12 +1,16 @@
 """Purging the Redis store: the entries matching filters, or everything under the prefix.
 
 A filtered purge reads the purge-index sets (``i:b:<backend>``, ``i:m:<model_version>``,
-``i:s:<scope>``), intersects them, deletes those entries, settles the shared counts at once
-and drops the keys from the sets.  It then deletes the purged entries' records from every
-route's embedding index stream (named in the set ``vs``; format in ``vector_stream``):
+``i:s:<scope>``) and intersects them.  It first deletes those entries' records from every
+route's embedding index stream (named in the set ``vs``; format in ``cache/vector_stream``):
 ``XRANGE`` through each in batches, ``XDEL`` the matches, so no vector of a purged tenant's
-prompt stays readable in Redis.  A purge of everything deletes every key under the prefix
-(``SCAN``), streams and counts included.
+prompt stays readable in Redis.  Then it deletes the entries, settles the shared counts at
+once, and drops the keys from the purge-index sets last: a purge that fails part way leaves
+the sets naming what is left to do, and the operator's retry finishes it.  A vector a tier
+publishes while the purge runs, for an entry it stored just before, can land after the
+stream was read: it points at nothing (a stale miss) and goes when the stream is trimmed.
+A purge of everything deletes every key under the prefix (``SCAN``), streams and counts
+included.
 
 An operator asked and waits for the answer, so a purge runs without the per-request budget
 (the store's ``_run`` with ``bounded=False``); every command is single-key.
@@ -17,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from . import vector_stream
+from .. import vector_stream
 from .redis_counts import RedisCounts
 
 PURGE_BATCH = 500
@@ -42,6 +46,8 @@ class RedisPurge:
             members = set(await self._client.smembers(index))
             keys = members if keys is None else keys & members
         doomed = sorted(keys or ())
+        if doomed:
+            await self._prune_vectors(frozenset(doomed))
         deleted = await self._delete_many(self._entry(k.decode()) for k in doomed)
         for start in range(0, len(doomed), PURGE_BATCH):
             await self._counts.forget(doomed[start : start + PURGE_BATCH])
@@ -52,8 +58,6 @@ class RedisPurge:
             else:
                 for start in range(0, len(doomed), PURGE_BATCH):
                     await self._client.srem(index, *doomed[start : start + PURGE_BATCH])
-        if doomed:
-            await self._prune_vectors(frozenset(doomed))
         return deleted
 
     async def everything(self) -> int:

@@ -1,7 +1,8 @@
 """The record format of the embedding index streams, ``<prefix>v:<route>`` in Redis.
 
-Shared by the tier that appends and reads them (``embedding/shared.py``) and by the store,
-which deletes a purged entry's records on a filtered purge (``redis.py``).
+Shared by the tier that appends and reads them (``embedding/shared.py``) and by the Redis
+store, which files every stream's name in a set and deletes a purged entry's records on a
+filtered purge (``stores/redis.py``, ``stores/redis_purge.py``).
 
 A record has one field, ``i``: its origin (random per tier instance, so a tier skips what
 it published itself), the embedder's identity, the context key and the entry key, joined by
