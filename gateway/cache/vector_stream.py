@@ -62,6 +62,5 @@ def unpack(fields: Mapping[bytes, bytes]) -> Record | None:
 
 def entry_key(fields: Mapping[bytes, bytes]) -> bytes | None:
     """The entry key a record indexes; None if it is not a record."""
-    head = fields.get(FIELD, b"").partition(_END)[0]
-    parts = head.split(SEP)
-    return parts[3] if len(parts) == 4 else None
+    record = unpack(fields)
+    return record.entry_key if record is not None else None

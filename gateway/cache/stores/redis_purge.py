@@ -75,21 +75,19 @@ class RedisPurge:
         self._counts.cleared()
         return deleted
 
-    async def _prune_vectors(self, doomed: frozenset[bytes]) -> int:
+    async def _prune_vectors(self, doomed: frozenset[bytes]) -> None:
         """Delete the embedding index streams' records of the ``doomed`` entry keys (every
-        route's stream, read through in batches); how many were deleted."""
-        pruned = 0
+        route's stream, read through in batches)."""
         for name in await self._client.smembers(self._prefix + vector_stream.STREAMS):
             start = b"-"
             while True:
                 records = await self._client.xrange(name, start, "+", count=PURGE_BATCH)
                 ids = [i for i, f in records if vector_stream.entry_key(f) in doomed]
                 if ids:
-                    pruned += int(await self._client.xdel(name, *ids))
+                    await self._client.xdel(name, *ids)
                 if len(records) < PURGE_BATCH:
                     break
                 start = b"(" + _as_bytes(records[-1][0])
-        return pruned
 
     async def _delete_many(self, names: Iterable[bytes | str], count_entries: bool = False) -> int:
         names = list(names)
