@@ -3,15 +3,20 @@
     GatewayError
     ├── PolicyError                 a policy file is invalid (carries every problem found)
     ├── RequestError                the client's request is wrong; 4xx, never retried
+    │   ├── MalformedRequest        400/405/414/431/505 not HTTP the gateway serves
+    │   ├── RequestTimeout          408 a head or body sent too slowly
     │   ├── BadRequest              400 malformed JSON / invalid OpenAI body
+    │   ├── UnsupportedEncoding     415 a request body in a Content-Encoding not decoded
     │   ├── NoRoute                 404 no route matches
     │   ├── BodyTooLarge            413 body over the limit
     │   ├── Unauthorized            401 admin token missing or wrong
     │   └── RateLimited             429 a tenant is over its rate
-    ├── Overloaded                  503 the gateway sheds load (queue full, queue timeout, throttle)
+    ├── Overloaded                  503 the gateway sheds load (queue full, queue timeout, throttle,
+    │   │                               request bodies over their shared buffer)
     │   └── CircuitOpen             503 the backend's circuit breaker is open
     ├── UpstreamError               the backend could not be used; 5xx
     │   ├── UpstreamUnavailable     502 refused, reset or closed mid-response
+    │   │   └── BadUpstreamResponse 502 the backend's answer is not valid HTTP/1.1 framing
     │   ├── UpstreamTimeout         504 connect, total or idle-between-chunks timeout
     │   └── BatchSplitError         502 a merged answer could not be split back per caller
     ├── StoreError                  a cache store failed (never reaches a client: a miss)
@@ -34,6 +39,7 @@ class GatewayError(Exception):
     type: str = "gateway_error"
     code: str = "internal_error"
     retry_after_s: float | None = None
+    extra_headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +73,28 @@ class RequestError(GatewayError):
 
 
 class MalformedRequest(RequestError):
-    """The request is not HTTP the gateway can read (its request line, a header, its
-    framing, a head too large); refused before it reaches the edge."""
+    """The request is not HTTP the gateway serves (its request line, a header, its framing,
+    its target, a head too large, a refused method or version); refused before the edge."""
 
     code = "malformed_request"
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+class RequestTimeout(RequestError):
+    """The client took too long to send a request head or went silent inside its body."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class UnsupportedEncoding(RequestError):
+    """A request body in a ``Content-Encoding`` the gateway does not decode."""
+
+    status = 415
+    code = "unsupported_content_encoding"
 
 
 class BadRequest(RequestError):
@@ -156,6 +176,13 @@ class UpstreamUnavailable(UpstreamError):
     """The backend refused, reset or closed the connection."""
 
     code = "upstream_unavailable"
+
+
+class BadUpstreamResponse(UpstreamUnavailable):
+    """The backend's answer is not valid HTTP/1.1 (its status line, a header, its framing);
+    its connection is closed, never reused."""
+
+    code = "bad_upstream_response"
 
 
 class UpstreamTimeout(UpstreamError):

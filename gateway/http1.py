@@ -1,35 +1,47 @@
-"""A small HTTP/1.1 client for the hot path: one keep-alive connection to a backend.
+"""One keep-alive HTTP/1.1 connection to a backend, for the hot path.
 
-aiohttp's client costs more per request than the rest of the proxy together (URL objects,
-trace signals, cookie handling, per-request timers).  This client does only what a proxy
-needs: one write per request, a response head parsed from bytes, bodies by length, chunked
-or until close, flow control, and timeouts from a single timer per exchange.  It knows
-whether a connection was reused and whether any byte of the response arrived, which is what
-deciding a retry after a stale keep-alive socket needs.  The connections to one backend
-are pooled in ``http1_pool``.
+Responses are parsed by llhttp (through ``httptools``, the parser under uvicorn and
+Node.js), strictly: ``Content-Length`` is digits only and given once, never with
+``Transfer-Encoding``; chunk sizes are hex digits; obsolete line folding, whitespace before a
+colon, bare LF, and NUL or CR in a value are errors.  On top of llhttp this module refuses
+what a proxy must not relay: a status outside 100-599, a version other than 1.0 and 1.1, a
+``Transfer-Encoding`` that is anything but ``chunked``, a head over ``MAX_HEAD_BYTES``, and an
+upgrade nobody asked for.  Each is a ``BadUpstreamResponse`` (502), and that connection is
+closed, never pooled.
+
+A connection is reusable only after a clean exchange: the whole answer read, keep-alive
+agreed, and not one byte more.  Any byte after the answer (or while idle in the pool)
+retires it.  A body delimited by the connection's close is complete only on a clean close
+(FIN); a reset cuts it.  The client also does what a proxy needs around the parser: one
+write per request, flow control, timeouts from a single timer per exchange, and whether a
+reused connection closed before any byte of its answer arrived (a stale keep-alive socket,
+safe to send again for requests that may be repeated).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable
 
-from .errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+import httptools
 
-if TYPE_CHECKING:
-    from .http1_pool import Pool
+from .errors import BadUpstreamResponse, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 
 HIGH_WATER_BYTES = 256 * 1024
 LOW_WATER_BYTES = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
+_IDLE, _HEAD, _BODY, _DONE = range(4)
+_VERSIONS = frozenset({"1.0", "1.1"})
 
 
 class StaleConnection(Exception):
     """A reused connection closed before any byte of the response: safe to send again."""
+
+
+class _AfterAnswer(Exception):
+    """Raised from a parser callback when a second message begins after the answer."""
 
 
 class Head:
@@ -46,18 +58,25 @@ class Head:
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection; serves one exchange at a time."""
+    """One keep-alive connection to backend ``name``; serves one exchange at a time.
+    ``on_close`` (set by its pool) hears when the connection closes, for whatever reason."""
 
-    def __init__(self, pool: Pool) -> None:
-        self._pool = pool
-        self._loop = pool.loop
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.name = name
+        self._loop = loop
         self.transport: asyncio.Transport | None = None
         self.exchanges = 0
         self.reusable = False
         self.closed = False
-        self._buf = bytearray()
-        self._state = _DONE
-        self._remaining = 0
+        self._state = _IDLE
+        self._parser: httptools.HttpResponseParser | None = None
+        self._headers: list[tuple[str, str]] = []
+        self._head_bytes = 0  # bytes fed while the head is incomplete (bounds the memory)
+        self._head_size = 0  # the header lines parsed (bounds the head)
+        self._keep_alive = False
+        self._until_close = False
+        self._no_body = False
+        self._eof = False
         self._head_waiter: asyncio.Future[Head] | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -65,52 +84,131 @@ class Connection(asyncio.Protocol):
         self._error: BaseException | None = None
         self._paused = False
         self._got_bytes = False
-        self._no_body = False
         self._last_data = 0.0
         self._deadline = 0.0
         self._idle_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self.on_close: Callable[[Connection], None] | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        state = self._state
+        if state == _IDLE or state == _DONE or self._parser is None:
+            # Bytes nobody asked for: the connection is out of step with its framing.
+            self._retire()
+            return
         self._got_bytes = True
         self._last_data = self._loop.time()
-        self._buf += data
         try:
-            self._parse()
-        except UpstreamError as exc:
-            self._fail(exc)
-            self._abort()
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._bad("it switched protocols, which the gateway never asks for")
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, UpstreamError):
+                self._fail(exc.__context__)
+                self._abort()
+            elif self._state == _DONE:
+                self._retire()  # the answer stands; the bytes after it retire the connection
+            else:
+                self._bad(_reason(exc))
+            return
+        if self._state == _HEAD:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._bad(f"response head larger than {MAX_HEAD_BYTES} bytes")
 
     def eof_received(self) -> bool:
-        if self._state == _UNTIL_CLOSE:
-            self._finish()
+        self._eof = True
+        if self._state == _BODY and self._until_close:
+            self._finish()  # a clean close (FIN) ends a close-delimited body
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.reusable = False
-        self._pool.forget(self)
-        if self._state == _UNTIL_CLOSE:
-            self._finish()
-        elif self._state != _DONE:
-            if not self._got_bytes and self.exchanges > 1:
+        if self.on_close is not None:
+            self.on_close(self)
+        if self._state in (_HEAD, _BODY):
+            if self._state == _HEAD and not self._got_bytes and self.exchanges > 1:
                 self._fail(StaleConnection())
             else:
+                cut = " (reset)" if exc is not None else ""
                 self._fail(
                     UpstreamUnavailable(
-                        f"backend {self._pool.name!r} closed the connection mid-response"
-                        + (f": {exc}" if exc else ""),
-                        self._pool.name,
+                        f"backend {self.name!r} closed the connection mid-response{cut}",
+                        self.name,
                     )
                 )
         self._cancel_timer()
 
     def pause_writing(self) -> None:  # request bodies are written whole; nothing to pause
         pass
+
+    # -- llhttp callbacks --------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._state == _DONE:
+            raise _AfterAnswer
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        assert parser is not None
+        status = parser.get_status_code()
+        if self._head_size > MAX_HEAD_BYTES:
+            raise self._error_for(f"response head larger than {MAX_HEAD_BYTES} bytes")
+        if parser.get_http_version() not in _VERSIONS:
+            raise self._error_for(f"HTTP version {parser.get_http_version()} is not HTTP/1.x")
+        if not 100 <= status <= 599:
+            raise self._error_for(f"status {status} is outside 100-599")
+        if status < 200:
+            return  # an interim answer (103 Early Hints, a stray 100): the real head follows
+        length: int | None = None
+        chunked = False
+        for key, value in self._headers:
+            lower = key.lower()
+            if lower == "content-length":
+                length = int(value)  # llhttp admits digits only, given once
+            elif lower == "transfer-encoding":
+                if chunked or value.strip().lower() != "chunked":
+                    raise self._error_for(f"Transfer-Encoding {value!r} is not just `chunked`")
+                chunked = True
+        self._keep_alive = parser.should_keep_alive()
+        self._state = _BODY
+        if self._no_body or status in (204, 304):
+            # No body follows; a HEAD answer's Content-Length still describes the GET's.
+            if status in (204, 304):
+                length = None if chunked else 0
+            self._resolve_head(Head(status, self._headers, length))
+            self._finish()
+            return
+        self._until_close = length is None and not chunked
+        if self._until_close:
+            self._keep_alive = False
+        self._resolve_head(Head(status, self._headers, None if chunked else length))
+
+    def on_body(self, body: bytes) -> None:
+        if self._state != _BODY:  # a body after an answer that has none (HEAD)
+            raise _AfterAnswer
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER_BYTES and not self._paused and self.transport:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._state == _HEAD:  # the end of an interim answer
+            self._headers = []
+            self._head_size = 0
+            return
+        if self._state == _BODY:
+            self._finish()
 
     # -- one exchange ----------------------------------------------------------------------
     def send(
@@ -121,7 +219,12 @@ class Connection(asyncio.Protocol):
         self.exchanges += 1
         self.reusable = False
         self._state = _HEAD
-        self._buf.clear()
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers = []
+        self._head_bytes = 0
+        self._head_size = 0
+        self._keep_alive = False
+        self._until_close = False
         self._chunks.clear()
         self._buffered = 0
         self._error = None
@@ -136,8 +239,8 @@ class Connection(asyncio.Protocol):
         self.transport.write(head + body if body else head)
         return self._head_waiter
 
-    async def body_chunks(self) -> AsyncIterator[bytes]:
-        """The response body as it arrives (de-chunked)."""
+    async def body_chunks(self) -> AsyncGenerator[bytes, None]:
+        """The response body as it arrives (de-chunked); raises if it does not end cleanly."""
         while True:
             while self._chunks:
                 chunk = self._chunks.popleft()
@@ -164,148 +267,16 @@ class Connection(asyncio.Protocol):
     def complete(self) -> bool:
         return self._state == _DONE and self._error is None
 
-    # -- parsing -----------------------------------------------------------------------------
-    def _parse(self) -> None:
-        buf = self._buf
-        while buf:
-            state = self._state
-            if state == _HEAD:
-                end = buf.find(b"\r\n\r\n")
-                if end > MAX_HEAD_BYTES or (end < 0 and len(buf) > MAX_HEAD_BYTES):
-                    raise self._bad("response head too large")
-                if end < 0:
-                    return
-                head = bytes(buf[:end])
-                del buf[: end + 4]
-                self._on_head(head)
-            elif state == _LENGTH:
-                take = min(self._remaining, len(buf))
-                self._deliver(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._finish()
-            elif state == _CHUNK_SIZE:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > 1024:
-                        raise self._bad("chunk size line too long")
-                    return
-                line = bytes(buf[:end]).split(b";", 1)[0].strip()
-                del buf[: end + 2]
-                try:
-                    size = int(line, 16)
-                except ValueError:
-                    raise self._bad(f"bad chunk size {line!r}") from None
-                if size == 0:
-                    self._state = _TRAILERS
-                else:
-                    self._remaining = size
-                    self._state = _CHUNK_DATA
-            elif state == _CHUNK_DATA:
-                take = min(self._remaining, len(buf))
-                self._deliver(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._state = _CHUNK_CRLF
-            elif state == _CHUNK_CRLF:
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    raise self._bad("missing CRLF after chunk")
-                del buf[:2]
-                self._state = _CHUNK_SIZE
-            elif state == _TRAILERS:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    return
-                del buf[: end + 2]
-                if end == 0:  # the empty line that ends the trailers
-                    self._finish()
-            elif state == _UNTIL_CLOSE:
-                self._deliver(bytes(buf))
-                buf.clear()
-            else:  # _DONE: bytes after a complete response; the answer stands, but a
-                # connection out of step with its framing is never reused
-                buf.clear()
-                self.reusable = False
-                if self.transport is not None:
-                    self.transport.close()
-                return
-
-    def _on_head(self, raw: bytes) -> None:
-        lines = raw.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise self._bad(f"bad status line {lines[0][:80]!r}")
-        try:
-            status = int(parts[1])
-        except ValueError:
-            raise self._bad(f"bad status line {lines[0][:80]!r}") from None
-        if 100 <= status < 200:
-            return  # interim (103 Early Hints, a stray 100): the real head follows
-        headers: list[tuple[str, str]] = []
-        length: int | None = None
-        chunked = False
-        keep_alive = parts[0] == b"HTTP/1.1"
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise self._bad("bad header line")
-            key = name.strip().decode("latin-1")
-            val = value.strip().decode("latin-1")
-            lower = key.lower()
-            if lower == "content-length":
-                try:
-                    length = int(val)
-                except ValueError:
-                    raise self._bad("bad Content-Length") from None
-            elif lower == "transfer-encoding":
-                chunked = "chunked" in val.lower()
-            elif lower == "connection":
-                tokens = val.lower()
-                if "close" in tokens:
-                    keep_alive = False
-                elif "keep-alive" in tokens:
-                    keep_alive = True
-            headers.append((key, val))
-        self._keep_alive = keep_alive
-        if self._no_body or status in (204, 304):
-            # No body follows; a HEAD answer's Content-Length still describes the GET's.
-            self._state = _DONE
-            if status in (204, 304):
-                length = None if chunked else 0
-            self._finish()
-        elif chunked:
-            length = None
-            self._state = _CHUNK_SIZE
-        elif length is not None:
-            self._remaining = length
-            self._state = _LENGTH
-            if length == 0:
-                self._finish()
-        else:
-            self._keep_alive = False
-            self._state = _UNTIL_CLOSE
+    # -- state -------------------------------------------------------------------------------
+    def _resolve_head(self, head: Head) -> None:
         waiter = self._head_waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(Head(status, headers, length))
-
-    def _deliver(self, data: bytes) -> None:
-        if not data:
-            return
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > HIGH_WATER_BYTES and not self._paused and self.transport:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
+            waiter.set_result(head)
 
     def _finish(self) -> None:
         self._state = _DONE
         self._cancel_timer()
-        self.reusable = getattr(self, "_keep_alive", False) and not self._buf and not self.closed
+        self.reusable = self._keep_alive and not self.closed and not self._eof
         self._wake()
 
     def _fail(self, exc: BaseException) -> None:
@@ -316,6 +287,8 @@ class Connection(asyncio.Protocol):
         waiter = self._head_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
+            # Nobody may be waiting any more (a cancelled exchange): never "never retrieved".
+            waiter.exception()
         self._wake()
 
     def _wake(self) -> None:
@@ -323,15 +296,25 @@ class Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _bad(self, what: str) -> UpstreamUnavailable:
-        return UpstreamUnavailable(
-            f"backend {self._pool.name!r} sent an invalid response: {what}", self._pool.name
+    def _error_for(self, what: str) -> BadUpstreamResponse:
+        return BadUpstreamResponse(
+            f"backend {self.name!r} sent an invalid response: {what}", self.name
         )
+
+    def _bad(self, what: str) -> None:
+        self._fail(self._error_for(what))
+        self._abort()
+
+    def _retire(self) -> None:
+        """Never reuse this connection (the exchange on it, if any, stands as it is)."""
+        self.reusable = False
+        if self.transport is not None and not self.closed:
+            self.transport.close()
 
     # -- timeouts ------------------------------------------------------------------------------
     def _on_timer(self) -> None:
         self._timer = None
-        if self._state == _DONE:
+        if self._state == _DONE or self._state == _IDLE:
             return
         now = self._loop.time()
         if self._paused:
@@ -346,7 +329,7 @@ class Connection(asyncio.Protocol):
             when = min(self._deadline, self._last_data + self._idle_s)
             self._timer = self._loop.call_at(when, self._on_timer)
             return
-        self._fail(UpstreamTimeout(f"backend {self._pool.name!r} {what}", self._pool.name))
+        self._fail(UpstreamTimeout(f"backend {self.name!r} {what}", self.name))
         self._abort()
 
     def _cancel_timer(self) -> None:
@@ -364,7 +347,14 @@ class Connection(asyncio.Protocol):
         self._abort()
 
     def __repr__(self) -> str:
+        state = ("idle", "head", "body", "done")[self._state]
         return (
-            f"<Connection {self._pool.name} exchanges={self.exchanges} "
-            f"state={self._state} reusable={self.reusable}>"
+            f"<Connection {self.name} exchanges={self.exchanges} "
+            f"state={state} reusable={self.reusable}>"
         )
+
+
+def _reason(exc: httptools.HttpParserError) -> str:
+    """llhttp's reason, without the Python exception's framing."""
+    text = str(exc).strip() or type(exc).__name__
+    return text[0].lower() + text[1:] if text else text

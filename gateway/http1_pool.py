@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import ssl
 
 from .errors import UpstreamTimeout, UpstreamUnavailable
@@ -41,6 +42,15 @@ class Pool:
         self._open = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
+
+    def idle_connection(self) -> Connection | None:
+        """An idle connection at once (most recently used first), or None."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+            self._open -= 1
+        return None
 
     async def acquire(self, *, fresh: bool = False) -> Connection:
         """An idle connection (most recently used first) or a new one."""
@@ -74,7 +84,7 @@ class Pool:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await self.loop.create_connection(
-                    lambda: Connection(self),
+                    lambda: Connection(self.name, self.loop),
                     self.host,
                     self.port,
                     ssl=self._ssl,
@@ -88,10 +98,9 @@ class Pool:
             raise UpstreamUnavailable(
                 f"cannot connect to backend {self.name!r}: {exc}", self.name
             ) from exc
+        conn.on_close = self.forget
         sock = conn.transport.get_extra_info("socket") if conn.transport else None
         if sock is not None:
-            import socket
-
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
@@ -109,7 +118,8 @@ class Pool:
         self._wake_one()
 
     def forget(self, conn: Connection) -> None:
-        """A connection closed by the peer while idle leaves the pool."""
+        """A connection that closed while idle (the backend's keep-alive ran out, or it sent
+        bytes nobody asked for) leaves the pool."""
         if conn in self._idle:
             self._idle.remove(conn)
             self._open -= 1

@@ -1,9 +1,15 @@
-"""Upstream connections: one keep-alive pool per backend, timeouts, and the translation of
-aiohttp's exceptions into the gateway's (the only place they are caught).
+"""Upstream connections: one keep-alive pool per backend (``http1_pool`` over the llhttp
+client in ``http1``), timeouts, and which requests may be sent again.
 
 Pools belong to a backend by name and URL (and the settings that shape a pool): a reload
 that keeps them keeps the pool; one that changes them gets a fresh pool, and the old pool
 closes once its in-flight requests are done.
+
+A pooled keep-alive connection that the backend closed before answering is the one case
+where a request is sent twice.  The backend may have run it before closing, so only
+requests that may be repeated are resent (``resendable``): safe methods, the OpenAI
+inference endpoints (no side effects), and any request with an ``Idempotency-Key``.  Any
+other POST, a PUT, PATCH or DELETE gets a 502 instead.
 """
 
 from __future__ import annotations
@@ -20,12 +26,24 @@ from .headers import RESPONSE_OWNED, strip
 from .metrics import Metrics
 from .pipeline import Reply
 from .policy.model import Backend, Policy
+from .routing import OPENAI_JSON_PATHS
 
-# Bodies up to this size are read whole and answered with a Content-Length; larger ones,
-# chunked ones and SSE streams are relayed chunk by chunk.
+# Answers up to this size that nobody reads piece by piece are read whole (by length,
+# chunked or to the close) and answered with a Content-Length; larger ones, SSE and NDJSON
+# streams, and answers to a client that asked to stream are relayed chunk by chunk.
 BUFFER_LIMIT_BYTES = 1024 * 1024
 _BACKGROUND: set[asyncio.Task[None]] = set()
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def resendable(method: str, path_qs: str, headers: list[tuple[str, str]]) -> bool:
+    """Whether a request may be sent a second time after a stale keep-alive connection."""
+    if method in SAFE_METHODS:
+        return True
+    if method == "POST" and path_qs.partition("?")[0] in OPENAI_JSON_PATHS:
+        return True
+    return any(k.lower() == "idempotency-key" for k, _ in headers)
 
 
 class Transport(Protocol):
@@ -121,29 +139,33 @@ class Pool:
                 if self._retired and self.inflight == 0:
                     await self._close_pool()
 
+        again = resendable(method, path_qs, headers)
         try:
-            conn, resp = await self._exchange(head, body, method, timeout_s, backend.idle_timeout_s)
+            conn, resp = await self._exchange(
+                head, body, method, timeout_s, backend.idle_timeout_s, again
+            )
         except BaseException:
             await release()
             raise
         self._upstream_hist.observe(loop.time() - started)
         headers_out = tuple(strip(resp.headers, RESPONSE_OWNED))
         length = resp.content_length
-        if (
-            length is not None
-            and length <= BUFFER_LIMIT_BYTES
-            and method != "HEAD"  # relayed as a stream so its Content-Length is kept
-            and not _is_event_stream(resp.headers)
-        ):
-            try:
-                data = await conn.read_body()
-            except BaseException:
-                conn.close()
-                raise
-            finally:
-                self._http.release(conn)
-                await release()
-            return Reply(resp.status, headers_out, body=data, backend=self.name)
+        prefix: list[bytes] = []
+        if method != "HEAD" and not streaming and not _streams(resp.headers):
+            # An answer nobody reads piece by piece: read it whole, up to the buffer limit,
+            # so that one whose framing breaks is a 502 rather than a cut answer.
+            if length is None or length <= BUFFER_LIMIT_BYTES:
+                try:
+                    data, complete = await _read_up_to(conn, prefix, BUFFER_LIMIT_BYTES)
+                except BaseException:
+                    conn.close()
+                    self._http.release(conn)
+                    await release()
+                    raise
+                if complete:
+                    self._http.release(conn)
+                    await release()
+                    return Reply(resp.status, headers_out, body=data, backend=self.name)
 
         async def close() -> None:
             if not conn.complete:
@@ -154,22 +176,32 @@ class Pool:
         return Reply(
             resp.status,
             headers_out,
-            stream=_chunks(conn),
+            stream=_chunks(conn, prefix),
             backend=self.name,
             close=close,
             notes={"content_length": length},
         )
 
     async def _exchange(
-        self, head: bytes, body: bytes, method: str, timeout_s: float, idle_s: float
+        self,
+        head: bytes,
+        body: bytes,
+        method: str,
+        timeout_s: float,
+        idle_s: float,
+        resend: bool,
     ) -> tuple[http1.Connection, http1.Head]:
         deadline = self._http.loop.time() + timeout_s
         for attempt in (1, 2):
             # Waiting for a free pooled connection counts against the exchange's time: a
             # pool full of long streams must not hold a request forever.
+            found = self._http.idle_connection() if attempt == 1 else None
             try:
-                async with asyncio.timeout_at(deadline):
-                    conn = await self._http.acquire(fresh=attempt == 2)
+                if found is not None:
+                    conn = found
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        conn = await self._http.acquire(fresh=attempt == 2)
             except TimeoutError as exc:
                 raise UpstreamTimeout(
                     f"no free connection to backend {self.name!r} within {timeout_s:g} s "
@@ -183,14 +215,17 @@ class Pool:
                 )
                 return conn, resp
             except http1.StaleConnection as exc:
-                # A pooled keep-alive socket the backend had already closed: nothing was
-                # answered, so send once more on a connection that is certainly new.
+                # A pooled keep-alive socket the backend closed without answering: most
+                # likely before it read the request, so a request that may be repeated is
+                # sent once more on a connection that is certainly new.
                 self._http.release(conn)
-                if attempt == 1:
+                if attempt == 1 and resend:
                     self._retry_counter.inc()
                     continue
+                why = "" if resend else f" (a {method} is not sent twice)"
                 raise UpstreamUnavailable(
-                    f"backend {self.name!r} closed the connection", self.name
+                    f"backend {self.name!r} closed the connection without answering{why}",
+                    self.name,
                 ) from exc
             except BaseException:
                 conn.close()
@@ -232,15 +267,48 @@ class Pool:
         )
 
 
-async def _chunks(conn: http1.Connection) -> AsyncIterator[bytes]:
+async def _read_up_to(
+    conn: http1.Connection, prefix: list[bytes], limit: int
+) -> tuple[bytes, bool]:
+    """Read the body while it fits in ``limit``: (the body, True) when it ended within it,
+    else (b"", False) with what was read left in ``prefix`` for the stream to start with."""
+    size = 0
+    chunks = conn.body_chunks()
+    async for chunk in chunks:
+        prefix.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            await chunks.aclose()
+            return b"", False
+    data = prefix[0] if len(prefix) == 1 else b"".join(prefix)
+    prefix.clear()
+    return data, True
+
+
+async def _chunks(conn: http1.Connection, prefix: list[bytes]) -> AsyncIterator[bytes]:
+    if prefix:
+        yield b"".join(prefix)
+        prefix.clear()
     async for chunk in conn.body_chunks():
         yield chunk
 
 
-def _is_event_stream(headers: list[tuple[str, str]]) -> bool:
-    return any(
-        k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers
-    )
+STREAMING_TYPES = (
+    "text/event-stream",
+    "application/x-ndjson",
+    "application/ndjson",
+    "application/jsonl",
+    "application/json-seq",
+    "application/stream+json",
+)
+"""Content types read piece by piece (SSE, Ollama's NDJSON...): relayed as they arrive."""
+
+
+def _streams(headers: list[tuple[str, str]]) -> bool:
+    for key, value in headers:
+        if key.lower() == "content-type":
+            return value.split(";", 1)[0].strip().lower() in STREAMING_TYPES
+    return False
 
 
 def _ssl_context(backend: Backend) -> ssl.SSLContext:

@@ -12,6 +12,7 @@ from aiohttp import web
 from gateway.app import Gateway
 from gateway.policy.load import zero_config_policy
 from gateway.policy.watch import PolicySource
+from tests.upstreams import Answer, RawBackend, RawExchange
 
 ServeApp = Callable[[web.Application], Awaitable[str]]
 
@@ -78,3 +79,18 @@ async def start_gateway() -> AsyncIterator[StartGateway]:
     yield start
     for r in reversed(running):
         await r.gateway.shutdown(0.5)
+
+
+@pytest.fixture
+async def raw_backend() -> AsyncIterator[Callable[..., Awaitable[tuple[str, RawBackend]]]]:
+    """Start raw-socket backends: ``url, backend = await raw_backend(respond)``."""
+    started: list[RawBackend] = []
+
+    async def start(respond: Callable[[RawExchange], Answer]) -> tuple[str, RawBackend]:
+        backend = RawBackend(respond)
+        started.append(backend)
+        return await backend.start(), backend
+
+    yield start
+    for backend in started:
+        await backend.close()

@@ -1,10 +1,14 @@
-"""Small aiohttp upstreams the proxy tests talk to, recording what reached them."""
+"""Small upstreams the proxy tests talk to, recording what reached them: aiohttp apps, and
+a raw-socket backend whose answers are exactly the bytes a test gives it."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import json
+import socket
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,3 +178,88 @@ def chat_chunks(model: str, words: list[str]) -> list[bytes]:
     )
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (RST), not a FIN: SO_LINGER with a zero timeout."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+@dataclass
+class RawExchange:
+    """One request as a raw backend read it: its connection's number and its bytes."""
+
+    connection: int
+    head: bytes
+    body: bytes
+
+    @property
+    def request_line(self) -> str:
+        return self.head.split(b"\r\n", 1)[0].decode("latin-1")
+
+    def header(self, name: str) -> str | None:
+        for line in self.head.split(b"\r\n")[1:]:
+            key, _, value = line.decode("latin-1").partition(":")
+            if key.strip().lower() == name.lower():
+                return value.strip()
+        return None
+
+
+Answer = bytes | tuple[bytes, str]
+"""What a raw backend sends: bytes, or (bytes, then "keep" | "close" | "reset" | "hang")."""
+
+
+class RawBackend:
+    """A backend on a raw socket that answers each request with exactly the bytes
+    ``respond(exchange)`` returns (framing, mistakes and all), then keeps the connection,
+    closes it, resets it or leaves it hanging; ``exchanges`` records every request."""
+
+    def __init__(self, respond: Callable[[RawExchange], Answer]) -> None:
+        self.respond = respond
+        self.exchanges: list[RawExchange] = []
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        self._writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                exchange = RawExchange(number, head, body)
+                self.exchanges.append(exchange)
+                answer = self.respond(exchange)
+                data, then = answer if isinstance(answer, tuple) else (answer, "keep")
+                writer.write(data)
+                await writer.drain()
+                if then == "close":
+                    writer.close()
+                    return
+                if then == "reset":
+                    reset(writer)
+                    return
+                if then == "hang":
+                    await asyncio.Event().wait()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        writer.close()
+
+    async def close(self) -> None:
+        for writer in self._writers:
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
