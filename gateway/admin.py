@@ -1,6 +1,11 @@
 """The admin listener's endpoints: health, readiness, metrics, the effective policy, reload
-and cache purge.  Mutating endpoints need ``Authorization: Bearer <token>``; with no token
-configured they answer only on a loopback-bound admin port."""
+and cache purge.
+
+With a token configured (``admin.token`` or ``GATEWAY_ADMIN_TOKEN``), every endpoint but
+``/healthz``, ``/readyz`` and ``/metrics`` needs ``Authorization: Bearer <token>``; a missing,
+wrong or malformed one is a 401.  With none, the mutating endpoints answer only on a
+loopback-bound admin port.  A token still equal to the shipped example Secret's
+placeholder is refused at start."""
 
 from __future__ import annotations
 
@@ -12,15 +17,42 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .edge import error_response
-from .errors import GatewayError, PolicyError, StoreError, Unauthorized
+from .errors import GatewayError, PolicyError, Problem, StoreError, Unauthorized
 from .policy.show import to_data
 from .stages.cache_store import STORE_KIND, STORE_NAME, CacheState
+from .wire import error_body, error_headers
 
 if TYPE_CHECKING:
     from .app import Gateway
 
 AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PLACEHOLDER_TOKEN = "REPLACE-with-a-long-random-token"
+"""``admin-token`` in ``deploy/k8s/secret.yaml``: a token nobody replaced is no secret."""
+
+
+def check_admin_token(token: str | None) -> None:
+    """Refuse to start with the example Secret's placeholder as the admin token."""
+    if token is not None and token.strip() == PLACEHOLDER_TOKEN:
+        raise PolicyError(
+            [
+                Problem(
+                    "GATEWAY_ADMIN_TOKEN",
+                    "admin.token",
+                    None,
+                    "the admin token is still the placeholder of deploy/k8s/secret.yaml; "
+                    "set a long random one (openssl rand -hex 32)",
+                )
+            ]
+        )
+
+
+def error_response(exc: GatewayError) -> web.Response:
+    """A gateway error as an aiohttp response, in the data plane's OpenAI shape."""
+    return web.Response(
+        status=exc.status,
+        body=error_body(exc),
+        headers=dict([*error_headers(exc), *exc.extra_headers]),
+    )
 
 
 def admin_routes(gateway: Gateway, *, loopback: bool) -> list[web.RouteDef]:
@@ -32,6 +64,20 @@ def admin_routes(gateway: Gateway, *, loopback: bool) -> list[web.RouteDef]:
                 _authorize(request, gateway.admin_token(), loopback)
             except GatewayError as exc:
                 return error_response(exc)
+            return await handler(request)
+
+        return run
+
+    def shown(handler: AdminHandler) -> AdminHandler:
+        """Open without a token configured; with one, it is needed."""
+
+        async def run(request: web.Request) -> web.StreamResponse:
+            token = gateway.admin_token()
+            if token is not None:
+                try:
+                    _authorize(request, token, loopback)
+                except GatewayError as exc:
+                    return error_response(exc)
             return await handler(request)
 
         return run
@@ -98,7 +144,7 @@ def admin_routes(gateway: Gateway, *, loopback: bool) -> list[web.RouteDef]:
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
-        web.get("/policy", policy),
+        web.get("/policy", shown(policy)),
         web.post("/reload", guarded(reload)),
         web.post("/cache/purge", guarded(cache_purge)),
     ]
@@ -152,6 +198,8 @@ def _authorize(request: web.Request, token: str | None, loopback: bool) -> None:
             )
         return
     given = request.headers.get("Authorization", "")
-    expected = f"Bearer {token}"
-    if not hmac.compare_digest(given.encode(), expected.encode()):
+    scheme, _, credential = given.strip().partition(" ")
+    expected = token.encode("utf-8", "surrogateescape")
+    offered = credential.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(offered, expected):
         raise Unauthorized("missing or wrong admin bearer token")

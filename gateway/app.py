@@ -1,5 +1,5 @@
-"""The gateway's runtime: builds the data and admin aiohttp apps, holds the live policy
-snapshot, and owns startup (warm-up), reload and graceful shutdown of everything.
+"""The gateway's runtime: the data plane's server (``server``) and the admin aiohttp app,
+the live policy snapshot, and startup (warm-up), reload and graceful shutdown of everything.
 
 Each request captures ``Gateway.snapshot`` once at the edge; a reload swaps that one
 reference.  Long-lived state (upstream pools, later caches and breakers) lives here, keyed
@@ -18,17 +18,19 @@ from typing import Any
 from aiohttp import web
 
 from . import stages
-from .admin import admin_routes
+from .admin import admin_routes, check_admin_token
 from .clock import SYSTEM_CLOCK, Clock
-from .edge import DataServer, Edge
+from .edge import Edge
 from .errors import PolicyError
+from .forwarding import TrustedProxies
 from .metrics import Metrics
 from .pipeline import Handler, compose
 from .policy.load import Loaded
-from .policy.model import Policy
+from .policy.model import Policy, Server
 from .policy.watch import PolicySource
 from .proxy import Forward
 from .routing import Router
+from .server import HttpServer
 from .stages import Runtime
 from .stages.gpu import start_telemetry
 from .state import Registry
@@ -47,6 +49,7 @@ class Snapshot:
     generation: int
     router: Router
     handler: Handler
+    trusted: TrustedProxies
 
 
 class Gateway:
@@ -72,6 +75,7 @@ class Gateway:
         self.draining = False
         self._seen_fingerprint = ""
         self._runners: list[web.BaseRunner] = []
+        self._server: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._generation = 0
         loaded = source.load()  # an invalid first policy is fatal: raise to the caller
@@ -88,10 +92,11 @@ class Gateway:
         runtime = Runtime(self.metrics, self.registry, self.clock, self.transport)
         handler = compose(stages.build(policy, runtime), Forward(self.transport))
         self.registry.end()
-        if self._runners:  # a reload while running: start the pollers it added
+        if self._server is not None:  # a reload while running: start the pollers it added
             start_telemetry(self.registry)
         self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
-        return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler)
+        trusted = TrustedProxies(policy.server.trusted_proxies)
+        return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler, trusted)
 
     def reload(self, *, force: bool = False) -> bool:
         """Re-read the policy; swap it in if valid and changed.  True when swapped."""
@@ -146,13 +151,6 @@ class Gateway:
         return os.environ.get("GATEWAY_ADMIN_TOKEN") or self.snapshot.policy.admin.token
 
     # -- apps and listeners -----------------------------------------------------------------
-    def data_server(self) -> web.Server:
-        """The data plane: aiohttp's low-level server (every path is the edge's; no router
-        or middleware to pay for)."""
-        return DataServer(
-            Edge(self).handle, handler_cancellation=True, max_field_size=65536, access_log=None
-        )
-
     def admin_app(self, *, loopback: bool) -> web.Application:
         app = web.Application()
         app.router.add_routes(admin_routes(self, loopback=loopback))
@@ -170,21 +168,19 @@ class Gateway:
     ) -> tuple[str, str]:
         """Listen on both ports; returns (data URL, admin URL) with the bound ports."""
         admin_host = admin_host or host
-        grace = self.snapshot.policy.server.shutdown_grace_s
-        data = web.ServerRunner(self.data_server(), shutdown_timeout=grace, access_log=None)
+        check_admin_token(self.admin_token())
+        server = HttpServer(Edge(self).handle, self._limits, self.metrics)
+        data_url = _url(await server.listen(host, port))
+        self._server = server
         admin = web.AppRunner(
             self.admin_app(loopback=_is_loopback(admin_host)), access_log=None, shutdown_timeout=1.0
         )
-        urls = []
-        for runner, h, p in ((data, host, port), (admin, admin_host, admin_port)):
-            await runner.setup()
-            site = web.TCPSite(runner, h, p, backlog=1024, reuse_address=True)
-            await site.start()
-            self._runners.append(runner)
-            sock = site._server.sockets[0]  # type: ignore[union-attr]
-            bound = sock.getsockname()
-            shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-            urls.append(f"http://{shown}:{bound[1]}")
+        await admin.setup()
+        site = web.TCPSite(admin, admin_host, admin_port, backlog=128, reuse_address=True)
+        await site.start()
+        self._runners.append(admin)
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        admin_url = _url(sock.getsockname())
         start_telemetry(self.registry)
         if self.source.watchable:
             self._spawn(self._watch(watch_interval_s))
@@ -192,7 +188,10 @@ class Gateway:
             self._spawn(self._warm_initial())
         else:
             self.warm = True
-        return urls[0], urls[1]
+        return data_url, admin_url
+
+    def _limits(self) -> Server:
+        return self.snapshot.policy.server
 
     async def _warm_initial(self) -> None:
         await warm_up(self.transport, [b for b in self.snapshot.policy.backends if b.warmup])
@@ -209,12 +208,10 @@ class Gateway:
         self.draining = True
         for task in list(self._tasks):
             task.cancel()
-        data_runners, admin_runners = self._runners[:1], self._runners[1:]
-        for runner in data_runners:
-            if grace_s is not None:
-                runner._shutdown_timeout = grace_s
-            await runner.cleanup()
-        for runner in admin_runners:
+        if self._server is not None:
+            grace = self.snapshot.policy.server.shutdown_grace_s if grace_s is None else grace_s
+            await self._server.drain(grace)
+        for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
         await self.registry.aclose()
@@ -227,6 +224,11 @@ class Gateway:
             f"<Gateway generation={s.generation} policy={s.digest} ready={self.ready} "
             f"inflight={self.inflight_requests}>"
         )
+
+
+def _url(bound: tuple[str, int]) -> str:
+    host = bound[0]
+    return f"http://[{host}]:{bound[1]}" if ":" in host else f"http://{host}:{bound[1]}"
 
 
 def _is_loopback(host: str) -> bool:

@@ -258,11 +258,17 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: {problem}", file=sys.stderr)
         return 1
 
-    async def serve() -> None:
+    async def serve() -> int:
         gateway = Gateway(source, access_log=args.access_log)
-        data_url, admin_url = await gateway.start(
-            args.host, args.port, args.admin_host, args.admin_port
-        )
+        try:
+            data_url, admin_url = await gateway.start(
+                args.host, args.port, args.admin_host, args.admin_port
+            )
+        except PolicyError as exc:
+            for problem in exc.problems:
+                print(f"error: {problem}", file=sys.stderr)
+            await gateway.shutdown(0)
+            return 1
         print(f"gateway listening on {data_url} (admin {admin_url})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -274,9 +280,9 @@ def _serve(args: argparse.Namespace) -> int:
         log.info("SIGTERM: draining for up to %.0f s", grace)
         await gateway.shutdown(grace)
         log.info("stopped")
+        return 0
 
-    _run(serve())
-    return 0
+    return int(_run(serve()))
 
 
 def _reload_on_signal(gateway: Any) -> None:
@@ -286,14 +292,13 @@ def _reload_on_signal(gateway: Any) -> None:
         pass  # logged and counted by the gateway
 
 
-def _run(coro: Any) -> None:
-    """Run a coroutine on uvloop where installed."""
+def _run(coro: Any) -> Any:
+    """Run a coroutine on uvloop where installed; its result."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency where it installs
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,5 @@
-"""Header hygiene shared by both directions of the proxy: hop-by-hop stripping."""
+"""Header hygiene shared by both directions of the proxy: hop-by-hop stripping and the
+headers the gateway owns."""
 
 from __future__ import annotations
 
@@ -19,18 +20,13 @@ HOP_BY_HOP = frozenset(
         "http2-settings",
     }
 )
-# Headers the gateway sets itself on the upstream request.
-REQUEST_OWNED = frozenset(
-    {
-        "host",
-        "content-length",
-        "expect",
-        "x-forwarded-for",
-        "x-forwarded-proto",
-        "x-forwarded-host",
-        "x-request-id",
-    }
+# Who sent a request: set by the gateway (``forwarding.py``), never passed on as the client
+# wrote them unless the peer is a trusted proxy.
+FORWARDING = frozenset(
+    {"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip"}
 )
+# Headers the gateway sets itself on the upstream request.
+REQUEST_OWNED = frozenset({"host", "content-length", "expect", "x-request-id"}) | FORWARDING
 RESPONSE_OWNED = frozenset(
     {"content-length", "x-request-id", "x-gateway-backend", "date", "server"}
 )

@@ -246,6 +246,23 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        # -- the client side of the data plane (issue 11) --
+        self.client_timeouts = Counter(
+            "gateway_client_timeouts",
+            "Client connections closed at a timeout, by phase: head (the request head took "
+            "too long), body (silence inside a body), idle (keep-alive), send (the client "
+            "stopped reading its answer).",
+            ["phase"],
+            registry=r,
+        )
+        self.refused_connections = Counter(
+            "gateway_refused_connections",
+            "Client connections closed at once on arrival, by reason (max_connections).",
+            ["reason"],
+            registry=r,
+        )
+        self.connections = ConnectionCollector()
+        r.register(self.connections)
         self._route_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._request_children: dict[tuple[str, str, int], Any] = {}
         self._token_children: dict[str, tuple[Any, Any]] = {}
@@ -293,6 +310,28 @@ class Metrics:
         if not self.const_labels:
             return generate_latest(self.registry)
         return generate_latest(_Labelled(self.registry, dict(self.const_labels)))
+
+
+class ConnectionCollector:
+    """``gateway_connections{state}``, counted at scrape time over the open client
+    connections (``states`` is set by the data plane's server)."""
+
+    STATES = ("reading", "active", "idle")
+
+    def __init__(self) -> None:
+        self.states: Callable[[], dict[str, int]] = dict
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "gateway_connections",
+            "Open client connections by state: reading (a request head or body arriving), "
+            "active (a request being answered), idle (keep-alive, waiting).",
+            labels=["state"],
+        )
+        counts = self.states()
+        for state in self.STATES:
+            family.add_metric([state], counts.get(state, 0))
+        yield family
 
 
 class EmbeddingCollector:

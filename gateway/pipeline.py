@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .tenant import scope_hash
+
 if TYPE_CHECKING:
     from .policy.model import Policy, Route
 
@@ -36,8 +38,13 @@ class Call:
     for pass-through paths.  ``policy`` is the snapshot captured once at the edge: the whole
     request runs on it even if a reload swaps the live policy meanwhile.  ``backend`` starts as
     the route's backend; a stage that redirects the call passes on a copy with another one.
-    ``path`` and ``query`` are decoded (routing and stages match on them); ``raw_target`` is
-    the path and query exactly as the client sent them, which is what goes upstream.
+    ``path`` and ``query`` are the normalised request target (``target.normalise``): routing
+    and stages match on the path that goes upstream, ``raw_target`` (path and query).
+
+    Who asked comes from ``received``, the headers as the client sent them (``headers`` are
+    those that go upstream): ``scope`` is the tenant scope hash (``tenant.scope_hash`` over
+    the policy's ``cache.scope_headers``, computed once, when first asked), ``client`` the
+    client's address (``forwarding``).
     """
 
     id: str
@@ -53,11 +60,21 @@ class Call:
     started: float
     tenant: str = ""
     raw_target: str = ""
+    received: Headers = field(default=(), repr=False)
+    client: str = ""
+    _scope: str | None = field(default=None, repr=False)
     notes: dict[str, Any] = field(default_factory=dict)
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a request header, case-insensitively."""
         return first_header(self.headers, name, default)
+
+    @property
+    def scope(self) -> str:
+        """The tenant scope hash (``tenant.scope_hash``)."""
+        if self._scope is None:
+            self._scope = scope_hash(self.received, self.policy.cache.scope_headers)
+        return self._scope
 
     @property
     def streaming(self) -> bool:

@@ -134,7 +134,7 @@ async def test_post_reload_needs_the_admin_token_and_reports_errors(
         assert "bogus: unknown key" in rejected.json()["errors"][0]
         path.write_text(policy_for(url).replace("0.05", "0.5"))
         ok = await client.post(gw.admin_url + "/reload", headers=auth)
-        shown = await client.get(gw.admin_url + "/policy")
+        shown = await client.get(gw.admin_url + "/policy", headers=auth)
     assert ok.json()["reloaded"] is True and ok.json()["generation"] == 2
     assert shown.json()["generation"] == 2
     assert shown.json()["policy"]["server"]["reload_interval_s"] == 0.5

@@ -1,6 +1,6 @@
 """Response caching that is safe by design: exact and near-duplicate (SimHash) tiers.
 
-keys.py       what is cacheable; exact key, context key, tenant scope hash
+keys.py       what is cacheable; exact key, context key (the tenant scope: ../tenant.py)
 normalize.py  a message reduced to comparable tokens, quoted spans and code
 simhash.py    64-bit fingerprints and their bands
 guard.py      the check every near-duplicate hit must pass
@@ -12,9 +12,10 @@ stores/       memory (LRU by bytes, TTL) and Redis (plain commands, circuit)
 evaluate.py   precision / recall / false-hit rate per tier and setting
 """
 
+from ..tenant import scope_hash
 from .entry import CachedResponse
 from .guard import Verdict, check
-from .keys import Cacheability, RequestKey, cacheability, request_key, scope_hash
+from .keys import Cacheability, RequestKey, cacheability, request_key
 from .tiers import EXACT, SIMHASH, Hit, ResponseCache
 
 __all__ = [

@@ -82,23 +82,6 @@ class RequestKey:
     blanked: str | None = field(default=None, repr=False, compare=False)
 
 
-def scope_hash(headers: Iterable[tuple[str, str]], scope_headers: Iterable[str]) -> str:
-    """A hash of the scope headers' values: equal only for the same tenant.
-
-    A missing header and an empty one hash differently; an empty ``scope_headers`` makes one
-    scope shared by all clients (only for a single-tenant deployment).
-    """
-    wanted = [h.lower() for h in scope_headers]
-    values: dict[str, list[str]] = {h: [] for h in wanted}
-    for name, value in headers:
-        if name.lower() in values:
-            values[name.lower()].append(value)
-    digest = hashlib.sha256(b"scope\x00")
-    for name in wanted:
-        digest.update(name.encode() + b"\x00" + json.dumps(values[name]).encode() + b"\x00")
-    return digest.hexdigest()[:32]
-
-
 def cacheability(
     body: Mapping[str, Any], path: str, *, allow_sampled: bool = False
 ) -> Cacheability:

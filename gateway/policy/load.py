@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import PolicyError, Problem
+from .checks import check_backend, check_route, check_server, check_throttle
 from .convert import Found, convert, join
 from .model import Backend, Match, Policy, Route, ThrottleRule, glob_regex
 
@@ -153,7 +154,7 @@ def _merge(parts: list[_Part], problems: list[Problem]) -> Policy:
                     )
                 )
             backends[b.name] = b
-            _check_backend(b, part, path, problems)
+            _report(check_backend(b), part, path, problems)
         for i, r in enumerate(part.policy.routes):
             routes.append(r)
             where.append((part, join("routes", i)))
@@ -173,7 +174,16 @@ def _merge(parts: list[_Part], problems: list[Problem]) -> Policy:
                 setters[key] = part.source
                 singles[key] = getattr(part.policy, key)
     named = _name_routes(routes, where, backends, problems)
-    _check_throttle(throttles, backends, problems)
+    seen: set[tuple[str, str]] = set()
+    for rule, part, path in throttles:
+        _report(check_throttle(rule, backends), part, path, problems)
+        if (rule.name, rule.backend) in seen:
+            message = f"rule {rule.name!r} is defined twice for backend {rule.backend!r}"
+            _report([("name", message)], part, path, problems)
+        seen.add((rule.name, rule.backend))
+    server_part = next((p for p in parts if "server" in p.keys), None)
+    if server_part is not None:
+        _report(check_server(singles["server"]), server_part, "server", problems)
     return Policy(
         backends=tuple(backends.values()),
         routes=tuple(named),
@@ -182,80 +192,10 @@ def _merge(parts: list[_Part], problems: list[Problem]) -> Policy:
     )
 
 
-def _check_throttle(
-    rules: list[tuple[ThrottleRule, _Part, str]],
-    backends: dict[str, Backend],
-    problems: list[Problem],
-) -> None:
-    seen: set[tuple[str, str]] = set()
-    for rule, part, path in rules:
-
-        def bad(key: str, message: str, part: _Part = part, path: str = path) -> None:
-            p = join(path, key) if key else path
-            problems.append(Problem(part.source, p, _line_of(part.lines, p), message))
-
-        if rule.backend not in backends:
-            bad("backend", f"unknown backend {rule.backend!r}")
-        if rule.when.clear_below > rule.when.above:
-            bad("when.clear_below", "must not be above `above` (it is the hysteresis floor)")
-        if rule.action == "limit" and rule.limit is None:
-            bad("limit", "a `limit` rule needs `limit: {max_concurrency|rps|batch_max_size}`")
-        if rule.limit is not None:
-            set_fields = [
-                v
-                for v in (rule.limit.max_concurrency, rule.limit.rps, rule.limit.batch_max_size)
-                if v is not None
-            ]
-            if not set_fields:
-                bad("limit", "set at least one of max_concurrency, rps, batch_max_size")
-            elif any(v <= 0 for v in set_fields):
-                bad("limit", "limits must be positive")
-        if (rule.name, rule.backend) in seen:
-            bad("name", f"rule {rule.name!r} is defined twice for backend {rule.backend!r}")
-        seen.add((rule.name, rule.backend))
-
-
-def _check_backend(b: Backend, part: _Part, path: str, problems: list[Problem]) -> None:
-    def bad(key: str, message: str) -> None:
-        p = join(path, key)
+def _report(found: list[tuple[str, str]], part: _Part, path: str, problems: list[Problem]) -> None:
+    for key, message in found:
+        p = join(path, key) if key else path
         problems.append(Problem(part.source, p, _line_of(part.lines, p), message))
-
-    if not b.url.startswith(("http://", "https://")):
-        bad("url", f"must start with http:// or https://, not {b.url!r}")
-    for key in (
-        "timeout_s",
-        "stream_timeout_s",
-        "connect_timeout_s",
-        "idle_timeout_s",
-        "warmup_timeout_s",
-    ):
-        if getattr(b, key) <= 0:
-            bad(key, "must be greater than 0")
-    if b.max_connections < 1:
-        bad("max_connections", "must be at least 1")
-    for i, w in enumerate(b.warmup):
-        if not w.path.startswith("/"):
-            bad(f"warmup[{i}].path", "must start with /")
-    for key, value in b.headers:
-        if any(c in key + value for c in "\r\n\0"):
-            bad(f"headers.{key}", "header names and values must not contain line breaks")
-    if b.max_concurrency is not None and b.max_concurrency < 1:
-        bad("max_concurrency", "must be at least 1")
-    if b.queue.capacity < 0 or b.queue.timeout_ms <= 0:
-        bad("queue", "capacity must be >= 0 and timeout_ms > 0")
-    t = b.telemetry
-    if t.source == "prometheus" and not t.url:
-        bad("telemetry.url", "the prometheus source needs a metrics URL")
-    if t.interval_ms < 50:
-        bad("telemetry.interval_ms", "must be at least 50")
-    cb = b.circuit_breaker
-    if cb is not None:
-        if not 0 < cb.failure_rate <= 1:
-            bad("circuit_breaker.failure_rate", "must be in (0, 1]")
-        if cb.min_calls < 1 or cb.half_open_calls < 1:
-            bad("circuit_breaker", "min_calls and half_open_calls must be at least 1")
-        if cb.window_s <= 0 or cb.open_s <= 0:
-            bad("circuit_breaker", "window_s and open_s must be greater than 0")
 
 
 def _name_routes(
@@ -288,7 +228,7 @@ def _name_routes(
                     problems.append(
                         Problem(part.source, p, _line_of(part.lines, p), f"invalid glob: {exc}")
                     )
-        _check_route(route, part, path, backends, problems)
+        _report(check_route(route, backends), part, path, problems)
         name = route.name or _default_name(route.match)
         if name in seen:
             if route.name:
@@ -309,45 +249,6 @@ def _name_routes(
         seen.add(name)
         named.append(dataclasses.replace(route, name=name))
     return named
-
-
-def _check_route(
-    route: Route, part: _Part, path: str, backends: dict[str, Backend], problems: list[Problem]
-) -> None:
-    def bad(key: str, message: str) -> None:
-        p = join(path, key)
-        problems.append(Problem(part.source, p, _line_of(part.lines, p), message))
-
-    for i, name in enumerate(route.fallback):
-        if name not in backends:
-            bad(f"fallback[{i}]", f"unknown backend {name!r}")
-        elif name == route.backend:
-            bad(f"fallback[{i}]", "the primary backend cannot be its own fallback")
-    if route.batch is not None:
-        if route.batch.max_size < 1:
-            bad("batch.max_size", "must be at least 1")
-        if route.batch.max_wait_ms < 0:
-            bad("batch.max_wait_ms", "must not be negative")
-        if route.batch.adaptive is not None and route.batch.adaptive.target_latency_ms <= 0:
-            bad("batch.adaptive.target_latency_ms", "must be greater than 0")
-    if route.quality is not None and not route.fallback:
-        bad("quality", "needs a `fallback` backend to send low-confidence requests to")
-    if route.cache is not None:
-        if route.cache.ttl_s <= 0:
-            bad("cache.ttl_s", "must be greater than 0")
-        semantic = route.cache.semantic
-        if not 0 <= semantic.max_distance <= 16:
-            bad("cache.semantic.max_distance", "must be between 0 and 16")
-        if semantic.threshold is not None and not 0 < semantic.threshold <= 1:
-            bad("cache.semantic.threshold", "must be in (0, 1]")
-        if semantic.embedder is not None and semantic.embedder not in backends:
-            bad("cache.semantic.embedder", f"unknown backend {semantic.embedder!r}")
-        if semantic.embedder_model is not None and semantic.embedder is None:
-            bad("cache.semantic.embedder_model", "only applies with `embedder`")
-    if route.rate_limit is not None:
-        limit = route.rate_limit
-        if limit.requests_per_s is None and limit.tokens_per_min is None:
-            bad("rate_limit", "set requests_per_s and/or tokens_per_min")
 
 
 def _default_name(match: Match) -> str:

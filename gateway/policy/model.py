@@ -53,6 +53,14 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+DEFAULT_CLIENT_SEND_TIMEOUT_S = 60.0
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_HEADER_COUNT = 100
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_BUFFERED_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 25.0
 DEFAULT_RELOAD_INTERVAL_S = 1.0
 DEFAULT_CACHE_MAX_BYTES = 256 * 1024 * 1024
@@ -116,6 +124,61 @@ class Server:
     max_body_bytes: int = field(
         default=DEFAULT_MAX_BODY_BYTES,
         metadata=doc("Largest request body accepted (413 past it)."),
+    )
+    header_timeout_s: float = field(
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metadata=doc(
+            "Longest a client may take to send a whole request head, from its first byte "
+            "(from the connection's start for its first request); then 408 and close."
+        ),
+    )
+    body_timeout_s: float = field(
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metadata=doc("Longest silence inside a request body; then 408 and close."),
+    )
+    keepalive_timeout_s: float = field(
+        default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+        metadata=doc("How long an idle keep-alive connection is kept open."),
+    )
+    client_send_timeout_s: float = field(
+        default=DEFAULT_CLIENT_SEND_TIMEOUT_S,
+        metadata=doc(
+            "Longest a client may leave an answer unread (the gateway's send buffer full); "
+            "then the answer is cut and its upstream connection released."
+        ),
+    )
+    max_header_bytes: int = field(
+        default=DEFAULT_MAX_HEADER_BYTES,
+        metadata=doc(
+            "Largest request head: request line and headers (431 past it, 414 when the "
+            "request target alone is too long)."
+        ),
+    )
+    max_header_count: int = field(
+        default=DEFAULT_MAX_HEADER_COUNT,
+        metadata=doc("Most header lines in a request head (431 past it)."),
+    )
+    max_connections: int = field(
+        default=DEFAULT_MAX_CONNECTIONS,
+        metadata=doc(
+            "Most client connections open at once. At the limit the longest-idle "
+            "keep-alive connection is closed to make room; with none idle, a new "
+            "connection is accepted and closed at once (counted as refused)."
+        ),
+    )
+    max_buffered_body_bytes: int = field(
+        default=DEFAULT_MAX_BUFFERED_BODY_BYTES,
+        metadata=doc(
+            "All request bodies the gateway holds at once, from their first byte until "
+            "their answer; a request that would pass it gets 503 with Retry-After."
+        ),
+    )
+    trusted_proxies: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "CIDRs of proxies in front of the gateway whose `X-Forwarded-*`, `X-Real-IP` "
+            "and `Forwarded` headers are believed; from any other peer they are replaced."
+        ),
     )
     shutdown_grace_s: float = field(
         default=DEFAULT_SHUTDOWN_GRACE_S,

@@ -47,7 +47,6 @@ from ..batching import (
     adapter_for,
 )
 from ..batching.aimd import BatchLimit, CappedLimit
-from ..cache.keys import scope_hash
 from ..errors import Overloaded
 from ..metrics import Metrics
 from ..pipeline import Call, Handler, Headers, Reply, Stage
@@ -119,8 +118,7 @@ class _ItemAdapter:
 class BatchStage:
     """Sends each batchable call through its route's batcher; passes the others on."""
 
-    def __init__(self, scope_headers: tuple[str, ...], batchers: dict[BatcherKey, Batcher]) -> None:
-        self._scope_headers = scope_headers
+    def __init__(self, batchers: dict[BatcherKey, Batcher]) -> None:
         self._batchers = batchers
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
@@ -136,7 +134,7 @@ class BatchStage:
         if body is None or not adapter.batchable(body):
             return await call_next(call)
         scope = (
-            scope_hash(call.headers, self._scope_headers),
+            call.scope,
             call.route.name,
             call.backend,
             call.path,
@@ -242,7 +240,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
             batchers[(route.name, route.backend, adapter.name)] = runtime.registry.get(
                 "batcher", name, (route.batch, slots), make
             )
-    return [BatchStage(policy.cache.scope_headers, batchers)] if batchers else []
+    return [BatchStage(batchers)] if batchers else []
 
 
 def route_adapters(route: Route) -> tuple[Adapter, ...]:

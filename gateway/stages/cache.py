@@ -170,7 +170,7 @@ class CacheStage:
         if body is None or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok:
             return await self._pass(rules, call, call_next)
         no_cache, no_store = _cache_control(call.header("cache-control"))
-        scope = self._state.scope(call.headers)
+        scope = call.scope
         if call.path.endswith("/embeddings"):
             plan = plan_items(
                 body,

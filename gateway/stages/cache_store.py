@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ..cache.keys import scope_hash
 from ..cache.stores import MemoryStore, RedisStore, StoreStats
 from ..clock import Clock
 from ..policy.model import CacheStore as CacheStoreSettings
+from ..tenant import scope_hash
 
 log = logging.getLogger("gateway.cache")
 
@@ -42,10 +42,6 @@ class CacheState:
     @property
     def kind(self) -> str:
         return self.settings.store
-
-    def scope(self, headers: Iterable[tuple[str, str]]) -> str:
-        """The tenant scope hash of a request's headers."""
-        return scope_hash(headers, self.settings.scope_headers)
 
     def tenant_scope(self, tenant: str | Mapping[str, str]) -> str:
         """The scope hash of a tenant named by its raw scope header value (one scope

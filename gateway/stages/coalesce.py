@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ..cache.keys import cacheability, request_key, scope_hash
+from ..cache.keys import cacheability, request_key
 from ..cache.replay import StreamRecorder, events_to_json
 from ..errors import UpstreamUnavailable
 from ..pipeline import Call, Handler, Headers, Reply, Stage
@@ -41,13 +41,12 @@ _REPLACED_ON_ASSEMBLY = frozenset({"content-type", "content-encoding", "cache-co
 class CoalesceStage:
     """Runs each coalescible call through its route's single-flight table."""
 
-    def __init__(self, scope_headers: tuple[str, ...], flights: dict[str, SingleFlight]) -> None:
-        self._scope_headers = scope_headers
+    def __init__(self, flights: dict[str, SingleFlight]) -> None:
         self._flights = flights
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         flights = self._flights.get(call.route.name)
-        key = coalesce_key(call, self._scope_headers) if flights is not None else None
+        key = coalesce_key(call) if flights is not None else None
         if flights is None or key is None:
             return await call_next(call)
         reply = await flights.do(key, lambda: call_next(call), stream=call.streaming)
@@ -59,7 +58,7 @@ class CoalesceStage:
         return f"<CoalesceStage routes={sorted(self._flights)}>"
 
 
-def coalesce_key(call: Call, scope_headers: tuple[str, ...]) -> Hashable | None:
+def coalesce_key(call: Call) -> Hashable | None:
     """The single-flight key of ``call``, or None when it must make its own call."""
     body, route = call.json, call.route
     allow_sampled = route.cache is not None and route.cache.allow_sampled
@@ -67,7 +66,7 @@ def coalesce_key(call: Call, scope_headers: tuple[str, ...]) -> Hashable | None:
         return None
     exact = request_key(
         body,
-        scope=scope_hash(call.headers, scope_headers),
+        scope=call.scope,
         route=route.name,
         backend=call.backend,
         model_version=call.policy.backend(call.backend).model_version,
@@ -118,7 +117,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
             flights[route.name] = runtime.registry.get(
                 "singleflight", route.name, (), _factory(route.name, counted)
             )
-    return [CoalesceStage(policy.cache.scope_headers, flights)] if flights else []
+    return [CoalesceStage(flights)] if flights else []
 
 
 def _factory(name: str, counted: Callable[[], None]) -> Callable[[], SingleFlight]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,6 +48,7 @@ from ..pipeline import Call, Handler, Reply, Stage
 from ..policy.model import Policy, Quality
 from ..rate_limit import RateLimit, RateLimiter
 from ..retry_budget import RetryBudget, RetryBudgetConfig
+from ..tenant import rate_key
 from ..usage import from_body
 from .gpu import GpuControl, wire_gpu
 from .guard import BackendGuard, Pass
@@ -278,14 +278,11 @@ def priority_of(call: Call) -> Priority:
 
 def tenant_of(call: Call) -> str:
     """Who a rate limit counts: the call's tenant if a stage set it, else a hash of its
-    ``Authorization`` (never kept in clear), else the client address."""
+    canonical ``Authorization`` as the client sent it (never kept in clear), else the
+    client's address."""
     if call.tenant:
         return call.tenant
-    auth = call.header("Authorization")
-    if auth:
-        return "auth:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
-    forwarded = call.header("X-Forwarded-For") or ""
-    return "addr:" + forwarded.rsplit(",", 1)[-1].strip()
+    return rate_key(call.received, call.client)
 
 
 def estimate_tokens(call: Call) -> int:

@@ -1,0 +1,147 @@
+"""The rules of a policy that its types cannot say: ranges, cross-references, exclusive
+settings.  Each check returns ``(key, message)`` pairs, the key relative to the object
+checked; the loader adds file, full key path and line."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from .model import Backend, Route, Server, ThrottleRule
+
+Found = list[tuple[str, str]]
+
+
+def check_server(server: Server) -> Found:
+    """``server``: limits are positive, trusted proxies are CIDRs."""
+    found: Found = []
+    for key in (
+        "max_body_bytes",
+        "header_timeout_s",
+        "body_timeout_s",
+        "keepalive_timeout_s",
+        "client_send_timeout_s",
+        "max_header_bytes",
+        "max_header_count",
+        "max_connections",
+        "max_buffered_body_bytes",
+    ):
+        if getattr(server, key) <= 0:
+            found.append((key, "must be greater than 0"))
+    if server.shutdown_grace_s < 0:
+        found.append(("shutdown_grace_s", "must not be negative"))
+    for i, cidr in enumerate(server.trusted_proxies):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            found.append((f"trusted_proxies[{i}]", f"{cidr!r} is not an IP address or CIDR"))
+    return found
+
+
+def check_throttle(rule: ThrottleRule, backends: dict[str, Backend]) -> Found:
+    """One throttle rule (duplicates are the loader's, which sees them all)."""
+    found: Found = []
+    if rule.backend not in backends:
+        found.append(("backend", f"unknown backend {rule.backend!r}"))
+    if rule.when.clear_below > rule.when.above:
+        found.append(("when.clear_below", "must not be above `above` (it is the hysteresis floor)"))
+    if rule.action == "limit" and rule.limit is None:
+        found.append(
+            ("limit", "a `limit` rule needs `limit: {max_concurrency|rps|batch_max_size}`")
+        )
+    if rule.limit is not None:
+        set_fields = [
+            v
+            for v in (rule.limit.max_concurrency, rule.limit.rps, rule.limit.batch_max_size)
+            if v is not None
+        ]
+        if not set_fields:
+            found.append(("limit", "set at least one of max_concurrency, rps, batch_max_size"))
+        elif any(v <= 0 for v in set_fields):
+            found.append(("limit", "limits must be positive"))
+    return found
+
+
+def check_backend(b: Backend) -> Found:
+    """One backend."""
+    found: Found = []
+
+    def bad(key: str, message: str) -> None:
+        found.append((key, message))
+
+    if not b.url.startswith(("http://", "https://")):
+        bad("url", f"must start with http:// or https://, not {b.url!r}")
+    for key in (
+        "timeout_s",
+        "stream_timeout_s",
+        "connect_timeout_s",
+        "idle_timeout_s",
+        "warmup_timeout_s",
+    ):
+        if getattr(b, key) <= 0:
+            bad(key, "must be greater than 0")
+    if b.max_connections < 1:
+        bad("max_connections", "must be at least 1")
+    for i, w in enumerate(b.warmup):
+        if not w.path.startswith("/"):
+            bad(f"warmup[{i}].path", "must start with /")
+    for key, value in b.headers:
+        if any(c in key + value for c in "\r\n\0"):
+            bad(f"headers.{key}", "header names and values must not contain line breaks")
+    if b.max_concurrency is not None and b.max_concurrency < 1:
+        bad("max_concurrency", "must be at least 1")
+    if b.queue.capacity < 0 or b.queue.timeout_ms <= 0:
+        bad("queue", "capacity must be >= 0 and timeout_ms > 0")
+    t = b.telemetry
+    if t.source == "prometheus" and not t.url:
+        bad("telemetry.url", "the prometheus source needs a metrics URL")
+    if t.interval_ms < 50:
+        bad("telemetry.interval_ms", "must be at least 50")
+    cb = b.circuit_breaker
+    if cb is not None:
+        if not 0 < cb.failure_rate <= 1:
+            bad("circuit_breaker.failure_rate", "must be in (0, 1]")
+        if cb.min_calls < 1 or cb.half_open_calls < 1:
+            bad("circuit_breaker", "min_calls and half_open_calls must be at least 1")
+        if cb.window_s <= 0 or cb.open_s <= 0:
+            bad("circuit_breaker", "window_s and open_s must be greater than 0")
+    return found
+
+
+def check_route(route: Route, backends: dict[str, Backend]) -> Found:
+    """One route (its name and backend are the loader's, which sees them all)."""
+    found: Found = []
+
+    def bad(key: str, message: str) -> None:
+        found.append((key, message))
+
+    for i, name in enumerate(route.fallback):
+        if name not in backends:
+            bad(f"fallback[{i}]", f"unknown backend {name!r}")
+        elif name == route.backend:
+            bad(f"fallback[{i}]", "the primary backend cannot be its own fallback")
+    if route.batch is not None:
+        if route.batch.max_size < 1:
+            bad("batch.max_size", "must be at least 1")
+        if route.batch.max_wait_ms < 0:
+            bad("batch.max_wait_ms", "must not be negative")
+        if route.batch.adaptive is not None and route.batch.adaptive.target_latency_ms <= 0:
+            bad("batch.adaptive.target_latency_ms", "must be greater than 0")
+    if route.quality is not None and not route.fallback:
+        bad("quality", "needs a `fallback` backend to send low-confidence requests to")
+    if route.cache is not None:
+        if route.cache.ttl_s <= 0:
+            bad("cache.ttl_s", "must be greater than 0")
+        semantic = route.cache.semantic
+        if not 0 <= semantic.max_distance <= 16:
+            bad("cache.semantic.max_distance", "must be between 0 and 16")
+        if semantic.threshold is not None and not 0 < semantic.threshold <= 1:
+            bad("cache.semantic.threshold", "must be in (0, 1]")
+        if semantic.embedder is not None and semantic.embedder not in backends:
+            bad("cache.semantic.embedder", f"unknown backend {semantic.embedder!r}")
+        if semantic.embedder_model is not None and semantic.embedder is None:
+            bad("cache.semantic.embedder_model", "only applies with `embedder`")
+    if route.rate_limit is not None:
+        limit = route.rate_limit
+        if limit.requests_per_s is None and limit.tokens_per_min is None:
+            bad("rate_limit", "set requests_per_s and/or tokens_per_min")
+    return found

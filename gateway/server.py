@@ -1,0 +1,156 @@
+"""The data plane's HTTP/1.1 server: its listening sockets, the client connections they
+accepted (``server_connection``), what those connections share, and the drain.
+
+Shared across connections:
+
+- ``max_connections``: at the limit, the connection idle longest in keep-alive is closed to
+  make room (nginx reuses such connections the same way); with none idle the new connection
+  is accepted and closed at once, counted in
+  ``gateway_refused_connections_total{reason="max_connections"}`` (as Envoy's global
+  downstream connection limit does).  A closed connection is one the openai SDK and the JDK
+  clients retry; a backlog would hold such clients silently.
+- ``max_buffered_body_bytes``: the bytes of every request body held, from its first byte
+  until its answer is done.
+- the counts behind ``gateway_connections{state}`` and ``gateway_client_timeouts_total``.
+
+The drain (``drain``): stop listening, close idle connections, answer everything still in
+progress with ``Connection: close``, and after the grace period close what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from .metrics import Metrics
+from .policy.model import Server as Limits
+from .server_connection import ClientConnection, Request
+
+log = logging.getLogger("gateway.server")
+
+Handler = Callable[[Request], Awaitable[None]]
+
+
+class HttpServer:
+    """Client connections of the data plane, served by ``handler``."""
+
+    def __init__(self, handler: Handler, limits: Callable[[], Limits], metrics: Metrics) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.handler = handler
+        self.limits = limits
+        self.draining = False
+        self.body_bytes = 0
+        self._metrics = metrics
+        self._connections: set[ClientConnection] = set()
+        self._idle: dict[ClientConnection, None] = {}
+        self._listeners: list[asyncio.Server] = []
+        self._timeouts = {
+            phase: metrics.client_timeouts.labels(phase)
+            for phase in ("head", "body", "idle", "send")
+        }
+        self._refused = metrics.refused_connections.labels("max_connections")
+        self._emptied: asyncio.Event | None = None
+        metrics.connections.states = self.states
+
+    async def listen(self, host: str, port: int, *, backlog: int = 1024) -> tuple[str, int]:
+        """Start accepting on ``host``:``port``; the address bound (port 0 picks one)."""
+        listener = await self.loop.create_server(
+            lambda: ClientConnection(self), host, port, backlog=backlog, reuse_address=True
+        )
+        self._listeners.append(listener)
+        bound = listener.sockets[0].getsockname()
+        return str(bound[0]), int(bound[1])
+
+    # -- connections ---------------------------------------------------------------------------
+    def admit(self, conn: ClientConnection) -> bool:
+        """Whether a new connection may stay (closing the longest-idle one to make room)."""
+        if self.draining:
+            return False
+        if len(self._connections) >= self.limits().max_connections:
+            if not self._idle:
+                self._refused.inc()
+                return False
+            oldest = next(iter(self._idle))
+            del self._idle[oldest]
+            oldest.close()
+        self._connections.add(conn)
+        return True
+
+    def forget(self, conn: ClientConnection) -> None:
+        self._connections.discard(conn)
+        self._idle.pop(conn, None)
+        if self._emptied is not None and not self._connections:
+            self._emptied.set()
+
+    def idle(self, conn: ClientConnection) -> None:
+        """``conn`` waits in keep-alive (or is closed at once when draining)."""
+        if self.draining:
+            conn.close()
+            return
+        self._idle.pop(conn, None)
+        self._idle[conn] = None
+
+    def busy(self, conn: ClientConnection) -> None:
+        self._idle.pop(conn, None)
+
+    def timed_out(self, phase: str) -> None:
+        self._timeouts[phase].inc()
+
+    # -- request bodies --------------------------------------------------------------------------
+    def reserve(self, size: int) -> bool:
+        """Hold ``size`` more body bytes, if the shared budget allows."""
+        if self.body_bytes + size > self.limits().max_buffered_body_bytes:
+            return False
+        self.body_bytes += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.body_bytes -= size
+
+    # -- state and shutdown ----------------------------------------------------------------------
+    def states(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for conn in self._connections:
+            state = conn.state
+            counts[state] = counts.get(state, 0) + 1
+        return counts
+
+    def stop_listening(self) -> None:
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop accepting; let what is in progress finish within ``grace_s``; close the rest."""
+        self.draining = True
+        self.stop_listening()
+        for conn in list(self._idle):
+            conn.close()
+        self._idle.clear()
+        for conn in list(self._connections):
+            if conn.requests == 0:
+                conn.close()  # connected, but never asked for anything
+        if self._connections:
+            self._emptied = asyncio.Event()
+            try:
+                async with asyncio.timeout(grace_s):
+                    await self._emptied.wait()
+            except TimeoutError:
+                log.warning(
+                    "shutdown grace of %g s ran out; closing %d connections",
+                    grace_s,
+                    len(self._connections),
+                )
+        for conn in list(self._connections):
+            conn.close(abort=True)
+        for _ in range(100):  # the aborted connections cancel their requests; let them unwind
+            if not self._connections:
+                break
+            await asyncio.sleep(0.005)
+
+    def __repr__(self) -> str:
+        return (
+            f"<HttpServer connections={len(self._connections)} idle={len(self._idle)} "
+            f"body_bytes={self.body_bytes} draining={self.draining}>"
+        )
