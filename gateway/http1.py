@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 from collections.abc import AsyncGenerator, Callable
 
 import httptools
@@ -34,6 +35,7 @@ MAX_HEAD_BYTES = 64 * 1024
 
 _IDLE, _HEAD, _BODY, _DONE = range(4)
 _VERSIONS = frozenset({"1.0", "1.1"})
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class StaleConnection(Exception):
@@ -152,6 +154,10 @@ class Connection(asyncio.Protocol):
         if self._state == _DONE:
             raise _AfterAnswer
 
+    def on_status(self, reason: bytes) -> None:
+        if _CONTROL.search(reason):  # llhttp admits them; RFC 9112's reason-phrase does not
+            raise self._error_for("a control character in the reason phrase")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_size += len(name) + len(value) + 4
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
@@ -178,12 +184,18 @@ class Connection(asyncio.Protocol):
                 if chunked or value.strip().lower() != "chunked":
                     raise self._error_for(f"Transfer-Encoding {value!r} is not just `chunked`")
                 chunked = True
-        self._keep_alive = parser.should_keep_alive()
+        # HTTP/1.0's keep-alive is an extension parsers disagree on: never pooled.
+        self._keep_alive = parser.should_keep_alive() and parser.get_http_version() == "1.1"
         self._state = _BODY
         if self._no_body or status in (204, 304):
             # No body follows; a HEAD answer's Content-Length still describes the GET's.
+            # llhttp cannot be told to skip a HEAD answer's body: bytes after one with a
+            # length reach on_body (and retire the connection), but after a chunked one
+            # they could sit unseen in a chunk-size line, so that connection is not reused.
             if status in (204, 304):
                 length = None if chunked else 0
+            elif chunked:
+                self._keep_alive = False
             self._resolve_head(Head(status, self._headers, length))
             self._finish()
             return
