@@ -1,7 +1,8 @@
 """Fakes of the gateway's boundaries, shared by its tests and by its users' tests.
 
-Each boundary (clock, upstream transport, cache store, NVML) has one real implementation in
-the package and one fake here.  Nothing in this module fakes the gateway's own logic.
+Each boundary (clock, upstream transport, socket, cache store, NVML) has one real
+implementation in the package and one fake here.  Nothing in this module fakes the
+gateway's own logic.
 """
 
 from __future__ import annotations
@@ -250,3 +251,45 @@ class FlakyStore:
 
     def __repr__(self) -> str:
         return f"<FlakyStore failing={self.failing} inner={self.inner!r}>"
+
+
+class FakeSocket:
+    """An ``asyncio.Transport`` stand-in for a protocol under test (the upstream client's
+    ``http1.Connection``, say): it records what the protocol writes and whether it paused
+    reading, closed or aborted; the test plays the peer by calling the protocol's
+    ``data_received`` / ``eof_received`` / ``connection_lost`` itself."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.reading = True
+        self.closed = False
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def writelines(self, parts: Any) -> None:
+        for part in parts:
+            self.written += part
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def __repr__(self) -> str:
+        state = "aborted" if self.aborted else "closed" if self.closed else "open"
+        return f"<FakeSocket {state} written={len(self.written)} reading={self.reading}>"

@@ -257,9 +257,14 @@ class RawBackend:
             pass
         writer.close()
 
-    async def close(self) -> None:
+    def drop_connections(self) -> None:
+        """Abort every connection (a backend that restarted)."""
         for writer in self._writers:
             writer.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.drop_connections()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
