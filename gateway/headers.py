@@ -35,8 +35,13 @@ RESPONSE_OWNED = frozenset(
 def strip(pairs: Iterable[tuple[str, str]], owned: frozenset[str]) -> list[tuple[str, str]]:
     """Drop hop-by-hop headers, those listed in Connection, and those in ``owned``."""
     pairs = list(pairs)
-    drop = set(HOP_BY_HOP) | owned
+    drop = _DROPS.get(owned)
+    if drop is None:
+        drop = _DROPS[owned] = HOP_BY_HOP | owned
     for key, value in pairs:
         if key.lower() == "connection":
-            drop.update(token.strip().lower() for token in value.split(","))
+            drop = drop | {token.strip().lower() for token in value.split(",")}
     return [(k, v) for k, v in pairs if k.lower() not in drop]
+
+
+_DROPS: dict[frozenset[str], frozenset[str]] = {}

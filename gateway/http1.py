@@ -231,7 +231,9 @@ class Connection(asyncio.Protocol):
         self.exchanges += 1
         self.reusable = False
         self._state = _HEAD
-        self._parser = httptools.HttpResponseParser(self)
+        if self._parser is None or self._no_body:
+            # After a clean exchange llhttp is ready for the next message: reused.
+            self._parser = httptools.HttpResponseParser(self)
         self._headers = []
         self._head_bytes = 0
         self._head_size = 0
@@ -274,6 +276,19 @@ class Connection(asyncio.Protocol):
 
     async def read_body(self) -> bytes:
         return b"".join([c async for c in self.body_chunks()])
+
+    def whole_body(self) -> bytes | None:
+        """The whole body if it has all arrived cleanly already (else None: read on)."""
+        if self._state != _DONE or self._error is not None:
+            return None
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return body
 
     @property
     def complete(self) -> bool:

@@ -97,6 +97,10 @@ class HttpServer:
     def timed_out(self, phase: str) -> None:
         self._timeouts[phase].inc()
 
+    def answered_refusal(self, status: int) -> None:
+        """A request refused before the edge saw it: counted like any answer, routeless."""
+        self._metrics.count_request("", "", status)
+
     # -- request bodies --------------------------------------------------------------------------
     def reserve(self, size: int) -> bool:
         """Hold ``size`` more body bytes, if the shared budget allows."""

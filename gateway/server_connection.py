@@ -17,9 +17,10 @@ this module does what a parser does not.
   gateway answers in HTTP/1.1, so the body is read on by a fresh parser, primed with the
   head's own validated framing (its Content-Length, or chunked).
 - **Keep-alive and pipelining**: one request is answered at a time; a pipelined one waits,
-  parsed, and reading pauses until its turn.  A refused request is answered (OpenAI-shaped,
-  ``Connection: close``) after the answers before it; then the connection half-closes and
-  discards input for up to ``LINGER_S``, so the client reads the refusal instead of a reset.
+  parsed, and reading pauses until its turn (at most ``MAX_PIPELINED`` wait).  A refused
+  request is answered (OpenAI-shaped, ``Connection: close``) after the answers before it;
+  then the connection half-closes and discards input for up to ``LINGER_S``, so the client
+  reads the refusal instead of a reset.
 - **Answers**: whole (one write) or streamed (chunked, or by length), with back-pressure.
   The client going away (close or reset) cancels the request's task.
 """
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.server")
 
 LINGER_S = 2.0
+MAX_PIPELINED = 32
 _VERSIONS = frozenset({"1.1", "1.0"})
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 _ALLOW = ("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
@@ -433,6 +435,11 @@ class ClientConnection(asyncio.Protocol):
         request._chunks = []
         if self._active is None and not self._queue:
             self._dispatch(request)
+        elif len(self._queue) >= MAX_PIPELINED:
+            # Parsed from one read: without a cap, a buffer of tiny requests would cost
+            # far more memory as queued requests than it took to send.
+            self._release(request)
+            raise MalformedRequest(f"more than {MAX_PIPELINED} requests pipelined at once")
         else:
             self._queue.append(request)
             self._pause_reading()
@@ -549,6 +556,7 @@ class ClientConnection(asyncio.Protocol):
             log.error("refused a request from %s: %s", self.peer, error)
         else:
             log.warning("refused a request from %s: %d %s", self.peer, error.status, error)
+        self.server.answered_refusal(error.status)
         body = error_body(error)
         headers = [*error_headers(error), *error.extra_headers]
         framing = f"Content-Length: {len(body)}\r\nDate: {http_date()}\r\nConnection: close\r\n"

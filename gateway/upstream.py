@@ -154,6 +154,11 @@ class Pool:
         if method != "HEAD" and not streaming and not _streams(resp.headers):
             # An answer nobody reads piece by piece: read it whole, up to the buffer limit,
             # so that one whose framing breaks is a 502 rather than a cut answer.
+            whole = conn.whole_body()  # the common case: it came with the head
+            if whole is not None:
+                self._http.release(conn)
+                await release()
+                return Reply(resp.status, headers_out, body=whole, backend=self.name)
             if length is None or length <= BUFFER_LIMIT_BYTES:
                 try:
                     data, complete = await _read_up_to(conn, prefix, BUFFER_LIMIT_BYTES)
@@ -326,6 +331,7 @@ class Upstreams:
         self._metrics = metrics
         self._pools: dict[str, Pool] = {}
         self._retired: dict[tuple[object, ...], Pool] = {}
+        self._live: dict[int, tuple[Backend, Pool]] = {}  # by the live policy's objects
 
     def sync(self, policy: Policy) -> None:
         """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
@@ -341,10 +347,14 @@ class Upstreams:
         for name, backend in wanted.items():
             if name not in self._pools:
                 self._pools[name] = Pool(backend, self._metrics)
+        self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
 
     def pool(self, backend: Backend) -> Pool:
         """The live pool of ``backend`` (a request started on an older policy still gets the
         pool its backend's URL calls for)."""
+        live = self._live.get(id(backend))
+        if live is not None and live[0] is backend:
+            return live[1]
         pool = self._pools.get(backend.name)
         if pool is not None and pool.key == pool_key(backend):
             return pool
@@ -374,6 +384,7 @@ class Upstreams:
             await pool.aclose()
         self._pools.clear()
         self._retired.clear()
+        self._live.clear()
 
     def __repr__(self) -> str:
         return f"<Upstreams {list(self._pools.values())!r}>"

@@ -264,3 +264,15 @@ async def test_http_1_0_is_served_and_closed(v1_only):
     _recorder, gw = v1_only
     [answer] = await send_raw(gw.url, b"GET /v1/models HTTP/1.0\r\n\r\n")
     assert answer.status == 200 and answer.json()["object"] == "list"
+
+
+async def test_a_flood_of_pipelined_requests_is_capped(v1_only):
+    """Hundreds of tiny pipelined requests in one write: the first ones are answered in
+    order, then a 400 once more than ``MAX_PIPELINED`` wait, and the connection closes."""
+    recorder, gw = v1_only
+    one = get("/v1/models").replace(b"Connection: close\r\n", b"")
+    answers = await send_raw(gw.url, one * 500)
+    statuses = [a.status for a in answers]
+    assert statuses[-1] == 400 and set(statuses[:-1]) == {200}
+    assert "pipelined" in answers[-1].json()["error"]["message"]
+    assert len(recorder.seen) == len(statuses) - 1 < 100
