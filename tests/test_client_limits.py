@@ -258,6 +258,9 @@ async def test_max_connections_reclaims_idle_ones_then_refuses(serve_app, start_
         w.write(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n")
         busy.append((r, w))
     await until(lambda: gw.gateway.metrics.connections.states().get("reading", 0) == 4)
+    async with httpx.AsyncClient() as client:
+        exposition = (await client.get(gw.admin_url + "/metrics")).text
+    assert 'gateway_connections{state="reading"} 4.0' in exposition
     refused_r, refused_w = await open_raw(gw.url)
     assert await closed(refused_r) == b""
     refused_w.close()

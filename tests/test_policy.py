@@ -80,6 +80,35 @@ def test_semantic_checks_on_values():
     assert "backends.a.max_connections: must be at least 1" in joined
 
 
+def test_server_limits_are_checked_with_their_key_paths_and_lines():
+    found = problems_of(
+        "server:\n"
+        "  header_timeout_s: 0\n"
+        "  max_connections: -1\n"
+        "  max_buffered_body_bytes: 0\n"
+        '  trusted_proxies: ["10.0.0.0/8", "not-a-cidr"]\n'
+    )
+    assert "p.yaml:2: server.header_timeout_s: must be greater than 0" in found
+    assert "p.yaml:3: server.max_connections: must be greater than 0" in found
+    assert "p.yaml:4: server.max_buffered_body_bytes: must be greater than 0" in found
+    assert any("server.trusted_proxies[1]: 'not-a-cidr' is not an IP" in f for f in found)
+
+
+def test_server_limits_default_to_protect_a_512mi_sidecar():
+    server = parse_policy_text("{}").server
+    assert (server.header_timeout_s, server.body_timeout_s, server.keepalive_timeout_s) == (
+        10.0,
+        30.0,
+        75.0,
+    )
+    assert server.client_send_timeout_s == 60.0
+    assert server.max_header_bytes == 64 * 1024
+    assert server.max_connections * server.max_header_bytes + server.max_buffered_body_bytes <= (
+        128 * 1024 * 1024
+    )
+    assert server.trusted_proxies == ()
+
+
 def test_directory_merges_backends_and_concatenates_routes_in_name_order(tmp_path):
     (tmp_path / "10-backends.yaml").write_text("backends:\n  a: {url: http://a}\n")
     (tmp_path / "20-routes.yaml").write_text(
