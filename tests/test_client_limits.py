@@ -312,3 +312,35 @@ async def test_a_client_that_never_reads_is_cut_and_its_upstream_connection_rele
     assert timeouts(gw, "send") == 2
     for sock in stalled:
         sock.close()
+
+
+async def test_stalled_large_bodies_are_held_to_the_shared_budget(limited):
+    """Ten clients each start an 8 MB body and stall: the gateway holds at most the 1 MiB
+    shared budget of them (plus a read buffer each); the rest are answered 503 or 408."""
+    recorder, gw = limited
+    piece = b"x" * 65536
+    before = rss_bytes()
+
+    async def stall() -> bytes:
+        reader, writer = await open_raw(gw.url)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (8 * 1024 * 1024)
+        )
+        try:
+            for _ in range(64):  # 4 MiB of the 8, then silence
+                writer.write(piece)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        data = await closed(reader)
+        writer.close()
+        return data
+
+    answers = await asyncio.gather(*(stall() for _ in range(10)))
+    grown = rss_bytes() - before
+    statuses = sorted(parse_responses(data)[0].status for data in answers)
+    assert set(statuses) <= {408, 413, 503} and 503 in statuses
+    assert grown < 48 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB"
+    assert gw.gateway._server.body_bytes == 0
+    assert recorder.seen == []
