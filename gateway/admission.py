@@ -7,6 +7,10 @@ newest waiter of the lowest priority below its own, and is rejected itself when 
 Rejections raise ``Overloaded`` at once (no awaiting), with a ``retry_after_s`` estimated from
 the queue length and the recent time a call holds its slot.
 
+On shutdown (``drain``) every waiter is refused at once (``Overloaded('shutdown')``, 503 with
+Retry-After) and nothing queues any more: a call is admitted only while a slot is free, so
+nothing that was waiting at SIGTERM is sent upstream afterwards.
+
 A waiter whose task is cancelled (its client went away) leaves the queue at once.  Limits can
 change at run time (a policy reload, a ``limit`` throttle rule): new limits apply to new
 admissions while calls in flight finish.  Time comes from the injected clock; a timer per
@@ -138,6 +142,7 @@ class Admission:
         self._throttle_limit: int | None = None
         self._clock = clock
         self._queues: tuple[deque[_Waiter], ...] = tuple(deque() for _ in Priority)
+        self.draining = False
 
     @property
     def limit(self) -> int:
@@ -179,6 +184,8 @@ class Admission:
         now = self._clock.now()
         if self.in_flight < self.limit and not self.depth:
             return self._admit(now)
+        if self.draining:
+            raise self._reject("shutdown", "the gateway is shutting down")
         if self.depth >= self.config.queue.capacity:
             victim = self._lowest_below(priority)
             if victim is None:
@@ -214,6 +221,15 @@ class Admission:
             self._unqueue(waiter)
             self._fail(waiter, "queue_timeout", "timed out in the queue")
         return len(due)
+
+    def drain(self) -> int:
+        """Shutdown: refuse every waiter now, and queue nobody from here on; how many."""
+        self.draining = True
+        waiting = [w for q in self._queues for w in q]
+        for waiter in waiting:
+            self._unqueue(waiter)
+            self._fail(waiter, "shutdown", "the gateway is shutting down")
+        return len(waiting)
 
     def shed_waiting(self, below: Priority, reason: str = "throttle") -> int:
         """Fail every queued waiter of a priority below ``below``; how many (a ``shed`` rule)."""
@@ -289,6 +305,8 @@ class Admission:
         self.shed[reason] += 1
         if self.on_shed is not None:
             self.on_shed(reason)
+        if reason == "shutdown":  # another replica can take it at once
+            return Overloaded(f"{why}; retry", retry_after_s=1.0, reason=reason)
         return Overloaded(
             f"backend {self.backend!r} is overloaded: {why}",
             retry_after_s=float(self.retry_after_s()),

@@ -38,6 +38,10 @@ from .upstream import Transport, Upstreams
 from .warmup import warm_up
 
 log = logging.getLogger("gateway")
+CLOSE_TIMEOUT_S = 0.3
+"""After the drain: the most closing stores, pollers and pools may take."""
+ADMIN_SHUTDOWN_S = 0.2
+"""How long admin requests (a scrape, a probe) may take to finish at exit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +177,9 @@ class Gateway:
         data_url = _url(await server.listen(host, port))
         self._server = server
         admin = web.AppRunner(
-            self.admin_app(loopback=_is_loopback(admin_host)), access_log=None, shutdown_timeout=1.0
+            self.admin_app(loopback=_is_loopback(admin_host)),
+            access_log=None,
+            shutdown_timeout=ADMIN_SHUTDOWN_S,
         )
         await admin.setup()
         site = web.TCPSite(admin, admin_host, admin_port, backlog=128, reuse_address=True)
@@ -204,19 +210,27 @@ class Gateway:
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def shutdown(self, grace_s: float | None = None) -> None:
-        """Turn unready, stop accepting, let in-flight requests finish, then close."""
+        """The drain, within ``grace_s`` (the policy's ``shutdown_grace_s``) plus about a
+        second: turn unready at once; refuse what waits in admission queues (503, never sent
+        upstream); stop accepting; let requests in flight finish within the grace, then end
+        each with an answer (``HttpServer.drain``); close the rest, the admin port last."""
         self.draining = True
         for task in list(self._tasks):
             task.cancel()
+        self.registry.drain()
         if self._server is not None:
             grace = self.snapshot.policy.server.shutdown_grace_s if grace_s is None else grace_s
             await self._server.drain(grace)
-        for runner in self._runners:
-            await runner.cleanup()
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self.registry.aclose()
+                if self._upstreams is not None:
+                    await self._upstreams.aclose()
+        except TimeoutError:
+            log.warning("closing stores and pools took over %g s; left to exit", CLOSE_TIMEOUT_S)
+        for runner in self._runners:  # the admin port closes last: the model server's hook
+            await runner.cleanup()  # waits for it to know the gateway is gone
         self._runners.clear()
-        await self.registry.aclose()
-        if self._upstreams is not None:
-            await self._upstreams.aclose()
 
     def __repr__(self) -> str:
         s = self.snapshot

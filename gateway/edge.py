@@ -26,9 +26,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import openai_body
-from .errors import GatewayError, SlowReader, UpstreamError
+from .errors import GatewayError, Overloaded, SlowReader, UpstreamError
 from .forwarding import forwarding_headers
-from .headers import REQUEST_OWNED, strip
+from .headers import REQUEST_OWNED, is_event_stream, strip
 from .pipeline import Call, Reply
 from .routing import OPENAI_JSON_PATHS
 from .server_connection import Request
@@ -43,6 +43,8 @@ log = logging.getLogger("gateway.edge")
 _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
 MAX_REQUEST_ID_CHARS = 128
+CLIENT_CLOSED = 499
+"""nginx's status for a client that closed before its answer was complete."""
 _DECODED_OWNED = REQUEST_OWNED | {"content-encoding"}
 
 
@@ -96,6 +98,12 @@ class Edge:
                 return
             status = reply.status
             tokens, first_byte = await self._respond(request, call, reply)
+        except asyncio.CancelledError:
+            if request.interrupted:
+                status = self._cut_short(request, reply, request_id, status)
+            elif not request.finished:
+                status = CLIENT_CLOSED  # it left mid-answer: nginx's 499, with the bytes sent
+            raise
         finally:
             gw.inflight_requests -= 1
             if reply is not None and reply.close is not None:
@@ -174,6 +182,25 @@ class Edge:
         await request.end()
         return usage.counts if usage else None, first_byte
 
+    def _cut_short(
+        self, request: Request, reply: Reply | None, request_id: str, status: int
+    ) -> int:
+        """The drain's grace ran out on this request: a 503 if nothing was sent yet, an
+        OpenAI error event ending an SSE stream, else a cut; the status it is logged with."""
+        error = Overloaded(
+            "the gateway shut down before this answer was complete; retry",
+            retry_after_s=1.0,
+            reason="shutdown",
+        )
+        if not request.started:
+            request.respond(error.status, error_headers(error, request_id), error_body(error))
+            return error.status
+        if reply is not None and is_event_stream(reply.headers):
+            request.end_with(b"data: " + error_body(error) + b"\n\n")
+        else:
+            request.cut()
+        return status
+
     def _record(
         self,
         snap: Any,
@@ -197,7 +224,7 @@ class Edge:
             else ""
         )
         if status == 0:
-            status = 499  # the client went away before an answer (nginx's convention)
+            status = CLIENT_CLOSED  # the client went away before an answer
         metrics.count_request(route, backend, status)
         duration_h, first_byte_h = metrics.route_series(route, backend)
         duration_h.observe(now - started)
@@ -216,6 +243,7 @@ class Edge:
                 "status": status,
                 "duration_ms": round((now - started) * 1000, 3),
             }
+            entry["bytes_sent"] = request.sent
             if first_byte is not None:
                 entry["first_byte_ms"] = round((first_byte - started) * 1000, 3)
             if tokens is not None:

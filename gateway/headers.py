@@ -1,9 +1,11 @@
-"""Header hygiene shared by both directions of the proxy: hop-by-hop stripping and the
-headers the gateway owns."""
+"""Header hygiene shared by both directions of the proxy: hop-by-hop stripping, the headers
+the gateway owns, and reading a body's media type (one place, one case rule)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+SSE_TYPE = "text/event-stream"
 
 # RFC 9110 7.6.1 plus the de-facto ones proxies strip (nginx, Envoy).
 HOP_BY_HOP = frozenset(
@@ -45,3 +47,16 @@ def strip(pairs: Iterable[tuple[str, str]], owned: frozenset[str]) -> list[tuple
 
 
 _DROPS: dict[frozenset[str], frozenset[str]] = {}
+
+
+def media_type(headers: Iterable[tuple[str, str]]) -> str:
+    """The first ``Content-Type``'s media type, lower-cased, without parameters ("" if none)."""
+    for key, value in headers:
+        if key.lower() == "content-type":
+            return value.split(";", 1)[0].strip().lower()
+    return ""
+
+
+def is_event_stream(headers: Iterable[tuple[str, str]]) -> bool:
+    """True for an SSE body (``text/event-stream``)."""
+    return media_type(headers) == SSE_TYPE

@@ -14,7 +14,8 @@ Shared across connections:
 - the counts behind ``gateway_connections{state}`` and ``gateway_client_timeouts_total``.
 
 The drain (``drain``): stop listening, close idle connections, answer everything still in
-progress with ``Connection: close``, and after the grace period close what is left.
+progress with ``Connection: close``; when the grace period is over, end each request with
+an answer (a 503, or an error event that ends a stream), then close what is left.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .server_connection import ClientConnection, Request
 log = logging.getLogger("gateway.server")
 
 Handler = Callable[[Request], Awaitable[None]]
+INTERRUPT_S = 0.5
+"""After the grace: how long the requests cut short have to write their last word."""
 
 
 class HttpServer:
@@ -40,6 +43,7 @@ class HttpServer:
         self.handler = handler
         self.limits = limits
         self.draining = False
+        self.cutting = False
         self.body_bytes = 0
         self._metrics = metrics
         self._connections: set[ClientConnection] = set()
@@ -126,7 +130,8 @@ class HttpServer:
         self._listeners.clear()
 
     async def drain(self, grace_s: float) -> None:
-        """Stop accepting; let what is in progress finish within ``grace_s``; close the rest."""
+        """Stop accepting; let what is in progress finish within ``grace_s``; then end the
+        rest, every request answered (``ClientConnection.interrupt``), and close."""
         self.draining = True
         self.stop_listening()
         for conn in list(self._idle):
@@ -135,23 +140,30 @@ class HttpServer:
         for conn in list(self._connections):
             if conn.requests == 0:
                 conn.close()  # connected, but never asked for anything
-        if self._connections:
-            self._emptied = asyncio.Event()
-            try:
-                async with asyncio.timeout(grace_s):
-                    await self._emptied.wait()
-            except TimeoutError:
-                log.warning(
-                    "shutdown grace of %g s ran out; closing %d connections",
-                    grace_s,
-                    len(self._connections),
-                )
+        if not await self._emptied_within(grace_s):
+            log.warning(
+                "shutdown grace of %g s ran out; ending %d connections",
+                grace_s,
+                len(self._connections),
+            )
+            self.cutting = True
+            for conn in list(self._connections):
+                conn.interrupt()
+            await self._emptied_within(INTERRUPT_S)
         for conn in list(self._connections):
             conn.close(abort=True)
-        for _ in range(100):  # the aborted connections cancel their requests; let them unwind
-            if not self._connections:
-                break
-            await asyncio.sleep(0.005)
+        await self._emptied_within(0.1)
+
+    async def _emptied_within(self, seconds: float) -> bool:
+        if not self._connections:
+            return True
+        self._emptied = asyncio.Event()
+        try:
+            async with asyncio.timeout(seconds):
+                await self._emptied.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def __repr__(self) -> str:
         return (

@@ -54,6 +54,10 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _WAIT, _HEAD, _BODY = range(3)
 
 
+def _shutting_down() -> Overloaded:
+    return Overloaded("the gateway is shutting down; retry", retry_after_s=1.0, reason="shutdown")
+
+
 class Request:
     """One request as the edge sees it, and the way its answer goes back.
 
@@ -66,6 +70,7 @@ class Request:
     __slots__ = (
         "_chunked",
         "_chunks",
+        "_close_delimited",
         "_conn",
         "_expect",
         "_keep",
@@ -75,6 +80,7 @@ class Request:
         "finished",
         "headers",
         "host",
+        "interrupted",
         "keep_alive",
         "method",
         "path",
@@ -109,6 +115,8 @@ class Request:
         self.started = False
         self.finished = False
         self.sent = 0
+        self.interrupted = False
+        self._close_delimited = False
         self._chunks: list[bytes] = []
         self._reserved = 0
         self._expect = False
@@ -137,6 +145,7 @@ class Request:
                 lines = "Transfer-Encoding: chunked\r\n" + lines
             elif self.method != "HEAD":
                 self._keep = False  # HTTP/1.0: a body of unknown length ends at the close
+                self._close_delimited = True
         if not self._keep:
             lines += "Connection: close\r\n"
         elif self.version == "1.0":
@@ -184,6 +193,20 @@ class Request:
             self.cut()  # fewer bytes than announced: the client must see it incomplete
             return
         await self._conn.drain()
+
+    def end_with(self, data: bytes) -> None:
+        """Complete a streamed answer with ``data`` as its last piece and close, without
+        waiting on the client (the drain's last word to a stream it cuts short)."""
+        if self._length is None and data:
+            if self._chunked:
+                self._conn.writelines((b"%x\r\n" % len(data), data, b"\r\n0\r\n\r\n"))
+            else:
+                self._conn.write(data)
+        elif self._chunked:
+            self._conn.write(b"0\r\n\r\n")
+        self.finished = True
+        self._keep = False
+        self._conn.close()
 
     def cut(self) -> None:
         """End an answer that cannot be completed: the connection closes mid-answer."""
@@ -494,10 +517,13 @@ class ClientConnection(asyncio.Protocol):
         self._task = None
         if self.closed:
             return
-        if not request._keep:
+        if request._close_delimited or (not request._keep and not self._queue):
             self.close()
             return
         if self._queue:
+            if self.server.cutting:
+                self._refuse_queued()
+                return
             following = self._queue.popleft()
             if isinstance(following, GatewayError):
                 self._send_refusal(following)
@@ -518,6 +544,32 @@ class ClientConnection(asyncio.Protocol):
         if request._reserved:
             self.server.release(request._reserved)
             request._reserved = 0
+
+    def interrupt(self) -> None:
+        """The drain's grace is over: end what this connection does, each request answered.
+        A request being handled is cancelled (the edge writes its last word: a 503, or an
+        error event to end a stream); one whose body is arriving gets a 503."""
+        if self._task is not None and not self._task.done() and self._active is not None:
+            self._active.interrupted = True
+            self._task.cancel()
+        elif self._state == _BODY and self._incoming is not None:
+            self._refuse(_shutting_down())
+        else:
+            self.close()
+
+    def _refuse_queued(self) -> None:
+        """Answer every pipelined request still waiting with a 503; the last closes."""
+        pending = [item for item in self._queue if isinstance(item, Request)]
+        self._queue.clear()
+        for request in pending:
+            self._release(request)
+        error = _shutting_down()
+        body = error_body(error)
+        for i, request in enumerate(pending):
+            self.server.answered_refusal(error.status)
+            request._keep = i < len(pending) - 1
+            request.respond(error.status, error_headers(error), body)
+        self.close()
 
     # -- refusals ------------------------------------------------------------------------------
     def _parse_error(self, exc: httptools.HttpParserError) -> GatewayError:

@@ -63,6 +63,16 @@ class Registry:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def drain(self) -> None:
+        """Shutdown has begun: every piece that queues work (``drain()``) stops queueing."""
+        for _, item in list(self._items.values()):
+            drain = getattr(item, "drain", None)
+            if drain is not None:
+                try:
+                    drain()
+                except Exception:
+                    log.exception("draining %r failed", item)
+
     async def aclose(self) -> None:
         for _, item in list(self._items.values()):
             close = getattr(item, "aclose", None)

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from . import http1, http1_pool
 from .errors import UpstreamTimeout, UpstreamUnavailable
-from .headers import RESPONSE_OWNED, strip
+from .headers import RESPONSE_OWNED, media_type, strip
 from .metrics import Metrics
 from .pipeline import Reply
 from .policy.model import Backend, Policy
@@ -310,10 +310,7 @@ STREAMING_TYPES = (
 
 
 def _streams(headers: list[tuple[str, str]]) -> bool:
-    for key, value in headers:
-        if key.lower() == "content-type":
-            return value.split(";", 1)[0].strip().lower() in STREAMING_TYPES
-    return False
+    return media_type(headers) in STREAMING_TYPES
 
 
 def _ssl_context(backend: Backend) -> ssl.SSLContext:

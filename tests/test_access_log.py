@@ -47,6 +47,35 @@ async def test_access_log_writes_one_json_line_per_request_without_secrets(
     assert "sk-very-secret" not in text and "hello there" not in text
 
 
+async def test_a_stream_its_client_dropped_is_logged_and_counted_as_499_with_the_bytes_sent(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{url}"}}}}
+        routes: [{{name: gated, match: {{path: "*"}}, backend: main}}]
+        server: {{access_log: true}}
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    async with httpx.AsyncClient() as client:
+        async with client.stream("POST", gw.url + "/gated", json={}) as r:
+            assert await r.aiter_raw().__anext__() == b'data: {"part": 1}\n\n'
+    await rec.cancelled.wait()  # the client left: the upstream call was cancelled
+    await asyncio.sleep(0)
+    for _ in range(100):
+        lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+        if lines:
+            break
+        await asyncio.sleep(0.01)
+    [entry] = lines
+    assert (entry["status"], entry["bytes_sent"]) == (499, len(b'data: {"part": 1}\n\n'))
+    assert gw.gateway.metrics.requests.labels("gated", "main", "499")._value.get() == 1
+
+
 async def test_access_log_is_off_by_default(serve_app, start_gateway, capsys):
     rec = Recorder()
     gw = await start_gateway(upstream=await serve_app(rec.app()))

@@ -10,6 +10,7 @@ policy must share.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -194,11 +195,19 @@ def _shutdown_grace_s() -> float:
     return parse_policy_text(_policy_text(), "configmap-policy.yaml").server.shutdown_grace_s
 
 
-def test_termination_grace_period_exceeds_prestop_sleep_plus_drain_grace() -> None:
-    """SIGKILL never cuts a drain short: grace period > preStop sleep + shutdown_grace_s."""
+def test_the_grace_periods_add_up() -> None:
+    """SIGKILL never cuts a drain short: the gateway exits by preStop sleep +
+    shutdown_grace_s + 1 s (the drain's own bound); the model server's hook waits longer
+    than that; and terminationGracePeriodSeconds leaves vLLM time to exit after it."""
     sleep_s = _prestop_sleep_s(_container(GATEWAY_CONTAINER))
     assert sleep_s >= 1
-    assert _pod_spec()["terminationGracePeriodSeconds"] > sleep_s + _shutdown_grace_s()
+    gateway_gone_s = sleep_s + _shutdown_grace_s() + 1
+    hook = _container(MODEL_SERVER_CONTAINER)["lifecycle"]["preStop"]["exec"]["command"][2]
+    found = re.search(r"deadline = time.monotonic\(\) \+ (\d+)", hook)
+    assert found, "the model server's hook has no deadline"
+    hook_s = int(found.group(1))
+    assert hook_s > gateway_gone_s
+    assert _pod_spec()["terminationGracePeriodSeconds"] >= hook_s + 5
 
 
 def test_model_server_prestop_waits_for_the_gateway_to_exit() -> None:

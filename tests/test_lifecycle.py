@@ -4,6 +4,7 @@ graceful shutdown on SIGTERM with a stream in flight."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import until
 from tests.test_proxy import CHAT
 from tests.upstreams import Recorder
 
@@ -119,3 +121,68 @@ async def test_sighup_reloads_the_policy(serve_app, serve_process, tmp_path: Pat
             await asyncio.sleep(0.01)
         await client.post(gw.url + "/v1/chat/completions", json=CHAT)
     assert len(b.seen) == 1 and not a.seen
+
+
+async def test_sigterm_refuses_the_queued_ends_the_rest_with_answers_and_exits_in_time(
+    serve_app, serve_process, tmp_path: Path
+):
+    """A real SIGTERM to a real process, with 4 streams and a slow call in flight and 5
+    calls queued behind it: the queued get 503 with Retry-After at once and never reach the
+    backend; when ``shutdown_grace_s`` runs out the streams end with an OpenAI error event
+    and the slow call gets a 503 (no bare close for anything whose head was read); the
+    process exits within the grace plus a second."""
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    grace_s = 1.5
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        f'backends:\n  streams: {{url: "{url}"}}\n'
+        f'  slow: {{url: "{url}", max_concurrency: 1, queue: {{capacity: 20, timeout_ms: 60000}}}}\n'
+        'routes:\n  - {match: {path: "/gated"}, backend: streams}\n'
+        '  - {match: {path: "/slow"}, backend: slow}\n'
+        f"server: {{shutdown_grace_s: {grace_s}}}\n"
+    )
+    gw = await serve_process("--policy", str(path))
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(timeout=30) as client:
+        await wait_ready(client, gw.admin_url)
+        streams = []
+        for _ in range(4):
+            request = client.build_request("POST", gw.url + "/gated", json={})
+            response = await client.send(request, stream=True)
+            chunks = response.aiter_raw()
+            assert await chunks.__anext__() == b'data: {"part": 1}\n\n'
+            streams.append((response, chunks))
+        in_flight = asyncio.create_task(client.get(gw.url + "/slow"))
+        await until(lambda: sum(s.path_qs == "/slow" for s in rec.seen) == 1)
+        queued = [asyncio.create_task(client.get(gw.url + "/slow")) for _ in range(5)]
+        for _ in range(500):
+            text = (await client.get(gw.admin_url + "/metrics")).text
+            if 'gateway_queue_depth{backend="slow"} 5.0' in text:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the calls never queued")
+        sent = loop.time()
+        gw.proc.send_signal(signal.SIGTERM)
+        refused = await asyncio.gather(*queued)
+        refused_at = loop.time() - sent
+        for r in refused:
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "shutting down" in r.json()["error"]["message"]
+        ends = []
+        for response, chunks in streams:
+            ends.append(b"".join([c async for c in chunks]))  # a clean end, no cut
+            await response.aclose()
+        slow = await in_flight
+        exit_code = await asyncio.wait_for(gw.proc.wait(), 10)
+        took = loop.time() - sent
+    assert refused_at < grace_s, "the queued waited for the grace to run out"
+    for rest in ends:
+        event = json.loads(rest.removeprefix(b"data: ").strip())
+        assert event["error"]["code"] == "overloaded"
+        assert "shut down before this answer was complete" in event["error"]["message"]
+    assert slow.status_code == 503 and slow.json()["error"]["code"] == "overloaded"
+    assert sum(s.path_qs == "/slow" for s in rec.seen) == 1  # the queued never went upstream
+    assert exit_code == 0
+    assert took <= grace_s + 1.0, f"exited {took:.2f} s after SIGTERM"

@@ -34,6 +34,7 @@ from ..cache.keys import RequestKey, cacheability, request_key, with_context
 from ..cache.simhash import MAX_DISTANCE
 from ..cache.tiers import Hit, ResponseCache
 from ..errors import StoreError
+from ..headers import is_event_stream
 from ..pipeline import Call, Handler, Reply, Stage
 from ..policy.model import Policy, Route, RouteCache
 from .cache_embedding import EMBEDDING, EmbeddingContext, EmbeddingTier, build_tier
@@ -50,7 +51,6 @@ from .cache_replies import (
     content_encoded,
     hit_body,
     hit_reply,
-    is_event_stream,
 )
 from .cache_store import STORE_KIND, STORE_NAME, CacheState
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ..cache.entry import CachedResponse
 from ..cache.replay import StreamRecorder, events_to_json, json_to_events, render_sse
+from ..headers import SSE_TYPE
 from ..pipeline import Headers, Reply
 
 log = logging.getLogger("gateway.cache")
@@ -27,7 +28,6 @@ MATCH_HEADER = "X-Gateway-Cache-Match"
 SIMILARITY_HEADER = "X-Gateway-Cache-Similarity"
 ITEMS_HEADER = "X-Gateway-Cache-Items"
 MAX_RECORDED_BYTES = 4 * 1024 * 1024
-SSE_TYPE = "text/event-stream"
 JSON_TYPE = "application/json"
 
 
@@ -61,10 +61,6 @@ def content_encoded(headers: Headers) -> bool:
         if key.lower() == "content-encoding" and value.strip().lower() not in ("", "identity"):
             return True
     return False
-
-
-def is_event_stream(headers: Headers) -> bool:
-    return (_content_type(headers) or "").split(";")[0].strip().lower() == SSE_TYPE
 
 
 class Tee:

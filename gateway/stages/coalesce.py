@@ -27,6 +27,7 @@ from typing import Any
 from ..cache.keys import cacheability, request_key
 from ..cache.replay import StreamRecorder, events_to_json
 from ..errors import UpstreamUnavailable
+from ..headers import is_event_stream
 from ..pipeline import Call, Handler, Headers, Reply, Stage
 from ..policy.model import Policy
 from ..singleflight import SingleFlight
@@ -88,7 +89,7 @@ def assemble(status: int, headers: Headers, body: bytes) -> tuple[Headers, bytes
     Raises ``UpstreamUnavailable`` when the stream did not complete normally (no ``[DONE]``,
     an error event, a choice without a finish_reason): never a partial answer as a whole one.
     """
-    if not _is_event_stream(headers):
+    if not is_event_stream(headers):
         return headers, body
     recorder = StreamRecorder(max_bytes=len(body) + 1)
     recorder.feed(body)
@@ -122,10 +123,3 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
 
 def _factory(name: str, counted: Callable[[], None]) -> Callable[[], SingleFlight]:
     return lambda: SingleFlight(name=name, assemble=assemble, on_coalesced=counted)
-
-
-def _is_event_stream(headers: Headers) -> bool:
-    return any(
-        k.lower() == "content-type" and v.lower().startswith("text/event-stream")
-        for k, v in headers
-    )

@@ -156,6 +156,11 @@ class BackendGuard:
                 raise
         return Pass(ticket, permit)
 
+    def drain(self) -> None:
+        """Shutdown: the queue's waiters are refused at once (see ``Admission.drain``)."""
+        if self.admission is not None:
+            self.admission.drain()
+
     def retry_after_s(self) -> float:
         """Seconds a refused client should wait: the queue's estimate, else 1."""
         return float(self.admission.retry_after_s()) if self.admission is not None else 1.0
