@@ -38,8 +38,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_resilience import ANSWER, gateway, serving
 from bench.common import free_port, machine, update_section
+from bench.plumbing import ANSWER, gateway, serving
 from gateway.telemetry.nvml import NvmlSource
 from gateway.telemetry.signals import SIGNALS
 

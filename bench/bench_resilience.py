@@ -16,6 +16,9 @@ exporter and the clients share this process's event loop.  Three measurements:
 3. A primary failing with 5xx and a fallback (targets: zero client-visible errors for
    non-streaming requests; after the breaker opens, at most ``half_open_calls`` requests per
    ``open_s`` reach the primary): closed-loop clients for ``duration`` seconds.
+4. A busy primary that suddenly fails (``bench/outage.py``; targets: client-visible errors
+   <= 1% of the outage's requests, the breaker open within 1 s), with the breaker's
+   defaults and, for comparison, with the rate-based trip alone.
 """
 
 from __future__ import annotations
@@ -23,32 +26,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import yaml
-from aiohttp import web
-
 from bench.common import free_port, machine, update_section, wait_port
+from bench.outage import bench_sudden_outage, rows
+from bench.plumbing import Backend, Exporter, RawClient, gateway, pcts, serving
 from gateway.admission import Admission, AdmissionConfig, QueueConfig
 from gateway.errors import Overloaded
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-ANSWER = {
-    "id": "c",
-    "object": "chat.completion",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
-}
 INTERVAL_MS = 200
 BREAKER = {
     "failure_rate": 0.5,
@@ -57,135 +50,6 @@ BREAKER = {
     "open_s": 1.0,
     "half_open_calls": 2,
 }
-
-
-# -- plumbing ----------------------------------------------------------------------------
-
-
-class Backend:
-    """A backend in this process: answers at once, fails with ``status``, or holds calls;
-    records when each call arrived."""
-
-    def __init__(self, status: int = 200, hold: bool = False) -> None:
-        self.status = status
-        self.hold = hold
-        self.arrivals: list[float] = []
-        self.arrived = asyncio.Event()
-        self._held = asyncio.Event()
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/{tail:.*}", self.chat)
-        return app
-
-    def release(self) -> None:
-        self._held.set()
-
-    async def chat(self, request: web.Request) -> web.Response:
-        await request.read()
-        self.arrivals.append(time.perf_counter())
-        self.arrived.set()
-        if self.hold:
-            await self._held.wait()
-        if self.status != 200:
-            return web.json_response({"error": {"message": "failing"}}, status=self.status)
-        return web.json_response(ANSWER)
-
-
-class Exporter:
-    """A DCGM exporter whose temperature the bench sets."""
-
-    def __init__(self) -> None:
-        self.temperature = 50.0
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/metrics", self.metrics)
-        return app
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        labels = 'gpu="0",UUID="GPU-1"'
-        return web.Response(text=f"DCGM_FI_DEV_GPU_TEMP{{{labels}}} {self.temperature}\n")
-
-
-@contextlib.asynccontextmanager
-async def serving(*apps: web.Application) -> AsyncIterator[list[str]]:
-    runners = []
-    urls = []
-    try:
-        for app in apps:
-            runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-            await runner.setup()
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-            urls.append(f"http://127.0.0.1:{port}")
-        yield urls
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-
-
-@contextlib.asynccontextmanager
-async def gateway(policy: dict[str, Any], admin_port: int | None = None) -> AsyncIterator[str]:
-    """``gateway serve`` on a free port with ``policy``; yields its URL.  Waits happen off the
-    event loop: the backends it talks to live on that loop."""
-    policy = {**policy, "server": {"shutdown_grace_s": 1, **policy.get("server", {})}}
-    with tempfile.TemporaryDirectory() as tmp:
-        file = Path(tmp) / "policy.yaml"
-        file.write_text(yaml.safe_dump(policy))
-        port, admin = free_port(), admin_port or free_port()
-        args = [
-            *(sys.executable, "-m", "gateway", "--log-level", "error", "serve"),
-            *("--policy", str(file), "--port", str(port), "--admin-port", str(admin)),
-        ]
-        proc = await asyncio.create_subprocess_exec(
-            *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        try:
-            await asyncio.to_thread(wait_port, port)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            await asyncio.wait_for(proc.wait(), 15)
-
-
-class RawClient:
-    """One keep-alive HTTP/1.1 connection with next to no client-side cost."""
-
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        self.host, self.port = host, int(port)
-        body = json.dumps(CHAT).encode()
-        self.request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-
-    async def __aenter__(self) -> RawClient:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.writer.close()
-
-    async def post(self) -> tuple[int, dict[str, str]]:
-        self.writer.write(self.request)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, v = line.split(":", 1)
-                headers[k.strip().lower()] = v.strip()
-        self.body = await self.reader.readexactly(int(headers.get("content-length", "0")))
-        return int(lines[0].split()[1]), headers
-
-
-def pcts(samples: list[float]) -> tuple[float, float, float]:
-    s = sorted(samples)
-    return statistics.median(s), s[int(0.99 * (len(s) - 1))], s[-1]
 
 
 # -- 1. shedding from a full queue --------------------------------------------------------
@@ -419,7 +283,11 @@ async def bench_failover(duration_s: float, clients: int) -> dict[str, Any]:
 
 
 def report(
-    shed: dict[str, Any], reaction: dict[str, Any], failover: dict[str, Any], argv: str
+    shed: dict[str, Any],
+    reaction: dict[str, Any],
+    failover: dict[str, Any],
+    outages: list[dict[str, Any]],
+    argv: str,
 ) -> str:
     h = shed["http_ms"]
     f = shed["floor_ms"]
@@ -471,15 +339,31 @@ def report(
         f"({failover['calls_before_open']} before its breaker opened), of "
         f"{failover['requests']} requests. The reaction time includes the client's request "
         "in flight when the rule fired; the HTTP shed time includes the client's own parsing.",
+        "",
+        "A busy primary that suddenly fails (`bench/outage.py`): closed-loop clients, the "
+        "primary healthy for 3 s, then answering every call 500, a healthy fallback; the "
+        "breaker otherwise at its defaults. "
+        "Counted over the outage (requests sent after the first 500); the opening is the "
+        "first `gateway_breaker_state` of 1 read from the admin port (polled every 10 ms), "
+        "from the first failing call.",
+        "",
+        "| run | client-visible errors | breaker open after | primary calls in the outage "
+        "| met (<= 1%, <= 1 s) |",
+        "|---|---|---|---|---|",
+        *rows(outages),
     ]
     return "\n".join(lines)
 
 
-async def main_async(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+async def main_async(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     shed = await bench_shed(args.shed_requests)
     reaction = await bench_reaction(args.trials)
     failover = await bench_failover(args.duration, args.clients)
-    return shed, reaction, failover
+    outages = [
+        await bench_sudden_outage(args.clients, 3.0, args.duration, breaker)
+        for breaker in ({}, {"consecutive_failures": 0})
+    ]
+    return shed, reaction, failover, outages
 
 
 def main() -> None:
@@ -490,9 +374,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    shed, reaction, failover = asyncio.run(main_async(args))
+    shed, reaction, failover, outages = asyncio.run(main_async(args))
     argv = "python -m bench.bench_resilience " + " ".join(sys.argv[1:])
-    table = report(shed, reaction, failover, argv.strip())
+    table = report(shed, reaction, failover, outages, argv.strip())
     print(table)
     if not args.no_write:
         update_section("resilience", table)

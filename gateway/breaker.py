@@ -1,13 +1,21 @@
 """A circuit breaker per backend: stop sending to a backend that keeps failing, then probe it.
 
-    closed --(failure rate >= failure_rate over >= min_calls in window_s)--> open
+    closed --(consecutive_failures in a row, or
+              failure rate >= failure_rate over >= min_calls in window_s)--> open
     open --(open_s passed)--> half_open
     half_open --(half_open_calls probes all succeed)--> closed
     half_open --(a probe fails)--> open
 
+The two trips answer different outages: the consecutive count (Envoy outlier detection's
+``consecutive_5xx``, default 5) sees a busy backend that suddenly fails at once, where the
+healthy calls already in the window would hold a rate-based trip back for seconds; the rate
+sees a backend that fails often but not always.
+
 Only the backend being broken counts as failure: connect errors, timeouts and 5xx other than
-503.  A 4xx is the client's fault and counts as a success (the backend answered); 429 and 503
-are back-pressure, the backend alive but busy, and count as neither.  While half-open at most
+503, and failures after the head (a body cut or left idle mid-way, one the gateway cannot
+parse: the caller records those when the body ends).  A 4xx is the client's fault and counts
+as a success (the backend answered); 429 and 503 are back-pressure, the backend alive but
+busy, and count as neither.  While half-open at most
 ``half_open_calls`` probes are let through, so after the breaker opens at most that many
 requests per ``open_s`` reach the backend.  Calls go through a ``Permit`` so that an outcome
 that arrives after the state moved on (a slow call from before the breaker opened) is ignored.
@@ -33,6 +41,7 @@ DEFAULT_MIN_CALLS = 20
 DEFAULT_WINDOW_S = 30.0
 DEFAULT_OPEN_S = 30.0
 DEFAULT_HALF_OPEN_CALLS = 3
+DEFAULT_CONSECUTIVE_FAILURES = 5
 HALF_OPEN_BUSY_RETRY_S = 1.0
 """Retry-After for a call refused because every half-open probe slot is taken."""
 
@@ -50,10 +59,14 @@ class BreakerConfig:
     window_s: float = DEFAULT_WINDOW_S
     open_s: float = DEFAULT_OPEN_S
     half_open_calls: int = DEFAULT_HALF_OPEN_CALLS
+    consecutive_failures: int = DEFAULT_CONSECUTIVE_FAILURES
+    """Failures in a row that open it; 0 turns the count off."""
 
     def __post_init__(self) -> None:
         if not 0 < self.failure_rate <= 1:
             raise ValueError("failure_rate must be in (0, 1]")
+        if self.consecutive_failures < 0:
+            raise ValueError("consecutive_failures must not be negative")
         if self.min_calls < 1 or self.half_open_calls < 1:
             raise ValueError("min_calls and half_open_calls must be at least 1")
         if self.window_s <= 0 or self.open_s <= 0:
@@ -138,6 +151,7 @@ class Breaker:
         self._opened_at = 0.0
         self._probes_out = 0
         self._probes_ok = 0
+        self._in_a_row = 0
         self._window = RollingCounts(("success", "failure"), config.window_s, clock)
 
     def configure(self, config: BreakerConfig) -> None:
@@ -202,12 +216,17 @@ class Breaker:
                     self._move("closed")
             return
         if outcome is Outcome.SUCCESS:
+            self._in_a_row = 0
             self._window.add("success")
         elif outcome is Outcome.FAILURE:
+            self._in_a_row += 1
             self._window.add("failure")
             failures = self._window.total("failure")
             calls = failures + self._window.total("success")
-            if calls >= self.config.min_calls and failures >= self.config.failure_rate * calls:
+            in_a_row = self.config.consecutive_failures
+            if (in_a_row and self._in_a_row >= in_a_row) or (
+                calls >= self.config.min_calls and failures >= self.config.failure_rate * calls
+            ):
                 self._open()
 
     def _open(self) -> None:
@@ -218,6 +237,7 @@ class Breaker:
         old, self._state = self._state, new
         self._generation += 1
         self._probes_out = self._probes_ok = 0
+        self._in_a_row = 0
         if new == "closed":
             self._window.clear()
         self.transitions[(old, new)] += 1
@@ -235,4 +255,7 @@ class Breaker:
         elif state == "half_open":
             probes = f"{self._probes_ok}ok+{self._probes_out}out/{self.config.half_open_calls}"
             detail = f" probes={probes}"
-        return f"<Breaker {self.backend} state={state}{detail} failures={failures}/{calls}>"
+        return (
+            f"<Breaker {self.backend} state={state}{detail} failures={failures}/{calls} "
+            f"in_a_row={self._in_a_row}/{self.config.consecutive_failures}>"
+        )

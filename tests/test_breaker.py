@@ -72,7 +72,7 @@ def test_failures_older_than_the_window_are_forgotten() -> None:
     clock.advance(11)
     call(breaker, Outcome.FAILURE)
     assert breaker.state == "closed"
-    assert repr(breaker) == "<Breaker main state=closed failures=1/1>"
+    assert repr(breaker) == "<Breaker main state=closed failures=1/1 in_a_row=4/5>"
 
 
 def test_an_open_breaker_refuses_with_retry_after_then_half_opens_after_open_s() -> None:
@@ -85,7 +85,7 @@ def test_an_open_breaker_refuses_with_retry_after_then_half_opens_after_open_s()
         breaker.acquire()
     assert caught.value.retry_after_s == pytest.approx(2.4)
     assert caught.value.status == 503
-    assert repr(breaker) == "<Breaker main state=open retry_in=2.4s failures=4/4>"
+    assert repr(breaker) == "<Breaker main state=open retry_in=2.4s failures=4/4 in_a_row=0/5>"
     clock.advance(2.4)
     assert breaker.state == "half_open"
 
@@ -153,7 +153,7 @@ def test_closing_starts_a_fresh_window() -> None:
         p.record(Outcome.SUCCESS)
     call(breaker, Outcome.FAILURE)
     assert breaker.state == "closed"
-    assert repr(breaker) == "<Breaker main state=closed failures=1/1>"
+    assert repr(breaker) == "<Breaker main state=closed failures=1/1 in_a_row=1/5>"
 
 
 def test_recording_a_permit_twice_counts_once() -> None:
@@ -161,7 +161,7 @@ def test_recording_a_permit_twice_counts_once() -> None:
     permit = breaker.acquire()
     for _ in range(5):
         permit.record(Outcome.FAILURE)
-    assert repr(breaker) == "<Breaker main state=closed failures=1/1>"
+    assert repr(breaker) == "<Breaker main state=closed failures=1/1 in_a_row=1/5>"
 
 
 def test_transitions_are_counted_per_edge() -> None:
@@ -184,3 +184,37 @@ def test_nonsense_configs_are_refused() -> None:
         BreakerConfig(failure_rate=0)
     with pytest.raises(ValueError):
         BreakerConfig(half_open_calls=0)
+
+
+def test_failures_in_a_row_open_it_whatever_the_rate() -> None:
+    """A busy backend that suddenly fails: 100 successes in the window would hold a
+    rate-based trip back for 100 more calls; five failures in a row open it at once."""
+    breaker, _, moves = make(BreakerConfig(failure_rate=0.5, min_calls=4, window_s=60))
+    for _ in range(100):
+        call(breaker, Outcome.SUCCESS)
+    for _ in range(4):
+        call(breaker, Outcome.FAILURE)
+    assert breaker.state == "closed"
+    call(breaker, Outcome.FAILURE)
+    assert breaker.state == "open"
+    assert [(t.old, t.new) for t in moves] == [("closed", "open")]
+
+
+def test_a_success_or_a_reopening_starts_the_count_again() -> None:
+    breaker, _, _ = make(BreakerConfig(min_calls=1000, window_s=60, consecutive_failures=3))
+    for _ in range(10):
+        call(breaker, Outcome.FAILURE)
+        call(breaker, Outcome.FAILURE)
+        call(breaker, Outcome.IGNORED)  # back-pressure neither breaks nor resets the run
+        call(breaker, Outcome.SUCCESS)
+    assert breaker.state == "closed"
+    assert "in_a_row=0/3" in repr(breaker)
+
+
+def test_zero_consecutive_failures_leaves_only_the_rate() -> None:
+    breaker, _, _ = make(BreakerConfig(min_calls=1000, window_s=60, consecutive_failures=0))
+    for _ in range(50):
+        call(breaker, Outcome.FAILURE)
+    assert breaker.state == "closed"
+    with pytest.raises(ValueError):
+        BreakerConfig(consecutive_failures=-1)

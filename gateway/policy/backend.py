@@ -89,13 +89,21 @@ class Queue:
 
 @dataclass(frozen=True, slots=True)
 class CircuitBreaker:
-    """Opens on a failure rate over a sliding window; half-open probes close it again."""
+    """Opens on failures in a row or on a failure rate over a sliding window; half-open
+    probes close it again."""
 
     failure_rate: float = field(default=0.5, metadata=doc("Failure share that opens it."))
     min_calls: int = field(default=20, metadata=doc("Calls in the window before it may open."))
     window_s: float = field(default=30.0, metadata=doc("Sliding window of calls counted."))
     open_s: float = field(default=30.0, metadata=doc("How long it stays open."))
     half_open_calls: int = field(default=3, metadata=doc("Probe calls let through half-open."))
+    consecutive_failures: int = field(
+        default=5,
+        metadata=doc(
+            "Failures in a row that open it at once, whatever the rate (a busy backend that "
+            "suddenly fails; Envoy's `consecutive_5xx`); 0 turns this trip off."
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)

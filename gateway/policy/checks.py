@@ -102,6 +102,8 @@ def check_backend(b: Backend) -> Found:
             bad("circuit_breaker.failure_rate", "must be in (0, 1]")
         if cb.min_calls < 1 or cb.half_open_calls < 1:
             bad("circuit_breaker", "min_calls and half_open_calls must be at least 1")
+        if cb.consecutive_failures < 0:
+            bad("circuit_breaker.consecutive_failures", "must not be negative")
         if cb.window_s <= 0 or cb.open_s <= 0:
             bad("circuit_breaker", "window_s and open_s must be greater than 0")
     return found

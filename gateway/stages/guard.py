@@ -93,7 +93,12 @@ class BackendGuard:
             self.breaker = None
         else:
             config_b = BreakerConfig(
-                cb.failure_rate, cb.min_calls, cb.window_s, cb.open_s, cb.half_open_calls
+                cb.failure_rate,
+                cb.min_calls,
+                cb.window_s,
+                cb.open_s,
+                cb.half_open_calls,
+                cb.consecutive_failures,
             )
             if self.breaker is None:
                 self.breaker = Breaker(

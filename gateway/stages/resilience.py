@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -194,8 +194,7 @@ class Resilience:
                 passed.release()
             raise
         if passed is not None:
-            passed.record(Outcome.of_status(reply.status))
-            _release_when_done(reply, passed)
+            _account(call, reply, passed)
         if reply.status >= 500:
             return Moved("upstream_5xx", reply)
         if reply.status == 429:
@@ -242,11 +241,25 @@ def _judge(reply: Reply, quality: Quality, strip: bool) -> Reply | Moved:
     return reply
 
 
-def _release_when_done(reply: Reply, passed: Pass) -> None:
-    """A whole body is in hand: give the slot back now.  A stream holds it until closed."""
+def _account(call: Call, reply: Reply, passed: Pass) -> None:
+    """Record how the call went for the breaker, and give the slot back when it is done.
+
+    A failure at the head counts at once.  A whole body is done now: an OpenAI answer that
+    is not even shaped like a JSON object counts as the failure it is.  A stream is judged
+    when it ends: cut, left idle mid-way or misframed (an ``UpstreamError`` while it is
+    read) it fails, finished it succeeds, and abandoned by its client it does not count."""
+    at_head = Outcome.of_status(reply.status)
     if reply.stream is None:
+        body = reply.body or b""
+        if at_head is Outcome.SUCCESS and call.json is not None and not _json_shaped(body):
+            at_head = Outcome.FAILURE
+        passed.record(at_head)
         passed.release()
         return
+    if at_head is not Outcome.SUCCESS:
+        passed.record(at_head)
+    else:
+        reply.stream = _judged_stream(reply.stream, passed)
     inner = reply.close
 
     async def close() -> None:
@@ -257,6 +270,21 @@ def _release_when_done(reply: Reply, passed: Pass) -> None:
             passed.release()
 
     reply.close = close
+
+
+async def _judged_stream(stream: AsyncIterator[bytes], passed: Pass) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    except UpstreamError:
+        passed.record(Outcome.FAILURE)
+        raise
+    passed.record(Outcome.SUCCESS)
+
+
+def _json_shaped(body: bytes) -> bool:
+    """Whether an answer could be a JSON object: its first and last non-blank bytes."""
+    return body.lstrip()[:1] == b"{" and body.rstrip()[-1:] == b"}"
 
 
 async def _close(reply: Reply) -> None:

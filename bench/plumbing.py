@@ -1,0 +1,156 @@
+"""What the resilience benches share: backends, an exporter and the gateway as processes or
+apps on this event loop, and a client with next to no cost of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from bench.common import free_port, wait_port
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+ANSWER = {
+    "id": "c",
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+}
+
+
+class Backend:
+    """A backend in this process: answers at once, fails with ``status``, or holds calls;
+    records when each call arrived."""
+
+    def __init__(self, status: int = 200, hold: bool = False) -> None:
+        self.status = status
+        self.hold = hold
+        self.arrivals: list[float] = []
+        self.arrived = asyncio.Event()
+        self._held = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self.chat)
+        return app
+
+    def release(self) -> None:
+        self._held.set()
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.arrivals.append(time.perf_counter())
+        self.arrived.set()
+        if self.hold:
+            await self._held.wait()
+        if self.status != 200:
+            return web.json_response({"error": {"message": "failing"}}, status=self.status)
+        return web.json_response(ANSWER)
+
+
+class Exporter:
+    """A DCGM exporter whose temperature the bench sets."""
+
+    def __init__(self) -> None:
+        self.temperature = 50.0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = 'gpu="0",UUID="GPU-1"'
+        return web.Response(text=f"DCGM_FI_DEV_GPU_TEMP{{{labels}}} {self.temperature}\n")
+
+
+@contextlib.asynccontextmanager
+async def serving(*apps: web.Application) -> AsyncIterator[list[str]]:
+    runners = []
+    urls = []
+    try:
+        for app in apps:
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{port}")
+        yield urls
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def gateway(policy: dict[str, Any], admin_port: int | None = None) -> AsyncIterator[str]:
+    """``gateway serve`` on a free port with ``policy``; yields its URL.  Waits happen off the
+    event loop: the backends it talks to live on that loop."""
+    policy = {**policy, "server": {"shutdown_grace_s": 1, **policy.get("server", {})}}
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "policy.yaml"
+        file.write_text(yaml.safe_dump(policy))
+        port, admin = free_port(), admin_port or free_port()
+        args = [
+            *(sys.executable, "-m", "gateway", "--log-level", "error", "serve"),
+            *("--policy", str(file), "--port", str(port), "--admin-port", str(admin)),
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            await asyncio.to_thread(wait_port, port)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 15)
+
+
+class RawClient:
+    """One keep-alive HTTP/1.1 connection with next to no client-side cost."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        body = json.dumps(CHAT).encode()
+        self.request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+    async def __aenter__(self) -> RawClient:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.writer.close()
+
+    async def post(self) -> tuple[int, dict[str, str]]:
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        self.body = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        return int(lines[0].split()[1]), headers
+
+
+def pcts(samples: list[float]) -> tuple[float, float, float]:
+    s = sorted(samples)
+    return statistics.median(s), s[int(0.99 * (len(s) - 1))], s[-1]
