@@ -10,7 +10,8 @@ upgrade nobody asked for.  Each is a ``BadUpstreamResponse`` (502), and that con
 closed, never pooled.
 
 A connection is reusable only after a clean exchange: the whole answer read, keep-alive
-agreed, and not one byte more.  Any byte after the answer (or while idle in the pool)
+agreed, not a 5xx (servers often close after an error without saying so), and not one byte
+more.  Any byte after the answer (or while idle in the pool)
 retires it.  A body delimited by the connection's close is complete only on a clean close
 (FIN); a reset cuts it.  The client also does what a proxy needs around the parser: one
 write per request, flow control, timeouts from a single timer per exchange, and whether a
@@ -184,8 +185,12 @@ class Connection(asyncio.Protocol):
                 if chunked or value.strip().lower() != "chunked":
                     raise self._error_for(f"Transfer-Encoding {value!r} is not just `chunked`")
                 chunked = True
-        # HTTP/1.0's keep-alive is an extension parsers disagree on: never pooled.
-        self._keep_alive = parser.should_keep_alive() and parser.get_http_version() == "1.1"
+        # HTTP/1.0's keep-alive is an extension parsers disagree on: never pooled.  Nor is a
+        # connection after a 5xx: servers close it after an unhandled error without saying
+        # so (uvicorn under Starlette's error middleware: MLServer, FastAPI apps).
+        self._keep_alive = (
+            parser.should_keep_alive() and parser.get_http_version() == "1.1" and status < 500
+        )
         self._state = _BODY
         if self._no_body or status in (204, 304):
             # No body follows; a HEAD answer's Content-Length still describes the GET's.

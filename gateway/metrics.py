@@ -162,8 +162,9 @@ class Metrics:
         )
         self.batch_splits = Counter(
             "gateway_batch_splits",
-            "Batches split in halves after a 4xx to isolate a bad input.",
-            ["route"],
+            "Batches split in halves to isolate a bad input, by what the merged call got: "
+            "4xx, 5xx (not 503, not out of memory), or an answer that could not be split.",
+            ["route", "reason"],
             registry=r,
         )
         self.batch_oom_backoffs = Counter(

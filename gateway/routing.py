@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,6 +12,13 @@ from .policy.model import Policy, Route, glob_regex
 # The OpenAI endpoints whose JSON bodies the gateway always reads and validates.
 OPENAI_JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 OPENAI_PATHS = OPENAI_JSON_PATHS | {"/v1/models"}
+INFERENCE_PATH = re.compile(
+    r"/v1/(chat/completions|completions|embeddings)"  # OpenAI
+    r"|/v2/models/[^/]+(/versions/[^/]+)?/infer"  # KServe / Triton V2
+    r"|/v1/models/[^/]+(/versions/[^/]+)?:predict"  # TF Serving
+    r"|/(embed|embed_all|embed_sparse|rerank|predict|generate)"  # TEI, TGI
+)
+"""POSTs that run a model and change nothing: safe to send twice."""
 
 _Matcher = Callable[[str], object]
 

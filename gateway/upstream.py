@@ -7,8 +7,9 @@ closes once its in-flight requests are done.
 
 A pooled keep-alive connection that the backend closed before answering is the one case
 where a request is sent twice.  The backend may have run it before closing, so only
-requests that may be repeated are resent (``resendable``): safe methods, the OpenAI
-inference endpoints (no side effects), and any request with an ``Idempotency-Key``.  Any
+requests that may be repeated are resent (``resendable``): safe methods, inference calls
+(the OpenAI endpoints, KServe/Triton V2 ``infer``, TF Serving ``:predict``, TEI and TGI:
+they run a model and change nothing), and any request with an ``Idempotency-Key``.  Any
 other POST, a PUT, PATCH or DELETE gets a 502 instead.
 """
 
@@ -26,7 +27,7 @@ from .headers import RESPONSE_OWNED, media_type, strip
 from .metrics import Metrics
 from .pipeline import Reply
 from .policy.model import Backend, Policy
-from .routing import OPENAI_JSON_PATHS
+from .routing import INFERENCE_PATH
 
 # Answers up to this size that nobody reads piece by piece are read whole (by length,
 # chunked or to the close) and answered with a Content-Length; larger ones, SSE and NDJSON
@@ -41,7 +42,7 @@ def resendable(method: str, path_qs: str, headers: list[tuple[str, str]]) -> boo
     """Whether a request may be sent a second time after a stale keep-alive connection."""
     if method in SAFE_METHODS:
         return True
-    if method == "POST" and path_qs.partition("?")[0] in OPENAI_JSON_PATHS:
+    if method == "POST" and INFERENCE_PATH.fullmatch(path_qs.partition("?")[0]):
         return True
     return any(k.lower() == "idempotency-key" for k, _ in headers)
 

@@ -82,6 +82,7 @@ class Recorder:
         self.waits: list[float] = []
         self.limits: list[int] = []
         self.splits = 0
+        self.reasons: list[str] = []
         self.ooms = 0
 
     def batch_sent(self, items: int) -> None:
@@ -93,8 +94,9 @@ class Recorder:
     def limit_changed(self, limit: int) -> None:
         self.limits.append(limit)
 
-    def split(self) -> None:
+    def split(self, reason: str) -> None:
         self.splits += 1
+        self.reasons.append(reason)
 
     def oom_backoff(self) -> None:
         self.ooms += 1
@@ -331,6 +333,7 @@ async def test_poison_input_is_bisected_so_only_its_caller_gets_the_4xx():
         "f",
     ]
     assert backend.sizes[0] == 7 and recorder.splits == batcher.splits >= 2
+    assert set(recorder.reasons) == {"4xx"}
 
 
 async def test_429_and_408_are_not_bisected_but_go_to_every_caller():
@@ -410,9 +413,21 @@ async def test_transport_error_goes_to_every_caller_of_the_call(raised, expected
     assert [type(r) for r in results] == [expected, expected]
 
 
-async def test_answer_that_does_not_match_the_inputs_fails_every_caller():
-    clock = FakeClock()
+async def test_an_answer_that_cannot_be_split_is_bisected_down_to_callers_alone():
+    """The backend answers one vector whatever it is sent: the batch of two cannot be
+    split, so each caller is asked alone, and each alone gets an answer that fits."""
+    clock, recorder = FakeClock(), Recorder()
     backend = Backend(lambda b: (200, b'{"data": [{"index": 0, "embedding": [1.0]}]}'))
+    batcher = make(backend, clock, observer=recorder)
+    results = await asyncio.gather(*(batcher.submit(body(t)) for t in "ab"))
+    assert [r.status for r in results] == [200, 200]
+    assert backend.sizes == [2, 1, 1]
+    assert recorder.reasons == ["unsplittable"]
+
+
+async def test_an_answer_that_cannot_be_split_even_alone_fails_its_caller():
+    clock = FakeClock()
+    backend = Backend(lambda b: (200, b'{"data": []}'))
     batcher = make(backend, clock)
 
     results = await asyncio.gather(*(batcher.submit(body(t)) for t in "ab"), return_exceptions=True)

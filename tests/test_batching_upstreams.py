@@ -8,6 +8,7 @@ records the inputs of every call it served, to show which requests shared a call
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -113,6 +114,8 @@ class Upstream:
             else tensor["data"]
         )
         await self._record([flat[r * width : (r + 1) * width] for r in range(rows)])
+        if any(x < 0 for x in flat):  # like MLServer and KServe: a model error is a 500
+            return web.Response(status=500, text="Internal Server Error")
         out = {
             "name": "out",
             "datatype": tensor["datatype"],
@@ -127,6 +130,8 @@ class Upstream:
     async def tfserving(self, request: web.Request) -> web.Response:
         body = await request.json()
         await self._record(body["instances"])
+        if any(x < 0 for row in body["instances"] for x in row):
+            return web.json_response({"error": "a negative value in an instance"}, status=500)
         return web.json_response({"predictions": [sum(i) for i in body["instances"]]})
 
 
@@ -321,3 +326,58 @@ async def test_tfserving_instances_map_to_predictions(upstream):
 
     assert [a.json["predictions"] for a in answers] == [[3, 7], [11], [15]]
     assert sorted(map(len, up.calls[1:])) == [1, 3]  # another signature: another call
+
+
+@pytest.mark.parametrize("size", [2, 5, 12, 16])
+async def test_a_500_for_one_bad_row_fails_only_its_caller_within_the_bisection_budget(
+    upstream, size
+):
+    """KServe and MLServer answer a malformed row with 500: the batch is bisected as for a
+    4xx, at most 2 ceil(log2 n) extra calls, and only the bad row's caller gets the 500."""
+    up, send_to = upstream
+    batcher = Batcher(
+        KServeInfer(), send_to("/v2/models/double/infer"), max_wait_ms=NEVER, limit=FixedLimit(32)
+    )
+    bad = size // 2
+
+    def row(i: int) -> dict[str, Any]:
+        value = -1 if i == bad else i
+        return {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [value, 1]}]}
+
+    async def batch() -> list[Any]:
+        return await asyncio.gather(*(batcher.submit(row(i)) for i in range(size)))
+
+    first = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0, 0]}]}
+    _, answers = await busy_then(up, batcher, first, batch)
+    statuses = [a.status for a in answers]
+    assert statuses == [500 if i == bad else 200 for i in range(size)]
+    for i, a in enumerate(answers):
+        if i != bad:
+            assert a.json["outputs"][0]["data"] == [2 * i, 2]
+    extra = len(up.calls) - 2  # the first (busy) call and the merged batch
+    assert extra <= 2 * math.ceil(math.log2(size))
+
+
+async def test_bisection_stops_at_its_budget_when_every_row_fails(upstream):
+    """A batch whose every row is bad costs about 2 log2 n extra calls, not 2n."""
+    up, send_to = upstream
+    batcher = Batcher(
+        TFServingPredict(),
+        send_to("/v1/models/sum:predict"),
+        max_wait_ms=NEVER,
+        limit=FixedLimit(32),
+    )
+
+    async def batch() -> list[Any]:
+        return await asyncio.gather(*(batcher.submit({"instances": [[-1, i]]}) for i in range(16)))
+
+    _, answers = await busy_then(up, batcher, {"instances": [[0, 0]]}, batch)
+    assert all(a.status == 500 for a in answers)
+    assert len(up.calls) - 2 <= 2 * math.ceil(math.log2(16))
+
+
+async def test_a_500_for_a_batch_of_one_is_passed_through(upstream):
+    up, send_to = upstream
+    batcher = Batcher(TFServingPredict(), send_to("/v1/models/sum:predict"), max_wait_ms=NEVER)
+    answer = await batcher.submit({"instances": [[-1, 0]]})
+    assert answer.status == 500 and len(up.calls) == 1

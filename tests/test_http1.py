@@ -105,6 +105,24 @@ async def test_bytes_after_a_head_answer_retire_its_connection(raw_backend, star
     assert [ex.connection for ex in backend.exchanges] == [1, 2]
 
 
+async def test_a_connection_is_not_reused_after_a_5xx(raw_backend, start_gateway):
+    """uvicorn under Starlette's error middleware (MLServer, FastAPI apps) closes the
+    connection after a 500 without saying so: the next request must not go out on it."""
+    url, backend = await raw_backend(
+        lambda ex: (
+            b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\noops"
+            if ex.connection == 1
+            else OK
+        )
+    )
+    gw = await start_gateway(upstream=url)
+    async with httpx.AsyncClient() as client:
+        failed = await client.post(gw.url + "/v1/orders", json={})
+        ok = await client.post(gw.url + "/v1/orders", json={})
+    assert (failed.status_code, ok.status_code) == (500, 200)
+    assert [ex.connection for ex in backend.exchanges] == [1, 2]
+
+
 async def test_interim_103_is_skipped_and_the_final_answer_relayed(raw_backend, start_gateway):
     url, _ = await raw_backend(
         lambda ex: (

@@ -1,7 +1,8 @@
 """The one resend: a pooled keep-alive connection the backend closes without answering.
 The backend may have run the request before closing, so only a request that may be
-repeated is sent again: safe methods, the OpenAI inference endpoints, and any request with
-an ``Idempotency-Key``; any other POST, a PUT, PATCH or DELETE gets a 502 instead."""
+repeated is sent again: safe methods, inference calls (OpenAI, KServe V2, TF Serving, TEI),
+and any request with an ``Idempotency-Key``; any other POST, a PUT, PATCH or DELETE gets a
+502 instead."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def closes_its_second_request(exchanges: list[RawExchange]):
         ("OPTIONS", "/v1/models", {}, True),
         ("POST", "/v1/chat/completions", {}, True),
         ("POST", "/v1/embeddings", {}, True),
+        ("POST", "/v2/models/rowsum/infer", {}, True),
+        ("POST", "/v1/models/sum:predict", {}, True),
+        ("POST", "/embed", {}, True),
         ("POST", "/v1/orders", {}, False),
         ("POST", "/v1/orders", {"Idempotency-Key": "k-1"}, True),
         ("PUT", "/v1/files/a", {}, False),

@@ -43,7 +43,7 @@ from ..errors import Overloaded
 from .adapters import Adapter
 from .aimd import BatchLimit, FixedLimit
 from .answer import Answer
-from .merged_calls import MergedCalls, Send, chunks, fail
+from .merged_calls import DEFAULT_DEADLINE_S, MergedCalls, Send, chunks, fail
 from .observer import BatchObserver, NullObserver
 
 DEFAULT_MAX_SIZE = 32
@@ -91,6 +91,7 @@ class Batcher:
         clock: Clock = SYSTEM_CLOCK,
         sleep: Sleep = asyncio.sleep,
         max_in_flight: int | None = None,
+        deadline_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
         if slots < 1 or max_wait_ms < 0:
             raise ValueError("slots must be >= 1 and max_wait_ms >= 0")
@@ -106,7 +107,12 @@ class Batcher:
         self._observer: BatchObserver = observer or NullObserver()
         self._clock = clock
         self._calls = MergedCalls(
-            adapter, send, limit=self._limit, observer=self._observer, clock=clock
+            adapter,
+            send,
+            limit=self._limit,
+            observer=self._observer,
+            clock=clock,
+            deadline_s=deadline_s,
         )
         self._sleep = sleep
         self._groups: dict[Hashable, _Group] = {}

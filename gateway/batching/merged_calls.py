@@ -3,14 +3,19 @@
 Failures of a merged call are the batcher's to sort out, so that a caller sees what it would
 have seen alone:
 
-- 2xx: the answer is split by the adapter; an answer that cannot be split fails every
-  caller with ``BatchSplitError``.
+- 2xx: the answer is split by the adapter.
 - out of memory (507, or a 5xx whose body says out of memory / OOM): the limit drops to half
   the failed batch's items for good (``BatchLimit.backoff_to``) and the callers are retried
   in chunks of the new limit, one chunk after another.  A lone caller gets the answer as is.
-- 4xx other than 408/429: the callers are split in halves, retried concurrently, and so on
-  down to single callers, so a poison input fails only its own request, with the upstream's
-  own status and body.  408 and 429 say nothing about the inputs and are not bisected.
+- a bad input: 4xx other than 408/429, 5xx other than 503 and out of memory (MLServer and
+  KServe answer 500 to a malformed row), or a 2xx that cannot be split: the callers are
+  split in halves, retried concurrently, and so on down to single callers, so a poison input
+  fails only its own request, with the upstream's own status and body.  A batch of one gets
+  its answer as is; one that cannot be split, ``BatchSplitError``.  The bisection of one
+  batch is bounded (``bisect_budget``: about 2 log2 n extra calls, what one bad input
+  costs; and within ``deadline_s`` of the batch's first call); past either bound, the
+  callers still failing get the failure they were in.  408, 429 and 503 say nothing about
+  the inputs and are not bisected.
 - any other status, and transport errors: every caller of that call gets the same.
 
 A caller whose future is already done (it went away) is left out of a call, and an answer
@@ -25,16 +30,36 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..clock import Clock
-from ..errors import GatewayError, Overloaded, UpstreamUnavailable
+from ..errors import BatchSplitError, GatewayError, Overloaded, UpstreamUnavailable
 from ..pipeline import Headers
 from .adapters import Adapter
 from .aimd import BatchLimit
 from .answer import Answer, as_is, split_answer
 from .observer import BatchObserver
 
-NOT_BISECTED = frozenset({408, 429})
+NOT_BISECTED = frozenset({408, 429, 503})
+SPLIT_REASONS = ("4xx", "5xx", "unsplittable")
 OOM_PATTERN = re.compile(rb"out of memory|outofmemory|\boom\b", re.IGNORECASE)
 OOM_SCAN_BYTES = 8192
+DEFAULT_DEADLINE_S = 120.0
+"""How long after a batch's first call its bisection may go on (the backend's timeout)."""
+
+
+def bisect_budget(callers: int) -> int:
+    """Extra calls a batch of ``callers`` may make to isolate bad inputs: two per halving,
+    what one bad input costs (``2 * ceil(log2 n)``)."""
+    return 2 * max(0, (callers - 1).bit_length())
+
+
+class _Bisection:
+    """The bounds of one batch's bisection: extra calls left, and its deadline."""
+
+    __slots__ = ("calls_left", "deadline")
+
+    def __init__(self, calls_left: int, deadline: float) -> None:
+        self.calls_left = calls_left
+        self.deadline = deadline
+
 
 Send = Callable[[Any], Awaitable[tuple[int, Headers, bytes]]]
 
@@ -65,12 +90,14 @@ class MergedCalls:
         limit: BatchLimit,
         observer: BatchObserver,
         clock: Clock,
+        deadline_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
         self._adapter = adapter
         self._send = send
         self._limit = limit
         self._observer = observer
         self._clock = clock
+        self.deadline_s = deadline_s
         self.upstream_calls = 0
         self.splits = 0
         self.oom_backoffs = 0
@@ -82,11 +109,21 @@ class MergedCalls:
 
         ``release`` is called once the backend has answered a 2xx, before the answer is split.
         """
+        await self._attempt(callers, release, None)
+
+    async def _attempt(
+        self,
+        callers: Sequence[Caller],
+        release: Callable[[], None] | None,
+        bisection: _Bisection | None,
+    ) -> None:
         live = [c for c in callers if not c.future.done()]
         if not live:
             return
+        if bisection is None:
+            bisection = _Bisection(bisect_budget(len(live)), self._clock.now() + self.deadline_s)
         try:
-            await self._call(live, release)
+            await self._call(live, release, bisection)
         except asyncio.CancelledError:
             fail(live, Overloaded("the batcher is closed", reason="shutdown"))
             raise
@@ -97,7 +134,9 @@ class MergedCalls:
             error.__cause__ = exc
             fail(live, error)
 
-    async def _call(self, live: list[Caller], release: Callable[[], None] | None) -> None:
+    async def _call(
+        self, live: list[Caller], release: Callable[[], None] | None, bisection: _Bisection
+    ) -> None:
         bodies = [c.body for c in live]
         items = sum(c.items for c in live)
         merged = self._adapter.merge(bodies)
@@ -114,7 +153,12 @@ class MergedCalls:
             self._observe(self._clock.now() - started, items)
             if release is not None:
                 release()  # the backend is done: the next batch goes before this one splits
-            shares = split_answer(self._adapter, status, raw, bodies)
+            try:
+                shares = split_answer(self._adapter, status, raw, bodies)
+            except BatchSplitError:
+                if not await self._bisect(live, "unsplittable", bisection):
+                    raise
+                return
             for caller, share in zip(live, shares, strict=True):
                 _resolve(caller, Answer(status, share))
         elif _out_of_memory(status, raw) and len(live) > 1:
@@ -123,18 +167,31 @@ class MergedCalls:
             while rest:  # one chunk at a time, each cut at the limit as it is by then
                 chunk = chunks(rest, self._limit.limit)[0]
                 rest = rest[len(chunk) :]
-                await self.attempt(chunk)
-        elif 400 <= status < 500 and status not in NOT_BISECTED and len(live) > 1:
-            self.splits += 1
-            self._observer.split()
-            half = len(live) // 2
-            await asyncio.gather(self.attempt(live[:half]), self.attempt(live[half:]))
+                await self._attempt(chunk, None, None)
+        elif _bad_input(status, raw) and await self._bisect(
+            live, "4xx" if status < 500 else "5xx", bisection
+        ):
+            return
         else:
             if _out_of_memory(status, raw):
                 self._back_off(items)
             answer = as_is(status, headers, raw)
             for caller in live:
                 _resolve(caller, answer)
+
+    async def _bisect(self, live: list[Caller], reason: str, bisection: _Bisection) -> bool:
+        """Retry ``live`` in two halves, if it can be split and the bounds allow."""
+        if len(live) < 2 or bisection.calls_left < 2 or self._clock.now() >= bisection.deadline:
+            return False
+        bisection.calls_left -= 2
+        self.splits += 1
+        self._observer.split(reason)
+        half = len(live) // 2
+        await asyncio.gather(
+            self._attempt(live[:half], None, bisection),
+            self._attempt(live[half:], None, bisection),
+        )
+        return True
 
     def _observe(self, latency_s: float, items: int) -> None:
         before = self._limit.limit
@@ -181,6 +238,13 @@ def fail(callers: Sequence[Caller], exc: BaseException) -> None:
 def _resolve(caller: Caller, answer: Answer) -> None:
     if not caller.future.done():
         caller.future.set_result(answer)
+
+
+def _bad_input(status: int, raw: bytes) -> bool:
+    """A status that may come from one bad input of the batch."""
+    if status in NOT_BISECTED or _out_of_memory(status, raw):
+        return False
+    return 400 <= status < 600
 
 
 def _out_of_memory(status: int, raw: bytes) -> bool:

@@ -18,8 +18,9 @@ class BatchObserver(Protocol):
     def limit_changed(self, limit: int) -> None:
         """The batch size limit is now ``limit`` (``gateway_batch_limit``)."""
 
-    def split(self) -> None:
-        """A merged call answered 4xx and was split in halves (``gateway_batch_splits_total``)."""
+    def split(self, reason: str) -> None:
+        """A merged call failed as if for a bad input (``reason``: 4xx, 5xx, unsplittable)
+        and was split in halves (``gateway_batch_splits_total``)."""
 
     def oom_backoff(self) -> None:
         """The backend ran out of memory and the limit was halved (``..._oom_backoffs_total``)."""
@@ -37,7 +38,7 @@ class NullObserver:
     def limit_changed(self, limit: int) -> None:
         pass
 
-    def split(self) -> None:
+    def split(self, reason: str) -> None:
         pass
 
     def oom_backoff(self) -> None:

@@ -47,6 +47,7 @@ from ..batching import (
     adapter_for,
 )
 from ..batching.aimd import BatchLimit, CappedLimit
+from ..batching.merged_calls import SPLIT_REASONS
 from ..errors import Overloaded
 from ..metrics import Metrics
 from ..pipeline import Call, Handler, Headers, Reply, Stage
@@ -208,7 +209,7 @@ class RouteObserver:
         self._size = metrics.batch_size.labels(route)
         self._wait = metrics.batch_wait.labels(route)
         self._limit = metrics.batch_limit.labels(route)
-        self._splits = metrics.batch_splits.labels(route)
+        self._splits = {r: metrics.batch_splits.labels(route, r) for r in SPLIT_REASONS}
         self._ooms = metrics.batch_oom_backoffs.labels(route)
 
     def batch_sent(self, items: int) -> None:
@@ -220,8 +221,8 @@ class RouteObserver:
     def limit_changed(self, limit: int) -> None:
         self._limit.set(limit)
 
-    def split(self) -> None:
-        self._splits.inc()
+    def split(self, reason: str) -> None:
+        self._splits[reason].inc()
 
     def oom_backoff(self) -> None:
         self._ooms.inc()
@@ -236,9 +237,11 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         slots = policy.backend(route.backend).max_concurrency or DEFAULT_SLOTS
         for adapter in route_adapters(route):
             name = f"{route.name} {route.backend} {adapter.name}"
-            make = _factory(name, route, route.batch, adapter, slots, runtime)
+            # A batch's bisection ends when a caller alone would have timed out.
+            deadline_s = policy.backend(route.backend).timeout_s
+            make = _factory(name, route, route.batch, adapter, slots, runtime, deadline_s)
             batchers[(route.name, route.backend, adapter.name)] = runtime.registry.get(
-                "batcher", name, (route.batch, slots), make
+                "batcher", name, (route.batch, slots, deadline_s), make
             )
     return [BatchStage(batchers)] if batchers else []
 
@@ -253,7 +256,13 @@ def route_adapters(route: Route) -> tuple[Adapter, ...]:
 
 
 def _factory(
-    name: str, route: Route, batch: Batch, adapter: Adapter, slots: int, runtime: Runtime
+    name: str,
+    route: Route,
+    batch: Batch,
+    adapter: Adapter,
+    slots: int,
+    runtime: Runtime,
+    deadline_s: float,
 ) -> Callable[[], Batcher]:
     def make() -> Batcher:
         observer = RouteObserver(runtime.metrics, route.name)
@@ -272,6 +281,7 @@ def _factory(
             clock=runtime.clock,
             sleep=getattr(runtime.clock, "sleep", asyncio.sleep),
             max_in_flight=slots if batch.adaptive is not None else slots + QUEUED_AT_BACKEND,
+            deadline_s=deadline_s,
         )
 
     return make
