@@ -98,10 +98,14 @@ def admin_routes(gateway: Gateway, *, loopback: bool) -> list[web.RouteDef]:
 
     async def policy(_: web.Request) -> web.Response:
         snap = gateway.snapshot
-        return web.json_response(
-            {"generation": snap.generation, "hash": snap.digest, "policy": to_data(snap.policy)},
-            dumps=lambda d: json.dumps(d, indent=2),
-        )
+        control = gateway.registry.peek("gpu_control", "")
+        shown = {
+            "generation": snap.generation,
+            "hash": snap.digest,
+            "policy": to_data(snap.policy),
+            "throttle_signals": control.signal_status() if control is not None else [],
+        }
+        return web.json_response(shown, dumps=lambda d: json.dumps(d, indent=2))
 
     async def reload(_: web.Request) -> web.Response:
         try:

@@ -90,6 +90,8 @@ class Gateway:
     def _build(self, loaded: Loaded) -> Snapshot:
         self._generation += 1
         policy = loaded.policy
+        for warning in loaded.warnings:
+            log.warning("policy: %s", warning)
         if self._upstreams is not None:
             self._upstreams.sync(policy)
         self.registry.begin()

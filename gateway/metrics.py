@@ -204,6 +204,14 @@ class Metrics:
             ["rule", "backend"],
             registry=r,
         )
+        self.throttle_signal_seen = Gauge(
+            "gateway_throttle_signal_seen",
+            "1 once a throttle rule's signal has been read from its backend's telemetry; 0 "
+            "when, after a few samples, it never has (the rule cannot fire: e.g. the stock "
+            "dcgm-exporter counters lack the power limit and clock-event reasons).",
+            ["rule", "backend"],
+            registry=r,
+        )
         self.throttle_transitions = Counter(
             "gateway_throttle_transitions",
             "Throttle rules firing or clearing.",

@@ -130,7 +130,27 @@ def test_kustomization_builds_with_kubectl() -> None:
     )
     assert result.returncode == 0, result.stderr
     rendered = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(result.stdout)}
-    assert rendered == {(o["kind"], o["metadata"]["name"]) for o in _objects()}
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    generated = {("ConfigMap", g["name"]) for g in kustomization.get("configMapGenerator", [])}
+    assert rendered == {(o["kind"], o["metadata"]["name"]) for o in _objects()} | generated
+
+
+def test_the_dcgm_counters_hold_the_stock_fields_and_those_the_signals_need() -> None:
+    """Every line is `field, type, help`; the power limit and clock-event reasons the
+    gateway's power and throttling signals read are there, beside the stock counters."""
+    from gateway.telemetry.prometheus import CLOCK_REASONS, FB_FREE, GPU_TEMP, POWER_LIMITS
+
+    fields = {}
+    for line in (K8S_DIR / "dcgm-counters.csv").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        field, kind, help_text = (part.strip() for part in line.split(",", 2))
+        assert field.startswith("DCGM_FI_") and kind in ("gauge", "counter", "label")
+        assert help_text
+        fields[field] = kind
+    assert {GPU_TEMP, FB_FREE, "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_GPU_UTIL"} <= set(fields)
+    assert any(name in fields for name in POWER_LIMITS)
+    assert any(name in fields for name in CLOCK_REASONS)
 
 
 def test_policy_configmap_is_mounted_as_a_directory_without_subpath() -> None:

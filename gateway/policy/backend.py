@@ -52,7 +52,24 @@ class Telemetry:
     gpu: str | None = field(
         default=None,
         metadata=doc(
-            "Only series with this `gpu` label (default: the hottest / fullest of all GPUs)."
+            "Only the GPU with this `gpu` index label or `UUID` (default: every GPU the "
+            "exporter reports; each signal takes the largest, the hottest GPU wins)."
+        ),
+    )
+    gpu_instance: str | None = field(
+        default=None,
+        metadata=doc("Only the MIG instance with this `GPU_I_ID` (MIG instances are apart)."),
+    )
+    select: tuple[tuple[str, str], ...] = field(
+        default=(),
+        metadata=doc(
+            'Label matchers a GPU series must all equal, e.g. `{pod: "${POD_NAME}", '
+            'namespace: "${POD_NAMESPACE}"}` on a node-wide DCGM exporter that maps '
+            "devices to pods, so one ConfigMap serves every replica (values expand "
+            "`${ENV}`, e.g. from the Downward API). Applies to the DCGM series, not to the "
+            "model server's own.",
+            mapping=True,
+            env=True,
         ),
     )
     interval_ms: int = field(

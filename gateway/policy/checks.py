@@ -37,6 +37,29 @@ def check_server(server: Server) -> Found:
     return found
 
 
+EXPORTER_FIELDS = {
+    "gpu_power_ratio": "DCGM_FI_DEV_POWER_MGMT_LIMIT",
+    "gpu_thermal_throttling": "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+}
+"""Signals whose DCGM field the stock dcgm-exporter counters file does not collect."""
+
+
+def warn_throttle(rule: ThrottleRule, backends: dict[str, Backend]) -> Found:
+    """What may keep a valid rule from ever firing (warnings, not errors)."""
+    backend = backends.get(rule.backend)
+    field = EXPORTER_FIELDS.get(rule.when.signal)
+    if backend is None or field is None or backend.telemetry.source != "prometheus":
+        return []
+    return [
+        (
+            "when.signal",
+            f"{rule.when.signal} needs {field}, which the stock dcgm-exporter counters do not "
+            "collect: run the exporter with deploy/k8s/dcgm-counters.csv, or the rule never "
+            "fires (the gateway warns again if the signal is never seen)",
+        )
+    ]
+
+
 def check_throttle(rule: ThrottleRule, backends: dict[str, Backend]) -> Found:
     """One throttle rule (duplicates are the loader's, which sees them all)."""
     found: Found = []

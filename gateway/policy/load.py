@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import PolicyError, Problem
-from .checks import check_backend, check_route, check_server, check_throttle
+from .checks import check_backend, check_route, check_server, check_throttle, warn_throttle
 from .convert import Found, convert, join
 from .model import Backend, Match, Policy, Route, ThrottleRule, glob_regex
 
@@ -95,7 +95,7 @@ def parse_sources(sources: list[tuple[str, str]], *, lenient_env: bool = False) 
         digest.update(source.rsplit("/", 1)[-1].encode() + b"\0" + text.encode() + b"\0")
         parts.append(_parse_part(source, text, problems, warnings, lenient_env))
     if not problems:
-        policy = _merge(parts, problems)
+        policy = _merge(parts, problems, warnings)
         if not problems:
             return Loaded(
                 policy, digest.hexdigest()[:16], tuple(s for s, _ in sources), tuple(warnings)
@@ -133,7 +133,7 @@ def _parse_part(
     return _Part(source, policy if not found else None, lines, keys)
 
 
-def _merge(parts: list[_Part], problems: list[Problem]) -> Policy:
+def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem]) -> Policy:
     backends: dict[str, Backend] = {}
     routes: list[Route] = []
     where: list[tuple[_Part, str]] = []
@@ -177,6 +177,7 @@ def _merge(parts: list[_Part], problems: list[Problem]) -> Policy:
     seen: set[tuple[str, str]] = set()
     for rule, part, path in throttles:
         _report(check_throttle(rule, backends), part, path, problems)
+        _report(warn_throttle(rule, backends), part, path, warnings)
         if (rule.name, rule.backend) in seen:
             message = f"rule {rule.name!r} is defined twice for backend {rule.backend!r}"
             _report([("name", message)], part, path, problems)

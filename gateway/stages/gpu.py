@@ -17,6 +17,7 @@ pollers' schedule, so tests move telemetry time by advancing the clock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +40,8 @@ from ..throttle import Decision, Throttle, ThrottleLimit, ThrottleRule, Throttle
 if TYPE_CHECKING:
     from ..policy import model
 
+log = logging.getLogger("gateway.throttle")
+
 GAUGE_OF_SIGNAL = {
     "gpu_temperature_c": "gpu_temperature",
     "gpu_memory_used_ratio": "gpu_memory_used",
@@ -47,6 +50,16 @@ GAUGE_OF_SIGNAL = {
     "kv_cache_usage": "kv_cache_usage",
 }
 """Signals published as gauges, and the ``Metrics`` attribute of each."""
+UNSEEN_AFTER_SAMPLES = 3
+_COUNTERS_HINT = (
+    " (the stock dcgm-exporter counters lack {}: run the exporter with "
+    "deploy/k8s/dcgm-counters.csv)"
+)
+_HINTS = {
+    "gpu_power_ratio": _COUNTERS_HINT.format("DCGM_FI_DEV_POWER_MGMT_LIMIT"),
+    "gpu_thermal_throttling": _COUNTERS_HINT.format("DCGM_FI_DEV_CLOCKS_EVENT_REASONS"),
+}
+"""Samples after which a rule's signal that none of them had is reported as never seen."""
 
 
 class ThrottleTarget(Protocol):
@@ -63,6 +76,8 @@ def telemetry_config(t: model.Telemetry) -> TelemetryConfig:
         extra_urls=t.extra_urls,
         index=t.index,
         gpu=t.gpu,
+        gpu_instance=t.gpu_instance,
+        select=t.select,
         interval_ms=t.interval_ms,
         fail_closed=t.fail_closed,
     )
@@ -141,7 +156,7 @@ class BackendTelemetry:
             return
         if self.poller is None:
             session = self._http.session() if self._http is not None else None
-            source = make_source(self.config, session=session, clock=self._clock)
+            source = make_source(self.config, session=session, clock=self._clock, name=self.backend)
             if source is None:
                 return
             sleep = getattr(self._clock, "sleep", None) or asyncio.sleep
@@ -171,6 +186,7 @@ class GpuControl:
         self.telemetry: dict[str, Telemetry] = {}
         self.targets: Mapping[str, ThrottleTarget] = {}
         self.throttle = Throttle(telemetry=self.telemetry, clock=clock, on_transition=self._moved)
+        self._warned: set[tuple[str, str]] = set()
 
     def sync(
         self,
@@ -215,10 +231,54 @@ class GpuControl:
                 value = getattr(sample, signal)
                 if value is not None:
                     getattr(self._metrics, gauge).labels(telemetry.backend).set(value)
+        self._check_signals(telemetry)
         decision = self.throttle.decide(telemetry.backend)
         target = self.targets.get(telemetry.backend)
         if target is not None:
             target.apply(decision)
+
+    def _check_signals(self, telemetry: Telemetry) -> None:
+        """Say (a metric; a warning once) when a rule's signal has never been read."""
+        if telemetry.samples < UNSEEN_AFTER_SAMPLES:
+            return
+        for rule in self.throttle.rules:
+            if rule.backend != telemetry.backend:
+                continue
+            seen = rule.signal in telemetry.seen
+            self._metrics.throttle_signal_seen.labels(rule.name, rule.backend).set(int(seen))
+            if not seen and (rule.name, rule.backend) not in self._warned:
+                self._warned.add((rule.name, rule.backend))
+                log.warning(
+                    "throttle rule %r on backend %s reads %s, which its telemetry has not "
+                    "reported in %d samples: the rule cannot fire%s",
+                    rule.name,
+                    rule.backend,
+                    rule.signal,
+                    telemetry.samples,
+                    _HINTS.get(rule.signal, ""),
+                )
+
+    def signal_status(self) -> list[dict[str, str]]:
+        """Each rule's signal: ``seen``, ``unknown`` (never read in the samples so far), or
+        ``waiting`` (too few samples yet) (for ``GET /policy``)."""
+        out = []
+        for rule in self.throttle.rules:
+            telemetry = self.telemetry.get(rule.backend)
+            if telemetry is not None and rule.signal in telemetry.seen:
+                status = "seen"
+            elif telemetry is not None and telemetry.samples >= UNSEEN_AFTER_SAMPLES:
+                status = "unknown"
+            else:
+                status = "waiting"
+            out.append(
+                {
+                    "rule": rule.name,
+                    "backend": rule.backend,
+                    "signal": rule.signal,
+                    "status": status,
+                }
+            )
+        return out
 
     def _moved(self, t: ThrottleTransition) -> None:
         m = self._metrics

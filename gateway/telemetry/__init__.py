@@ -12,7 +12,7 @@ from .poller import (
     make_source,
     telemetry_for,
 )
-from .prometheus import PrometheusSource, parse_exposition, signals_from
+from .prometheus import PrometheusSource, Selector, parse_exposition, read_series, signals_from
 from .signals import SIGNALS, STALE_INTERVALS, Sample, Signal, Telemetry
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "NvmlSource",
     "PrometheusSource",
     "Sample",
+    "Selector",
     "Signal",
     "Source",
     "Telemetry",
@@ -28,6 +29,7 @@ __all__ = [
     "TelemetryPoller",
     "make_source",
     "parse_exposition",
+    "read_series",
     "signals_from",
     "telemetry_for",
 ]

@@ -18,7 +18,7 @@ import aiohttp
 
 from ..clock import SYSTEM_CLOCK, Clock
 from .nvml import NvmlSource
-from .prometheus import PrometheusSource
+from .prometheus import PrometheusSource, Selector
 from .signals import Sample, Telemetry
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class TelemetryConfig:
     extra_urls: tuple[str, ...] = ()
     index: int = 0
     gpu: str | None = None
+    gpu_instance: str | None = None
+    select: tuple[tuple[str, str], ...] = ()
     interval_ms: int = DEFAULT_INTERVAL_MS
     fail_closed: bool = False
 
@@ -70,6 +72,7 @@ def make_source(
     session: aiohttp.ClientSession | None = None,
     nvml: Any = None,
     clock: Clock = SYSTEM_CLOCK,
+    name: str = "",
 ) -> Source | None:
     """The source ``config`` names, or None for ``none``."""
     if config.source == "prometheus":
@@ -78,7 +81,8 @@ def make_source(
         return PrometheusSource(
             (config.url, *config.extra_urls),
             session,
-            gpu=config.gpu,
+            select=Selector(config.select, config.gpu, config.gpu_instance),
+            name=name,
             timeout_ms=config.interval_ms,
             clock=clock,
         )

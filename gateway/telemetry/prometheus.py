@@ -1,16 +1,25 @@
 """The ``prometheus`` telemetry source: scrape DCGM exporter and model-server metrics.
 
 In Kubernetes a sidecar without its own GPU request cannot open the GPU with NVML, so it reads
-the DCGM exporter (``DCGM_FI_DEV_*``) and the model server's own ``/metrics`` (vLLM, TGI).
-Only the few series that map to a signal are parsed; the rest of a large exposition is skipped
-by name without parsing labels.  With several GPUs the hottest (largest) value wins, unless
-``gpu`` names one (by its ``gpu`` index label or its ``UUID``).  Queue lengths are summed
-over series (one per model or engine); KV-cache use takes the largest.
+the DCGM exporter (``DCGM_FI_DEV_*``, or the old namespace's ``dcgm_*`` with a lower-case
+``uuid``) and the model server's own ``/metrics`` (vLLM, TGI).  Only the few series that map
+to a signal are parsed; the rest of a large exposition is skipped by name without parsing
+labels.
+
+A GPU series belongs to one device: its ``gpu`` index or UUID, and with MIG its instance
+(``GPU_I_ID``, ``GPU_I_PROFILE``), so two MIG instances of one GPU are two devices, never
+one series overwriting the other.  A ``Selector`` keeps only the devices a backend uses: label
+matchers (``{pod: ..., namespace: ...}`` on a node-wide exporter that maps devices to pods)
+and the ``gpu`` / ``gpu_instance`` shorthands.  With several devices left, each signal takes
+the largest value: the hottest, fullest GPU wins (and the source says so once, in a
+warning).  Queue lengths are summed over series (one per model or engine); KV-cache use
+takes the largest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -21,6 +30,8 @@ import aiohttp
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import TelemetryError
 from .signals import Sample
+
+log = logging.getLogger("gateway.telemetry")
 
 DEFAULT_TIMEOUT_MS = 1000
 
@@ -37,6 +48,24 @@ CLOCK_REASONS = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE
 QUEUE_WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
 KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
+OLD_NAMESPACE = {
+    "dcgm_gpu_temp": GPU_TEMP,
+    "dcgm_memory_temp": MEMORY_TEMP,
+    "dcgm_fb_used": FB_USED,
+    "dcgm_fb_free": FB_FREE,
+    "dcgm_fb_resv": FB_RESERVED,
+    "dcgm_fb_total": FB_TOTAL,
+    "dcgm_gpu_utilization": GPU_UTIL,
+    "dcgm_power_usage": POWER_USAGE,
+    "dcgm_enforced_power_limit": POWER_LIMITS[0],
+    "dcgm_power_management_limit": POWER_LIMITS[1],
+    "dcgm_clocks_event_reasons": CLOCK_REASONS[0],
+    "dcgm_clock_throttle_reasons": CLOCK_REASONS[1],
+}
+"""dcgm-exporter's ``--use-old-namespace`` names: ``dcgm_`` and DCGM's field tag."""
+DEVICE_LABELS = ("gpu", "UUID", "uuid", "GPU_I_ID", "GPU_I_PROFILE")
+"""The labels that tell one GPU (or MIG instance) from another."""
+
 THERMAL_REASONS = 0x08 | 0x20 | 0x40
 """Clock-event bits that mean heat: HW slowdown, SW thermal, HW thermal."""
 
@@ -48,6 +77,7 @@ WANTED = frozenset(
         *CLOCK_REASONS,
         *QUEUE_WAITING,
         *KV_CACHE,
+        *OLD_NAMESPACE,
     )
 )
 
@@ -116,22 +146,61 @@ def _unescape(value: str) -> str:
     return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(1)), value)
 
 
-def signals_from(series: Iterable[Series], gpu: str | None = None) -> dict[str, float]:
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """Which GPU series a backend reads: every ``labels`` matcher equal, ``gpu`` the series'
+    ``gpu`` index or UUID, ``gpu_instance`` its MIG ``GPU_I_ID``.  Empty: every device."""
+
+    labels: tuple[tuple[str, str], ...] = ()
+    gpu: str | None = None
+    gpu_instance: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.labels and self.gpu is None and self.gpu_instance is None
+
+    def matches(self, s: Series) -> bool:
+        for key, value in self.labels:
+            if s.label(key) != value:
+                return False
+        if self.gpu is not None and self.gpu not in (s.label("gpu"), _uuid(s)):
+            return False
+        return self.gpu_instance is None or s.label("GPU_I_ID") == self.gpu_instance
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one scrape says: the signals, and how many GPU devices they came from."""
+
+    signals: dict[str, float]
+    devices: tuple[tuple[tuple[str, str], ...], ...]
+
+
+def signals_from(
+    series: Iterable[Series], select: Selector | str | None = None
+) -> dict[str, float]:
     """Map parsed series to signal values (see the module docstring for the rules)."""
-    per_gpu: dict[str, dict[str, float]] = {}
+    return read_series(series, select).signals
+
+
+def read_series(series: Iterable[Series], select: Selector | str | None = None) -> Reading:
+    """The signals of ``series`` and the devices they came from."""
+    if not isinstance(select, Selector):
+        select = Selector(gpu=select)
+    per_device: dict[tuple[tuple[str, str], ...], dict[str, float]] = {}
     server: dict[str, list[float]] = {}
     for s in series:
-        if s.name.startswith("DCGM_"):
-            key = s.label("gpu") or s.label("UUID") or ""
-            if gpu is not None and gpu not in (s.label("gpu"), s.label("UUID")):
+        name = OLD_NAMESPACE.get(s.name, s.name)
+        if name.startswith("DCGM_"):
+            if not select.matches(s):
                 continue
             if not math.isnan(s.value):
-                per_gpu.setdefault(key, {})[s.name] = s.value
+                per_device.setdefault(_device(s), {})[name] = s.value
         elif not math.isnan(s.value):
-            server.setdefault(s.name, []).append(s.value)
+            server.setdefault(name, []).append(s.value)
 
     values: dict[str, list[float]] = {}
-    for fields in per_gpu.values():
+    for fields in per_device.values():
         for signal, value in _gpu_signals(fields).items():
             values.setdefault(signal, []).append(value)
     out = {signal: max(vs) for signal, vs in values.items()}
@@ -144,7 +213,15 @@ def signals_from(series: Iterable[Series], gpu: str | None = None) -> dict[str, 
         if name in server:
             out["kv_cache_usage"] = max(server[name])
             break
-    return out
+    return Reading(out, tuple(per_device))
+
+
+def _uuid(s: Series) -> str | None:
+    return s.label("UUID") or s.label("uuid")
+
+
+def _device(s: Series) -> tuple[tuple[str, str], ...]:
+    return tuple((k, v) for k in DEVICE_LABELS if (v := s.label(k)) is not None)
 
 
 def _gpu_signals(f: dict[str, float]) -> dict[str, float]:
@@ -188,13 +265,17 @@ class PrometheusSource:
         session: aiohttp.ClientSession,
         *,
         gpu: str | None = None,
+        select: Selector | None = None,
+        name: str = "",
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.urls = (urls,) if isinstance(urls, str) else tuple(urls)
         if not self.urls:
             raise ValueError("the prometheus source needs at least one url")
-        self.gpu = gpu
+        self.select = select if select is not None else Selector(gpu=gpu)
+        self.name = name
+        self._warned = False
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
         self._clock = clock
@@ -207,7 +288,18 @@ class PrometheusSource:
         if len(errors) == len(texts):
             raise errors[0]
         series = [s for t in texts if isinstance(t, str) for s in parse_exposition(t)]
-        return Sample(at=self._clock.now(), **signals_from(series, self.gpu))
+        reading = read_series(series, self.select)
+        if len(reading.devices) > 1 and self.select.empty and not self._warned:
+            self._warned = True
+            log.warning(
+                "telemetry of %s sees %d GPUs (%s) and telemetry.select names none: each "
+                "signal takes the largest value, so the hottest GPU of the node wins; select "
+                "this pod's with {pod: ${POD_NAME}, namespace: ${POD_NAMESPACE}} or `gpu`",
+                self.name or " ".join(self.urls),
+                len(reading.devices),
+                "; ".join(",".join(f"{k}={v}" for k, v in d) for d in reading.devices[:4]),
+            )
+        return Sample(at=self._clock.now(), **reading.signals)
 
     async def _fetch(self, url: str) -> str:
         try:

@@ -79,7 +79,7 @@ class Telemetry:
     signal on this backend (see ``gateway.throttle``).
     """
 
-    __slots__ = ("_clock", "_sample", "backend", "fail_closed", "interval_s", "samples")
+    __slots__ = ("_clock", "_sample", "backend", "fail_closed", "interval_s", "samples", "seen")
 
     def __init__(
         self,
@@ -95,6 +95,8 @@ class Telemetry:
         self.interval_s = interval_ms / 1000
         self.fail_closed = fail_closed
         self.samples = 0
+        self.seen: set[str] = set()
+        """Every signal any sample so far has had a value for."""
         self._clock = clock
         self._sample: Sample | None = None
 
@@ -102,6 +104,7 @@ class Telemetry:
         """Make ``sample`` the latest."""
         self._sample = sample
         self.samples += 1
+        self.seen.update(sample.known())
 
     @property
     def sample(self) -> Sample | None:
