@@ -27,7 +27,7 @@ from .metrics import Metrics
 from .pipeline import Handler, compose
 from .policy.load import Loaded
 from .policy.model import Policy, Server
-from .policy.watch import PolicySource
+from .policy.watch import PolicySource, Settling
 from .proxy import Forward
 from .routing import Router
 from .server import HttpServer
@@ -83,7 +83,9 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._generation = 0
         loaded = source.load()  # an invalid first policy is fatal: raise to the caller
-        self._seen_fingerprint = source.fingerprint()
+        first = source.read()
+        self._seen_fingerprint = first.fingerprint
+        self._settling = Settling(first)
         self.snapshot = self._build(loaded)
 
     # -- policy ---------------------------------------------------------------------------
@@ -136,9 +138,10 @@ class Gateway:
             try:
                 # Reading files may block (a slow volume): off the loop.  Applying a policy
                 # touches live state: on the loop.
-                fingerprint = await asyncio.to_thread(self.source.fingerprint)
-                if fingerprint != self._seen_fingerprint:
+                reading = await asyncio.to_thread(self.source.read)
+                if self._settling.ready(reading):
                     self._poll()
+                    self._settling.done(reading)
             except Exception:  # the watcher must outlive any one bad read
                 log.exception("policy watch failed")
 

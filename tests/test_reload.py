@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from gateway.policy.watch import PolicySource, Settling
 from tests.test_proxy import CHAT
 from tests.upstreams import Recorder
 
@@ -138,3 +139,56 @@ async def test_post_reload_needs_the_admin_token_and_reports_errors(
     assert ok.json()["reloaded"] is True and ok.json()["generation"] == 2
     assert shown.json()["generation"] == 2
     assert shown.json()["policy"]["server"]["reload_interval_s"] == 0.5
+
+
+def edit_in_place(path: Path, text: str) -> None:
+    with path.open("r+") as f:  # the same inode, as `>` or a careless editor leaves it
+        f.seek(0)
+        f.truncate()
+        f.write(text)
+
+
+def test_an_edit_in_place_applies_only_once_two_polls_agree(tmp_path: Path):
+    """A poll that catches a file half-written (its first half a valid policy) must not
+    apply it: an edit in place is applied when the next poll reads the same content."""
+    path = tmp_path / "policy.yaml"
+    full = 'backends: {a: {url: "http://127.0.0.1:1"}}\nroutes: [{backend: a}]\n'
+    path.write_text(full)
+    source = PolicySource(path)
+    settling = Settling(source.read())
+    edit_in_place(path, 'backends: {a: {url: "http://127.0.0.1:1"}}\n')  # half of the edit
+    assert not settling.ready(source.read())
+    edit_in_place(path, full.replace(":1", ":2"))  # the edit completes before the next poll
+    assert not settling.ready(source.read())  # new content: wait for it to hold still
+    assert settling.ready(source.read())  # two polls agree: apply
+    settling.done(source.read())
+    assert not settling.ready(source.read())
+
+
+def test_a_file_renamed_into_place_applies_at_once(tmp_path: Path):
+    path = tmp_path / "policy.yaml"
+    path.write_text('backends: {a: {url: "http://127.0.0.1:1"}}\nroutes: [{backend: a}]\n')
+    source = PolicySource(path)
+    settling = Settling(source.read())
+    staged = tmp_path / ".policy.yaml.tmp"
+    staged.write_text('backends: {a: {url: "http://127.0.0.1:2"}}\nroutes: [{backend: a}]\n')
+    staged.replace(path)
+    assert settling.ready(source.read())
+
+
+def test_a_configmap_swap_applies_at_once(tmp_path: Path):
+    """The kubelet writes a new ..<timestamp> directory and renames ..data over to it."""
+    volume = tmp_path / "policy"
+    volume.mkdir()
+    for stamp, port in (("..2026_12_01_a", 1), ("..2026_12_01_b", 2)):
+        (volume / stamp).mkdir()
+        (volume / stamp / "policy.yaml").write_text(
+            f'backends: {{a: {{url: "http://127.0.0.1:{port}"}}}}\nroutes: [{{backend: a}}]\n'
+        )
+    (volume / "..data").symlink_to("..2026_12_01_a")
+    (volume / "policy.yaml").symlink_to("..data/policy.yaml")
+    source = PolicySource(volume)
+    settling = Settling(source.read())
+    (volume / "..data_tmp").symlink_to("..2026_12_01_b")
+    (volume / "..data_tmp").replace(volume / "..data")
+    assert settling.ready(source.read())

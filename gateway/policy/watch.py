@@ -4,16 +4,70 @@ A ``PolicySource`` is a path (a file, or a directory such as a Kubernetes Config
 or a fixed policy (``gateway serve --upstream``).  Changes are found by hashing the files'
 contents on every poll: that follows the ConfigMap's ``..data`` symlink swap, which a watch
 on the file itself would miss, and costs microseconds for policy-sized files.
+
+A change is applied only once it has settled (``Settling``).  An atomic one at once: a
+ConfigMap's ``..data`` swap, or files renamed into place (each changed file a new inode,
+as editors and ``mv`` leave it).  An edit in place only when two consecutive polls read the
+same content, so a half-written file whose first half happens to be a valid policy is never
+live.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PolicyError
 from .load import Loaded, parse_sources, read_sources
 from .model import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One poll of a policy path: the hash of everything read, each file's inode and hash,
+    and where a ConfigMap's ``..data`` pointed."""
+
+    fingerprint: str
+    files: dict[str, tuple[int, str]] = field(default_factory=dict)
+    data_target: str | None = None
+
+
+class Settling:
+    """When a changed policy may be applied (see the module docstring)."""
+
+    def __init__(self, applied: Reading) -> None:
+        self.applied = applied
+        self._pending: str | None = None
+
+    def ready(self, reading: Reading) -> bool:
+        """Whether ``reading`` is a change to apply now (else: unchanged, or wait a poll)."""
+        if reading.fingerprint == self.applied.fingerprint:
+            self._pending = None
+            return False
+        if self._atomic(reading) or reading.fingerprint == self._pending:
+            return True
+        self._pending = reading.fingerprint
+        return False
+
+    def done(self, reading: Reading) -> None:
+        """``reading`` is what is live now."""
+        self.applied = reading
+        self._pending = None
+
+    def _atomic(self, reading: Reading) -> bool:
+        before = self.applied
+        if reading.data_target is not None and reading.data_target != before.data_target:
+            return True  # a ConfigMap's ..data swap
+        if set(reading.files) != set(before.files):
+            return False
+        changed = [n for n in reading.files if reading.files[n][1] != before.files[n][1]]
+        return bool(changed) and all(reading.files[n][0] != before.files[n][0] for n in changed)
+
+    def __repr__(self) -> str:
+        pending = f" pending={self._pending[:8]}" if self._pending else ""
+        return f"<Settling applied={self.applied.fingerprint[:8]}{pending}>"
 
 
 class PolicySource:
@@ -31,15 +85,30 @@ class PolicySource:
 
     def fingerprint(self) -> str:
         """A hash of the raw sources, to tell cheaply whether anything changed."""
+        return self.read().fingerprint
+
+    def read(self) -> Reading:
+        """One poll: the sources' hash, and what tells an atomic change from an edit."""
         if self.path is None:
-            return "fixed"
+            return Reading("fixed")
         h = hashlib.sha256()
+        files: dict[str, tuple[int, str]] = {}
         try:
             for name, text in read_sources(self.path):
-                h.update(name.encode() + b"\0" + text.encode() + b"\0")
+                data = name.encode() + b"\0" + text.encode() + b"\0"
+                h.update(data)
+                try:
+                    inode = os.stat(name).st_ino
+                except OSError:
+                    inode = 0
+                files[name] = (inode, hashlib.sha256(data).hexdigest())
         except PolicyError as exc:
             h.update(str(exc).encode())
-        return h.hexdigest()
+        data_target = None
+        link = self.path / "..data" if self.path.is_dir() else None
+        if link is not None and link.is_symlink():
+            data_target = os.readlink(link)
+        return Reading(h.hexdigest(), files, data_target)
 
     def load(self) -> Loaded:
         """Read and validate (raises PolicyError)."""
