@@ -131,6 +131,19 @@ class Metrics:
             "Cache store operations that failed (answered as misses).",
             registry=r,
         )
+        self.cache_store_up = Gauge(
+            "gateway_cache_store_up",
+            "1 while the cache store is up (always, for memory); 0 while Redis is taken for "
+            "down (requests are answered as misses), by evidence: several failures in a row "
+            "or most commands of the last second failing to reach it.",
+            registry=r,
+        )
+        self.cache_store_transitions = Counter(
+            "gateway_cache_store_transitions",
+            "The cache store going down or up again, by `to`.",
+            ["to"],
+            registry=r,
+        )
         self.embedding = EmbeddingCollector()
         r.register(self.embedding)
         # -- single flight and batching (issue 5) --

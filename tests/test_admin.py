@@ -163,6 +163,8 @@ def test_metric_names_are_the_public_contract():
         "gateway_cache_lookup_seconds",
         "gateway_cache_lookups",
         "gateway_cache_store_errors",
+        "gateway_cache_store_transitions",
+        "gateway_cache_store_up",
         "gateway_client_timeouts",
         "gateway_coalesced_requests",
         "gateway_connections",

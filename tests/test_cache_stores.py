@@ -19,6 +19,7 @@ from gateway.cache.evaluate import read_pairs
 from gateway.cache.items import CachedItem, plan_items
 from gateway.cache.simhash import fingerprint
 from gateway.cache.stores import MemoryStore, RedisStore
+from gateway.cache.stores.health import DOWN_AFTER
 from gateway.cache.stores.memory import ENTRY_OVERHEAD_BYTES as MEMORY_OVERHEAD
 from gateway.cache.stores.redis_counts import ENTRY_OVERHEAD_BYTES as REDIS_OVERHEAD
 from gateway.cache.stores.redis_counts import SWEEP_BATCH
@@ -392,12 +393,14 @@ async def test_redis_killed_mid_test_fails_fast_then_recovers(
 
         redis_server.stop()
         started = time.monotonic()
-        assert await cache.lookup(key) is None
-        with pytest.raises(StoreError):
-            await store.get(key.exact)
+        assert await cache.lookup(key) is None  # a miss, and the first evidence
+        for _ in range(DOWN_AFTER - 1):  # failures in a row: the evidence of an outage
+            with pytest.raises(StoreError):
+                await store.get(key.exact)
         assert time.monotonic() - started < 0.5
         assert not store.available and "down" in repr(store)
         assert cache.store_errors == 1
+        assert store.health.transitions == 1
 
         redis_server.start()
         with pytest.raises(StoreError):  # still inside retry_s: fails fast, no probe yet
@@ -471,20 +474,41 @@ async def test_a_redis_command_that_timed_out_is_not_sent_again() -> None:
 
 
 async def test_redis_slow_beyond_budget_is_a_fast_store_error() -> None:
-    """A server that accepts connections but never answers costs one budget, then nothing."""
+    """A server that accepts connections but never answers: each call costs no more than
+    its budget (a miss), the commands' own timeouts are the evidence, and once they are in
+    Redis is down and calls fail at once."""
     async with silent_redis() as (url, _):
         store = RedisStore.from_url(url, budget_s=0.05)
         try:
-            started = time.monotonic()
-            with pytest.raises(StoreError):
-                await store.get("k")
-            assert time.monotonic() - started < 0.3
+            for _ in range(DOWN_AFTER):
+                started = time.monotonic()
+                with pytest.raises(StoreError, match="budget"):
+                    await store.get("k")
+                assert time.monotonic() - started < 0.3
+            for _ in range(200):  # the commands time out on their own (socket timeout)
+                if not store.available:
+                    break
+                await asyncio.sleep(0.01)
             started = time.monotonic()
             with pytest.raises(StoreError, match="unavailable"):
                 await store.get("k")
             assert time.monotonic() - started < 0.01
         finally:
             await store.close()
+
+
+async def test_one_late_reply_never_marks_redis_down(redis_url: str) -> None:  # noqa: F811
+    """The event loop late on a busy machine: a command over its budget is a miss, but
+    Redis answered it, so Redis stays up."""
+    store = RedisStore.from_url(redis_url, budget_s=0.0001)  # any real round trip is late
+    try:
+        for _ in range(20):
+            with pytest.raises(StoreError, match="budget"):
+                await store.get("k")
+        await asyncio.sleep(0.05)  # the commands' own answers come in
+        assert store.available and store.health.transitions == 0
+    finally:
+        await store.close()
 
 
 async def test_redis_ttl_and_index_keys_use_plain_commands(redis_url: str) -> None:  # noqa: F811
@@ -655,8 +679,9 @@ async def test_redis_counts_survive_an_outage_and_read_zero_after_a_flush(
         await store.set_many([("a", answer("x")), ("b", answer("x"))], 60)
         assert (await store.refresh_counts()).entries == 2
         redis_server.stop()
-        with pytest.raises(StoreError):
-            await store.refresh_counts()
+        for _ in range(DOWN_AFTER):
+            with pytest.raises(StoreError):
+                await store.refresh_counts()
         clock.advance(10)
         store.stats()  # a background refresh, failing quietly
         await asyncio.sleep(0.01)

@@ -619,6 +619,8 @@ async def test_redis_killed_mid_test_answers_every_request_then_recovers(
             streamed = await env.chat(f"stream during the outage {i}", stream=True)
             assert streamed.status == 200 and streamed.text
         assert await env.metric("gateway_cache_store_errors_total") >= 1
+        assert await env.metric("gateway_cache_store_up ") == 0
+        assert await env.metric('gateway_cache_store_transitions_total{to="down"}') == 1
         purge_status, _ = await env.purge()
         assert purge_status == 503
         redis_server.start()  # back, empty (a flush): misses until filled again
@@ -632,6 +634,8 @@ async def test_redis_killed_mid_test_answers_every_request_then_recovers(
         else:
             pytest.fail("the cache did not come back with Redis")
         assert first.status == 200
+        assert await env.metric("gateway_cache_store_up ") == 1
+        assert await env.metric('gateway_cache_store_transitions_total{to="up"}') == 1
     finally:
         await close_env(env)
 

@@ -71,9 +71,22 @@ def cache_stages(policy: Policy, runtime: Runtime) -> list[Stage]:
         metrics.cache_bytes.set_function(lambda: 0.0)
         metrics.embedding.tiers = tuple
         return []
+
+    def moved(up: bool) -> None:
+        metrics.cache_store_up.set(1 if up else 0)
+        metrics.cache_store_transitions.labels("up" if up else "down").inc()
+        if up:
+            log.warning("cache store: up again")
+        else:
+            log.warning("cache store: down (requests are answered as misses until it is back)")
+
     state = runtime.registry.get(
-        STORE_KIND, STORE_NAME, policy.cache, lambda: CacheState(policy.cache, runtime.clock)
+        STORE_KIND,
+        STORE_NAME,
+        policy.cache,
+        lambda: CacheState(policy.cache, runtime.clock, on_health=moved),
     )
+    metrics.cache_store_up.set(1 if getattr(state.store, "available", True) else 0)
     metrics.cache_entries.set_function(lambda: float(state.stats().entries or 0))
     metrics.cache_bytes.set_function(lambda: float(state.stats().bytes or 0))
     stage = CacheStage(policy, runtime, state)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..cache.stores import MemoryStore, RedisStore, StoreStats
@@ -30,11 +30,16 @@ SWEEP_INTERVAL_S = 30.0
 class CacheState:
     """The store and tenant-scope rule shared by every caching route."""
 
-    def __init__(self, settings: CacheStoreSettings, clock: Clock) -> None:
+    def __init__(
+        self,
+        settings: CacheStoreSettings,
+        clock: Clock,
+        on_health: Callable[[bool], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.store: Any
         if settings.store == "redis":
-            self.store = RedisStore.from_url(settings.redis_url, clock=clock)
+            self.store = RedisStore.from_url(settings.redis_url, clock=clock, on_health=on_health)
         else:
             self.store = MemoryStore(settings.max_bytes, clock=clock)
         self._sweeper: asyncio.Task[None] | None = None

@@ -17,12 +17,16 @@ operations, no hash tags needed, no modules, no Lua):
 
 Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
 
-Every operation runs under a time budget (default 50 ms).  Any redis or socket failure is
-translated once, here, into ``StoreError``; a connection failure or timeout also marks Redis
-down, and while it is down operations raise ``StoreError`` at once.  After ``retry_s`` the
-next operation starts one background PING; when it answers, Redis is up again.  A command
-whose pooled connection has died (Redis restarted since it was opened) is tried once more
-on a new connection first, so a restart that finished costs no request a miss.
+Every operation runs under a time budget (default 50 ms): past it the caller gets a miss
+(``StoreError``), but the command runs on, and its own outcome is the evidence of Redis's
+health (``health.py``): down only after several connection failures or timeouts in a row, or
+most commands of the last second failing that way, never for one late reply (on 2 shared
+cores the event loop itself runs late).  Any redis or socket failure is translated once,
+here, into ``StoreError``.  While Redis is down operations raise ``StoreError`` at once;
+after ``retry_s`` the next operation starts one background PING, and when it answers, Redis
+is up again.  ``on_health(up)`` hears each transition (``gateway_cache_store_up``).  A
+command whose pooled connection has died (Redis restarted since it was opened) is tried
+once more on a new connection first, so a restart that finished costs no request a miss.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from .. import vector_stream
 from ..entry import CachedResponse, dumps, loads
 from ..simhash import bands, hamming
 from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
+from .health import Health
 from .redis_counts import DEFAULT_REFRESH_S, RedisCounts
 from .redis_purge import RedisPurge
 
@@ -73,14 +78,17 @@ class RedisStore:
         retry_s: float = DEFAULT_RETRY_S,
         clock: Clock = SYSTEM_CLOCK,
         count_refresh_s: float = DEFAULT_REFRESH_S,
+        on_health: Callable[[bool], None] | None = None,
     ) -> None:
         self._client = client
         self._prefix = prefix
         self.budget_s = budget_s
         self.retry_s = retry_s
         self._clock = clock
-        self._down_until: float | None = None
+        self.health = Health(clock, on_health)
+        self._retry_at = 0.0
         self._probe: asyncio.Task[bool] | None = None
+        self._late: set[asyncio.Future[Any]] = set()
         self.errors = 0
         self._counts = RedisCounts(client, prefix, self._run, clock, count_refresh_s)
         self._purge = RedisPurge(client, prefix, self._counts, self._entry)
@@ -105,7 +113,7 @@ class RedisStore:
 
     @property
     def available(self) -> bool:
-        return self._down_until is None
+        return self.health.up
 
     async def get(self, key: str) -> CachedResponse | None:
         data = await self._run("get", lambda: self._client.get(self._entry(key)))
@@ -246,9 +254,12 @@ class RedisStore:
             async with asyncio.timeout(self.budget_s * 4):
                 await self._client.ping()
         except (RedisError, *_DOWN_ERRORS):
-            self._down_until = self._clock.now() + self.retry_s
+            if self.health.up:
+                self._failed()
+            else:
+                self._retry_at = self._clock.now() + self.retry_s
             return False
-        self._down_until = None
+        self.health.recovered()
         return True
 
     def stats(self) -> StoreStats:
@@ -265,6 +276,8 @@ class RedisStore:
         return self.stats()
 
     async def close(self) -> None:
+        for late in list(self._late):
+            late.cancel()
         await self._counts.close()
         if self._probe is not None:
             self._probe.cancel()
@@ -275,21 +288,59 @@ class RedisStore:
     async def _run(
         self, op: str, fn: Callable[[], Awaitable[T]], bounded: bool = True, entries: int = 1
     ) -> T:
-        if self._down_until is not None:
-            if self._clock.now() >= self._down_until and self._probe is None:
+        if not self.health.up:
+            if self._clock.now() >= self._retry_at and self._probe is None:
                 self._probe = asyncio.create_task(self._background_probe())
             raise StoreError(f"redis {op}: unavailable, retrying in the background")
+        command = asyncio.ensure_future(fn())
         try:
-            # The budget is per request's worth of work: a batch of many entries (a
-            # 100-input embeddings call) gets it once per ENTRIES_PER_BUDGET of them.
-            budget = self.budget_s * max(1.0, entries / ENTRIES_PER_BUDGET)
-            async with asyncio.timeout(budget if bounded else None):
-                return await fn()
+            if bounded:
+                # The budget is per request's worth of work: a batch of many entries (a
+                # 100-input embeddings call) gets it once per ENTRIES_PER_BUDGET of them.
+                budget = self.budget_s * max(1.0, entries / ENTRIES_PER_BUDGET)
+                done, _ = await asyncio.wait((command,), timeout=budget)
+                if not done:
+                    self._judge_later(command)
+                    raise StoreError(
+                        f"redis {op}: over its {budget * 1000:.0f} ms budget (a miss; the "
+                        "command runs on and its outcome is what counts)"
+                    )
+            result = await command
+        except asyncio.CancelledError:
+            self._judge_later(command)  # the caller left; the command's outcome still counts
+            raise
         except (RedisError, *_DOWN_ERRORS) as exc:
-            self.errors += 1
-            if isinstance(exc, _DOWN_ERRORS):
-                self._down_until = self._clock.now() + self.retry_s
+            self._judge(exc)
             raise StoreError(f"redis {op}: {type(exc).__name__}: {exc}") from exc
+        self.health.succeeded()
+        return result
+
+    def _judge_later(self, command: asyncio.Future[Any]) -> None:
+        self._late.add(command)
+
+        def judged(done: asyncio.Future[Any]) -> None:
+            self._late.discard(done)
+            if done.cancelled():
+                return
+            exc = done.exception()
+            if exc is None:
+                self.health.succeeded()
+            elif isinstance(exc, (RedisError, *_DOWN_ERRORS)):
+                self._judge(exc)
+
+        command.add_done_callback(judged)
+
+    def _judge(self, exc: BaseException) -> None:
+        """One command's failure: Redis answered (up) or could not be reached (evidence)."""
+        self.errors += 1
+        if isinstance(exc, _DOWN_ERRORS):
+            self._failed()
+        else:
+            self.health.succeeded()  # Redis answered, if with an error: it is up
+
+    def _failed(self) -> None:
+        if self.health.failed():
+            self._retry_at = self._clock.now() + self.retry_s
 
     async def _background_probe(self) -> bool:
         try:
@@ -316,10 +367,10 @@ class RedisStore:
         ]
 
     def __repr__(self) -> str:
-        if self._down_until is None:
+        if self.health.up:
             state = "up"
         else:
-            state = f"down retry_in={max(0.0, self._down_until - self._clock.now()):.1f}s"
+            state = f"down retry_in={max(0.0, self._retry_at - self._clock.now()):.1f}s"
         counts = self._counts
         return (
             f"<RedisStore prefix={self._prefix!r} {state} entries={counts.entries} "

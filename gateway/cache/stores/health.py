@@ -1,0 +1,81 @@
+"""Whether a shared store is up, decided by evidence: the outcomes of its own commands.
+
+One late reply proves nothing on a busy machine (on 2 shared cores the event loop itself
+runs late), and a store that answers with an error (a full Redis refusing a write) is up.
+So a store goes down only when its commands fail to reach it: ``DOWN_AFTER`` connection
+failures or timeouts in a row, or at least ``RATE_MIN_CALLS`` commands in ``WINDOW_S`` of
+which ``FAILURE_RATE`` or more failed that way.  A command's time is its own round trip: one
+that runs past the caller's budget is still awaited, and its outcome, when it comes, is
+what counts.  Going up again is the store's own probe's to decide.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from ...clock import Clock
+
+DOWN_AFTER = 3
+WINDOW_S = 1.0
+RATE_MIN_CALLS = 10
+FAILURE_RATE = 0.5
+
+
+class Health:
+    """The evidence about one store; ``on_change(up)`` hears every transition."""
+
+    def __init__(self, clock: Clock, on_change: Callable[[bool], None] | None = None) -> None:
+        self._clock = clock
+        self.on_change = on_change
+        self.up = True
+        self.transitions = 0
+        self._in_a_row = 0
+        self._recent: deque[tuple[float, bool]] = deque()
+
+    def succeeded(self) -> None:
+        """A command reached the store (an error it answered with counts as reaching it)."""
+        self._in_a_row = 0
+        self._note(True)
+
+    def failed(self) -> bool:
+        """A command could not reach the store; True when that takes it down."""
+        self._in_a_row += 1
+        failures, calls = self._note(False)
+        if self.up and (
+            self._in_a_row >= DOWN_AFTER
+            or (calls >= RATE_MIN_CALLS and failures >= FAILURE_RATE * calls)
+        ):
+            self._move(False)
+            return True
+        return False
+
+    def recovered(self) -> None:
+        """The store's probe reached it: up again, with a clean slate."""
+        self._in_a_row = 0
+        self._recent.clear()
+        if not self.up:
+            self._move(True)
+
+    def _note(self, ok: bool) -> tuple[int, int]:
+        now = self._clock.now()
+        recent = self._recent
+        recent.append((now, ok))
+        while recent and recent[0][0] < now - WINDOW_S:
+            recent.popleft()
+        failures = sum(1 for _, good in recent if not good)
+        return failures, len(recent)
+
+    def _move(self, up: bool) -> None:
+        self.up = up
+        self.transitions += 1
+        if self.on_change is not None:
+            self.on_change(up)
+
+    def __repr__(self) -> str:
+        failures = sum(1 for _, good in self._recent if not good)
+        state = "up" if self.up else "down"
+        return (
+            f"<Health {state} in_a_row={self._in_a_row}/{DOWN_AFTER} "
+            f"window={failures}/{len(self._recent)} transitions={self.transitions}>"
+        )
