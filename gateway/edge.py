@@ -31,7 +31,7 @@ from .forwarding import forwarding_headers
 from .headers import REQUEST_OWNED, is_event_stream, strip
 from .pipeline import Call, Reply
 from .routing import OPENAI_JSON_PATHS
-from .server_connection import Request
+from .server_request import Request
 from .usage import StreamUsage, from_body
 from .wire import error_body, error_headers
 

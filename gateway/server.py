@@ -26,7 +26,9 @@ from collections.abc import Awaitable, Callable
 
 from .metrics import Metrics
 from .policy.model import Server as Limits
-from .server_connection import ClientConnection, Request
+from .server_connection import ClientConnection
+from .server_request import Request
+from .server_turns import Turns
 
 log = logging.getLogger("gateway.server")
 
@@ -46,8 +48,8 @@ class HttpServer:
         self.cutting = False
         self.body_bytes = 0
         self._metrics = metrics
-        self._connections: set[ClientConnection] = set()
-        self._idle: dict[ClientConnection, None] = {}
+        self._connections: set[Turns] = set()
+        self._idle: dict[Turns, None] = {}
         self._listeners: list[asyncio.Server] = []
         self._timeouts = {
             phase: metrics.client_timeouts.labels(phase)
@@ -67,7 +69,7 @@ class HttpServer:
         return str(bound[0]), int(bound[1])
 
     # -- connections ---------------------------------------------------------------------------
-    def admit(self, conn: ClientConnection) -> bool:
+    def admit(self, conn: Turns) -> bool:
         """Whether a new connection may stay (closing the longest-idle one to make room)."""
         if self.draining:
             return False
@@ -81,13 +83,13 @@ class HttpServer:
         self._connections.add(conn)
         return True
 
-    def forget(self, conn: ClientConnection) -> None:
+    def forget(self, conn: Turns) -> None:
         self._connections.discard(conn)
         self._idle.pop(conn, None)
         if self._emptied is not None and not self._connections:
             self._emptied.set()
 
-    def idle(self, conn: ClientConnection) -> None:
+    def idle(self, conn: Turns) -> None:
         """``conn`` waits in keep-alive (or is closed at once when draining)."""
         if self.draining:
             conn.close()
@@ -95,7 +97,7 @@ class HttpServer:
         self._idle.pop(conn, None)
         self._idle[conn] = None
 
-    def busy(self, conn: ClientConnection) -> None:
+    def busy(self, conn: Turns) -> None:
         self._idle.pop(conn, None)
 
     def timed_out(self, phase: str) -> None:
