@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .errors import GatewayError, PolicyError, Problem, StoreError, Unauthorized
-from .policy.show import to_data
-from .stages.cache_store import STORE_KIND, STORE_NAME, CacheState
-from .wire import error_body, error_headers
+from gateway.errors import GatewayError, PolicyError, Problem, StoreError, Unauthorized
+from gateway.policy.show import to_data
+from gateway.stages.cache_store import STORE_KIND, STORE_NAME, CacheState
+from gateway.wire import error_body, error_headers
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from gateway.app import Gateway
 
 AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PLACEHOLDER_TOKEN = "REPLACE-with-a-long-random-token"

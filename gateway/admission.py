@@ -27,8 +27,8 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from .clock import SYSTEM_CLOCK, Clock
-from .errors import Overloaded
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import Overloaded
 
 DEFAULT_QUEUE_CAPACITY = 50
 DEFAULT_QUEUE_TIMEOUT_MS = 5000

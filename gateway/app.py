@@ -17,25 +17,25 @@ from typing import Any
 
 from aiohttp import web
 
-from . import stages
-from .admin import admin_routes, check_admin_token
-from .clock import SYSTEM_CLOCK, Clock
-from .edge import Edge
-from .errors import PolicyError
-from .forwarding import TrustedProxies
-from .metrics import Metrics
-from .pipeline import Handler, compose
-from .policy.load import Loaded
-from .policy.model import Policy, Server
-from .policy.watch import PolicySource, Settling
-from .proxy import Forward
-from .routing import Router
-from .server import HttpServer
-from .stages import Runtime
-from .stages.gpu import start_telemetry
-from .state import Registry
-from .upstream import Transport, Upstreams
-from .warmup import warm_up
+from gateway import stages
+from gateway.admin import admin_routes, check_admin_token
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.edge import Edge
+from gateway.errors import PolicyError
+from gateway.forwarding import TrustedProxies
+from gateway.metrics import Metrics
+from gateway.pipeline import Handler, compose
+from gateway.policy.load import Loaded
+from gateway.policy.model import Policy, Server
+from gateway.policy.watch import PolicySource, Settling
+from gateway.proxy import Forward
+from gateway.routing import Router
+from gateway.server import HttpServer
+from gateway.stages import Runtime
+from gateway.stages.gpu import start_telemetry
+from gateway.state import Registry
+from gateway.upstream import Transport, Upstreams
+from gateway.warmup import warm_up
 
 log = logging.getLogger("gateway")
 CLOSE_TIMEOUT_S = 0.3

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .clock import SYSTEM_CLOCK, Clock
-from .errors import CircuitOpen, UpstreamError
-from .rolling import RollingCounts
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import CircuitOpen, UpstreamError
+from gateway.rolling import RollingCounts
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__
-from .errors import PolicyError
+from gateway import __version__
+from gateway.errors import PolicyError
 
 log = logging.getLogger("gateway")
 
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     cache_eval.set_defaults(run=_cache_eval)
 
-    from .sim.config import SimConfig
+    from gateway.sim.config import SimConfig
 
     sim = sub.add_parser("sim", help="run the simulated GPU model server")
     _add_dataclass_flags(sim, SimConfig)
@@ -121,7 +121,7 @@ def _dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .policy.load import load_policy
+    from gateway.policy.load import load_policy
 
     failed = False
     for path in args.paths:
@@ -145,8 +145,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _cache_warnings(policy: Any) -> list[str]:
     """What a valid policy asks of the cache that this installation cannot give."""
-    from .cache.simhash import MAX_DISTANCE
-    from .stages.cache_embedding import unavailable
+    from gateway.cache.simhash import MAX_DISTANCE
+    from gateway.stages.cache_embedding import unavailable
 
     warnings = []
     for i, route in enumerate(policy.routes):
@@ -165,11 +165,11 @@ def _cache_warnings(policy: Any) -> list[str]:
 
 
 def _cache_eval(args: argparse.Namespace) -> int:
-    from .cache.evaluate import evaluate, format_report, local_embed
+    from gateway.cache.evaluate import evaluate, format_report, local_embed
 
     embed = None
     if args.embedding:
-        from .cache.embedding import available
+        from gateway.cache.embedding import available
 
         ok, reason = available()
         if not ok:
@@ -192,7 +192,7 @@ def _cache_eval(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from .policy.schema import json_schema, reference_markdown
+    from gateway.policy.schema import json_schema, reference_markdown
 
     if args.markdown:
         sys.stdout.write(reference_markdown())
@@ -202,8 +202,8 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import DemoOptions, run_demo
-    from .demo.run import render
+    from gateway.demo import DemoOptions, run_demo
+    from gateway.demo.run import render
 
     if args.duration <= 0 or args.clients < 1:
         print("error: --duration must be > 0 and --clients >= 1", file=sys.stderr)
@@ -230,7 +230,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from .sim import SimConfig, run_sim
+    from gateway.sim import SimConfig, run_sim
 
     try:
         config = _dataclass_from_args(SimConfig, args)
@@ -242,9 +242,9 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .app import Gateway
-    from .policy.load import zero_config_policy
-    from .policy.watch import PolicySource
+    from gateway.app import Gateway
+    from gateway.policy.load import zero_config_policy
+    from gateway.policy.watch import PolicySource
 
     try:
         source = (

@@ -25,18 +25,18 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import openai_body
-from .errors import GatewayError, Overloaded, SlowReader, UpstreamError
-from .forwarding import forwarding_headers
-from .headers import REQUEST_OWNED, is_event_stream, strip
-from .pipeline import Call, Reply
-from .routing import OPENAI_JSON_PATHS
-from .server_request import Request
-from .usage import StreamUsage, from_body
-from .wire import error_body, error_headers
+from gateway import openai_body
+from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
+from gateway.forwarding import forwarding_headers
+from gateway.headers import REQUEST_OWNED, is_event_stream, strip
+from gateway.pipeline import Call, Reply
+from gateway.routing import OPENAI_JSON_PATHS
+from gateway.server_request import Request
+from gateway.usage import StreamUsage, from_body
+from gateway.wire import error_body, error_headers
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from gateway.app import Gateway
 
 log = logging.getLogger("gateway.edge")
 

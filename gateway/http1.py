@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Callable
 
 import httptools
 
-from .errors import BadUpstreamResponse, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import BadUpstreamResponse, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 
 HIGH_WATER_BYTES = 256 * 1024
 LOW_WATER_BYTES = 64 * 1024

@@ -14,8 +14,8 @@ import collections
 import socket
 import ssl
 
-from .errors import UpstreamTimeout, UpstreamUnavailable
-from .http1 import Connection
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.http1 import Connection
 
 
 class Pool:

@@ -20,7 +20,7 @@ import re
 import zlib
 from typing import Any
 
-from .errors import BadRequest, BodyTooLarge, UnsupportedEncoding
+from gateway.errors import BadRequest, BodyTooLarge, UnsupportedEncoding
 
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 20

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .tenant import scope_hash
+from gateway.tenant import scope_hash
 
 if TYPE_CHECKING:
-    from .policy.model import Policy, Route
+    from gateway.policy.model import Policy, Route
 
 Headers = tuple[tuple[str, str], ...]
 

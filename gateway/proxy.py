@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .pipeline import Call, Reply
-from .upstream import Transport
+from gateway.pipeline import Call, Reply
+from gateway.upstream import Transport
 
 
 class Forward:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .clock import SYSTEM_CLOCK, Clock
-from .errors import RateLimited
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import RateLimited
 
 DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""

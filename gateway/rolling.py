@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .clock import Clock
+from gateway.clock import Clock
 
 DEFAULT_BUCKETS = 10
 

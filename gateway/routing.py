@@ -6,8 +6,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import NoRoute
-from .policy.model import Policy, Route, glob_regex
+from gateway.errors import NoRoute
+from gateway.policy.model import Policy, Route, glob_regex
 
 # The OpenAI endpoints whose JSON bodies the gateway always reads and validates.
 OPENAI_JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})

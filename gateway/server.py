@@ -24,11 +24,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from .metrics import Metrics
-from .policy.model import Server as Limits
-from .server_connection import ClientConnection
-from .server_request import Request
-from .server_turns import Turns
+from gateway.metrics import Metrics
+from gateway.policy.model import Server as Limits
+from gateway.server_connection import ClientConnection
+from gateway.server_request import Request
+from gateway.server_turns import Turns
 
 log = logging.getLogger("gateway.server")
 

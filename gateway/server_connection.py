@@ -27,10 +27,10 @@ import logging
 
 import httptools
 
-from .errors import BodyTooLarge, GatewayError, MalformedRequest, Overloaded, RequestTimeout
-from .server_clock import Deadline
-from .server_request import Request, read_head
-from .server_turns import BODY, CONTINUE, HEAD, WAIT, Host, Turns
+from gateway.errors import BodyTooLarge, GatewayError, MalformedRequest, Overloaded, RequestTimeout
+from gateway.server_clock import Deadline
+from gateway.server_request import Request, read_head
+from gateway.server_turns import BODY, CONTINUE, HEAD, WAIT, Host, Turns
 
 log = logging.getLogger("gateway.server")
 

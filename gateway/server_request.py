@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .errors import BodyTooLarge, MalformedRequest, Overloaded
-from .policy.model import Server as Limits
-from .target import normalise
-from .wire import http_date, response_head
+from gateway.errors import BodyTooLarge, MalformedRequest, Overloaded
+from gateway.policy.model import Server as Limits
+from gateway.target import normalise
+from gateway.wire import http_date, response_head
 
 _VERSIONS = frozenset({"1.1", "1.0"})
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})

@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from .errors import GatewayError, MalformedRequest, Overloaded
-from .policy.model import Server as Limits
-from .server_clock import ConnectionClock, Deadline
-from .server_request import Request, shutting_down
-from .wire import error_body, error_headers, http_date, response_head
+from gateway.errors import GatewayError, MalformedRequest, Overloaded
+from gateway.policy.model import Server as Limits
+from gateway.server_clock import ConnectionClock, Deadline
+from gateway.server_request import Request, shutting_down
+from gateway.wire import error_body, error_headers, http_date, response_head
 
 log = logging.getLogger("gateway.server")
 

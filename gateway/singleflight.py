@@ -38,8 +38,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any
 
-from .errors import GatewayError, SlowReader, UpstreamUnavailable
-from .pipeline import Headers, Reply
+from gateway.errors import GatewayError, SlowReader, UpstreamUnavailable
+from gateway.pipeline import Headers, Reply
 
 DEFAULT_MAX_BUFFER_BYTES = 8 * 2**20
 

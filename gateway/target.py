@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import MalformedRequest
+from gateway.errors import MalformedRequest
 
 _PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})|%[0-9A-Fa-f]{2}")
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")

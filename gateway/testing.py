@@ -240,7 +240,7 @@ class FlakyStore:
             return target
 
         async def call(*args: Any, **kwargs: Any) -> Any:
-            from .errors import StoreError
+            from gateway.errors import StoreError
 
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.failing and name != "close":

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from .clock import SYSTEM_CLOCK, Clock
-from .telemetry.signals import SIGNALS, Signal, Telemetry
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.telemetry.signals import SIGNALS, Signal, Telemetry
 
 log = logging.getLogger(__name__)
 

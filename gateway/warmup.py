@@ -8,9 +8,9 @@ import json
 import logging
 from collections.abc import Sequence
 
-from .errors import UpstreamError
-from .policy.model import Backend
-from .upstream import Transport
+from gateway.errors import UpstreamError
+from gateway.policy.model import Backend
+from gateway.upstream import Transport
 
 log = logging.getLogger("gateway.warmup")
 RETRY_DELAY_S = 1.0

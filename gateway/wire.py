@@ -15,7 +15,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from .errors import GatewayError
+from gateway.errors import GatewayError
 
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
 _STATUS_LINES: dict[int, str] = {}

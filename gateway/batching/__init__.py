@@ -3,7 +3,7 @@ the answers they give, and the batch size limit."""
 
 from __future__ import annotations
 
-from .adapters import (
+from gateway.batching.adapters import (
     Adapter,
     KServeInfer,
     OpenAICompletions,
@@ -12,11 +12,11 @@ from .adapters import (
     TFServingPredict,
     adapter_for,
 )
-from .aimd import AimdLimit, BatchLimit, FixedLimit
-from .answer import Answer
-from .batcher import Batcher
-from .merged_calls import Send
-from .observer import BatchObserver, NullObserver
+from gateway.batching.aimd import AimdLimit, BatchLimit, FixedLimit
+from gateway.batching.answer import Answer
+from gateway.batching.batcher import Batcher
+from gateway.batching.merged_calls import Send
+from gateway.batching.observer import BatchObserver, NullObserver
 
 __all__ = [
     "Adapter",

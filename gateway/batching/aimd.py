@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from ..clock import SYSTEM_CLOCK, Clock
+from gateway.clock import SYSTEM_CLOCK, Clock
 
 DEFAULT_STEP = 1.0
 DEFAULT_BACKOFF = 0.9

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BatchSplitError
-from ..pipeline import Headers
-from . import rawjson
-from .adapters import Adapter
+from gateway.batching import rawjson
+from gateway.batching.adapters import Adapter
+from gateway.errors import BatchSplitError
+from gateway.pipeline import Headers
 
 
 @dataclass(frozen=True, slots=True)

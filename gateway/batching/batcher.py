@@ -38,13 +38,13 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import Overloaded
-from .adapters import Adapter
-from .aimd import BatchLimit, FixedLimit
-from .answer import Answer
-from .merged_calls import DEFAULT_DEADLINE_S, MergedCalls, Send, chunks, fail
-from .observer import BatchObserver, NullObserver
+from gateway.batching.adapters import Adapter
+from gateway.batching.aimd import BatchLimit, FixedLimit
+from gateway.batching.answer import Answer
+from gateway.batching.merged_calls import DEFAULT_DEADLINE_S, MergedCalls, Send, chunks, fail
+from gateway.batching.observer import BatchObserver, NullObserver
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import Overloaded
 
 DEFAULT_MAX_SIZE = 32
 DEFAULT_MAX_WAIT_MS = 5.0

@@ -29,13 +29,13 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from ..clock import Clock
-from ..errors import BatchSplitError, GatewayError, Overloaded, UpstreamUnavailable
-from ..pipeline import Headers
-from .adapters import Adapter
-from .aimd import BatchLimit
-from .answer import Answer, as_is, split_answer
-from .observer import BatchObserver
+from gateway.batching.adapters import Adapter
+from gateway.batching.aimd import BatchLimit
+from gateway.batching.answer import Answer, as_is, split_answer
+from gateway.batching.observer import BatchObserver
+from gateway.clock import Clock
+from gateway.errors import BatchSplitError, GatewayError, Overloaded, UpstreamUnavailable
+from gateway.pipeline import Headers
 
 NOT_BISECTED = frozenset({408, 429, 503})
 SPLIT_REASONS = ("4xx", "5xx", "unsplittable")

@@ -12,11 +12,11 @@ stores/       memory (LRU by bytes, TTL) and Redis (plain commands, circuit)
 evaluate.py   precision / recall / false-hit rate per tier and setting
 """
 
-from ..tenant import scope_hash
-from .entry import CachedResponse
-from .guard import Verdict, check
-from .keys import Cacheability, RequestKey, cacheability, request_key
-from .tiers import EXACT, SIMHASH, Hit, ResponseCache
+from gateway.cache.entry import CachedResponse
+from gateway.cache.guard import Verdict, check
+from gateway.cache.keys import Cacheability, RequestKey, cacheability, request_key
+from gateway.cache.tiers import EXACT, SIMHASH, Hit, ResponseCache
+from gateway.tenant import scope_hash
 
 __all__ = [
     "EXACT",

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .embedding.tier import DEFAULT_THRESHOLD
-from .embedding.verify import verify
-from .guard import check
-from .normalize import normalize
-from .simhash import MAX_DISTANCE, fingerprint, hamming
+from gateway.cache.embedding.tier import DEFAULT_THRESHOLD
+from gateway.cache.embedding.verify import verify
+from gateway.cache.guard import check
+from gateway.cache.normalize import normalize
+from gateway.cache.simhash import MAX_DISTANCE, fingerprint, hamming
 
 DEFAULT_DISTANCES = tuple(range(MAX_DISTANCE + 1))
 DEFAULT_SETTING = f"simhash<={MAX_DISTANCE}+guard"
@@ -199,7 +199,7 @@ def _embedding_outcomes(
 
 def local_embed() -> BatchEmbed:
     """The local model's batch embedder; ``ImportError`` without the ``embedding`` extra."""
-    from .embedding.local import LocalModel
+    from gateway.cache.embedding.local import LocalModel
 
     return LocalModel().encode
 

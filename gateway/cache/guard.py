@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .normalize import NUMBER, WORD, Normalized, Token, normalize
+from gateway.cache.normalize import NUMBER, WORD, Normalized, Token, normalize
 
 TYPO_MIN_LEN = 7
 TYPO_EVERY = 8

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .keys import canonical_json, item_key
+from gateway.cache.keys import canonical_json, item_key
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .guard import signature
+from gateway.cache.guard import signature
 
 DEFAULT_SCOPE_HEADERS = ("authorization",)
 IGNORED_FIELDS = frozenset(

@@ -25,8 +25,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .guard import typo_key
-from .normalize import Normalized, normalize
+from gateway.cache.guard import typo_key
+from gateway.cache.normalize import Normalized, normalize
 
 BITS = 64
 BANDS = 4

@@ -14,15 +14,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import StoreError
-from .entry import CachedResponse
-from .guard import check
-from .items import CachedItem, ItemPlan, decode_item, encode_item
-from .keys import RequestKey
-from .normalize import comparable_form, normalize
-from .simhash import BITS, MAX_DISTANCE, fingerprint
-from .stores.base import CacheStore
+from gateway.cache.entry import CachedResponse
+from gateway.cache.guard import check
+from gateway.cache.items import CachedItem, ItemPlan, decode_item, encode_item
+from gateway.cache.keys import RequestKey
+from gateway.cache.normalize import comparable_form, normalize
+from gateway.cache.simhash import BITS, MAX_DISTANCE, fingerprint
+from gateway.cache.stores.base import CacheStore
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import StoreError
 
 DEFAULT_MAX_DISTANCE = MAX_DISTANCE
 """Default SimHash threshold: the widest the band index serves.  Measured (docs): with the

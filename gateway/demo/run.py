@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from ..app import Gateway
-from ..policy.load import parse_policy_text
-from ..policy.model import Policy
-from ..policy.watch import PolicySource
-from ..sim import SimConfig, start_sim
-from .thermal import format_thermal, run_thermal
-from .workload import drive
+from gateway.app import Gateway
+from gateway.demo.thermal import format_thermal, run_thermal
+from gateway.demo.workload import drive
+from gateway.policy.load import parse_policy_text
+from gateway.policy.model import Policy
+from gateway.policy.watch import PolicySource
+from gateway.sim import SimConfig, start_sim
 
 DEMO_POLICY = "demo.yaml"
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import aiohttp
 
-from ..app import Gateway
-from ..policy.load import parse_policy_text
-from ..policy.watch import PolicySource
-from ..sim import SimConfig, SimServer, start_sim
+from gateway.app import Gateway
+from gateway.policy.load import parse_policy_text
+from gateway.policy.watch import PolicySource
+from gateway.sim import SimConfig, SimServer, start_sim
 
 CHAT = {
     "model": "sim-model",

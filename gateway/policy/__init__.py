@@ -2,8 +2,8 @@
 (``load``), the JSON Schema and reference docs derived from the model (``schema``), and
 the file watcher that hot-reloads them (``watch``)."""
 
-from .load import load_policy, parse_policy_text, zero_config_policy
-from .model import Backend, Match, Policy, Route
+from gateway.policy.load import load_policy, parse_policy_text, zero_config_policy
+from gateway.policy.model import Backend, Match, Policy, Route
 
 __all__ = [
     "Backend",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .metadata import doc
+from gateway.policy.metadata import doc
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_STREAM_TIMEOUT_S = 600.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from .model import Backend, Route, Server, ThrottleRule
+from gateway.policy.model import Backend, Route, Server, ThrottleRule
 
 Found = list[tuple[str, str]]
 

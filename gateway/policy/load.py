@@ -17,10 +17,16 @@ from typing import Any
 
 import yaml
 
-from ..errors import PolicyError, Problem
-from .checks import check_backend, check_route, check_server, check_throttle, warn_throttle
-from .convert import Found, convert, join
-from .model import Backend, Match, Policy, Route, ThrottleRule, glob_regex
+from gateway.errors import PolicyError, Problem
+from gateway.policy.checks import (
+    check_backend,
+    check_route,
+    check_server,
+    check_throttle,
+    warn_throttle,
+)
+from gateway.policy.convert import Found, convert, join
+from gateway.policy.model import Backend, Match, Policy, Route, ThrottleRule, glob_regex
 
 POLICY_SUFFIXES = (".yaml", ".yml")
 _SINGLETONS = ("server", "admin", "metrics", "cache", "retry_budget")

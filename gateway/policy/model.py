@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .backend import Backend, CircuitBreaker, Queue, Telemetry, WarmupRequest
-from .metadata import doc
-from .route import (
+from gateway.policy.backend import Backend, CircuitBreaker, Queue, Telemetry, WarmupRequest
+from gateway.policy.metadata import doc
+from gateway.policy.route import (
     Adaptive,
     Batch,
     Match,
@@ -24,7 +24,7 @@ from .route import (
     Semantic,
     glob_regex,
 )
-from .throttle import ThrottleLimit, ThrottleRule, When
+from gateway.policy.throttle import ThrottleLimit, ThrottleRule, When
 
 __all__ = [
     "Adaptive",

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .metadata import doc
+from gateway.policy.metadata import doc
 
 DEFAULT_CACHE_TTL_S = 600.0
 DEFAULT_SIMHASH_MAX_DISTANCE = 3

@@ -12,8 +12,8 @@ import types
 import typing
 from typing import Any
 
-from .convert import walk_fields
-from .model import Policy
+from gateway.policy.convert import walk_fields
+from gateway.policy.model import Policy
 
 SCHEMA_ID = "https://sidecar-gateway.dev/policy.schema.json"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..telemetry.signals import Signal
-from .metadata import doc
+from gateway.policy.metadata import doc
+from gateway.telemetry.signals import Signal
 
 
 @dataclass(frozen=True, slots=True)

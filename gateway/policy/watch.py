@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import PolicyError
-from .load import Loaded, parse_sources, read_sources
-from .model import Policy
+from gateway.errors import PolicyError
+from gateway.policy.load import Loaded, parse_sources, read_sources
+from gateway.policy.model import Policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ latency, CUDA OOM) switch on at run time through ``POST /sim/config``.
     server.py      the aiohttp app, control endpoints, start_sim / run_sim
 """
 
-from .config import SimConfig
-from .gpu import GpuModel, GpuState, call_cost_ms
-from .server import SimServer, build_app, run_sim, start_sim
+from gateway.sim.config import SimConfig
+from gateway.sim.gpu import GpuModel, GpuState, call_cost_ms
+from gateway.sim.server import SimServer, build_app, run_sim, start_sim
 
 __all__ = [
     "GpuModel",

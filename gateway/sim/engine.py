@@ -17,9 +17,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..clock import Clock
-from .config import SimConfig, apply_changes
-from .gpu import GpuModel, call_cost_ms
+from gateway.clock import Clock
+from gateway.sim.config import SimConfig, apply_changes
+from gateway.sim.gpu import GpuModel, call_cost_ms
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..clock import Clock
-from .config import SimConfig
+from gateway.clock import Clock
+from gateway.sim.config import SimConfig
 
 
 def call_cost_ms(config: SimConfig, items: int, tokens: int = 0) -> float:

@@ -15,10 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
-from . import requests as req
-from .engine import Engine, Fault
-from .gpu import call_cost_ms, prefill_ms
-from .outputs import (
+from gateway.sim import requests as req
+from gateway.sim.engine import Engine, Fault
+from gateway.sim.gpu import call_cost_ms, prefill_ms
+from gateway.sim.outputs import (
     answer_tokens,
     embedding,
     encode_vector,

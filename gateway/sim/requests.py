@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import BadRequest
-from .outputs import count_tokens
+from gateway.errors import BadRequest
+from gateway.sim.outputs import count_tokens
 
 ENCODING_FORMATS = ("float", "base64")
 MAX_TOP_LOGPROBS = 20

@@ -15,13 +15,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import BadRequest, GatewayError
-from . import openai_api
-from .config import SimConfig
-from .engine import Engine
-from .metrics import CONTENT_TYPE, build_registry, render
-from .openai_api import ENGINE, error_body
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import BadRequest, GatewayError
+from gateway.sim import openai_api
+from gateway.sim.config import SimConfig
+from gateway.sim.engine import Engine
+from gateway.sim.metrics import CONTENT_TYPE, build_registry, render
+from gateway.sim.openai_api import ENGINE, error_body
 
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 

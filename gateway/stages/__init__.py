@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..clock import Clock
-from ..metrics import Metrics
-from ..pipeline import Stage
-from ..policy.model import Policy
-from ..state import Registry
-from ..upstream import Transport
+from gateway.clock import Clock
+from gateway.metrics import Metrics
+from gateway.pipeline import Stage
+from gateway.policy.model import Policy
+from gateway.state import Registry
+from gateway.upstream import Transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +32,14 @@ class Runtime:
 def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The stages for ``policy``, in pipeline order."""
     stages: list[Stage] = []
-    from .cache import cache_stages  # 1. cache lookup (issue 4)
+    from gateway.stages.cache import cache_stages  # 1. cache lookup (issue 4)
 
     stages.extend(cache_stages(policy, runtime))
-    from . import batch, coalesce  # 2. single flight, 3. batching (issue 5)
+    from gateway.stages import batch, coalesce  # 2. single flight, 3. batching (issue 5)
 
     stages += coalesce.build(policy, runtime) + batch.build(policy, runtime)
     # 4. admission, throttling, breakers and fallback (issue 6)
-    from .resilience import resilience_stages
+    from gateway.stages.resilience import resilience_stages
 
     stages.extend(resilience_stages(policy, runtime))
     return stages

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..batching import (
+from gateway.batching import (
     Adapter,
     AimdLimit,
     Answer,
@@ -46,14 +46,14 @@ from ..batching import (
     TFServingPredict,
     adapter_for,
 )
-from ..batching.aimd import BatchLimit, CappedLimit
-from ..batching.merged_calls import SPLIT_REASONS
-from ..errors import Overloaded
-from ..metrics import Metrics
-from ..pipeline import Call, Handler, Headers, Reply, Stage
-from ..policy.model import Batch, Policy, Route
-from . import Runtime
-from .gpu import batch_limit
+from gateway.batching.aimd import BatchLimit, CappedLimit
+from gateway.batching.merged_calls import SPLIT_REASONS
+from gateway.errors import Overloaded
+from gateway.metrics import Metrics
+from gateway.pipeline import Call, Handler, Headers, Reply, Stage
+from gateway.policy.model import Batch, Policy, Route
+from gateway.stages import Runtime
+from gateway.stages.gpu import batch_limit
 
 DEFAULT_SLOTS = 1
 QUEUED_AT_BACKEND = 1  # fixed size: batches let upstream past the backend's slots

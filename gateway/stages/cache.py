@@ -28,18 +28,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from ..cache.entry import CachedResponse, select_headers
-from ..cache.items import plan_items
-from ..cache.keys import RequestKey, cacheability, request_key, with_context
-from ..cache.simhash import MAX_DISTANCE
-from ..cache.tiers import Hit, ResponseCache
-from ..errors import StoreError
-from ..headers import is_event_stream
-from ..pipeline import Call, Handler, Reply, Stage
-from ..policy.model import Policy, Route, RouteCache
-from .cache_embedding import EMBEDDING, EmbeddingContext, EmbeddingTier, build_tier
-from .cache_items import ItemCache
-from .cache_replies import (
+from gateway.cache.entry import CachedResponse, select_headers
+from gateway.cache.items import plan_items
+from gateway.cache.keys import RequestKey, cacheability, request_key, with_context
+from gateway.cache.simhash import MAX_DISTANCE
+from gateway.cache.tiers import Hit, ResponseCache
+from gateway.errors import StoreError
+from gateway.headers import is_event_stream
+from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.policy.model import Policy, Route, RouteCache
+from gateway.stages.cache_embedding import EMBEDDING, EmbeddingContext, EmbeddingTier, build_tier
+from gateway.stages.cache_items import ItemCache
+from gateway.stages.cache_replies import (
     BYPASS,
     CACHE_HEADER,
     HIT,
@@ -52,10 +52,10 @@ from .cache_replies import (
     hit_body,
     hit_reply,
 )
-from .cache_store import STORE_KIND, STORE_NAME, CacheState
+from gateway.stages.cache_store import STORE_KIND, STORE_NAME, CacheState
 
 if TYPE_CHECKING:
-    from . import Runtime
+    from gateway.stages import Runtime
 
 log = logging.getLogger("gateway.cache")
 

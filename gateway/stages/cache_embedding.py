@@ -24,11 +24,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..cache.keys import RequestKey
-from ..cache.tiers import Hit
-from ..clock import Clock
-from ..policy.model import Policy, Semantic
-from ..upstream import Transport
+from gateway.cache.keys import RequestKey
+from gateway.cache.tiers import Hit
+from gateway.clock import Clock
+from gateway.policy.model import Policy, Semantic
+from gateway.upstream import Transport
 
 log = logging.getLogger("gateway.cache")
 

@@ -17,12 +17,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..cache.items import CachedItem, ItemPlan, assemble, fresh_items, missing
-from ..cache.items import upstream_body as items_body
-from ..cache.tiers import EXACT
-from ..clock import Clock
-from ..pipeline import Call, Handler, Reply
-from .cache_replies import (
+from gateway.cache.items import CachedItem, ItemPlan, assemble, fresh_items, missing
+from gateway.cache.items import upstream_body as items_body
+from gateway.cache.tiers import EXACT
+from gateway.clock import Clock
+from gateway.pipeline import Call, Handler, Reply
+from gateway.stages.cache_replies import (
     BYPASS,
     CACHE_HEADER,
     HIT,
@@ -38,7 +38,7 @@ from .cache_replies import (
 )
 
 if TYPE_CHECKING:
-    from .cache import RouteRules
+    from gateway.stages.cache import RouteRules
 
 log = logging.getLogger("gateway.cache")
 

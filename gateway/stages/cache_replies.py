@@ -14,10 +14,10 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from ..cache.entry import CachedResponse
-from ..cache.replay import StreamRecorder, events_to_json, json_to_events, render_sse
-from ..headers import SSE_TYPE
-from ..pipeline import Headers, Reply
+from gateway.cache.entry import CachedResponse
+from gateway.cache.replay import StreamRecorder, events_to_json, json_to_events, render_sse
+from gateway.headers import SSE_TYPE
+from gateway.pipeline import Headers, Reply
 
 log = logging.getLogger("gateway.cache")
 

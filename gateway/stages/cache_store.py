@@ -14,10 +14,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..cache.stores import MemoryStore, RedisStore, StoreStats
-from ..clock import Clock
-from ..policy.model import CacheStore as CacheStoreSettings
-from ..tenant import scope_hash
+from gateway.cache.stores import MemoryStore, RedisStore, StoreStats
+from gateway.clock import Clock
+from gateway.policy.model import CacheStore as CacheStoreSettings
+from gateway.tenant import scope_hash
 
 log = logging.getLogger("gateway.cache")
 

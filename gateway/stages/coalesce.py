@@ -24,14 +24,14 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ..cache.keys import cacheability, request_key
-from ..cache.replay import StreamRecorder, events_to_json
-from ..errors import UpstreamUnavailable
-from ..headers import is_event_stream
-from ..pipeline import Call, Handler, Headers, Reply, Stage
-from ..policy.model import Policy
-from ..singleflight import SingleFlight
-from . import Runtime
+from gateway.cache.keys import cacheability, request_key
+from gateway.cache.replay import StreamRecorder, events_to_json
+from gateway.errors import UpstreamUnavailable
+from gateway.headers import is_event_stream
+from gateway.pipeline import Call, Handler, Headers, Reply, Stage
+from gateway.policy.model import Policy
+from gateway.singleflight import SingleFlight
+from gateway.stages import Runtime
 
 COALESCED_HEADER = "X-Gateway-Coalesced"
 # A non-streaming answer carries usage: a stream it may be assembled from must too.

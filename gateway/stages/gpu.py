@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from ..clock import Clock
-from ..metrics import Metrics
-from ..policy.model import Policy
-from ..state import Registry
-from ..telemetry import (
+from gateway.clock import Clock
+from gateway.metrics import Metrics
+from gateway.policy.model import Policy
+from gateway.state import Registry
+from gateway.telemetry import (
     Telemetry,
     TelemetryConfig,
     TelemetryPoller,
     make_source,
     telemetry_for,
 )
-from ..throttle import Decision, Throttle, ThrottleLimit, ThrottleRule, ThrottleTransition
+from gateway.throttle import Decision, Throttle, ThrottleLimit, ThrottleRule, ThrottleTransition
 
 if TYPE_CHECKING:
-    from ..policy import model
+    from gateway.policy import model
 
 log = logging.getLogger("gateway.throttle")
 

@@ -12,8 +12,8 @@ import dataclasses
 import json
 from typing import Any
 
-from ..pipeline import Call, Reply
-from ..policy.model import Quality
+from gateway.pipeline import Call, Reply
+from gateway.policy.model import Quality
 
 CHAT_PATH = "/v1/chat/completions"
 

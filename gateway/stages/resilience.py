@@ -33,9 +33,9 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..admission import Priority
-from ..breaker import Outcome
-from ..errors import (
+from gateway.admission import Priority
+from gateway.breaker import Outcome
+from gateway.errors import (
     CircuitOpen,
     GatewayError,
     Overloaded,
@@ -43,19 +43,19 @@ from ..errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from ..metrics import Metrics
-from ..pipeline import Call, Handler, Reply, Stage
-from ..policy.model import Policy, Quality
-from ..rate_limit import RateLimit, RateLimiter
-from ..retry_budget import RetryBudget, RetryBudgetConfig
-from ..tenant import rate_key
-from ..usage import from_body
-from .gpu import GpuControl, wire_gpu
-from .guard import BackendGuard, Pass
-from .quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
+from gateway.metrics import Metrics
+from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.policy.model import Policy, Quality
+from gateway.rate_limit import RateLimit, RateLimiter
+from gateway.retry_budget import RetryBudget, RetryBudgetConfig
+from gateway.stages.gpu import GpuControl, wire_gpu
+from gateway.stages.guard import BackendGuard, Pass
+from gateway.stages.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
+from gateway.tenant import rate_key
+from gateway.usage import from_body
 
 if TYPE_CHECKING:
-    from . import Runtime
+    from gateway.stages import Runtime
 
 FALLBACK_HEADER = "X-Gateway-Fallback"
 PRIORITY_HEADER = "X-Priority"

@@ -4,16 +4,22 @@
 ``prometheus`` are the interchangeable sources; ``poller`` reads a source on a schedule.
 """
 
-from .nvml import NvmlSource
-from .poller import (
+from gateway.telemetry.nvml import NvmlSource
+from gateway.telemetry.poller import (
     Source,
     TelemetryConfig,
     TelemetryPoller,
     make_source,
     telemetry_for,
 )
-from .prometheus import PrometheusSource, Selector, parse_exposition, read_series, signals_from
-from .signals import SIGNALS, STALE_INTERVALS, Sample, Signal, Telemetry
+from gateway.telemetry.prometheus import (
+    PrometheusSource,
+    Selector,
+    parse_exposition,
+    read_series,
+    signals_from,
+)
+from gateway.telemetry.signals import SIGNALS, STALE_INTERVALS, Sample, Signal, Telemetry
 
 __all__ = [
     "SIGNALS",

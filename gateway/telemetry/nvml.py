@@ -15,9 +15,9 @@ import asyncio
 from types import ModuleType
 from typing import Any
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import TelemetryError
-from .signals import Sample
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import TelemetryError
+from gateway.telemetry.signals import Sample
 
 THERMAL_REASONS = 0x08 | 0x20 | 0x40
 """Clock-event reason bits that mean heat: HW slowdown, SW thermal slowdown, HW thermal."""

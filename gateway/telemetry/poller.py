@@ -16,10 +16,10 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
-from ..clock import SYSTEM_CLOCK, Clock
-from .nvml import NvmlSource
-from .prometheus import PrometheusSource, Selector
-from .signals import Sample, Telemetry
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.telemetry.nvml import NvmlSource
+from gateway.telemetry.prometheus import PrometheusSource, Selector
+from gateway.telemetry.signals import Sample, Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import TelemetryError
-from .signals import Sample
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import TelemetryError
+from gateway.telemetry.signals import Sample
 
 log = logging.getLogger("gateway.telemetry")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from ..clock import SYSTEM_CLOCK, Clock
+from gateway.clock import SYSTEM_CLOCK, Clock
 
 Signal = Literal[
     "gpu_temperature_c",

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import re
 
-from .base import Adapter, apportion, canonical, split_usage, text_or_tokens
-from .kserve import KServeInfer
-from .openai import OpenAICompletions, OpenAIEmbeddings
-from .tei import TEIEmbed
-from .tfserving import TFServingPredict
+from gateway.batching.adapters.base import (
+    Adapter,
+    apportion,
+    canonical,
+    split_usage,
+    text_or_tokens,
+)
+from gateway.batching.adapters.kserve import KServeInfer
+from gateway.batching.adapters.openai import OpenAICompletions, OpenAIEmbeddings
+from gateway.batching.adapters.tei import TEIEmbed
+from gateway.batching.adapters.tfserving import TFServingPredict
 
 __all__ = [
     "Adapter",

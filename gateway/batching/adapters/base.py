@@ -12,7 +12,7 @@ import json
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
-from ...errors import BatchSplitError
+from gateway.errors import BatchSplitError
 
 
 class Adapter(Protocol):

@@ -16,8 +16,8 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ...errors import BatchSplitError
-from .base import canonical
+from gateway.batching.adapters.base import canonical
+from gateway.errors import BatchSplitError
 
 
 def _flatten(data: list[Any]) -> list[Any]:

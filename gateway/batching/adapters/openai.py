@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ...errors import BatchSplitError
-from .base import canonical, slices, split_usage, text_or_tokens
+from gateway.batching.adapters.base import canonical, slices, split_usage, text_or_tokens
+from gateway.errors import BatchSplitError
 
 
 def _indexed(entries: Any, what: str) -> list[dict[str, Any]]:

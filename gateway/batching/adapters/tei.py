@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ...errors import BatchSplitError
-from .base import canonical, slices, text_or_tokens
+from gateway.batching.adapters.base import canonical, slices, text_or_tokens
+from gateway.errors import BatchSplitError
 
 
 class TEIEmbed:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ...errors import BatchSplitError
-from .base import canonical, slices
+from gateway.batching.adapters.base import canonical, slices
+from gateway.errors import BatchSplitError
 
 
 def _shape(value: Any) -> tuple[int, ...]:

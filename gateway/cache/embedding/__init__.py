@@ -17,16 +17,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..stores.redis import RedisStore
-from . import local
-from .backend import BackendEmbedder
-from .local import MODEL_NAME, LocalEmbedder, LocalModel
-from .shared import SharedIndex
-from .tier import DEFAULT_MAX_ENTRIES, DEFAULT_THRESHOLD, EMBEDDING, Embed, EmbeddingTier
-from .verify import verify
+from gateway.cache.embedding import local
+from gateway.cache.embedding.backend import BackendEmbedder
+from gateway.cache.embedding.local import MODEL_NAME, LocalEmbedder, LocalModel
+from gateway.cache.embedding.shared import SharedIndex
+from gateway.cache.embedding.tier import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_THRESHOLD,
+    EMBEDDING,
+    Embed,
+    EmbeddingTier,
+)
+from gateway.cache.embedding.verify import verify
+from gateway.cache.stores.redis import RedisStore
 
 if TYPE_CHECKING:
-    from ...policy.model import Semantic
+    from gateway.policy.model import Semantic
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",

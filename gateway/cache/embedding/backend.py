@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import UpstreamError
-from ...policy.model import Backend
-from ...upstream import Transport
+from gateway.errors import UpstreamError
+from gateway.policy.model import Backend
+from gateway.upstream import Transport
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 

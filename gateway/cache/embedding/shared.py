@@ -55,10 +55,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ...clock import SYSTEM_CLOCK, Clock
-from ...errors import StoreError
-from .. import vector_stream
-from ..stores.redis import RedisStore, StreamEntry
+from gateway.cache import vector_stream
+from gateway.cache.stores.redis import RedisStore, StreamEntry
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import StoreError
 
 log = logging.getLogger("gateway.cache")
 

@@ -29,15 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from ...clock import SYSTEM_CLOCK, Clock
-from ...errors import GatewayError, StoreError
-from ..keys import RequestKey
-from ..stores.base import CacheStore
-from ..stores.redis import RedisStore
-from ..tiers import Hit
-from .index import VectorIndex
-from .shared import SharedIndex
-from .verify import verify
+from gateway.cache.embedding.index import VectorIndex
+from gateway.cache.embedding.shared import SharedIndex
+from gateway.cache.embedding.verify import verify
+from gateway.cache.keys import RequestKey
+from gateway.cache.stores.base import CacheStore
+from gateway.cache.stores.redis import RedisStore
+from gateway.cache.tiers import Hit
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import GatewayError, StoreError
 
 log = logging.getLogger("gateway.cache")
 

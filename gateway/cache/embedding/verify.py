@@ -24,9 +24,9 @@ hit may reword how a question is asked, never what it asks about.
 
 from __future__ import annotations
 
-from .. import guard
-from ..guard import NEGATIONS, Verdict
-from ..normalize import NUMBER, WORD, Normalized, normalize
+from gateway.cache import guard
+from gateway.cache.guard import NEGATIONS, Verdict
+from gateway.cache.normalize import NUMBER, WORD, Normalized, normalize
 
 HOW_TO = "\x00how-to"
 HOW_TO_YOU = "\x00how-to-you"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..entry import CachedResponse
+from gateway.cache.entry import CachedResponse
 
 MAX_BUCKET_SCAN = 64
 """A lookup reads at most this many members of one SimHash bucket.  Buckets stay small

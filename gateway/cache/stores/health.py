@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ...clock import Clock
+from gateway.clock import Clock
 
 DOWN_AFTER = 3
 WINDOW_S = 1.0

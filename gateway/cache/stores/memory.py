@@ -18,10 +18,10 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import NamedTuple
 
-from ...clock import SYSTEM_CLOCK, Clock
-from ..entry import CachedResponse, dumps, loads
-from ..simhash import BAND_BITS, bands
-from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
+from gateway.cache.entry import CachedResponse, dumps, loads
+from gateway.cache.simhash import BAND_BITS, bands
+from gateway.cache.stores.base import MAX_BUCKET_SCAN, Candidate, StoreStats
+from gateway.clock import SYSTEM_CLOCK, Clock
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 ENTRY_OVERHEAD_BYTES = 1200

@@ -43,15 +43,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ...clock import SYSTEM_CLOCK, Clock
-from ...errors import StoreError
-from .. import vector_stream
-from ..entry import CachedResponse, dumps, loads
-from ..simhash import bands, hamming
-from .base import MAX_BUCKET_SCAN, Candidate, StoreStats
-from .health import Health
-from .redis_counts import DEFAULT_REFRESH_S, RedisCounts
-from .redis_purge import RedisPurge
+from gateway.cache import vector_stream
+from gateway.cache.entry import CachedResponse, dumps, loads
+from gateway.cache.simhash import bands, hamming
+from gateway.cache.stores.base import MAX_BUCKET_SCAN, Candidate, StoreStats
+from gateway.cache.stores.health import Health
+from gateway.cache.stores.redis_counts import DEFAULT_REFRESH_S, RedisCounts
+from gateway.cache.stores.redis_purge import RedisPurge
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import StoreError
 
 DEFAULT_PREFIX = "gw:"
 DEFAULT_BUDGET_S = 0.05

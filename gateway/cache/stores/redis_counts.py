@@ -38,8 +38,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from ...clock import Clock
-from ...errors import StoreError
+from gateway.clock import Clock
+from gateway.errors import StoreError
 
 DEFAULT_REFRESH_S = 10.0
 SWEEP_BATCH = 100

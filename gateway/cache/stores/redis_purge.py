@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .. import vector_stream
-from .redis_counts import RedisCounts
+from gateway.cache import vector_stream
+from gateway.cache.stores.redis_counts import RedisCounts
 
 PURGE_BATCH = 500
 """Keys deleted, set members removed or stream records read per round trip."""
