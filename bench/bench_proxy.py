@@ -91,16 +91,16 @@ async def first_byte_ms(port: int, n: int) -> list[float]:
 COMPONENTS = (
     (
         "socket writes (kernel send, in the server's and the upstream client's write calls)",
-        ("ClientConnection.write", "ClientConnection.writelines", "http1.py:send"),
+        (
+            "Connection.write:",
+            "Turns.write:",
+            "Connection.writelines:",
+            "Turns.writelines:",
+            "connection.py:send",
+        ),
     ),
-    (
-        "gateway: server (server.py, server_connection.py, wire.py, target.py; llhttp)",
-        ("server.py", "server_connection.py", "wire.py", "target.py"),
-    ),
-    (
-        "gateway: upstream client (http1.py, http1_pool.py, upstream.py; llhttp)",
-        ("http1.py", "http1_pool.py", "upstream.py"),
-    ),
+    ("gateway: server (gateway/server/, wire.py; llhttp)", ("gateway/server/", "wire.py")),
+    ("gateway: upstream client (gateway/transport/; llhttp)", ("gateway/transport/",)),
     ("gateway: edge, routing, validation, metrics calls", ("gateway/",)),
     ("prometheus_client", ("prometheus_client/",)),
     ("json / re / other stdlib", ("json/", "re/", "python3.11/")),
@@ -202,8 +202,8 @@ def profile(pid: int, seconds: int, tmp: Path) -> list[tuple[str, float]]:
 
 
 def _matches(where: str, needle: str) -> bool:
-    if needle == "http1.py:send":  # the line of Connection.send that writes the request
-        return where.startswith("Connection.send:") and "http1.py" in where
+    if needle == "connection.py:send":  # the line of Connection.send that writes the request
+        return where.startswith("Connection.send:") and "transport/connection.py" in where
     return needle in where
 
 

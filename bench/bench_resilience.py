@@ -39,8 +39,8 @@ from typing import Any
 from bench.common import free_port, machine, update_section, wait_port
 from bench.outage import bench_sudden_outage, rows
 from bench.plumbing import Backend, Exporter, RawClient, gateway, pcts, serving
-from gateway.admission import Admission, AdmissionConfig, QueueConfig
 from gateway.errors import Overloaded
+from gateway.resilience.admission import Admission, AdmissionConfig, QueueConfig
 
 INTERVAL_MS = 200
 BREAKER = {

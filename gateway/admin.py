@@ -12,18 +12,15 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.cache.state import STORE_KIND, STORE_NAME, CacheState
 from gateway.errors import GatewayError, PolicyError, Problem, StoreError, Unauthorized
 from gateway.policy.show import to_data
-from gateway.stages.cache_store import STORE_KIND, STORE_NAME, CacheState
+from gateway.snapshot import Operated
 from gateway.wire import error_body, error_headers
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PLACEHOLDER_TOKEN = "REPLACE-with-a-long-random-token"
@@ -55,7 +52,7 @@ def error_response(exc: GatewayError) -> web.Response:
     )
 
 
-def admin_routes(gateway: Gateway, *, loopback: bool) -> list[web.RouteDef]:
+def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
     """The admin app's routes, bound to ``gateway``."""
 
     def guarded(handler: AdminHandler) -> AdminHandler:

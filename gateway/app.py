@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -22,38 +21,27 @@ from gateway.admin import admin_routes, check_admin_token
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.edge import Edge
 from gateway.errors import PolicyError
-from gateway.forwarding import TrustedProxies
 from gateway.metrics import Metrics
-from gateway.pipeline import Handler, compose
+from gateway.pipeline import compose
 from gateway.policy.load import Loaded
-from gateway.policy.model import Policy, Server
+from gateway.policy.model import Server
 from gateway.policy.watch import PolicySource, Settling
-from gateway.proxy import Forward
+from gateway.resilience.gpu import start_telemetry
 from gateway.routing import Router
-from gateway.server import HttpServer
-from gateway.stages import Runtime
-from gateway.stages.gpu import start_telemetry
+from gateway.runtime import Runtime
+from gateway.server.listener import HttpServer
+from gateway.snapshot import Snapshot
 from gateway.state import Registry
-from gateway.upstream import Transport, Upstreams
-from gateway.warmup import warm_up
+from gateway.transport.forward import Forward
+from gateway.transport.forwarding import TrustedProxies
+from gateway.transport.upstream import Transport, Upstreams
+from gateway.transport.warmup import warm_up
 
 log = logging.getLogger("gateway")
 CLOSE_TIMEOUT_S = 0.3
 """After the drain: the most closing stores, pollers and pools may take."""
 ADMIN_SHUTDOWN_S = 0.2
 """How long admin requests (a scrape, a probe) may take to finish at exit."""
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """Everything a request needs from one policy generation."""
-
-    policy: Policy
-    digest: str
-    generation: int
-    router: Router
-    handler: Handler
-    trusted: TrustedProxies
 
 
 class Gateway:

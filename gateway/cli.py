@@ -145,8 +145,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _cache_warnings(policy: Any) -> list[str]:
     """What a valid policy asks of the cache that this installation cannot give."""
+    from gateway.cache.embedding_seam import unavailable
     from gateway.cache.simhash import MAX_DISTANCE
-    from gateway.stages.cache_embedding import unavailable
 
     warnings = []
     for i, route in enumerate(policy.routes):

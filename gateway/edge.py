@@ -23,20 +23,18 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gateway import openai_body
 from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
-from gateway.forwarding import forwarding_headers
-from gateway.headers import REQUEST_OWNED, is_event_stream, strip
+from gateway.openai import body as openai_body
+from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
 from gateway.routing import OPENAI_JSON_PATHS
-from gateway.server_request import Request
-from gateway.usage import StreamUsage, from_body
+from gateway.server.request import Request
+from gateway.snapshot import Live
+from gateway.transport.forwarding import forwarding_headers
+from gateway.transport.headers import REQUEST_OWNED, is_event_stream, strip
 from gateway.wire import error_body, error_headers
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 log = logging.getLogger("gateway.edge")
 
@@ -70,7 +68,7 @@ def request_id_of(given: str | None) -> str:
 class Edge:
     """The data plane's one handler."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Live) -> None:
         self._gateway = gateway
         self._loop_time = asyncio.get_running_loop().time
 

@@ -52,9 +52,9 @@ async def test_readyz_waits_for_warmup_requests_to_answer(serve_app, start_gatew
 async def test_warmup_retries_a_backend_that_is_still_starting(
     serve_app, start_gateway, tmp_path, unused_tcp_port
 ):
-    import gateway.warmup
+    import gateway.transport.warmup
 
-    gateway.warmup.RETRY_DELAY_S = 0.01
+    gateway.transport.warmup.RETRY_DELAY_S = 0.01
     try:
         policy = write_policy(
             tmp_path,
@@ -83,7 +83,7 @@ async def test_warmup_retries_a_backend_that_is_still_starting(
         finally:
             await runner.cleanup()
     finally:
-        gateway.warmup.RETRY_DELAY_S = 1.0
+        gateway.transport.warmup.RETRY_DELAY_S = 1.0
 
 
 async def test_metrics_are_served_on_the_admin_port_only(serve_app, start_gateway):

@@ -7,8 +7,8 @@ import contextlib
 
 import pytest
 
-from gateway.admission import Admission, AdmissionConfig, Priority, QueueConfig, Ticket
 from gateway.errors import Overloaded
+from gateway.resilience.admission import Admission, AdmissionConfig, Priority, QueueConfig, Ticket
 from gateway.testing import FakeClock
 
 

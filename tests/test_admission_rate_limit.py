@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import RateLimited
-from gateway.rate_limit import RateLimit, RateLimiter
+from gateway.resilience.rate_limit import RateLimit, RateLimiter
 from gateway.testing import FakeClock
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.breaker import Breaker, BreakerConfig, BreakerTransition, Outcome
 from gateway.errors import CircuitOpen, Overloaded, UpstreamTimeout, UpstreamUnavailable
+from gateway.resilience.breaker import Breaker, BreakerConfig, BreakerTransition, Outcome
 from gateway.testing import FakeClock
 
 CONFIG = BreakerConfig(failure_rate=0.5, min_calls=4, window_s=10, open_s=5, half_open_calls=2)

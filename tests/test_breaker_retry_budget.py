@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.retry_budget import RetryBudget, RetryBudgetConfig
+from gateway.resilience.retry_budget import RetryBudget, RetryBudgetConfig
 from gateway.testing import FakeClock
 
 

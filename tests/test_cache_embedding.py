@@ -25,11 +25,11 @@ from gateway.cache.embedding import (
     from_semantic,
 )
 from gateway.cache.embedding.index import PREFILTER_ROWS, VectorIndex, hamming_bound
+from gateway.cache.embedding_seam import EmbeddingContext
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores import MemoryStore
 from gateway.errors import UpstreamError
 from gateway.policy.load import parse_policy_text
-from gateway.stages.cache_embedding import EmbeddingContext
 from gateway.testing import FakeClock, FlakyStore
 
 PATH = "/v1/chat/completions"

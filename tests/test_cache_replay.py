@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.cache.entry import CachedResponse, dumps, loads, select_headers
-from gateway.cache.replay import (
+from gateway.openai.sse import (
     StreamRecorder,
     events_to_json,
     json_to_events,

@@ -497,18 +497,45 @@ async def test_redis_slow_beyond_budget_is_a_fast_store_error() -> None:
             await store.close()
 
 
-async def test_one_late_reply_never_marks_redis_down(redis_url: str) -> None:  # noqa: F811
-    """The event loop late on a busy machine: a command over its budget is a miss, but
-    Redis answered it, so Redis stays up."""
-    store = RedisStore.from_url(redis_url, budget_s=0.0001)  # any real round trip is late
+@contextlib.asynccontextmanager
+async def late_redis(url: str, delay_s: float) -> AsyncIterator[str]:
+    """A proxy in front of a real Redis that holds each reply back ``delay_s``: every
+    answer comes, late (as when the event loop is late on a busy machine)."""
+    host, port = url.removeprefix("redis://").split("/")[0].split(":")
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float):
+            while data := await src.read(65536):
+                await asyncio.sleep(delay)
+                dst.write(data)
+            dst.close()
+
+        await asyncio.gather(
+            pump(reader, up_writer, 0.0), pump(up_reader, writer, delay_s), return_exceptions=True
+        )
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
     try:
-        for _ in range(20):
-            with pytest.raises(StoreError, match="budget"):
-                await store.get("k")
-        await asyncio.sleep(0.05)  # the commands' own answers come in
-        assert store.available and store.health.transitions == 0
+        yield f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0"
     finally:
-        await store.close()
+        server.close()
+
+
+async def test_late_replies_never_mark_redis_down(redis_url: str) -> None:  # noqa: F811
+    """Every reply past the budget: each call is a miss, but Redis answered every command,
+    so Redis stays up."""
+    async with late_redis(redis_url, 0.03) as url:
+        store = RedisStore.from_url(url, budget_s=0.01)
+        try:
+            for _ in range(10):
+                with pytest.raises(StoreError, match="budget"):
+                    await store.get("k")
+            await asyncio.sleep(0.1)  # the commands' own answers come in
+            assert store.available and store.health.transitions == 0
+        finally:
+            await store.close()
 
 
 async def test_redis_ttl_and_index_keys_use_plain_commands(redis_url: str) -> None:  # noqa: F811

@@ -281,7 +281,7 @@ def _chat() -> dict[str, object]:
 
 
 def test_reasons_are_documented():
-    from gateway.stages.resilience import FALLBACK_REASONS, RETRY_REASONS
+    from gateway.resilience.stage import FALLBACK_REASONS, RETRY_REASONS
 
     assert RETRY_REASONS <= set(FALLBACK_REASONS)
     assert json.dumps(FALLBACK_REASONS)

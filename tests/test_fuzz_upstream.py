@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 from gateway.app import Gateway
 from gateway.errors import UpstreamError
-from gateway.http1 import Connection
 from gateway.policy.watch import PolicySource
 from gateway.testing import FakeSocket
+from gateway.transport.connection import Connection
 from tests.upstreams import RawBackend
 
 SETTINGS = settings(

@@ -245,14 +245,14 @@ async def test_a_limit_rule_on_rate_refuses_past_it(serve_app, start_gateway, tm
 
 
 def test_batch_limit_is_exposed_for_the_batching_stage():
-    from gateway.stages.gpu import batch_limit
+    from gateway.resilience.gpu import batch_limit
     from gateway.state import Registry
 
     assert batch_limit(Registry(), "main") is None
 
 
 async def test_a_batch_max_size_limit_reads_through_batch_limit(serve_app, start_gateway, tmp_path):
-    from gateway.stages.gpu import batch_limit
+    from gateway.resilience.gpu import batch_limit
 
     rule = {
         "when": {"signal": "gpu_temperature_c", "above": 80, "clear_below": 76},

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from gateway.coalesce.singleflight import SingleFlight
 from gateway.errors import SlowReader, UpstreamTimeout, UpstreamUnavailable
 from gateway.pipeline import Reply
-from gateway.singleflight import SingleFlight
 
 SSE = (("content-type", "text/event-stream"),)
 END = object()

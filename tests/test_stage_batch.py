@@ -454,10 +454,12 @@ async def test_a_reload_keeps_an_unchanged_batcher_and_replaces_a_changed_one(se
 
 
 def test_policies_without_batch_or_coalesce_get_neither_stage():
+    from gateway.batching import stage as batch
     from gateway.clock import SYSTEM_CLOCK
+    from gateway.coalesce import stage as coalesce
     from gateway.metrics import Metrics
     from gateway.policy.load import zero_config_policy
-    from gateway.stages import Runtime, batch, coalesce
+    from gateway.runtime import Runtime
     from gateway.state import Registry
 
     runtime = Runtime(Metrics(), Registry(), SYSTEM_CLOCK, transport=None)  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.cache.replay import parse_sse
+from gateway.openai.sse import parse_sse
 from gateway.sim import SimConfig, SimServer, start_sim
 from gateway.testing import FakeClock
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401

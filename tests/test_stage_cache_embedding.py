@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.cache.embedding_seam import MODULE, unavailable
 from gateway.cache.keys import RequestKey
 from gateway.cache.tiers import Hit
 from gateway.cli import main
 from gateway.sim import SimConfig, start_sim
-from gateway.stages.cache_embedding import MODULE, unavailable
 
 POLICY = """
 backends:

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.singleflight import SingleFlight
+from gateway.coalesce.singleflight import SingleFlight
 from tests.conftest import Running
 from tests.helpers import until
 

@@ -520,20 +520,20 @@ def test_a_policy_without_resilience_settings_adds_no_stage():
     from gateway.clock import SYSTEM_CLOCK
     from gateway.metrics import Metrics
     from gateway.policy.load import zero_config_policy
-    from gateway.stages import Runtime
-    from gateway.stages.resilience import resilience_stages
+    from gateway.resilience.stage import build
+    from gateway.runtime import Runtime
     from gateway.state import Registry
 
     registry = Registry()
     runtime = Runtime(Metrics(), registry, SYSTEM_CLOCK, transport=None)  # type: ignore[arg-type]
-    assert resilience_stages(zero_config_policy("http://127.0.0.1:1"), runtime) == []
+    assert build(zero_config_policy("http://127.0.0.1:1"), runtime) == []
     assert repr(registry) == "<Registry {'gpu_control': 1}>"
 
 
 async def test_a_slot_freed_while_a_cancelled_waiter_has_not_resumed_goes_to_the_next():
     """Regression: a client leaves (its task is cancelled) and, before that task runs again,
     a call finishes; the slot must pass to the next waiter, not fail the release."""
-    from gateway.admission import Admission, AdmissionConfig, QueueConfig
+    from gateway.resilience.admission import Admission, AdmissionConfig, QueueConfig
 
     admission = Admission("main", AdmissionConfig(1, QueueConfig(capacity=5)))
     ticket = await admission.acquire()

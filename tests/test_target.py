@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import MalformedRequest
-from gateway.target import normalise, remove_dot_segments
+from gateway.server.target import normalise, remove_dot_segments
 
 
 @pytest.mark.parametrize(

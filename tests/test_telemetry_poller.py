@@ -7,6 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from gateway.resilience.throttle import Throttle, ThrottleRule
 from gateway.telemetry import (
     NvmlSource,
     PrometheusSource,
@@ -17,7 +18,6 @@ from gateway.telemetry import (
     telemetry_for,
 )
 from gateway.testing import FakeClock, FakeNvml
-from gateway.throttle import Throttle, ThrottleRule
 
 
 class Ticks:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.telemetry import Sample, Telemetry
-from gateway.testing import FakeClock
-from gateway.throttle import (
+from gateway.resilience.throttle import (
     NO_THROTTLE,
     Throttle,
     ThrottleLimit,
     ThrottleRule,
     ThrottleTransition,
 )
+from gateway.telemetry import Sample, Telemetry
+from gateway.testing import FakeClock
 
 HOT = ThrottleRule("gpu-hot", "main", "gpu_temperature_c", above=85, clear_below=80)
 VRAM = ThrottleRule("vram-full", "main", "gpu_memory_used_ratio", 0.90, 0.85, action="shed")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.usage import StreamUsage, from_body
+from gateway.openai.usage import StreamUsage, from_body
 
 
 def test_usage_is_read_from_the_key_not_from_text_inside_the_answer():

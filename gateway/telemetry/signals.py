@@ -76,7 +76,7 @@ class Telemetry:
 
     The poller calls ``update``; throttle rules call ``value`` on every request, so it is a
     clock read and an attribute lookup.  ``fail_closed`` says how rules treat an unknown
-    signal on this backend (see ``gateway.throttle``).
+    signal on this backend (see ``gateway.resilience.throttle``).
     """
 
     __slots__ = ("_clock", "_sample", "backend", "fail_closed", "interval_s", "samples", "seen")

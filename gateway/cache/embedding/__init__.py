@@ -9,7 +9,7 @@ shared.py   SharedIndex: with the Redis store, every replica's index entries in 
 
 This package imports without the extra (numpy only); ``available()`` says whether the
 local model can run, and ``from_semantic`` builds a route's tier from its policy, the seam
-``gateway.stages.cache_embedding`` calls; over a ``RedisStore`` the tier's index is shared
+``gateway.cache.embedding_seam`` calls; over a ``RedisStore`` the tier's index is shared
 by every replica.
 """
 

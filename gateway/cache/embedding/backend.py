@@ -16,7 +16,7 @@ import numpy as np
 
 from gateway.errors import UpstreamError
 from gateway.policy.model import Backend
-from gateway.upstream import Transport
+from gateway.transport.upstream import Transport
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 

@@ -12,14 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.admission import Admission, AdmissionConfig, Priority, QueueConfig, Ticket
-from gateway.breaker import STATE_VALUES, Breaker, BreakerConfig, BreakerTransition, Outcome, Permit
 from gateway.clock import Clock
 from gateway.errors import Overloaded
 from gateway.metrics import Metrics
 from gateway.policy.model import Backend
-from gateway.rate_limit import TokenBucket
-from gateway.throttle import Decision, ThrottleLimit
+from gateway.resilience.admission import Admission, AdmissionConfig, Priority, QueueConfig, Ticket
+from gateway.resilience.breaker import (
+    STATE_VALUES,
+    Breaker,
+    BreakerConfig,
+    BreakerTransition,
+    Outcome,
+    Permit,
+)
+from gateway.resilience.rate_limit import TokenBucket
+from gateway.resilience.throttle import Decision, ThrottleLimit
 
 UNLIMITED_CONCURRENCY = 1 << 30
 """The base concurrency of a backend without ``max_concurrency`` that a ``limit`` rule caps."""

@@ -16,7 +16,7 @@ import ipaddress
 from collections.abc import Sequence
 from functools import lru_cache
 
-from gateway.headers import FORWARDING
+from gateway.transport.headers import FORWARDING
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 

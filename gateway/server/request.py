@@ -11,7 +11,7 @@ from typing import Protocol
 
 from gateway.errors import BodyTooLarge, MalformedRequest, Overloaded
 from gateway.policy.model import Server as Limits
-from gateway.target import normalise
+from gateway.server.target import normalise
 from gateway.wire import http_date, response_head
 
 _VERSIONS = frozenset({"1.1", "1.0"})

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 from gateway.errors import UpstreamError
 from gateway.policy.model import Backend
-from gateway.upstream import Transport
+from gateway.transport.upstream import Transport
 
-log = logging.getLogger("gateway.warmup")
+log = logging.getLogger("gateway.transport.warmup")
 RETRY_DELAY_S = 1.0
 
 

@@ -52,8 +52,8 @@ from gateway.errors import Overloaded
 from gateway.metrics import Metrics
 from gateway.pipeline import Call, Handler, Headers, Reply, Stage
 from gateway.policy.model import Batch, Policy, Route
-from gateway.stages import Runtime
-from gateway.stages.gpu import batch_limit
+from gateway.resilience.gpu import batch_limit
+from gateway.runtime import Runtime
 
 DEFAULT_SLOTS = 1
 QUEUED_AT_BACKEND = 1  # fixed size: batches let upstream past the backend's slots

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.pipeline import Call, Reply
-from gateway.upstream import Transport
+from gateway.transport.upstream import Transport
 
 
 class Forward:

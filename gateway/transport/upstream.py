@@ -21,13 +21,14 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from gateway import http1, http1_pool
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
-from gateway.headers import RESPONSE_OWNED, media_type, strip
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
 from gateway.policy.model import Backend, Policy
 from gateway.routing import INFERENCE_PATH
+from gateway.transport import connection as http1
+from gateway.transport import pool as http1_pool
+from gateway.transport.headers import RESPONSE_OWNED, media_type, strip
 
 # Answers up to this size that nobody reads piece by piece are read whole (by length,
 # chunked or to the close) and answered with a Content-Length; larger ones, SSE and NDJSON

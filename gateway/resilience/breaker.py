@@ -32,7 +32,7 @@ from typing import Literal
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import CircuitOpen, UpstreamError
-from gateway.rolling import RollingCounts
+from gateway.resilience.rolling import RollingCounts
 
 log = logging.getLogger(__name__)
 

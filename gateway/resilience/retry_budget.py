@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.rolling import RollingCounts
+from gateway.resilience.rolling import RollingCounts
 
 DEFAULT_RETRY_RATIO = 0.2
 DEFAULT_MIN_RETRIES_PER_S = 3.0

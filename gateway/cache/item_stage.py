@@ -1,4 +1,5 @@
-"""Per-item caching of ``/v1/embeddings`` for the cache stage.
+"""A caching route's rules (``RouteRules``), and per-item caching of ``/v1/embeddings`` for the
+cache stage.
 
 Each input of an embeddings request is cached on its own (``cache.items``).  A request whose
 inputs are all cached is answered here; otherwise one upstream call carries only the missing
@@ -15,14 +16,12 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
+from gateway.cache.embedding_seam import EmbeddingTier
 from gateway.cache.items import CachedItem, ItemPlan, assemble, fresh_items, missing
 from gateway.cache.items import upstream_body as items_body
-from gateway.cache.tiers import EXACT
-from gateway.clock import Clock
-from gateway.pipeline import Call, Handler, Reply
-from gateway.stages.cache_replies import (
+from gateway.cache.replies import (
     BYPASS,
     CACHE_HEADER,
     HIT,
@@ -36,11 +35,41 @@ from gateway.stages.cache_replies import (
     content_encoded,
     read_whole,
 )
-
-if TYPE_CHECKING:
-    from gateway.stages.cache import RouteRules
+from gateway.cache.tiers import EXACT, ResponseCache
+from gateway.clock import Clock
+from gateway.pipeline import Call, Handler, Reply
+from gateway.policy.model import Route, RouteCache
+from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.cache")
+
+
+class RouteRules:
+    """One route's cache settings and per-route state for one policy generation."""
+
+    def __init__(
+        self,
+        route: Route,
+        rule: RouteCache,
+        cache: ResponseCache,
+        embedding: EmbeddingTier | None,
+        runtime: Runtime,
+    ) -> None:
+        self.name = route.name
+        self.ttl_s = rule.ttl_s
+        self.allow_sampled = rule.allow_sampled
+        self.near = rule.semantic.method != "off"
+        self.cache = cache
+        self.embedding = embedding
+        self._lookups = runtime.metrics.cache_lookups
+        self._children: dict[tuple[str, str], Any] = {}
+        self.lookup_seconds = runtime.metrics.cache_lookup_seconds.labels(route.name)
+
+    def count(self, result: str, match: str) -> None:
+        child = self._children.get((result, match))
+        if child is None:
+            child = self._children[(result, match)] = self._lookups.labels(self.name, result, match)
+        child.inc()
 
 
 class ItemCache:

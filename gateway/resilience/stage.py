@@ -33,8 +33,6 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.admission import Priority
-from gateway.breaker import Outcome
 from gateway.errors import (
     CircuitOpen,
     GatewayError,
@@ -44,18 +42,20 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.metrics import Metrics
+from gateway.openai.usage import from_body
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Quality
-from gateway.rate_limit import RateLimit, RateLimiter
-from gateway.retry_budget import RetryBudget, RetryBudgetConfig
-from gateway.stages.gpu import GpuControl, wire_gpu
-from gateway.stages.guard import BackendGuard, Pass
-from gateway.stages.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
+from gateway.resilience.admission import Priority
+from gateway.resilience.breaker import Outcome
+from gateway.resilience.gpu import GpuControl, wire_gpu
+from gateway.resilience.guard import BackendGuard, Pass
+from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
+from gateway.resilience.rate_limit import RateLimit, RateLimiter
+from gateway.resilience.retry_budget import RetryBudget, RetryBudgetConfig
 from gateway.tenant import rate_key
-from gateway.usage import from_body
 
 if TYPE_CHECKING:
-    from gateway.stages import Runtime
+    from gateway.runtime import Runtime
 
 FALLBACK_HEADER = "X-Gateway-Fallback"
 PRIORITY_HEADER = "X-Priority"
@@ -321,7 +321,7 @@ def estimate_tokens(call: Call) -> int:
     return len(call.body) // CHARS_PER_TOKEN + answer
 
 
-def resilience_stages(policy: Policy, runtime: Runtime) -> list[Stage]:
+def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The stage for ``policy`` (none when it uses none of it), with telemetry wired."""
     registry, metrics, clock = runtime.registry, runtime.metrics, runtime.clock
     ruled = {r.backend for r in policy.throttle}

@@ -15,7 +15,7 @@ import socket
 import ssl
 
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
-from gateway.http1 import Connection
+from gateway.transport.connection import Connection
 
 
 class Pool:

@@ -25,13 +25,13 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from gateway.cache.keys import cacheability, request_key
-from gateway.cache.replay import StreamRecorder, events_to_json
+from gateway.coalesce.singleflight import SingleFlight
 from gateway.errors import UpstreamUnavailable
-from gateway.headers import is_event_stream
+from gateway.openai.sse import StreamRecorder, events_to_json
 from gateway.pipeline import Call, Handler, Headers, Reply, Stage
 from gateway.policy.model import Policy
-from gateway.singleflight import SingleFlight
-from gateway.stages import Runtime
+from gateway.runtime import Runtime
+from gateway.transport.headers import is_event_stream
 
 COALESCED_HEADER = "X-Gateway-Coalesced"
 # A non-streaming answer carries usage: a stream it may be assembled from must too.

@@ -27,6 +27,13 @@ import aiohttp
 from gateway.clock import Clock
 from gateway.metrics import Metrics
 from gateway.policy.model import Policy
+from gateway.resilience.throttle import (
+    Decision,
+    Throttle,
+    ThrottleLimit,
+    ThrottleRule,
+    ThrottleTransition,
+)
 from gateway.state import Registry
 from gateway.telemetry import (
     Telemetry,
@@ -35,12 +42,11 @@ from gateway.telemetry import (
     make_source,
     telemetry_for,
 )
-from gateway.throttle import Decision, Throttle, ThrottleLimit, ThrottleRule, ThrottleTransition
 
 if TYPE_CHECKING:
     from gateway.policy import model
 
-log = logging.getLogger("gateway.throttle")
+log = logging.getLogger("gateway.resilience.throttle")
 
 GAUGE_OF_SIGNAL = {
     "gpu_temperature_c": "gpu_temperature",

@@ -28,7 +28,7 @@ from gateway.cache.keys import RequestKey
 from gateway.cache.tiers import Hit
 from gateway.clock import Clock
 from gateway.policy.model import Policy, Semantic
-from gateway.upstream import Transport
+from gateway.transport.upstream import Transport
 
 log = logging.getLogger("gateway.cache")
 

@@ -26,11 +26,11 @@ from collections.abc import Awaitable, Callable
 
 from gateway.metrics import Metrics
 from gateway.policy.model import Server as Limits
-from gateway.server_connection import ClientConnection
-from gateway.server_request import Request
-from gateway.server_turns import Turns
+from gateway.server.connection import ClientConnection
+from gateway.server.request import Request
+from gateway.server.turns import Turns
 
-log = logging.getLogger("gateway.server")
+log = logging.getLogger("gateway.server.listener")
 
 Handler = Callable[[Request], Awaitable[None]]
 INTERRUPT_S = 0.5

@@ -28,11 +28,11 @@ import logging
 import httptools
 
 from gateway.errors import BodyTooLarge, GatewayError, MalformedRequest, Overloaded, RequestTimeout
-from gateway.server_clock import Deadline
-from gateway.server_request import Request, read_head
-from gateway.server_turns import BODY, CONTINUE, HEAD, WAIT, Host, Turns
+from gateway.server.clock import Deadline
+from gateway.server.request import Request, read_head
+from gateway.server.turns import BODY, CONTINUE, HEAD, WAIT, Host, Turns
 
-log = logging.getLogger("gateway.server")
+log = logging.getLogger("gateway.server.listener")
 
 MAX_PIPELINED = 32
 

@@ -28,18 +28,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from gateway.cache.embedding_seam import EMBEDDING, EmbeddingContext, EmbeddingTier, build_tier
 from gateway.cache.entry import CachedResponse, select_headers
+from gateway.cache.item_stage import ItemCache, RouteRules
 from gateway.cache.items import plan_items
 from gateway.cache.keys import RequestKey, cacheability, request_key, with_context
-from gateway.cache.simhash import MAX_DISTANCE
-from gateway.cache.tiers import Hit, ResponseCache
-from gateway.errors import StoreError
-from gateway.headers import is_event_stream
-from gateway.pipeline import Call, Handler, Reply, Stage
-from gateway.policy.model import Policy, Route, RouteCache
-from gateway.stages.cache_embedding import EMBEDDING, EmbeddingContext, EmbeddingTier, build_tier
-from gateway.stages.cache_items import ItemCache
-from gateway.stages.cache_replies import (
+from gateway.cache.replies import (
     BYPASS,
     CACHE_HEADER,
     HIT,
@@ -52,10 +46,16 @@ from gateway.stages.cache_replies import (
     hit_body,
     hit_reply,
 )
-from gateway.stages.cache_store import STORE_KIND, STORE_NAME, CacheState
+from gateway.cache.simhash import MAX_DISTANCE
+from gateway.cache.state import STORE_KIND, STORE_NAME, CacheState
+from gateway.cache.tiers import Hit, ResponseCache
+from gateway.errors import StoreError
+from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.policy.model import Policy, Route, RouteCache
+from gateway.transport.headers import is_event_stream
 
 if TYPE_CHECKING:
-    from gateway.stages import Runtime
+    from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.cache")
 
@@ -63,7 +63,7 @@ EMBEDDING_KIND = "cache-embedding"
 STORE_ERROR_LOG_EVERY_S = 10.0
 
 
-def cache_stages(policy: Policy, runtime: Runtime) -> list[Stage]:
+def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The cache stage for ``policy``, or none when no route caches."""
     metrics = runtime.metrics
     if not any(route.cache is not None for route in policy.routes):
@@ -92,34 +92,6 @@ def cache_stages(policy: Policy, runtime: Runtime) -> list[Stage]:
     stage = CacheStage(policy, runtime, state)
     metrics.embedding.tiers = stage.embedding_tiers
     return [stage]
-
-
-class RouteRules:
-    """One route's cache settings and per-route state for one policy generation."""
-
-    def __init__(
-        self,
-        route: Route,
-        rule: RouteCache,
-        cache: ResponseCache,
-        embedding: EmbeddingTier | None,
-        runtime: Runtime,
-    ) -> None:
-        self.name = route.name
-        self.ttl_s = rule.ttl_s
-        self.allow_sampled = rule.allow_sampled
-        self.near = rule.semantic.method != "off"
-        self.cache = cache
-        self.embedding = embedding
-        self._lookups = runtime.metrics.cache_lookups
-        self._children: dict[tuple[str, str], Any] = {}
-        self.lookup_seconds = runtime.metrics.cache_lookup_seconds.labels(route.name)
-
-    def count(self, result: str, match: str) -> None:
-        child = self._children.get((result, match))
-        if child is None:
-            child = self._children[(result, match)] = self._lookups.labels(self.name, result, match)
-        child.inc()
 
 
 class CacheStage:

@@ -15,9 +15,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.cache.entry import CachedResponse
-from gateway.cache.replay import StreamRecorder, events_to_json, json_to_events, render_sse
-from gateway.headers import SSE_TYPE
+from gateway.openai.sse import StreamRecorder, events_to_json, json_to_events, render_sse
 from gateway.pipeline import Headers, Reply
+from gateway.transport.headers import SSE_TYPE
 
 log = logging.getLogger("gateway.cache")
 

@@ -19,11 +19,11 @@ from typing import Protocol
 
 from gateway.errors import GatewayError, MalformedRequest, Overloaded
 from gateway.policy.model import Server as Limits
-from gateway.server_clock import ConnectionClock, Deadline
-from gateway.server_request import Request, shutting_down
+from gateway.server.clock import ConnectionClock, Deadline
+from gateway.server.request import Request, shutting_down
 from gateway.wire import error_body, error_headers, http_date, response_head
 
-log = logging.getLogger("gateway.server")
+log = logging.getLogger("gateway.server.listener")
 
 LINGER_S = 2.0
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"

@@ -1,0 +1,3 @@
+"""The OpenAI wire format: request bodies validated strictly (``body``), token usage read from
+answers (``usage``), and SSE streams: their media type, JSON answers as event streams and
+back (``sse``)."""

@@ -1,0 +1,33 @@
+"""The pipeline's stages, in order: cache lookup, single flight, batching, then admission,
+throttling, breakers and fallback around the forward to a backend.
+
+``build`` makes the stage list for one policy generation.  Stages keep per-request rules
+from the policy snapshot they are built with, and take their long-lived state (stores,
+batchers, breakers, queues) from the runtime's registry so it survives reloads.  A stage
+whose route does not use its capability passes the call straight on; a capability no route
+uses adds no stage at all.
+"""
+
+from __future__ import annotations
+
+import gateway.batching.stage
+import gateway.cache.stage
+import gateway.coalesce.stage
+import gateway.resilience.stage
+from gateway.pipeline import Stage
+from gateway.policy.model import Policy
+from gateway.runtime import Runtime
+
+__all__ = ["Runtime", "build"]
+
+
+def build(policy: Policy, runtime: Runtime) -> list[Stage]:
+    """The stages for ``policy``, in pipeline order."""
+    return [
+        *gateway.cache.stage.build(policy, runtime),  # 1. cache lookup
+        *gateway.coalesce.stage.build(policy, runtime),  # 2. single flight
+        *gateway.batching.stage.build(policy, runtime),  # 3. batching
+        *gateway.resilience.stage.build(
+            policy, runtime
+        ),  # 4. admission, throttle, breaker, fallback
+    ]
