@@ -5,7 +5,7 @@ access log of each request are written here, once.
 What the edge decides about a request, before any stage sees it:
 
 - the body of an OpenAI JSON endpoint is decoded (``Content-Encoding: gzip``/``deflate``,
-  under the body cap) and validated strictly (``openai_body``); every other path's body
+  under the body cap) and validated strictly (``openai.body``); every other path's body
   goes upstream byte for byte, ``Content-Encoding`` and all;
 - the route, on exactly the path that is forwarded (``target.normalise`` made it so);
 - the tenant: its scope and rate-limit key come from the headers as received

@@ -1,30 +1,34 @@
 """Every exception the gateway raises, and the HTTP shape of those a client can see.
 
-    GatewayError
-    ├── PolicyError                 a policy file is invalid (carries every problem found)
-    ├── RequestError                the client's request is wrong; 4xx, never retried
-    │   ├── MalformedRequest        400/405/414/431/505 not HTTP the gateway serves
-    │   ├── RequestTimeout          408 a head or body sent too slowly
-    │   ├── BadRequest              400 malformed JSON / invalid OpenAI body
-    │   ├── UnsupportedEncoding     415 a request body in a Content-Encoding not decoded
-    │   ├── NoRoute                 404 no route matches
-    │   ├── BodyTooLarge            413 body over the limit
-    │   ├── Unauthorized            401 admin token missing or wrong
-    │   └── RateLimited             429 a tenant is over its rate
-    ├── Overloaded                  503 the gateway sheds load (queue full, queue timeout, throttle,
-    │   │                               request bodies over their shared buffer)
-    │   └── CircuitOpen             503 the backend's circuit breaker is open
-    ├── UpstreamError               the backend could not be used; 5xx
-    │   ├── UpstreamUnavailable     502 refused, reset or closed mid-response
-    │   │   └── BadUpstreamResponse 502 the backend's answer is not valid HTTP/1.1 framing
-    │   ├── UpstreamTimeout         504 connect, total or idle-between-chunks timeout
-    │   └── BatchSplitError         502 a merged answer could not be split back per caller
-    ├── StoreError                  a cache store failed (never reaches a client: a miss)
-    ├── TelemetryError              a telemetry source failed (never reaches a client: unknown)
-    └── SlowReader                  503 a joiner of a shared stream fell too far behind; dropped
+    Exception
+    ├── GatewayError                what a client may see: each has its status, type and code
+    │   ├── RequestError            the client's request is wrong; 4xx, never retried
+    │   │   ├── MalformedRequest    400/405/414/417/431/505 not HTTP the gateway serves
+    │   │   ├── RequestTimeout      408 a head or body sent too slowly
+    │   │   ├── BadRequest          400 malformed JSON / invalid OpenAI body
+    │   │   ├── UnsupportedEncoding 415 a request body in a Content-Encoding not decoded
+    │   │   ├── NoRoute             404 no route matches
+    │   │   ├── BodyTooLarge        413 body over the limit
+    │   │   ├── Unauthorized        401 admin token missing or wrong
+    │   │   └── RateLimited         429 a tenant is over its rate
+    │   ├── Overloaded              503 the gateway sheds load (queue full, queue timeout,
+    │   │   │                           throttle, shutdown, request bodies over their buffer)
+    │   │   └── CircuitOpen         503 the backend's circuit breaker is open
+    │   ├── UpstreamError           the backend could not be used; 5xx
+    │   │   ├── UpstreamUnavailable 502 refused, reset or closed mid-response
+    │   │   │   └── BadUpstreamResponse 502 the answer is not valid HTTP/1.1 framing
+    │   │   ├── UpstreamTimeout     504 connect, total or idle-between-chunks timeout
+    │   │   └── BatchSplitError     502 a merged answer could not be split back per caller
+    │   └── SlowReader              503 a joiner of a shared stream fell too far behind
+    └── InternalError               handled inside the gateway, never rendered to a client
+        ├── PolicyError             a policy is invalid (carries every problem found)
+        ├── StoreError              a cache store failed (the request goes on: a miss)
+        └── TelemetryError          a telemetry source failed (its signals become unknown)
 
-Foreign exceptions (aiohttp, redis, pynvml, yaml) are translated into these once, at the
-boundary that meets them, with ``raise ... from exc``.  Only the edge maps them to HTTP.
+Foreign exceptions (httptools, redis, pynvml, yaml, aiohttp's for the telemetry scrapes)
+are translated into these once, at the boundary that meets them, with ``raise ... from
+exc``.  Only the edge (and the admin port) maps them to HTTP; an ``InternalError`` that
+escaped to the edge would be a bug, answered as a 500 and logged with its traceback.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 
 class GatewayError(Exception):
-    """Base of everything the gateway raises on purpose."""
+    """Base of the errors a client may see: each says its HTTP status, type and code."""
 
     status: int = 500
     type: str = "gateway_error"
@@ -56,7 +60,11 @@ class Problem:
         return f"{where}: {self.path or '<root>'}: {self.message}"
 
 
-class PolicyError(GatewayError):
+class InternalError(Exception):
+    """Base of the failures the gateway handles itself; none is shown to a client."""
+
+
+class PolicyError(InternalError):
     """A policy could not be loaded; ``problems`` lists every error with its location."""
 
     def __init__(self, problems: list[Problem] | tuple[Problem, ...]) -> None:
@@ -192,11 +200,11 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
-class StoreError(GatewayError):
+class StoreError(InternalError):
     """A cache store failed; callers treat it as a miss and count it."""
 
 
-class TelemetryError(GatewayError):
+class TelemetryError(InternalError):
     """A telemetry source could not be read; its signals become unknown and it is counted."""
 
 

@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics: one registry per app, names that are public surface.
 
-Dashboards and alerts depend on these names; ``tests/test_metrics_names.py`` snapshots them.
+Dashboards and alerts depend on these names;
+``tests/test_admin.py::test_metric_names_are_the_public_contract`` snapshots them.
 Constant labels from the policy (``metrics.const_labels``) are added at exposition time, so
 a reload can change them without re-registering anything.
 """

@@ -3,8 +3,8 @@
 A request becomes a ``Call`` at the edge and flows through a chain of stages, each an object
 with options in ``__init__`` and the work in ``async __call__(call, call_next)``.  A stage ends
 the chain by returning a ``Reply`` or raising a ``GatewayError``; it never sets flags for later
-stages.  The last handler sends the call upstream.  aiohttp appears only at the edges
-(``edge.py`` and ``upstream.py``).
+stages.  The last handler (``transport.forward``) sends the call upstream.  No HTTP library
+appears here: the server (``server/``) and the transport (``transport/``) are the edges.
 """
 
 from __future__ import annotations

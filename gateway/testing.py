@@ -255,9 +255,9 @@ class FlakyStore:
 
 class FakeSocket:
     """An ``asyncio.Transport`` stand-in for a protocol under test (the upstream client's
-    ``http1.Connection``, say): it records what the protocol writes and whether it paused
-    reading, closed or aborted; the test plays the peer by calling the protocol's
-    ``data_received`` / ``eof_received`` / ``connection_lost`` itself."""
+    ``transport.connection.Connection``, say): it records what the protocol writes and
+    whether it paused reading, closed or aborted; the test plays the peer by calling the
+    protocol's ``data_received`` / ``eof_received`` / ``connection_lost`` itself."""
 
     def __init__(self) -> None:
         self.written = bytearray()

@@ -1,6 +1,6 @@
 """Property-based fuzzing of the upstream response path (hypothesis, bounded): whatever
 bytes a backend sends, in whatever pieces, then a clean close, a reset or nothing, the
-upstream client (``http1.Connection``) either delivers a correctly framed answer or fails
+upstream client (``transport.connection.Connection``) either delivers a correctly framed answer or fails
 with an ``UpstreamError``; nothing else escapes, and the connection is reusable only after
 a clean exchange.  h11, a strict parser written apart from llhttp, is the oracle: where the
 client calls an answer complete, h11 reads the same status and the same body, and where

@@ -7,12 +7,12 @@ it costs the backend nothing.  For each call on a caching route:
   JSON body): passed on, ``X-Gateway-Cache: bypass``;
 * ``Cache-Control: no-cache`` skips the lookup (``bypass``), ``no-store`` skips the write;
 * lookup: the exact tier, then SimHash (``semantic.method`` ``simhash`` or ``embedding``),
-  then the embedding tier (``cache_embedding``); a hit answers with the stored answer in the
+  then the embedding tier (``embedding_seam``); a hit answers with the stored answer in the
   shape asked for (SSE or JSON) and ``X-Gateway-Cache: hit``, ``-Match``, ``-Similarity``,
   ``Age`` and the backend that produced it;
 * a miss is passed on and, when it answers 200 uncompressed, stored under the key of the
   backend that answered: a whole body before the reply leaves this stage, a stream by
-  ``cache_replies.Tee`` once it has ended normally (so an entry is visible by the time its
+  ``replies.Tee`` once it has ended normally (so an entry is visible by the time its
   response has reached the client, and a cut stream is never stored);
 * ``/v1/embeddings`` is cached per input item: only the missing items go upstream, in one
   call, and the answer is assembled in input order.

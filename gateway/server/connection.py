@@ -17,7 +17,7 @@ this module does what a parser does not.
   gateway answers in HTTP/1.1, so the body is read on by a fresh parser, primed with the
   head's own validated framing (its Content-Length, or chunked).
 - **Pipelining**: a request parsed while another is answered waits for its turn
-  (``server_turns``), and reading pauses; at most ``MAX_PIPELINED`` wait.
+  (``turns``), and reading pauses; at most ``MAX_PIPELINED`` wait.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The data plane's HTTP/1.1 server: its listening sockets, the client connections they
-accepted (``server_connection``), what those connections share, and the drain.
+accepted (``connection``), what those connections share, and the drain.
 
 Shared across connections:
 

@@ -1,6 +1,6 @@
 """The answering side of a client connection: its requests answered one at a time, in the
 order they came, refusals in their turn, the lingering close, the drain's interruption, and
-the transport's flow control.  ``server_connection.ClientConnection`` is the reading side:
+the transport's flow control.  ``connection.ClientConnection`` is the reading side:
 it parses requests and hands them here, complete, in order.
 
 A refused request is answered (OpenAI-shaped, ``Connection: close``) after the answers

@@ -1,4 +1,4 @@
-"""Keep-alive HTTP/1.1 connections to one backend host, for the client in ``http1``.
+"""Keep-alive HTTP/1.1 connections to one backend host, for the client in ``connection``.
 
 At most ``limit`` connections are open; callers past it wait in line.  An idle connection
 is reused most recently used first, and one that the backend closed while idle leaves the
@@ -18,7 +18,7 @@ from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 from gateway.transport.connection import Connection
 
 
-class Pool:
+class HostPool:
     """Keep-alive connections to one host, at most ``limit`` open; callers past it wait."""
 
     def __init__(
@@ -141,6 +141,6 @@ class Pool:
 
     def __repr__(self) -> str:
         return (
-            f"<http1.Pool {self.name} {self.host}:{self.port} open={self._open}/"
+            f"<HostPool {self.name} {self.host}:{self.port} open={self._open}/"
             f"{self._limit} idle={len(self._idle)} waiting={len(self._waiters)}>"
         )

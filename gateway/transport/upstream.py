@@ -1,5 +1,5 @@
-"""Upstream connections: one keep-alive pool per backend (``http1_pool`` over the llhttp
-client in ``http1``), timeouts, and which requests may be sent again.
+"""Upstream connections: one keep-alive pool per backend (``pool.HostPool`` over the llhttp
+client in ``connection``), timeouts, and which requests may be sent again.
 
 Pools belong to a backend by name and URL (and the settings that shape a pool): a reload
 that keeps them keeps the pool; one that changes them gets a fresh pool, and the old pool
@@ -26,9 +26,10 @@ from gateway.metrics import Metrics
 from gateway.pipeline import Reply
 from gateway.policy.model import Backend, Policy
 from gateway.routing import INFERENCE_PATH
-from gateway.transport import connection as http1
-from gateway.transport import pool as http1_pool
+from gateway.transport.connection import Connection, StaleConnection
+from gateway.transport.connection import Head as ResponseHead
 from gateway.transport.headers import RESPONSE_OWNED, media_type, strip
+from gateway.transport.pool import HostPool
 
 # Answers up to this size that nobody reads piece by piece are read whole (by length,
 # chunked or to the close) and answered with a Content-Length; larger ones, SSE and NDJSON
@@ -75,7 +76,7 @@ def pool_key(backend: Backend) -> tuple[object, ...]:
     )
 
 
-class Pool:
+class BackendPool:
     """Keep-alive connections to one backend URL, and the exchange over them."""
 
     def __init__(self, backend: Backend, metrics: Metrics) -> None:
@@ -89,7 +90,7 @@ class Pool:
         self._host_header = url.hostname if url.port is None else f"{url.hostname}:{url.port}"
         self.inflight = 0
         self._limit = backend.max_connections
-        self._http = http1_pool.Pool(
+        self._http = HostPool(
             backend.name,
             url.hostname or "",
             port,
@@ -197,7 +198,7 @@ class Pool:
         timeout_s: float,
         idle_s: float,
         resend: bool,
-    ) -> tuple[http1.Connection, http1.Head]:
+    ) -> tuple[Connection, ResponseHead]:
         deadline = self._http.loop.time() + timeout_s
         for attempt in (1, 2):
             # Waiting for a free pooled connection counts against the exchange's time: a
@@ -221,7 +222,7 @@ class Pool:
                     head, body, no_body=method == "HEAD", timeout_s=remaining_s, idle_s=idle_s
                 )
                 return conn, resp
-            except http1.StaleConnection as exc:
+            except StaleConnection as exc:
                 # A pooled keep-alive socket the backend closed without answering: most
                 # likely before it read the request, so a request that may be repeated is
                 # sent once more on a connection that is certainly new.
@@ -269,14 +270,12 @@ class Pool:
     def __repr__(self) -> str:
         state = "retired" if self._retired else "live"
         return (
-            f"<Pool {self.name} {self.base_url} {state} inflight={self.inflight} "
+            f"<BackendPool {self.name} {self.base_url} {state} inflight={self.inflight} "
             f"limit={self._limit}>"
         )
 
 
-async def _read_up_to(
-    conn: http1.Connection, prefix: list[bytes], limit: int
-) -> tuple[bytes, bool]:
+async def _read_up_to(conn: Connection, prefix: list[bytes], limit: int) -> tuple[bytes, bool]:
     """Read the body while it fits in ``limit``: (the body, True) when it ended within it,
     else (b"", False) with what was read left in ``prefix`` for the stream to start with."""
     size = 0
@@ -292,7 +291,7 @@ async def _read_up_to(
     return data, True
 
 
-async def _chunks(conn: http1.Connection, prefix: list[bytes]) -> AsyncIterator[bytes]:
+async def _chunks(conn: Connection, prefix: list[bytes]) -> AsyncIterator[bytes]:
     if prefix:
         yield b"".join(prefix)
         prefix.clear()
@@ -328,9 +327,9 @@ class Upstreams:
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._pools: dict[str, Pool] = {}
-        self._retired: dict[tuple[object, ...], Pool] = {}
-        self._live: dict[int, tuple[Backend, Pool]] = {}  # by the live policy's objects
+        self._pools: dict[str, BackendPool] = {}
+        self._retired: dict[tuple[object, ...], BackendPool] = {}
+        self._live: dict[int, tuple[Backend, BackendPool]] = {}  # by the live policy's objects
 
     def sync(self, policy: Policy) -> None:
         """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
@@ -345,10 +344,10 @@ class Upstreams:
         self._retired = {k: p for k, p in self._retired.items() if not p.closed}
         for name, backend in wanted.items():
             if name not in self._pools:
-                self._pools[name] = Pool(backend, self._metrics)
+                self._pools[name] = BackendPool(backend, self._metrics)
         self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
 
-    def pool(self, backend: Backend) -> Pool:
+    def pool(self, backend: Backend) -> BackendPool:
         """The live pool of ``backend`` (a request started on an older policy still gets the
         pool its backend's URL calls for)."""
         live = self._live.get(id(backend))
@@ -360,7 +359,7 @@ class Upstreams:
         retired = self._retired.get(pool_key(backend))
         if retired is not None and not retired.closed:
             return retired
-        pool = Pool(backend, self._metrics)
+        pool = BackendPool(backend, self._metrics)
         pool.retire_after_use()
         return pool
 
