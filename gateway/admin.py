@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.cache.state import STORE_KIND, STORE_NAME, CacheState
+from gateway.cache.state import CACHE_STATE, CacheState
 from gateway.errors import GatewayError, PolicyError, Problem, StoreError, Unauthorized
 from gateway.policy.show import to_data
+from gateway.resilience.gpu import GPU_CONTROL
 from gateway.snapshot import Operated
 from gateway.wire import error_body, error_headers
 
@@ -95,7 +96,7 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
 
     async def policy(_: web.Request) -> web.Response:
         snap = gateway.snapshot
-        control = gateway.registry.peek("gpu_control", "")
+        control = gateway.registry.peek(GPU_CONTROL)
         shown = {
             "generation": snap.generation,
             "hash": snap.digest,
@@ -125,7 +126,7 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
         )
 
     async def cache_purge(request: web.Request) -> web.Response:
-        state: CacheState | None = gateway.registry.peek(STORE_KIND, STORE_NAME)
+        state = gateway.registry.peek(CACHE_STATE)
         if state is None:
             return web.json_response(
                 {"purged": 0, "error": "no route in the policy caches, so there is no cache"},

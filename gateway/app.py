@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gateway import stages
 from gateway.admin import admin_routes, check_admin_token
+from gateway.cache.embedding_seam import TierFactory
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.edge import Edge
 from gateway.errors import PolicyError
@@ -26,7 +27,6 @@ from gateway.pipeline import compose
 from gateway.policy.load import Loaded
 from gateway.policy.model import Server
 from gateway.policy.watch import PolicySource, Settling
-from gateway.resilience.gpu import start_telemetry
 from gateway.routing import Router
 from gateway.runtime import Runtime
 from gateway.server.listener import HttpServer
@@ -54,8 +54,10 @@ class Gateway:
         transport: Transport | None = None,
         clock: Clock = SYSTEM_CLOCK,
         access_log: bool = False,
+        embedding_tiers: TierFactory | None = None,
     ) -> None:
         self.source = source
+        self._embedding_tiers = embedding_tiers
         self.clock = clock
         self.access_log = access_log
         self.metrics = Metrics()
@@ -86,10 +88,11 @@ class Gateway:
             self._upstreams.sync(policy)
         self.registry.begin()
         runtime = Runtime(self.metrics, self.registry, self.clock, self.transport)
-        handler = compose(stages.build(policy, runtime), Forward(self.transport))
+        built = stages.build(policy, runtime, embedding_tiers=self._embedding_tiers)
+        handler = compose(built, Forward(self.transport))
         self.registry.end()
         if self._server is not None:  # a reload while running: start the pollers it added
-            start_telemetry(self.registry)
+            self.registry.start()
         self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
         trusted = TrustedProxies(policy.server.trusted_proxies)
         return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler, trusted)
@@ -180,7 +183,7 @@ class Gateway:
         self._runners.append(admin)
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         admin_url = _url(sock.getsockname())
-        start_telemetry(self.registry)
+        self.registry.start()
         if self.source.watchable:
             self._spawn(self._watch(watch_interval_s))
         if warmup:

@@ -8,7 +8,8 @@ a reload can change them without re-registering anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -357,12 +358,21 @@ class ConnectionCollector:
         yield family
 
 
+@dataclass(frozen=True, slots=True)
+class EmbeddingFigures:
+    """One route's embedding tier at scrape time: vectors held, shared-index events."""
+
+    route: str
+    entries: int
+    shared: Mapping[str, int] | None = None
+
+
 class EmbeddingCollector:
     """The embedding tiers' figures, read at scrape time from the tiers of the live policy
     (``tiers`` is set by the cache stage; each tier counts for itself)."""
 
     def __init__(self) -> None:
-        self.tiers: Callable[[], Iterable[tuple[str, Any]]] = tuple
+        self.tiers: Callable[[], Iterable[EmbeddingFigures]] = tuple
 
     def collect(self) -> Iterator[Metric]:
         entries = GaugeMetricFamily(
@@ -377,11 +387,10 @@ class EmbeddingCollector:
             "publish_error, read_error.",
             labels=["route", "event"],
         )
-        for route, tier in self.tiers():
-            entries.add_metric([route], len(tier))
-            if tier.shared is not None:
-                for event, count in sorted(tier.shared.counts.items()):
-                    shared.add_metric([route, event], count)
+        for tier in self.tiers():
+            entries.add_metric([tier.route], tier.entries)
+            for event, count in sorted((tier.shared or {}).items()):
+                shared.add_metric([tier.route, event], count)
         yield entries
         yield shared
 

@@ -14,6 +14,7 @@ import gateway.batching.stage
 import gateway.cache.stage
 import gateway.coalesce.stage
 import gateway.resilience.stage
+from gateway.cache.embedding_seam import TierFactory
 from gateway.pipeline import Stage
 from gateway.policy.model import Policy
 from gateway.runtime import Runtime
@@ -21,13 +22,18 @@ from gateway.runtime import Runtime
 __all__ = ["Runtime", "build"]
 
 
-def build(policy: Policy, runtime: Runtime) -> list[Stage]:
-    """The stages for ``policy``, in pipeline order."""
+def build(
+    policy: Policy, runtime: Runtime, *, embedding_tiers: TierFactory | None = None
+) -> list[Stage]:
+    """The stages for ``policy``, in pipeline order (``embedding_tiers``: the cache's
+    embedding tier factory, when not the shipped one)."""
     return [
-        *gateway.cache.stage.build(policy, runtime),  # 1. cache lookup
-        *gateway.coalesce.stage.build(policy, runtime),  # 2. single flight
-        *gateway.batching.stage.build(policy, runtime),  # 3. batching
-        *gateway.resilience.stage.build(
-            policy, runtime
-        ),  # 4. admission, throttle, breaker, fallback
+        # 1. cache lookup: exact, SimHash, embedding tiers
+        *gateway.cache.stage.build(policy, runtime, embedding_tiers),
+        # 2. single flight: identical in-flight calls share one
+        *gateway.coalesce.stage.build(policy, runtime),
+        # 3. micro-batching into array calls
+        *gateway.batching.stage.build(policy, runtime),
+        # 4. rate limits, admission, throttle, breakers and fallback around the forward
+        *gateway.resilience.stage.build(policy, runtime),
     ]

@@ -1,45 +1,64 @@
 """Long-lived state that outlives policy reloads: batchers, caches, breakers, queues,
 telemetry pollers.  Each piece belongs to a kind and a name (a backend or route) and is
 kept while the settings that shaped it are unchanged; a reload that changes them gets a
-fresh one and the old one is closed once it is no longer in use."""
+fresh one and the old one is closed once it is no longer in use.
+
+Kinds are typed (aiohttp's ``AppKey[T]`` is the model): ``GUARD: Kind[BackendGuard] =
+Kind("guard")`` next to the class, and ``registry.peek(GUARD, "main")`` is a
+``BackendGuard | None``, so nothing untyped crosses the registry.
+
+A piece may have ``start()`` (called on the running loop when the gateway starts and after
+each rebuild: pollers), ``drain()`` (shutdown has begun: stop queueing) and ``aclose()``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Kind(Generic[T]):
+    """A kind of long-lived state, typed by what it holds."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<Kind {self.name}>"
 
 
 class Registry:
     """State by (kind, name), rebuilt only when its settings change."""
 
     def __init__(self) -> None:
-        self._items: dict[tuple[str, str], tuple[Hashable, Any]] = {}
-        self._used: set[tuple[str, str]] = set()
+        self._items: dict[tuple[Kind[Any], str], tuple[Hashable, Any]] = {}
+        self._used: set[tuple[Kind[Any], str]] = set()
         self._background: set[asyncio.Task[None]] = set()
 
-    def get(self, kind: str, name: str, settings: Hashable, factory: Callable[[], T]) -> T:
+    def get(self, kind: Kind[T], name: str, settings: Hashable, factory: Callable[[], T]) -> T:
         """The state for (kind, name); made by ``factory`` if absent or its settings
         differ (the replaced one is closed)."""
         key = (kind, name)
         self._used.add(key)
         found = self._items.get(key)
         if found is not None and found[0] == settings:
-            return found[1]
+            return cast(T, found[1])
         if found is not None:
             self._close(found[1])
         item = factory()
         self._items[key] = (settings, item)
         return item
 
-    def peek(self, kind: str, name: str) -> Any | None:
+    def peek(self, kind: Kind[T], name: str = "") -> T | None:
         """The state for (kind, name) if it exists (for the admin and tests)."""
         found = self._items.get((kind, name))
-        return found[1] if found is not None else None
+        return cast(T, found[1]) if found is not None else None
 
     def begin(self) -> None:
         """Start a rebuild: ``end`` closes whatever the rebuild did not ``get``."""
@@ -49,8 +68,16 @@ class Registry:
         for key in [k for k in self._items if k not in self._used]:
             self._close(self._items.pop(key)[1])
 
-    def items(self, kind: str) -> list[tuple[str, Any]]:
-        return [(name, item) for (k, name), (_, item) in self._items.items() if k == kind]
+    def items(self, kind: Kind[T]) -> list[tuple[str, T]]:
+        """(name, state) of every piece of ``kind``."""
+        return [(name, cast(T, item)) for (k, name), (_, item) in self._items.items() if k == kind]
+
+    def start(self) -> None:
+        """On the running loop: start every piece that has ``start()`` (idempotent there)."""
+        for _, item in list(self._items.values()):
+            start = getattr(item, "start", None)
+            if start is not None:
+                start()
 
     def _close(self, item: Any) -> None:
         close = getattr(item, "aclose", None)
@@ -86,5 +113,5 @@ class Registry:
     def __repr__(self) -> str:
         kinds: dict[str, int] = {}
         for kind, _ in self._items:
-            kinds[kind] = kinds.get(kind, 0) + 1
+            kinds[kind.name] = kinds.get(kind.name, 0) + 1
         return f"<Registry {kinds}>"

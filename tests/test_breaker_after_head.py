@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gateway.resilience.stage import GUARDS
 from tests.test_proxy import write_policy
 from tests.upstreams import RawExchange, Recorder
 
@@ -102,4 +103,4 @@ async def test_a_stream_its_client_abandons_counts_for_nothing(serve_app, start_
             await rec.cancelled.wait()
             rec.cancelled.clear()
     assert gw.gateway.metrics.breaker_state.labels("main")._value.get() == 0
-    assert "in_a_row=0/1" in repr(gw.gateway.registry.peek("guard", "main").breaker)
+    assert "in_a_row=0/1" in repr(gw.gateway.registry.peek(GUARDS, "main").breaker)

@@ -8,6 +8,7 @@ import json
 
 import httpx
 
+from gateway.resilience.stage import RETRY_BUDGET
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeClock
 from tests.helpers import until
@@ -163,7 +164,7 @@ async def test_the_retry_budget_caps_retries_but_not_breaker_redirects(
         redirected = [await post(client, gw.url) for _ in range(5)]
         assert [a.status_code for a in redirected] == [200] * 5
         assert {a.headers["X-Gateway-Fallback"] for a in redirected} == {"breaker_open"}
-    budget_state = gw.gateway.registry.peek("retry_budget", "")
+    budget_state = gw.gateway.registry.peek(RETRY_BUDGET)
     assert "retries=2" in repr(budget_state) and "denied=1" in repr(budget_state)
     assert len(main.arrivals) == 3
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gateway.resilience.gpu import TELEMETRY
 from tests.test_gpu_throttle import poll
 from tests.test_stage_resilience import Model, metric, metrics_of, policy, write_policy
 
@@ -36,7 +37,7 @@ async def test_a_real_gpu_feeds_the_gateways_gauges(serve_app, start_gateway, tm
     ]
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends, throttle=rules)))
     await poll(gw)
-    item = gw.gateway.registry.peek("telemetry", "main")
+    item = gw.gateway.registry.peek(TELEMETRY, "main")
     print(item.telemetry.sample)
     async with httpx.AsyncClient(timeout=10) as client:
         assert (

@@ -14,6 +14,8 @@ import sys
 import httpx
 import pytest
 
+from gateway.resilience.gpu import TELEMETRY, TELEMETRY_HTTP
+from gateway.resilience.stage import GUARDS
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeClock, FakeNvml
 from tests.helpers import until
@@ -32,7 +34,7 @@ INTERVAL_MS = 200
 
 async def poll(gw, backend: str = "main") -> None:
     """Take one telemetry sample now (the poller's own schedule waits on the FakeClock)."""
-    item = gw.gateway.registry.peek("telemetry", backend)
+    item = gw.gateway.registry.peek(TELEMETRY, backend)
     await until(lambda: item.poller is not None)
     assert await item.poller.poll_once()
 
@@ -179,7 +181,7 @@ async def test_a_shed_rule_also_sheds_the_lower_priorities_already_queued(
     gw, _, main, _, exporter = await rig(
         serve_app, start_gateway, tmp_path, rule, backend_extra=extra
     )
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     main.hold()
     async with httpx.AsyncClient(timeout=10) as client:
         busy = asyncio.create_task(post(client, gw.url, "busy"))
@@ -204,7 +206,7 @@ async def test_a_limit_rule_caps_concurrency_while_it_holds(serve_app, start_gat
         "limit": {"max_concurrency": 1},
     }
     gw, _, main, _, exporter = await rig(serve_app, start_gateway, tmp_path, rule)
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     main.hold()
     async with httpx.AsyncClient(timeout=10) as client:
         exporter.temperature = 82
@@ -280,7 +282,7 @@ async def test_stale_telemetry_fails_open_rules_neither_fire_nor_clear(
     async with httpx.AsyncClient(timeout=10) as client:
         exporter.temperature = 95
         exporter.broken = True  # the exporter dies before a sample shows the heat
-        item = gw.gateway.registry.peek("telemetry", "main")
+        item = gw.gateway.registry.peek(TELEMETRY, "main")
         assert not await item.poller.poll_once()
         clock.advance(3 * INTERVAL_MS / 1000 + 0.01)  # no fresh sample for 3 intervals
         await until(lambda: item.poller.errors >= 2)  # the poller woke, failed again
@@ -433,25 +435,25 @@ async def test_pollers_start_with_the_gateway_follow_reloads_and_stop_on_shutdow
         policy=write_policy(tmp_path, policy(backends(200))), clock=clock, watch_interval_s=3600
     )
     registry = gw.gateway.registry
-    first = registry.peek("telemetry", "main")
+    first = registry.peek(TELEMETRY, "main")
     await until(lambda: first.telemetry.samples == 1)
     assert first.poller.running
     write_policy(tmp_path, policy(backends(400)))  # changed: a fresh poller replaces it
     assert gw.gateway.reload()
-    second = registry.peek("telemetry", "main")
+    second = registry.peek(TELEMETRY, "main")
     assert second is not first and second.poller.running
     await until(lambda: not first.poller.running)
     write_policy(tmp_path, policy(backends(None)))  # removed: stopped, its series gone
     assert gw.gateway.reload()
-    assert registry.peek("telemetry", "main") is None
+    assert registry.peek(TELEMETRY, "main") is None
     await until(lambda: not second.poller.running)
     async with httpx.AsyncClient(timeout=10) as client:
         text = await metrics_of(client, gw)
     assert metric(text, "gateway_telemetry_age_seconds", backend="main") is None
     write_policy(tmp_path, policy(backends(200)))
     assert gw.gateway.reload()
-    third = registry.peek("telemetry", "main")
+    third = registry.peek(TELEMETRY, "main")
     assert third.poller.running
     await gw.gateway.shutdown(0.5)
     assert not third.poller.running
-    assert registry.peek("telemetry_http", "") is None
+    assert registry.peek(TELEMETRY_HTTP) is None

@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.batching import Batcher
+from gateway.batching.stage import BATCHERS
 from tests.conftest import Running
 from tests.helpers import until
 
@@ -182,7 +183,7 @@ class Setup:
     def batcher(self, route: str) -> Batcher:
         found = [
             b
-            for name, b in self.running.gateway.registry.items("batcher")
+            for name, b in self.running.gateway.registry.items(BATCHERS)
             if name.startswith(route + " ")
         ]
         assert len(found) == 1, found
@@ -301,7 +302,7 @@ async def test_each_adapter_merges_concurrent_requests_into_one_call_and_answers
     first = await setup.busy(path, make(100))
     tasks = [asyncio.create_task(setup.post(path, make(i))) for i in range(5)]
     await until(
-        lambda: sum(b.waiting for _, b in setup.running.gateway.registry.items("batcher")) == 5
+        lambda: sum(b.waiting for _, b in setup.running.gateway.registry.items(BATCHERS)) == 5
     )
     setup.model.gate.set()
     results = await asyncio.gather(*tasks)

@@ -2,24 +2,26 @@
 stored answer, never able to serve another tenant's entry; and when its module is missing,
 ``gateway check`` and the gateway say so and keep serving the other tiers.
 
-The tier's module (``gateway.cache.embedding``) ships separately, so these tests put a
-stand-in for it, or its absence, into ``sys.modules``: the seam is the boundary here.
+The gateway takes its tier factory as a parameter (``Gateway(embedding_tiers=...)``), so
+these tests give it a stand-in tier that has gone wrong; the extra's absence is shown by
+hiding the third-party packages the local model needs.
 """
 
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from gateway.cache.embedding_seam import MODULE, unavailable
+from gateway.cache.embedding.local import MODEL, RUNTIME_MODULES, TOKENIZER
+from gateway.cache.embedding_seam import EmbeddingContext, unavailable
 from gateway.cache.keys import RequestKey
 from gateway.cache.tiers import Hit
 from gateway.cli import main
+from gateway.policy.model import Semantic
 from gateway.sim import SimConfig, start_sim
 
 POLICY = """
@@ -60,19 +62,21 @@ async def sim() -> Any:
     await server.close()
 
 
-@pytest.fixture
-def tiers(monkeypatch: pytest.MonkeyPatch) -> list[StandInTier]:
-    made: list[StandInTier] = []
-    module = types.ModuleType(MODULE)
+class StandIns:
+    """A tier factory for ``Gateway(embedding_tiers=...)`` that keeps what it made."""
 
-    def from_semantic(semantic: Any, context: Any) -> StandInTier:
+    def __init__(self) -> None:
+        self.made: list[StandInTier] = []
+
+    def __call__(self, semantic: Semantic, context: EmbeddingContext) -> StandInTier:
         assert semantic.method == "embedding" and context.route == "chat"
-        made.append(StandInTier(context.store))
-        return made[-1]
+        self.made.append(StandInTier(context.store))
+        return self.made[-1]
 
-    module.from_semantic = from_semantic  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, MODULE, module)
-    return made
+
+@pytest.fixture
+def tiers() -> StandIns:
+    return StandIns()
 
 
 def ask(text: str) -> dict[str, Any]:
@@ -80,12 +84,12 @@ def ask(text: str) -> dict[str, Any]:
 
 
 async def test_the_embedding_tier_answers_after_exact_and_simhash(
-    sim: Any, tiers: list[StandInTier], start_gateway: Any, tmp_path: Path
+    sim: Any, tiers: StandIns, start_gateway: Any, tmp_path: Path
 ) -> None:
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY.format(sim=sim.url))
-    gw = await start_gateway(policy=policy, warmup=False)
-    (tier,) = tiers
+    gw = await start_gateway(policy=policy, warmup=False, embedding_tiers=tiers)
+    (tier,) = tiers.made
     url = gw.url + "/v1/chat/completions"
     alice = {"Authorization": "Bearer a"}
     async with httpx.AsyncClient(headers=alice) as client:
@@ -105,11 +109,11 @@ async def test_the_embedding_tier_answers_after_exact_and_simhash(
 
 
 async def test_an_embedding_hit_of_another_tenant_or_context_is_refused(
-    sim: Any, tiers: list[StandInTier], start_gateway: Any, tmp_path: Path
+    sim: Any, tiers: StandIns, start_gateway: Any, tmp_path: Path
 ) -> None:
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY.format(sim=sim.url))
-    gw = await start_gateway(policy=policy, warmup=False)
+    gw = await start_gateway(policy=policy, warmup=False, embedding_tiers=tiers)
     url = gw.url + "/v1/chat/completions"
     async with httpx.AsyncClient() as client:
         alice = {"Authorization": "a"}
@@ -120,19 +124,21 @@ async def test_an_embedding_hit_of_another_tenant_or_context_is_refused(
         assert own.headers["X-Gateway-Cache"] == "miss"
         bob = await client.post(url, json=ask("Bob asks this"), headers={"Authorization": "b"})
         assert bob.headers["X-Gateway-Cache"] == "miss"
-        assert len(tiers[0].looked_up) == 3  # each was offered the wrong entry, and refused
+        assert len(tiers.made[0].looked_up) == 3  # each was offered the wrong entry, and refused
 
 
-async def test_without_the_embedding_module_check_warns_and_the_gateway_serves_the_rest(
+async def test_without_the_embedding_extra_check_warns_and_the_gateway_serves_the_rest(
     sim: Any,
     monkeypatch: pytest.MonkeyPatch,
     start_gateway: Any,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setitem(sys.modules, MODULE, None)  # as if the extra were not installed
+    for name in (*RUNTIME_MODULES, MODEL.package, TOKENIZER.package):
+        monkeypatch.setitem(sys.modules, name, None)  # as if the extra were not installed
     reason = unavailable()
     assert reason is not None and "embedding tier is unavailable" in reason
+    assert "the embedding extra is not installed" in reason
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY.format(sim=sim.url))
     assert main(["check", str(policy)]) == 0

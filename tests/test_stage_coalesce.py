@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.coalesce.singleflight import SingleFlight
+from gateway.coalesce.stage import FLIGHTS
 from tests.conftest import Running
 from tests.helpers import until
 
@@ -154,7 +155,7 @@ class Setup:
 
     @property
     def flights(self) -> SingleFlight:
-        found = self.running.gateway.registry.peek("singleflight", "chat")
+        found = self.running.gateway.registry.peek(FLIGHTS, "chat")
         assert isinstance(found, SingleFlight)
         return found
 

@@ -17,6 +17,7 @@ import httpx
 import yaml
 from aiohttp import web
 
+from gateway.resilience.stage import GUARDS
 from gateway.testing import FakeClock
 from tests.helpers import until
 
@@ -190,7 +191,7 @@ async def test_a_full_queue_answers_503_at_once_with_retry_after(
         first = asyncio.create_task(post(client, gw.url, "first"))
         await until(lambda: main.active == 1)
         second = asyncio.create_task(post(client, gw.url, "second"))
-        admission = gw.gateway.registry.peek("guard", "main").admission
+        admission = gw.gateway.registry.peek(GUARDS, "main").admission
         await until(lambda: admission.depth == 1)
         refused = await post(client, gw.url, "third")
         assert refused.status_code == 503
@@ -214,7 +215,7 @@ async def test_a_queue_timeout_answers_503_with_retry_after(serve_app, start_gat
         "main": {"url": url, "max_concurrency": 1, "queue": {"capacity": 5, "timeout_ms": 2000}}
     }
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends)), clock=clock)
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     async with httpx.AsyncClient(timeout=10) as client:
         first = asyncio.create_task(post(client, gw.url, "first"))
         await until(lambda: main.active == 1)
@@ -243,7 +244,7 @@ async def test_queued_calls_go_upstream_by_priority_from_the_x_priority_header(
     url = await serve_app(main.app())
     backends = {"main": {"url": url, "max_concurrency": 1, "queue": {"capacity": 10}}}
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends)))
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     async with httpx.AsyncClient(timeout=10) as client:
         tasks = [asyncio.create_task(post(client, gw.url, "busy"))]
         await until(lambda: main.active == 1)
@@ -277,7 +278,7 @@ async def test_a_higher_priority_call_sheds_the_newest_lowest_waiter_of_a_full_q
     backends = {"main": {"url": url, "max_concurrency": 1, "queue": {"capacity": 2}}}
     route = {"priority": "low"}  # the route's own priority; the header overrides it
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends, route)))
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     async with httpx.AsyncClient(timeout=10) as client:
         busy = asyncio.create_task(post(client, gw.url, "busy"))
         await until(lambda: main.active == 1)
@@ -301,7 +302,7 @@ async def test_a_queued_client_that_disconnects_leaves_the_queue_at_once(
     url = await serve_app(main.app())
     backends = {"main": {"url": url, "max_concurrency": 1, "queue": {"capacity": 5}}}
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends)))
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     async with httpx.AsyncClient(timeout=10) as client:
         busy = asyncio.create_task(post(client, gw.url, "busy"))
         await until(lambda: main.active == 1)
@@ -325,7 +326,7 @@ async def test_a_stream_holds_its_slot_until_it_ends(serve_app, start_gateway, t
     url = await serve_app(main.app())
     backends = {"main": {"url": url, "max_concurrency": 1, "queue": {"capacity": 5}}}
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends)))
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     async with httpx.AsyncClient(timeout=10) as client:
         async with client.stream(
             "POST", gw.url + "/v1/chat/completions", json=chat("streamed", stream=True)
@@ -354,13 +355,13 @@ async def test_a_reload_changes_limits_for_new_admissions_and_fails_nothing_in_f
 
     file = write_policy(tmp_path, policy(backends(1)))
     gw = await start_gateway(policy=file, watch_interval_s=3600)
-    admission = gw.gateway.registry.peek("guard", "main").admission
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
     async with httpx.AsyncClient(timeout=10) as client:
         tasks = [asyncio.create_task(post(client, gw.url, f"r{i}")) for i in range(3)]
         await until(lambda: main.active == 1 and admission.depth == 2)
         write_policy(tmp_path, policy(backends(2)))
         assert gw.gateway.reload()
-        assert gw.gateway.registry.peek("guard", "main").admission is admission
+        assert gw.gateway.registry.peek(GUARDS, "main").admission is admission
         await until(lambda: main.active == 2 and admission.depth == 1)
         write_policy(tmp_path, policy(backends(1)))
         assert gw.gateway.reload()
@@ -439,7 +440,7 @@ async def test_breaker_opens_on_failures_probes_after_open_s_and_closes(
     }
     backends = {"main": {"url": url, "circuit_breaker": breaker}}
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends)), clock=clock)
-    guard = gw.gateway.registry.peek("guard", "main")
+    guard = gw.gateway.registry.peek(GUARDS, "main")
     async with httpx.AsyncClient(timeout=10) as client:
         statuses = [(await post(client, gw.url)).status_code for _ in range(4)]
         assert statuses == [500] * 4  # no fallback: the backend's own errors pass through
@@ -475,7 +476,7 @@ async def test_half_open_lets_at_most_half_open_calls_probes_through(
     backends = {"main": {"url": main_url, "circuit_breaker": breaker}, "spare": {"url": spare_url}}
     route = {"fallback": ["spare"]}
     gw = await start_gateway(policy=write_policy(tmp_path, policy(backends, route)), clock=clock)
-    guard = gw.gateway.registry.peek("guard", "main")
+    guard = gw.gateway.registry.peek(GUARDS, "main")
     async with httpx.AsyncClient(timeout=10) as client:
         for _ in range(2):
             assert (await post(client, gw.url)).status_code == 200
@@ -504,7 +505,7 @@ async def test_429_and_503_from_the_backend_never_trip_the_breaker(
     gw = await start_gateway(
         policy=write_policy(tmp_path, policy({"main": {"url": url, "circuit_breaker": breaker}}))
     )
-    guard = gw.gateway.registry.peek("guard", "main")
+    guard = gw.gateway.registry.peek(GUARDS, "main")
     async with httpx.AsyncClient(timeout=10) as client:
         for status in (429, 503, 429, 503, 429):
             main.status = status

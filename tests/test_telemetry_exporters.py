@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.policy import parse_policy_text
 from gateway.policy.load import parse_sources
+from gateway.resilience.gpu import TELEMETRY
 from gateway.telemetry import Selector, parse_exposition, read_series, signals_from
 from tests.helpers import until
 from tests.test_proxy import write_policy
@@ -128,7 +129,7 @@ async def test_several_gpus_and_no_selector_warn_once(exporter, start_gateway, t
     )
     with caplog.at_level(logging.WARNING, logger="gateway.telemetry"):
         gw = await start_gateway(policy=policy)
-        telemetry = gw.gateway.registry.peek("telemetry", "main").telemetry
+        telemetry = gw.gateway.registry.peek(TELEMETRY, "main").telemetry
         await until(lambda: telemetry.samples >= 4)
     warnings = [r.getMessage() for r in caplog.records if "sees 3 GPUs" in r.getMessage()]
     assert len(warnings) == 1 and "hottest GPU of the node wins" in warnings[0]
@@ -161,7 +162,7 @@ async def test_a_rule_whose_signal_is_never_seen_is_said_to_be_unknown(
     assert "throttle[0].when.signal" in str(warning) and "dcgm-counters.csv" in str(warning)
     with caplog.at_level(logging.WARNING):
         gw = await start_gateway(policy=write_policy(tmp_path, text))
-        telemetry = gw.gateway.registry.peek("telemetry", "main").telemetry
+        telemetry = gw.gateway.registry.peek(TELEMETRY, "main").telemetry
         await until(lambda: telemetry.samples >= 4)
     seen = gw.gateway.metrics.throttle_signal_seen
     assert seen.labels("power", "main")._value.get() == 0

@@ -54,7 +54,9 @@ from gateway.pipeline import Call, Handler, Headers, Reply, Stage
 from gateway.policy.model import Batch, Policy, Route
 from gateway.resilience.gpu import batch_limit
 from gateway.runtime import Runtime
+from gateway.state import Kind
 
+BATCHERS: Kind[Batcher] = Kind("batcher")
 DEFAULT_SLOTS = 1
 QUEUED_AT_BACKEND = 1  # fixed size: batches let upstream past the backend's slots
 ADAPTERS: tuple[Adapter, ...] = (
@@ -241,7 +243,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
             deadline_s = policy.backend(route.backend).timeout_s
             make = _factory(name, route, route.batch, adapter, slots, runtime, deadline_s)
             batchers[(route.name, route.backend, adapter.name)] = runtime.registry.get(
-                "batcher", name, (route.batch, slots, deadline_s), make
+                BATCHERS, name, (route.batch, slots, deadline_s), make
             )
     return [BatchStage(batchers)] if batchers else []
 

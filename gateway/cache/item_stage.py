@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.cache.embedding_seam import EmbeddingTier
+from gateway.cache.embedding_seam import EmbeddingLookup
 from gateway.cache.items import CachedItem, ItemPlan, assemble, fresh_items, missing
 from gateway.cache.items import upstream_body as items_body
 from gateway.cache.replies import (
@@ -52,7 +52,7 @@ class RouteRules:
         route: Route,
         rule: RouteCache,
         cache: ResponseCache,
-        embedding: EmbeddingTier | None,
+        embedding: EmbeddingLookup | None,
         runtime: Runtime,
     ) -> None:
         self.name = route.name

@@ -28,7 +28,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from gateway.cache.embedding_seam import EMBEDDING, EmbeddingContext, EmbeddingTier, build_tier
+from gateway.cache import embedding
+from gateway.cache.embedding_seam import (
+    EMBEDDING,
+    EmbeddingContext,
+    EmbeddingLookup,
+    TierFactory,
+    build_tier,
+)
 from gateway.cache.entry import CachedResponse, select_headers
 from gateway.cache.item_stage import ItemCache, RouteRules
 from gateway.cache.items import plan_items
@@ -47,11 +54,13 @@ from gateway.cache.replies import (
     hit_reply,
 )
 from gateway.cache.simhash import MAX_DISTANCE
-from gateway.cache.state import STORE_KIND, STORE_NAME, CacheState
+from gateway.cache.state import CACHE_STATE, CacheState
 from gateway.cache.tiers import Hit, ResponseCache
 from gateway.errors import StoreError
+from gateway.metrics import EmbeddingFigures
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Route, RouteCache
+from gateway.state import Kind
 from gateway.transport.headers import is_event_stream
 
 if TYPE_CHECKING:
@@ -59,12 +68,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.cache")
 
-EMBEDDING_KIND = "cache-embedding"
+EMBEDDING_TIERS: Kind[EmbeddingLookup | None] = Kind("cache-embedding")
 STORE_ERROR_LOG_EVERY_S = 10.0
 
 
-def build(policy: Policy, runtime: Runtime) -> list[Stage]:
-    """The cache stage for ``policy``, or none when no route caches."""
+def build(
+    policy: Policy, runtime: Runtime, embedding_tiers: TierFactory | None = None
+) -> list[Stage]:
+    """The cache stage for ``policy``, or none when no route caches; ``embedding_tiers``
+    builds the embedding routes' tiers (default: the shipped tier)."""
     metrics = runtime.metrics
     if not any(route.cache is not None for route in policy.routes):
         metrics.cache_entries.set_function(lambda: 0.0)
@@ -81,24 +93,31 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
             log.warning("cache store: down (requests are answered as misses until it is back)")
 
     state = runtime.registry.get(
-        STORE_KIND,
-        STORE_NAME,
+        CACHE_STATE,
+        "",
         policy.cache,
         lambda: CacheState(policy.cache, runtime.clock, on_health=moved),
     )
     metrics.cache_store_up.set(1 if getattr(state.store, "available", True) else 0)
     metrics.cache_entries.set_function(lambda: float(state.stats().entries or 0))
     metrics.cache_bytes.set_function(lambda: float(state.stats().bytes or 0))
-    stage = CacheStage(policy, runtime, state)
-    metrics.embedding.tiers = stage.embedding_tiers
+    stage = CacheStage(policy, runtime, state, embedding_tiers)
+    metrics.embedding.tiers = stage.embedding_figures
     return [stage]
 
 
 class CacheStage:
     """Answers cacheable calls from the cache and stores the answers to the others."""
 
-    def __init__(self, policy: Policy, runtime: Runtime, state: CacheState) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        runtime: Runtime,
+        state: CacheState,
+        embedding_tiers: TierFactory | None = None,
+    ) -> None:
         self._state = state
+        self._embedding_tiers = embedding_tiers
         self._clock = runtime.clock
         self._metrics = runtime.metrics
         self._versions = {b.name: b.model_version for b in policy.backends}
@@ -109,9 +128,17 @@ class CacheStage:
             if route.cache is not None:
                 self._routes[route.name] = self._rules(policy, runtime, route, route.cache)
 
-    def embedding_tiers(self) -> list[tuple[str, EmbeddingTier]]:
-        """(route, tier) of every route with an embedding tier, for the metrics."""
-        return [(n, r.embedding) for n, r in self._routes.items() if r.embedding is not None]
+    def embedding_figures(self) -> list[EmbeddingFigures]:
+        """The figures of every route's shipped embedding tier, for the metrics."""
+        return [
+            EmbeddingFigures(
+                name,
+                len(tier),
+                tier.shared.counts if tier.shared is not None else None,
+            )
+            for name, rules in self._routes.items()
+            if isinstance(tier := rules.embedding, embedding.EmbeddingTier)
+        ]
 
     def _rules(
         self, policy: Policy, runtime: Runtime, route: Route, rule: RouteCache
@@ -132,25 +159,24 @@ class CacheStage:
             on_store_error=self._store_failed,
             clock=runtime.clock,
         )
-        embedding = None
+        tier = None
         if semantic.method == EMBEDDING:
             context = EmbeddingContext(
                 route.name, self._state.store, policy, runtime.transport, runtime.clock
             )
             embedder = policy.backend(semantic.embedder) if semantic.embedder else None
-            embedding = runtime.registry.get(
-                EMBEDDING_KIND,
+            tier = runtime.registry.get(
+                EMBEDDING_TIERS,
                 route.name,
                 (semantic, policy.cache, embedder),
-                lambda: build_tier(semantic, context),
+                lambda: build_tier(semantic, context, self._embedding_tiers),
             )
-        return RouteRules(route, rule, cache, embedding, runtime)
+        return RouteRules(route, rule, cache, tier, runtime)
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         rules = self._routes.get(call.route.name)
         if rules is None:
             return await call_next(call)
-        self._state.start_sweeper()
         body = call.json
         if body is None or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok:
             return await self._pass(rules, call, call_next)
@@ -239,7 +265,7 @@ class CacheStage:
         return hit, key
 
     async def _embedding_lookup(
-        self, rules: RouteRules, tier: EmbeddingTier, key: RequestKey
+        self, rules: RouteRules, tier: EmbeddingLookup, key: RequestKey
     ) -> Hit | None:
         assert key.prompt is not None
         try:

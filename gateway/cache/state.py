@@ -2,7 +2,7 @@
 
 ``CacheState`` holds the store the policy's ``cache:`` block names (memory LRU bounded by
 ``max_bytes``, or Redis at ``redis_url``), the tenant scope rule, and a background sweep of
-expired memory entries.  It lives in the runtime registry under ``(STORE_KIND, STORE_NAME)``
+expired memory entries.  It lives in the runtime registry as ``CACHE_STATE``
 with the ``cache:`` block as its settings, so reloads keep it, and its entries, until that
 block changes.  The admin's ``POST /cache/purge`` finds it there.
 """
@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from gateway.cache.stores import MemoryStore, RedisStore, StoreStats
 from gateway.clock import Clock
 from gateway.policy.model import CacheStore as CacheStoreSettings
+from gateway.state import Kind
 from gateway.tenant import scope_hash
 
 log = logging.getLogger("gateway.cache")
 
-STORE_KIND = "cache-store"
-STORE_NAME = "store"
 SWEEP_INTERVAL_S = 30.0
 """How often expired memory entries are dropped, so the entry and byte gauges stay true."""
 
@@ -37,7 +35,7 @@ class CacheState:
         on_health: Callable[[bool], None] | None = None,
     ) -> None:
         self.settings = settings
-        self.store: Any
+        self.store: MemoryStore | RedisStore
         if settings.store == "redis":
             self.store = RedisStore.from_url(settings.redis_url, clock=clock, on_health=on_health)
         else:
@@ -68,15 +66,17 @@ class CacheState:
         stats: StoreStats = self.store.stats()
         return stats
 
-    def start_sweeper(self) -> None:
-        """Start the periodic sweep of a memory store (idempotent; needs a running loop)."""
+    def start(self) -> None:
+        """Start the periodic sweep of a memory store (idempotent; on the running loop, by
+        ``Registry.start``)."""
         if self._sweeper is None and isinstance(self.store, MemoryStore):
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(self.store))
 
-    async def _sweep(self) -> None:
+    @staticmethod
+    async def _sweep(store: MemoryStore) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            self.store.sweep()
+            store.sweep()
 
     async def purge(
         self,
@@ -107,3 +107,7 @@ class CacheState:
 
     def __repr__(self) -> str:
         return f"<CacheState {self.store!r} scope_headers={list(self.settings.scope_headers)}>"
+
+
+CACHE_STATE: Kind[CacheState] = Kind("cache-store")
+"""The registry's one cache state (name ``""``)."""

@@ -31,8 +31,10 @@ from gateway.openai.sse import StreamRecorder, events_to_json
 from gateway.pipeline import Call, Handler, Headers, Reply, Stage
 from gateway.policy.model import Policy
 from gateway.runtime import Runtime
+from gateway.state import Kind
 from gateway.transport.headers import is_event_stream
 
+FLIGHTS: Kind[SingleFlight] = Kind("singleflight")
 COALESCED_HEADER = "X-Gateway-Coalesced"
 # A non-streaming answer carries usage: a stream it may be assembled from must too.
 _WHOLE_BODY_STREAM_OPTIONS = '{"include_usage":true}'
@@ -116,7 +118,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         if route.coalescing:
             counted = runtime.metrics.coalesced.labels(route.name).inc
             flights[route.name] = runtime.registry.get(
-                "singleflight", route.name, (), _factory(route.name, counted)
+                FLIGHTS, route.name, (), _factory(route.name, counted)
             )
     return [CoalesceStage(flights)] if flights else []
 

@@ -3,12 +3,12 @@ the gauges they publish.
 
 Everything here is long-lived and kept in the runtime's registry across reloads:
 
-    ("telemetry", backend)    BackendTelemetry, rebuilt when the backend's telemetry changes
-    ("telemetry_http", "")    the aiohttp session every prometheus source scrapes through
-    ("gpu_control", "")       GpuControl: the Throttle (rule state survives reloads), the live
-                              Telemetry of each backend, and what a new sample sets off
+    TELEMETRY, backend     BackendTelemetry, rebuilt when the backend's telemetry changes
+    TELEMETRY_HTTP, ""     the aiohttp session every prometheus source scrapes through
+    GPU_CONTROL, ""        GpuControl: the Throttle (rule state survives reloads), the live
+                           Telemetry of each backend, and what a new sample sets off
 
-Pollers start with the gateway (``start_telemetry``, called by ``Gateway.start`` and after a
+Pollers start with the gateway (``Registry.start``, called by ``Gateway.start`` and after a
 reload) and stop when the registry closes them: on shutdown, or when a reload removes or
 changes a backend's telemetry.  A clock that can ``sleep`` (``FakeClock``) also drives the
 pollers' schedule, so tests move telemetry time by advancing the clock.
@@ -34,7 +34,7 @@ from gateway.resilience.throttle import (
     ThrottleRule,
     ThrottleTransition,
 )
-from gateway.state import Registry
+from gateway.state import Kind, Registry
 from gateway.telemetry import (
     Telemetry,
     TelemetryConfig,
@@ -66,6 +66,11 @@ _HINTS = {
     "gpu_thermal_throttling": _COUNTERS_HINT.format("DCGM_FI_DEV_CLOCKS_EVENT_REASONS"),
 }
 """Samples after which a rule's signal that none of them had is reported as never seen."""
+
+
+TELEMETRY: Kind[BackendTelemetry] = Kind("telemetry")
+TELEMETRY_HTTP: Kind[TelemetryHttp] = Kind("telemetry_http")
+GPU_CONTROL: Kind[GpuControl] = Kind("gpu_control")
 
 
 class ThrottleTarget(Protocol):
@@ -303,7 +308,7 @@ def wire_gpu(
     targets: Mapping[str, ThrottleTarget],
 ) -> GpuControl:
     """The telemetry and throttle state for ``policy``, taken from (or added to) ``registry``."""
-    control: GpuControl = registry.get("gpu_control", "", None, lambda: GpuControl(metrics, clock))
+    control = registry.get(GPU_CONTROL, "", None, lambda: GpuControl(metrics, clock))
     telemetry: dict[str, Telemetry] = {}
     http: TelemetryHttp | None = None
     for backend in policy.backends:
@@ -311,9 +316,9 @@ def wire_gpu(
             continue
         config = telemetry_config(backend.telemetry)
         if config.source == "prometheus" and http is None:
-            http = registry.get("telemetry_http", "", None, TelemetryHttp)
-        item: BackendTelemetry = registry.get(
-            "telemetry",
+            http = registry.get(TELEMETRY_HTTP, "", None, TelemetryHttp)
+        item = registry.get(
+            TELEMETRY,
             backend.name,
             config,
             _factory(backend.name, config, http, clock, control.on_sample),
@@ -336,18 +341,12 @@ def _factory(
     return make
 
 
-def start_telemetry(registry: Registry) -> None:
-    """Start every telemetry poller in ``registry`` not yet running (on the running loop)."""
-    for _, item in registry.items("telemetry"):
-        item.start()
-
-
 def batch_limit(registry: Registry, backend: str) -> int | None:
     """The batch size a ``limit`` throttle rule holds ``backend`` to now, or None.
 
     For the batching stage: read per batch, it costs a dictionary lookup while the
     backend's telemetry has not moved."""
-    control: Any = registry.peek("gpu_control", "")
+    control = registry.peek(GPU_CONTROL)
     if control is None:
         return None
     limit = control.decide(backend).limit

@@ -52,11 +52,15 @@ from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
 from gateway.resilience.rate_limit import RateLimit, RateLimiter
 from gateway.resilience.retry_budget import RetryBudget, RetryBudgetConfig
+from gateway.state import Kind
 from gateway.tenant import rate_key
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
 
+GUARDS: Kind[BackendGuard] = Kind("guard")
+RATE_LIMITERS: Kind[RateLimiter] = Kind("rate_limit")
+RETRY_BUDGET: Kind[RetryBudget] = Kind("retry_budget")
 FALLBACK_HEADER = "X-Gateway-Fallback"
 PRIORITY_HEADER = "X-Priority"
 FALLBACK_REASONS = (
@@ -335,7 +339,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         if b.max_concurrency is None and b.circuit_breaker is None and b.name not in ruled:
             continue
         guard = registry.get(
-            "guard", b.name, None, functools.partial(BackendGuard, b.name, metrics, clock)
+            GUARDS, b.name, None, functools.partial(BackendGuard, b.name, metrics, clock)
         )
         guard.configure(b, needs_admission=b.name in capped)
         guards[b.name] = guard
@@ -346,14 +350,17 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
             r = route.rate_limit
             limit = RateLimit(r.requests_per_s, r.tokens_per_min, r.burst)
             limiters[route.name] = registry.get(
-                "rate_limit", route.name, limit, functools.partial(RateLimiter, limit, clock=clock)
+                RATE_LIMITERS,
+                route.name,
+                limit,
+                functools.partial(RateLimiter, limit, clock=clock),
             )
     if not (guards or limiters or any(r.fallback for r in policy.routes)):
         return []
     rb = policy.retry_budget
     budget_config = RetryBudgetConfig(rb.ratio, rb.min_retries_per_s, rb.window_s)
     budget = registry.get(
-        "retry_budget",
+        RETRY_BUDGET,
         "",
         budget_config,
         functools.partial(RetryBudget, budget_config, clock=clock),

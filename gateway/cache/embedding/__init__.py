@@ -8,14 +8,15 @@ backend.py  a policy backend's /v1/embeddings instead of the local model
 shared.py   SharedIndex: with the Redis store, every replica's index entries in one stream
 
 This package imports without the extra (numpy only); ``available()`` says whether the
-local model can run, and ``from_semantic`` builds a route's tier from its policy, the seam
-``gateway.cache.embedding_seam`` calls; over a ``RedisStore`` the tier's index is shared
-by every replica.
+local model can run, and ``from_semantic`` builds a route's tier from its policy and an
+``EmbeddingContext`` (what ``gateway.cache.embedding_seam`` calls); over a ``RedisStore``
+the tier's index is shared by every replica.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.cache.embedding import local
 from gateway.cache.embedding.backend import BackendEmbedder
@@ -32,7 +33,10 @@ from gateway.cache.embedding.verify import verify
 from gateway.cache.stores.redis import RedisStore
 
 if TYPE_CHECKING:
-    from gateway.policy.model import Semantic
+    from gateway.cache.stores.memory import MemoryStore
+    from gateway.clock import Clock
+    from gateway.policy.model import Policy, Semantic
+    from gateway.transport.upstream import Transport
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
@@ -40,6 +44,7 @@ __all__ = [
     "EMBEDDING",
     "BackendEmbedder",
     "Embed",
+    "EmbeddingContext",
     "EmbeddingTier",
     "LocalEmbedder",
     "LocalModel",
@@ -48,6 +53,18 @@ __all__ = [
     "from_semantic",
     "verify",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingContext:
+    """What a route's tier may need besides its settings: the store holding the entries it
+    points at, the upstream transport and policy (for an ``embedder`` backend), the clock."""
+
+    route: str
+    store: MemoryStore | RedisStore
+    policy: Policy
+    transport: Transport
+    clock: Clock
 
 
 def available(embedder: str | None = None) -> tuple[bool, str]:
@@ -61,13 +78,13 @@ def available(embedder: str | None = None) -> tuple[bool, str]:
     return local.available()
 
 
-def from_semantic(semantic: Semantic, context: Any) -> EmbeddingTier:
+def from_semantic(semantic: Semantic, context: EmbeddingContext) -> EmbeddingTier:
     """The tier for a route's ``cache.semantic`` settings, its index shared by every
     replica when the store is Redis.  Replicas share vectors only with the same embedder
     identity: the local model's name, or the backend's name, ``model_version`` and
     ``embedder_model``.
 
-    ``context`` is the stage's ``EmbeddingContext`` (store, policy, transport).  Raises
+    Raises
     ``ImportError`` naming the install command when the local model is needed but the
     extra is missing, ``KeyError`` for an unknown ``embedder`` backend.
     """
