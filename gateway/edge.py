@@ -162,7 +162,7 @@ class Edge:
             return tokens, None
         assert reply.stream is not None
         usage = StreamUsage() if call.json is not None else None
-        await request.start(reply.status, headers, reply.notes.get("content_length"))
+        await request.start(reply.status, headers, reply.content_length)
         first_byte: float | None = None
         try:
             async for chunk in reply.stream:
@@ -246,6 +246,6 @@ class Edge:
                 entry["first_byte_ms"] = round((first_byte - started) * 1000, 3)
             if tokens is not None:
                 entry["prompt_tokens"], entry["completion_tokens"] = tokens
-            if call is not None and call.notes:
-                entry.update({k: v for k, v in call.notes.items() if k.startswith("log_")})
+            if call is not None and call.record.cache is not None:
+                entry["log_cache"] = call.record.cache
             sys.stderr.write(json.dumps(entry) + "\n")

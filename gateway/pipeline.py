@@ -10,7 +10,7 @@ appears here: the server (``server/``) and the transport (``transport/``) are th
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.tenant import scope_hash
@@ -31,6 +31,15 @@ def first_header(headers: Headers, name: str, default: str | None = None) -> str
 
 
 @dataclass(slots=True)
+class Record:
+    """What the access log tells of one request besides its status and timing; one per
+    request, shared by the copies of its ``Call`` a stage passes on."""
+
+    cache: str | None = None
+    """The cache stage's result (``hit:exact``, ``miss``, ``bypass``...): ``log_cache``."""
+
+
+@dataclass(slots=True)
 class Call:
     """One client request, as the stages see it.
 
@@ -44,7 +53,8 @@ class Call:
     Who asked comes from ``received``, the headers as the client sent them (``headers`` are
     those that go upstream): ``scope`` is the tenant scope hash (``tenant.scope_hash`` over
     the policy's ``cache.scope_headers``, computed once, when first asked), ``client`` the
-    client's address (``forwarding``).
+    client's address (``forwarding``).  ``record`` is what the access log tells of the
+    request besides status and timing, written by the stage that decides it.
     """
 
     id: str
@@ -63,7 +73,7 @@ class Call:
     received: Headers = field(default=(), repr=False)
     client: str = ""
     _scope: str | None = field(default=None, repr=False)
-    notes: dict[str, Any] = field(default_factory=dict)
+    record: Record = field(default_factory=lambda: Record())
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a request header, case-insensitively."""
@@ -82,13 +92,16 @@ class Call:
         return bool(self.json is not None and self.json.get("stream"))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Reply:
     """A response on its way to the client: a whole ``body`` or a ``stream`` of chunks.
 
     Exactly one of ``body`` and ``stream`` is set.  ``close`` releases whatever the stream
     holds upstream (a pooled connection); the edge calls it in every case, also when the
-    client went away mid-stream.
+    client went away mid-stream.  ``content_length`` is a stream's declared length, when the
+    backend gave one (the edge then sends it as is, not chunked); ``coalesced`` says that
+    the call joined another's flight.  A stage that changes a reply returns a new one
+    (``with_headers``, ``replace``).
     """
 
     status: int
@@ -97,19 +110,22 @@ class Reply:
     stream: AsyncIterator[bytes] | None = None
     backend: str = ""
     close: Callable[[], Awaitable[None]] | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
+    content_length: int | None = None
+    coalesced: bool = False
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a response header, case-insensitively."""
         return first_header(self.headers, name, default)
 
     def with_headers(self, extra: Sequence[tuple[str, str]]) -> Reply:
-        """A reply with ``extra`` headers replacing any of the same names."""
+        """This reply with ``extra`` headers replacing any of the same names."""
         names = {k.lower() for k, _ in extra}
-        self.headers = tuple((k, v) for k, v in self.headers if k.lower() not in names) + tuple(
-            extra
-        )
-        return self
+        kept = tuple((k, v) for k, v in self.headers if k.lower() not in names)
+        return replace(self, headers=kept + tuple(extra))
+
+    def replace(self, **changes: Any) -> Reply:
+        """This reply with ``changes`` (``dataclasses.replace``)."""
+        return replace(self, **changes)
 
 
 Handler = Callable[[Call], Awaitable[Reply]]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
+from typing import Any
 
 import httpx
 from aiohttp import web
@@ -13,20 +15,29 @@ from tests.test_proxy import CHAT, write_policy
 from tests.upstreams import Recorder
 
 
-async def test_access_log_writes_one_json_line_per_request_without_secrets(
-    serve_app, start_gateway, tmp_path, capsys
-):
+async def logged_gateway(
+    serve_app: Any, start_gateway: Any, tmp_path: Path, route: str, options: str = ""
+) -> tuple[Any, Recorder]:
+    """A gateway with the access log on, its one route ``route`` (with ``options``) in front
+    of a ``Recorder``."""
     rec = Recorder()
     url = await serve_app(rec.app())
+    extra = f", {options}" if options else ""
     policy = write_policy(
         tmp_path,
         f"""
         backends: {{main: {{url: "{url}"}}}}
-        routes: [{{name: chat, match: {{path: "*"}}, backend: main}}]
+        routes: [{{name: {route}, match: {{path: "*"}}, backend: main{extra}}}]
         server: {{access_log: true}}
         """,
     )
-    gw = await start_gateway(policy=policy)
+    return await start_gateway(policy=policy), rec
+
+
+async def test_access_log_writes_one_json_line_per_request_without_secrets(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    gw, _ = await logged_gateway(serve_app, start_gateway, tmp_path, "chat")
     async with httpx.AsyncClient() as client:
         await client.post(
             gw.url + "/v1/chat/completions",
@@ -50,17 +61,7 @@ async def test_access_log_writes_one_json_line_per_request_without_secrets(
 async def test_a_stream_its_client_dropped_is_logged_and_counted_as_499_with_the_bytes_sent(
     serve_app, start_gateway, tmp_path, capsys
 ):
-    rec = Recorder()
-    url = await serve_app(rec.app())
-    policy = write_policy(
-        tmp_path,
-        f"""
-        backends: {{main: {{url: "{url}"}}}}
-        routes: [{{name: gated, match: {{path: "*"}}, backend: main}}]
-        server: {{access_log: true}}
-        """,
-    )
-    gw = await start_gateway(policy=policy)
+    gw, rec = await logged_gateway(serve_app, start_gateway, tmp_path, "gated")
     async with httpx.AsyncClient() as client:
         async with client.stream("POST", gw.url + "/gated", json={}) as r:
             assert await r.aiter_raw().__anext__() == b'data: {"part": 1}\n\n'
@@ -160,3 +161,16 @@ async def test_waiting_for_a_pooled_connection_is_bounded_by_the_timeout(
     assert waiting.status_code == 504
     assert "no free connection" in waiting.json()["error"]["message"]
     assert after.status_code == 200
+
+
+async def test_the_access_log_tells_the_cache_result_of_each_request(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    gw, _ = await logged_gateway(serve_app, start_gateway, tmp_path, "chat", "cache: {ttl_s: 60}")
+    asked = {**CHAT, "temperature": 0}
+    async with httpx.AsyncClient() as client:
+        for headers in ({}, {}, {"Cache-Control": "no-cache"}):
+            await client.post(gw.url + "/v1/chat/completions", json=asked, headers=headers)
+        await client.get(gw.url + "/v1/models")
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert [line.get("log_cache") for line in lines] == ["miss", "hit:exact", "bypass", "bypass"]

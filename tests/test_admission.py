@@ -8,7 +8,8 @@ import contextlib
 import pytest
 
 from gateway.errors import Overloaded
-from gateway.resilience.admission import Admission, AdmissionConfig, Priority, QueueConfig, Ticket
+from gateway.policy.model import Queue
+from gateway.resilience.admission import Admission, AdmissionConfig, Priority, Ticket
 from gateway.testing import FakeClock
 
 
@@ -20,7 +21,7 @@ def make(
 ) -> Admission:
     return Admission(
         "main",
-        AdmissionConfig(max_concurrency, QueueConfig(capacity, timeout_ms)),
+        AdmissionConfig(max_concurrency, Queue(capacity, timeout_ms)),
         clock=clock or FakeClock(),
     )
 
@@ -190,10 +191,10 @@ async def test_raising_the_limit_admits_waiters_and_lowering_it_lets_in_flight_f
     admission = make(max_concurrency=2, capacity=5)
     held = [await admission.acquire(), await admission.acquire()]
     waiting = await queue_up(admission, Priority.NORMAL, Priority.NORMAL)
-    admission.configure(AdmissionConfig(4, QueueConfig(5, 5000)))
+    admission.configure(AdmissionConfig(4, Queue(5, 5000)))
     await settle()
     assert all(t.done() for t in waiting)
-    admission.configure(AdmissionConfig(1, QueueConfig(5, 5000)))
+    admission.configure(AdmissionConfig(1, Queue(5, 5000)))
     assert admission.in_flight == 4  # nobody is evicted
     (late,) = await queue_up(admission, Priority.HIGH)
     for ticket in [*held, waiting[0].result()]:
@@ -225,7 +226,7 @@ async def test_queue_wait_and_sheds_are_reported() -> None:
     clock = FakeClock()
     admission = Admission(
         "main",
-        AdmissionConfig(1, QueueConfig(capacity=1)),
+        AdmissionConfig(1, Queue(capacity=1)),
         clock=clock,
         on_wait=waits.append,
         on_shed=sheds.append,

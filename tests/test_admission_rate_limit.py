@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import RateLimited
-from gateway.resilience.rate_limit import RateLimit, RateLimiter
+from gateway.policy.model import RateLimit
+from gateway.resilience.rate_limit import RateLimiter
 from gateway.testing import FakeClock
 
 
@@ -81,10 +82,3 @@ def test_idle_tenants_are_forgotten_first_when_there_are_too_many() -> None:
     limiter.check("new")
     with pytest.raises(RateLimited):
         limiter.check("busy")  # still remembered: its bucket is empty
-
-
-def test_a_rate_limit_needs_a_positive_rate() -> None:
-    with pytest.raises(ValueError):
-        RateLimit()
-    with pytest.raises(ValueError):
-        RateLimit(requests_per_s=0)

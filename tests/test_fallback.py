@@ -163,7 +163,7 @@ async def test_the_retry_budget_caps_retries_but_not_breaker_redirects(
         # The breaker is open now: sending elsewhere is not a retry, the budget is not asked.
         redirected = [await post(client, gw.url) for _ in range(5)]
         assert [a.status_code for a in redirected] == [200] * 5
-        assert {a.headers["X-Gateway-Fallback"] for a in redirected} == {"breaker_open"}
+        assert {a.headers["X-Gateway-Fallback"] for a in redirected} == {"circuit_open"}
     budget_state = gw.gateway.registry.peek(RETRY_BUDGET)
     assert "retries=2" in repr(budget_state) and "denied=1" in repr(budget_state)
     assert len(main.arrivals) == 3

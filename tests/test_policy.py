@@ -178,3 +178,62 @@ def test_docs_policy_md_is_generated_from_the_model():
     """docs/policy.md documents every key with its default; regenerate it with
     `gateway schema --markdown > docs/policy.md`."""
     assert (ROOT / "docs" / "policy.md").read_text() == reference_markdown()
+
+
+REFUSED = """\
+backends:
+  main:
+    url: http://127.0.0.1:8000
+    {backend}
+routes:
+  - match: {{path: /v1/*}}
+    backend: main
+    {route}
+{top}
+"""
+
+
+@pytest.mark.parametrize(
+    ("backend", "route", "top", "message"),
+    [
+        ("circuit_breaker: {failure_rate: 0}", "", "", "circuit_breaker.failure_rate"),
+        ("circuit_breaker: {half_open_calls: 0}", "", "", "half_open_calls must be at least"),
+        ("circuit_breaker: {consecutive_failures: -1}", "", "", "must not be negative"),
+        ("queue: {capacity: -1}", "", "", "backends.main.queue: capacity must be >= 0"),
+        ("telemetry: {source: prometheus}", "", "", "needs a metrics URL"),
+        ("telemetry: {source: snmp}", "", "", "backends.main.telemetry.source"),
+        ("telemetry: {source: nvml, interval_ms: 10}", "", "", "must be at least 50"),
+        ("", "rate_limit: {}", "", "set requests_per_s and/or tokens_per_min"),
+        ("", "rate_limit: {requests_per_s: 0}", "", "rate_limit.requests_per_s: must be"),
+        ("", "rate_limit: {tokens_per_min: 9, burst: -1}", "", "rate_limit.burst: must be"),
+        ("", "", "retry_budget: {window_s: 0}", "retry_budget.window_s: must be greater"),
+        ("", "", "retry_budget: {ratio: -0.1}", "retry_budget.ratio: must not be negative"),
+        (
+            "",
+            "",
+            "throttle: [{name: r, backend: main, when: {signal: fan, above: 1, clear_below: 0}}]",
+            "throttle[0].when.signal",
+        ),
+        (
+            "",
+            "",
+            "throttle: [{name: r, backend: main, when: "
+            "{signal: gpu_temperature_c, above: 80, clear_below: 85}}]",
+            "throttle[0].when.clear_below: must not be above",
+        ),
+        (
+            "",
+            "",
+            "throttle: [{name: r, backend: main, action: limit, when: "
+            "{signal: gpu_temperature_c, above: 85, clear_below: 80}}]",
+            "a `limit` rule needs `limit:",
+        ),
+    ],
+)
+def test_settings_a_component_cannot_work_with_are_refused_at_load(
+    backend: str, route: str, top: str, message: str
+) -> None:
+    """The runtime takes the policy's types as they are: what it cannot work with never
+    gets past the loader (and so never reaches a reload)."""
+    found = problems_of(REFUSED.format(backend=backend, route=route, top=top))
+    assert any(message in p for p in found), found

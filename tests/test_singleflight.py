@@ -83,7 +83,7 @@ async def test_identical_concurrent_requests_share_one_call():
 
     assert up.starts == 1 and flights.coalesced == 4
     assert {r.body for r in replies} == {b'{"ok":true}'}
-    assert [r.notes["coalesced"] for r in replies] == [False, True, True, True, True]
+    assert [r.coalesced for r in replies] == [False, True, True, True, True]
 
 
 async def test_different_keys_do_not_share_a_call():
@@ -115,7 +115,7 @@ async def test_late_joiner_of_a_stream_gets_the_chunks_already_sent_then_the_liv
 
     assert await read_all(late) == b"data: a\n\ndata: b\n\ndata: c\n\n"
     assert await read_all(first) == b"data: b\n\ndata: c\n\n"
-    assert up.starts == 1 and late.notes["coalesced"] and late.headers == SSE
+    assert up.starts == 1 and late.coalesced and late.headers == SSE
     assert up.closed == 1
 
 

@@ -534,9 +534,10 @@ def test_a_policy_without_resilience_settings_adds_no_stage():
 async def test_a_slot_freed_while_a_cancelled_waiter_has_not_resumed_goes_to_the_next():
     """Regression: a client leaves (its task is cancelled) and, before that task runs again,
     a call finishes; the slot must pass to the next waiter, not fail the release."""
-    from gateway.resilience.admission import Admission, AdmissionConfig, QueueConfig
+    from gateway.policy.model import Queue
+    from gateway.resilience.admission import Admission, AdmissionConfig
 
-    admission = Admission("main", AdmissionConfig(1, QueueConfig(capacity=5)))
+    admission = Admission("main", AdmissionConfig(1, Queue(capacity=5)))
     ticket = await admission.acquire()
     leaving = asyncio.create_task(admission.acquire())
     staying = asyncio.create_task(admission.acquire())

@@ -99,17 +99,17 @@ class ItemCache:
         positions = missing(cached)
         if not positions:
             rules.count(HIT, EXACT)
-            call.notes["log_cache"] = f"{HIT}:{EXACT}"
+            call.record.cache = f"{HIT}:{EXACT}"
             return self._items_hit(call, cached)
         result = BYPASS if no_cache else MISS
         rules.count(result, NONE)
-        call.notes["log_cache"] = result
+        call.record.cache = result
         headers = ((CACHE_HEADER, result), (ITEMS_HEADER, f"{total - len(positions)}/{total}"))
         store = not no_store
         if len(positions) == total:
             reply = (await call_next(call)).with_headers(headers)
             if store and self._mergeable(call, reply):
-                await self._store_items_later(rules, call, scope, plan, positions, reply)
+                reply = await self._store_items_later(rules, call, scope, plan, positions, reply)
             return reply
         sub = items_body(call.json or {}, plan, positions)
         sub_call = dataclasses.replace(
@@ -171,9 +171,9 @@ class ItemCache:
         plan: ItemPlan,
         positions: tuple[int, ...],
         reply: Reply,
-    ) -> None:
+    ) -> Reply:
         """Store every item of a whole upstream answer: now for a body, once streamed
-        otherwise."""
+        otherwise (the reply returned then tees its stream)."""
 
         async def put(_: tuple[str, ...] | None, body: bytes | None) -> None:
             try:
@@ -186,7 +186,8 @@ class ItemCache:
         if reply.body is not None:
             await put(None, reply.body)
         elif reply.stream is not None:
-            reply.stream = Tee(reply.stream, events=False, on_complete=put)
+            return reply.replace(stream=Tee(reply.stream, events=False, on_complete=put))
+        return reply
 
     async def _put_items(
         self,

@@ -206,9 +206,8 @@ class CacheStage:
                     return reply
             rules.count(MISS, NONE)
             result = MISS
-        call.notes["log_cache"] = result
-        reply = await call_next(call)
-        reply.with_headers(((CACHE_HEADER, result),))
+        call.record.cache = result
+        reply = (await call_next(call)).with_headers(((CACHE_HEADER, result),))
         if no_store or reply.status != 200 or content_encoded(reply.headers):
             return reply
         return await self._store(rules, call, scope, key, reply)
@@ -216,7 +215,7 @@ class CacheStage:
     # -- whole answers ------------------------------------------------------------------------
     async def _pass(self, rules: RouteRules, call: Call, call_next: Handler) -> Reply:
         rules.count(BYPASS, NONE)
-        call.notes["log_cache"] = BYPASS
+        call.record.cache = BYPASS
         reply = await call_next(call)
         return reply.with_headers(((CACHE_HEADER, BYPASS),))
 
@@ -296,7 +295,7 @@ class CacheStage:
             log.warning("route %s: cached answer %s not replayable: %s", rules.name, hit.key, exc)
             return None
         rules.count(HIT, hit.match)
-        call.notes["log_cache"] = f"{HIT}:{hit.match}"
+        call.record.cache = f"{HIT}:{hit.match}"
         headers = (
             (CACHE_HEADER, HIT),
             (MATCH_HEADER, hit.match),
@@ -335,7 +334,7 @@ class CacheStage:
             async for _ in tee:
                 pass
         elif reply.stream is not None:
-            reply.stream = Tee(reply.stream, events=events, on_complete=put)
+            return reply.replace(stream=Tee(reply.stream, events=events, on_complete=put))
         return reply
 
     async def _put(self, rules: RouteRules, key: RequestKey, entry: CachedResponse) -> None:

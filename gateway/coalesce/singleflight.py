@@ -121,7 +121,7 @@ class SingleFlight:
 
         ``start`` makes the call; it runs at most once per flight, in a task of its own.
         ``stream`` says whether this caller wants a stream (True) or a whole body.  The
-        returned reply's ``notes["coalesced"]`` says whether the caller joined a flight.
+        returned reply's ``coalesced`` says whether the caller joined a flight.
         A streamed reply must be closed (``reply.close``), as the edge always does.
         """
         flight = self._flights.get(key)
@@ -148,13 +148,11 @@ class SingleFlight:
                     stream=self._read(flight, reader),
                     backend=head.backend,
                     close=lambda: self._close(flight, reader),
-                    notes={"coalesced": joined},
+                    coalesced=joined,
                 )
             parts = [chunk async for chunk in self._read(flight, reader)]
             headers, body = self._assemble(head.status, head.headers, b"".join(parts))
-            return Reply(
-                head.status, headers, body=body, backend=head.backend, notes={"coalesced": joined}
-            )
+            return Reply(head.status, headers, body=body, backend=head.backend, coalesced=joined)
         except BaseException:
             self._leave(flight, reader)
             raise
@@ -274,6 +272,4 @@ class SingleFlight:
 
 
 def _copy(head: Reply, body: Any, joined: bool) -> Reply:
-    return Reply(
-        head.status, head.headers, body=body, backend=head.backend, notes={"coalesced": joined}
-    )
+    return Reply(head.status, head.headers, body=body, backend=head.backend, coalesced=joined)

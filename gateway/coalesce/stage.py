@@ -53,9 +53,7 @@ class CoalesceStage:
         if flights is None or key is None:
             return await call_next(call)
         reply = await flights.do(key, lambda: call_next(call), stream=call.streaming)
-        if reply.notes.get("coalesced"):
-            reply.with_headers(((COALESCED_HEADER, "1"),))
-        return reply
+        return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
 
     def __repr__(self) -> str:
         return f"<CoalesceStage routes={sorted(self._flights)}>"

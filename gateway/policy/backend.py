@@ -29,7 +29,7 @@ class WarmupRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class Telemetry:
+class TelemetrySource:
     """Where a backend's GPU and server signals come from."""
 
     source: Literal["none", "prometheus", "nvml"] = field(
@@ -191,8 +191,8 @@ class Backend:
         default=DEFAULT_WARMUP_TIMEOUT_S,
         metadata=doc("How long warm-up keeps retrying a backend that is still starting."),
     )
-    telemetry: Telemetry = field(
-        default_factory=Telemetry, metadata=doc("GPU / server telemetry for throttle rules.")
+    telemetry: TelemetrySource = field(
+        default_factory=TelemetrySource, metadata=doc("GPU / server telemetry for throttle rules.")
     )
     max_concurrency: int | None = field(
         default=None,

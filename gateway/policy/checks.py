@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from gateway.policy.model import Backend, Route, Server, ThrottleRule
+from gateway.policy.model import Backend, RetryBudget, Route, Server, ThrottleRule
 
 Found = list[tuple[str, str]]
 
@@ -34,6 +34,18 @@ def check_server(server: Server) -> Found:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             found.append((f"trusted_proxies[{i}]", f"{cidr!r} is not an IP address or CIDR"))
+    return found
+
+
+def check_retry_budget(budget: RetryBudget) -> Found:
+    """``retry_budget``: shares and rates not negative, a window that has a length."""
+    found: Found = []
+    if budget.ratio < 0:
+        found.append(("ratio", "must not be negative"))
+    if budget.min_retries_per_s < 0:
+        found.append(("min_retries_per_s", "must not be negative"))
+    if budget.window_s <= 0:
+        found.append(("window_s", "must be greater than 0"))
     return found
 
 
@@ -169,4 +181,8 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
         limit = route.rate_limit
         if limit.requests_per_s is None and limit.tokens_per_min is None:
             bad("rate_limit", "set requests_per_s and/or tokens_per_min")
+        for key in ("requests_per_s", "tokens_per_min", "burst"):
+            value = getattr(limit, key)
+            if value is not None and value <= 0:
+                bad(f"rate_limit.{key}", "must be greater than 0")
     return found

@@ -20,6 +20,7 @@ import yaml
 from gateway.errors import PolicyError, Problem
 from gateway.policy.checks import (
     check_backend,
+    check_retry_budget,
     check_route,
     check_server,
     check_throttle,
@@ -191,6 +192,9 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
     server_part = next((p for p in parts if "server" in p.keys), None)
     if server_part is not None:
         _report(check_server(singles["server"]), server_part, "server", problems)
+    budget_part = next((p for p in parts if "retry_budget" in p.keys), None)
+    if budget_part is not None:
+        _report(check_retry_budget(singles["retry_budget"]), budget_part, "retry_budget", problems)
     return Policy(
         backends=tuple(backends.values()),
         routes=tuple(named),

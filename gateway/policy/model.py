@@ -11,7 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gateway.policy.backend import Backend, CircuitBreaker, Queue, Telemetry, WarmupRequest
+from gateway.policy.backend import (
+    Backend,
+    CircuitBreaker,
+    Queue,
+    TelemetrySource,
+    WarmupRequest,
+)
 from gateway.policy.metadata import doc
 from gateway.policy.route import (
     Adaptive,
@@ -44,7 +50,7 @@ __all__ = [
     "RouteCache",
     "Semantic",
     "Server",
-    "Telemetry",
+    "TelemetrySource",
     "ThrottleLimit",
     "ThrottleRule",
     "WarmupRequest",

@@ -25,13 +25,12 @@ import enum
 import math
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import Overloaded
+from gateway.policy.backend import Queue
 
-DEFAULT_QUEUE_CAPACITY = 50
-DEFAULT_QUEUE_TIMEOUT_MS = 5000
 DEFAULT_SERVICE_S = 1.0
 """Assumed time a call holds its slot before any has finished (for Retry-After)."""
 SERVICE_EWMA_WEIGHT = 0.2
@@ -56,23 +55,11 @@ class Priority(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class QueueConfig:
-    """``backends.<name>.queue``: how many may wait, and for how long."""
-
-    capacity: int = DEFAULT_QUEUE_CAPACITY
-    timeout_ms: int = DEFAULT_QUEUE_TIMEOUT_MS
-
-    def __post_init__(self) -> None:
-        if self.capacity < 0 or self.timeout_ms <= 0:
-            raise ValueError("queue capacity must be >= 0 and timeout_ms positive")
-
-
-@dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     """``backends.<name>.max_concurrency`` and ``.queue``."""
 
     max_concurrency: int
-    queue: QueueConfig = QueueConfig()
+    queue: Queue = field(default_factory=Queue)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:

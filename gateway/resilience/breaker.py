@@ -32,45 +32,17 @@ from typing import Literal
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import CircuitOpen, UpstreamError
+from gateway.policy.backend import CircuitBreaker
 from gateway.resilience.rolling import RollingCounts
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FAILURE_RATE = 0.5
-DEFAULT_MIN_CALLS = 20
-DEFAULT_WINDOW_S = 30.0
-DEFAULT_OPEN_S = 30.0
-DEFAULT_HALF_OPEN_CALLS = 3
-DEFAULT_CONSECUTIVE_FAILURES = 5
 HALF_OPEN_BUSY_RETRY_S = 1.0
 """Retry-After for a call refused because every half-open probe slot is taken."""
 
 State = Literal["closed", "open", "half_open"]
 STATE_VALUES: dict[State, int] = {"closed": 0, "open": 1, "half_open": 2}
 """The ``gateway_breaker_state`` gauge's encoding."""
-
-
-@dataclass(frozen=True, slots=True)
-class BreakerConfig:
-    """``backends.<name>.circuit_breaker`` in a policy."""
-
-    failure_rate: float = DEFAULT_FAILURE_RATE
-    min_calls: int = DEFAULT_MIN_CALLS
-    window_s: float = DEFAULT_WINDOW_S
-    open_s: float = DEFAULT_OPEN_S
-    half_open_calls: int = DEFAULT_HALF_OPEN_CALLS
-    consecutive_failures: int = DEFAULT_CONSECUTIVE_FAILURES
-    """Failures in a row that open it; 0 turns the count off."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.failure_rate <= 1:
-            raise ValueError("failure_rate must be in (0, 1]")
-        if self.consecutive_failures < 0:
-            raise ValueError("consecutive_failures must not be negative")
-        if self.min_calls < 1 or self.half_open_calls < 1:
-            raise ValueError("min_calls and half_open_calls must be at least 1")
-        if self.window_s <= 0 or self.open_s <= 0:
-            raise ValueError("window_s and open_s must be positive")
 
 
 class Outcome(enum.Enum):
@@ -136,13 +108,13 @@ class Breaker:
     def __init__(
         self,
         backend: str,
-        config: BreakerConfig = BreakerConfig(),
+        config: CircuitBreaker | None = None,
         *,
         clock: Clock = SYSTEM_CLOCK,
         on_transition: Callable[[BreakerTransition], None] | None = None,
     ) -> None:
         self.backend = backend
-        self.config = config
+        self.config = config = config or CircuitBreaker()
         self.on_transition = on_transition
         self.transitions: Counter[tuple[State, State]] = Counter()
         self._clock = clock
@@ -154,7 +126,7 @@ class Breaker:
         self._in_a_row = 0
         self._window = RollingCounts(("success", "failure"), config.window_s, clock)
 
-    def configure(self, config: BreakerConfig) -> None:
+    def configure(self, config: CircuitBreaker) -> None:
         """Apply a reloaded config, keeping the current state (and, if the window is the same
         length, the counts)."""
         if config.window_s != self.config.window_s:

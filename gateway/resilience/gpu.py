@@ -20,31 +20,21 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
 from gateway.clock import Clock
 from gateway.metrics import Metrics
-from gateway.policy.model import Policy
-from gateway.resilience.throttle import (
-    Decision,
-    Throttle,
-    ThrottleLimit,
-    ThrottleRule,
-    ThrottleTransition,
-)
+from gateway.policy.model import Policy, TelemetrySource
+from gateway.resilience.throttle import Decision, Throttle, ThrottleTransition
 from gateway.state import Kind, Registry
 from gateway.telemetry import (
     Telemetry,
-    TelemetryConfig,
     TelemetryPoller,
     make_source,
     telemetry_for,
 )
-
-if TYPE_CHECKING:
-    from gateway.policy import model
 
 log = logging.getLogger("gateway.resilience.throttle")
 
@@ -79,42 +69,6 @@ class ThrottleTarget(Protocol):
     def apply(self, decision: Decision) -> None: ...
 
 
-def telemetry_config(t: model.Telemetry) -> TelemetryConfig:
-    """The library's config for a backend's ``telemetry`` policy section."""
-    return TelemetryConfig(
-        source=t.source,
-        url=t.url,
-        extra_urls=t.extra_urls,
-        index=t.index,
-        gpu=t.gpu,
-        gpu_instance=t.gpu_instance,
-        select=t.select,
-        interval_ms=t.interval_ms,
-        fail_closed=t.fail_closed,
-    )
-
-
-def throttle_rules(policy: Policy) -> list[ThrottleRule]:
-    """The policy's ``throttle`` entries as the throttle library's rules."""
-    rules = []
-    for r in policy.throttle:
-        limit = None
-        if r.limit is not None:
-            limit = ThrottleLimit(r.limit.max_concurrency, r.limit.rps, r.limit.batch_max_size)
-        rules.append(
-            ThrottleRule(
-                name=r.name,
-                backend=r.backend,
-                signal=r.when.signal,
-                above=r.when.above,
-                clear_below=r.when.clear_below,
-                action=r.action,
-                limit=limit,
-            )
-        )
-    return rules
-
-
 class TelemetryHttp:
     """The one aiohttp session the prometheus sources share, opened on first use."""
 
@@ -146,7 +100,7 @@ class BackendTelemetry:
     def __init__(
         self,
         backend: str,
-        config: TelemetryConfig,
+        config: TelemetrySource,
         *,
         http: TelemetryHttp | None,
         clock: Clock,
@@ -211,7 +165,7 @@ class GpuControl:
         self.telemetry.clear()
         self.telemetry.update(telemetry)
         self.targets = targets
-        self.throttle.set_rules(throttle_rules(policy))
+        self.throttle.set_rules(policy.throttle)
         m = self._metrics
         for backend in gone:
             for gauge in (*(getattr(m, g) for g in GAUGE_OF_SIGNAL.values()), m.telemetry_age):
@@ -255,7 +209,7 @@ class GpuControl:
         for rule in self.throttle.rules:
             if rule.backend != telemetry.backend:
                 continue
-            seen = rule.signal in telemetry.seen
+            seen = rule.when.signal in telemetry.seen
             self._metrics.throttle_signal_seen.labels(rule.name, rule.backend).set(int(seen))
             if not seen and (rule.name, rule.backend) not in self._warned:
                 self._warned.add((rule.name, rule.backend))
@@ -264,9 +218,9 @@ class GpuControl:
                     "reported in %d samples: the rule cannot fire%s",
                     rule.name,
                     rule.backend,
-                    rule.signal,
+                    rule.when.signal,
                     telemetry.samples,
-                    _HINTS.get(rule.signal, ""),
+                    _HINTS.get(rule.when.signal, ""),
                 )
 
     def signal_status(self) -> list[dict[str, str]]:
@@ -275,7 +229,7 @@ class GpuControl:
         out = []
         for rule in self.throttle.rules:
             telemetry = self.telemetry.get(rule.backend)
-            if telemetry is not None and rule.signal in telemetry.seen:
+            if telemetry is not None and rule.when.signal in telemetry.seen:
                 status = "seen"
             elif telemetry is not None and telemetry.samples >= UNSEEN_AFTER_SAMPLES:
                 status = "unknown"
@@ -285,7 +239,7 @@ class GpuControl:
                 {
                     "rule": rule.name,
                     "backend": rule.backend,
-                    "signal": rule.signal,
+                    "signal": rule.when.signal,
                     "status": status,
                 }
             )
@@ -314,7 +268,7 @@ def wire_gpu(
     for backend in policy.backends:
         if backend.telemetry.source == "none":
             continue
-        config = telemetry_config(backend.telemetry)
+        config = backend.telemetry
         if config.source == "prometheus" and http is None:
             http = registry.get(TELEMETRY_HTTP, "", None, TelemetryHttp)
         item = registry.get(
@@ -330,7 +284,7 @@ def wire_gpu(
 
 def _factory(
     backend: str,
-    config: TelemetryConfig,
+    config: TelemetrySource,
     http: TelemetryHttp | None,
     clock: Clock,
     on_sample: Callable[[Telemetry], None],

@@ -16,17 +16,17 @@ from gateway.clock import Clock
 from gateway.errors import Overloaded
 from gateway.metrics import Metrics
 from gateway.policy.model import Backend
-from gateway.resilience.admission import Admission, AdmissionConfig, Priority, QueueConfig, Ticket
+from gateway.policy.throttle import ThrottleLimit
+from gateway.resilience.admission import Admission, AdmissionConfig, Priority, Ticket
 from gateway.resilience.breaker import (
     STATE_VALUES,
     Breaker,
-    BreakerConfig,
     BreakerTransition,
     Outcome,
     Permit,
 )
 from gateway.resilience.rate_limit import TokenBucket
-from gateway.resilience.throttle import Decision, ThrottleLimit
+from gateway.resilience.throttle import Decision
 
 UNLIMITED_CONCURRENCY = 1 << 30
 """The base concurrency of a backend without ``max_concurrency`` that a ``limit`` rule caps."""
@@ -74,8 +74,7 @@ class BackendGuard:
         """Apply a (re)loaded backend definition; state in flight is kept."""
         if backend.max_concurrency is not None or needs_admission:
             config = AdmissionConfig(
-                backend.max_concurrency or UNLIMITED_CONCURRENCY,
-                QueueConfig(backend.queue.capacity, backend.queue.timeout_ms),
+                backend.max_concurrency or UNLIMITED_CONCURRENCY, backend.queue
             )
             if self.admission is None:
                 self.admission = Admission(
@@ -99,21 +98,13 @@ class BackendGuard:
         if cb is None:
             self.breaker = None
         else:
-            config_b = BreakerConfig(
-                cb.failure_rate,
-                cb.min_calls,
-                cb.window_s,
-                cb.open_s,
-                cb.half_open_calls,
-                cb.consecutive_failures,
-            )
             if self.breaker is None:
                 self.breaker = Breaker(
-                    self.backend, config_b, clock=self._clock, on_transition=self._breaker_moved
+                    self.backend, cb, clock=self._clock, on_transition=self._breaker_moved
                 )
                 self._metrics.breaker_state.labels(self.backend).set(STATE_VALUES["closed"])
             else:
-                self.breaker.configure(config_b)
+                self.breaker.configure(cb)
 
     # -- throttle ------------------------------------------------------------------------
     def apply(self, decision: Decision) -> None:

@@ -10,30 +10,13 @@ token bucket may go into debt, which later requests wait out.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import RateLimited
+from gateway.policy.route import RateLimit
 
 DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""
-
-
-@dataclass(frozen=True, slots=True)
-class RateLimit:
-    """A route's ``rate_limit``; the request burst defaults to one second's worth."""
-
-    requests_per_s: float | None = None
-    tokens_per_min: float | None = None
-    burst: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.requests_per_s is None and self.tokens_per_min is None:
-            raise ValueError("a rate limit needs requests_per_s or tokens_per_min")
-        for name in ("requests_per_s", "tokens_per_min", "burst"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"rate_limit.{name} must be positive")
 
 
 class TokenBucket:

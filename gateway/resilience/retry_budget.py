@@ -9,34 +9,16 @@ breaker, a throttle reroute) are not retries and do not spend it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.policy.model import RetryBudget
 from gateway.resilience.rolling import RollingCounts
 
-DEFAULT_RETRY_RATIO = 0.2
-DEFAULT_MIN_RETRIES_PER_S = 3.0
-DEFAULT_BUDGET_WINDOW_S = 10.0
 
-
-@dataclass(frozen=True, slots=True)
-class RetryBudgetConfig:
-    ratio: float = DEFAULT_RETRY_RATIO
-    min_retries_per_s: float = DEFAULT_MIN_RETRIES_PER_S
-    window_s: float = DEFAULT_BUDGET_WINDOW_S
-
-    def __post_init__(self) -> None:
-        if self.ratio < 0 or self.min_retries_per_s < 0 or self.window_s <= 0:
-            raise ValueError("ratio and min_retries_per_s must be >= 0, window_s positive")
-
-
-class RetryBudget:
+class RetryAllowance:
     """Counts requests and retries; ``try_spend`` says whether one more retry fits."""
 
-    def __init__(
-        self, config: RetryBudgetConfig = RetryBudgetConfig(), *, clock: Clock = SYSTEM_CLOCK
-    ) -> None:
-        self.config = config
+    def __init__(self, config: RetryBudget | None = None, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config = config or RetryBudget()
         self.denied = 0
         self._counts = RollingCounts(("requests", "retries"), config.window_s, clock)
 
@@ -63,6 +45,6 @@ class RetryBudget:
         requests = self._counts.total("requests")
         retries = self._counts.total("retries")
         return (
-            f"<RetryBudget requests={requests} retries={retries} "
+            f"<RetryAllowance requests={requests} retries={retries} "
             f"available={self.available:.0f} denied={self.denied}>"
         )

@@ -50,8 +50,8 @@ from gateway.resilience.breaker import Outcome
 from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
-from gateway.resilience.rate_limit import RateLimit, RateLimiter
-from gateway.resilience.retry_budget import RetryBudget, RetryBudgetConfig
+from gateway.resilience.rate_limit import RateLimiter
+from gateway.resilience.retry_budget import RetryAllowance
 from gateway.state import Kind
 from gateway.tenant import rate_key
 
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 GUARDS: Kind[BackendGuard] = Kind("guard")
 RATE_LIMITERS: Kind[RateLimiter] = Kind("rate_limit")
-RETRY_BUDGET: Kind[RetryBudget] = Kind("retry_budget")
+RETRY_BUDGET: Kind[RetryAllowance] = Kind("retry_budget")
 FALLBACK_HEADER = "X-Gateway-Fallback"
 PRIORITY_HEADER = "X-Priority"
 FALLBACK_REASONS = (
@@ -69,7 +69,7 @@ FALLBACK_REASONS = (
     "timeout",  # connect, total or idle timeout before the answer's head
     "unavailable",  # refused, reset or closed connection
     "low_confidence",  # the answer's mean token logprob was below the route's threshold
-    "breaker_open",  # the backend's circuit breaker is open (or busy probing)
+    "circuit_open",  # the backend's circuit breaker is open (or busy probing)
     "throttle",  # a throttle rule rerouted or shed the call
     "queue_full",  # the backend's admission queue was full
     "queue_timeout",  # the call waited in the queue past its timeout
@@ -99,7 +99,7 @@ class Resilience:
         *,
         guards: Mapping[str, BackendGuard],
         control: GpuControl,
-        budget: RetryBudget,
+        budget: RetryAllowance,
         limiters: Mapping[str, RateLimiter],
         metrics: Metrics,
     ) -> None:
@@ -176,7 +176,7 @@ class Resilience:
             try:
                 passed = await guard.enter(priority)
             except CircuitOpen as exc:
-                return Moved("breaker_open", exc)
+                return Moved("circuit_open", exc)
             except Overloaded as exc:
                 return Moved(exc.reason, exc)
             if guard.decision.action == "reroute" and more:
@@ -198,7 +198,7 @@ class Resilience:
                 passed.release()
             raise
         if passed is not None:
-            _account(call, reply, passed)
+            reply = _account(call, reply, passed)
         if reply.status >= 500:
             return Moved("upstream_5xx", reply)
         if reply.status == 429:
@@ -239,14 +239,16 @@ def _judge(reply: Reply, quality: Quality, strip: bool) -> Reply | Moved:
     answer = parse(reply)
     mean = mean_logprob(answer)
     if strip and answer is not None:
-        reply.body = strip_logprobs(answer)
+        reply = reply.replace(body=strip_logprobs(answer))
     if mean is not None and mean < quality.min_mean_logprob:
         return Moved("low_confidence", reply)
     return reply
 
 
-def _account(call: Call, reply: Reply, passed: Pass) -> None:
-    """Record how the call went for the breaker, and give the slot back when it is done.
+def _account(call: Call, reply: Reply, passed: Pass) -> Reply:
+    """Record how the call went for the breaker, and give the slot back when it is done
+    (a stream's reply is returned with its stream judged and its close giving the slot
+    back).
 
     A failure at the head counts at once.  A whole body is done now: an OpenAI answer that
     is not even shaped like a JSON object counts as the failure it is.  A stream is judged
@@ -259,11 +261,12 @@ def _account(call: Call, reply: Reply, passed: Pass) -> None:
             at_head = Outcome.FAILURE
         passed.record(at_head)
         passed.release()
-        return
+        return reply
+    stream = reply.stream
     if at_head is not Outcome.SUCCESS:
         passed.record(at_head)
     else:
-        reply.stream = _judged_stream(reply.stream, passed)
+        stream = _judged_stream(stream, passed)
     inner = reply.close
 
     async def close() -> None:
@@ -273,7 +276,7 @@ def _account(call: Call, reply: Reply, passed: Pass) -> None:
         finally:
             passed.release()
 
-    reply.close = close
+    return reply.replace(stream=stream, close=close)
 
 
 async def _judged_stream(stream: AsyncIterator[bytes], passed: Pass) -> AsyncIterator[bytes]:
@@ -292,9 +295,9 @@ def _json_shaped(body: bytes) -> bool:
 
 
 async def _close(reply: Reply) -> None:
+    """Release a reply that is not the answer (the next candidate is tried instead)."""
     if reply.close is not None:
-        close, reply.close = reply.close, None
-        await close()
+        await reply.close()
 
 
 def priority_of(call: Call) -> Priority:
@@ -347,8 +350,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     limiters: dict[str, RateLimiter] = {}
     for route in policy.routes:
         if route.rate_limit is not None:
-            r = route.rate_limit
-            limit = RateLimit(r.requests_per_s, r.tokens_per_min, r.burst)
+            limit = route.rate_limit
             limiters[route.name] = registry.get(
                 RATE_LIMITERS,
                 route.name,
@@ -357,13 +359,9 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
             )
     if not (guards or limiters or any(r.fallback for r in policy.routes)):
         return []
-    rb = policy.retry_budget
-    budget_config = RetryBudgetConfig(rb.ratio, rb.min_retries_per_s, rb.window_s)
+    settings = policy.retry_budget
     budget = registry.get(
-        RETRY_BUDGET,
-        "",
-        budget_config,
-        functools.partial(RetryBudget, budget_config, clock=clock),
+        RETRY_BUDGET, "", settings, functools.partial(RetryAllowance, settings, clock=clock)
     )
     stage = Resilience(
         guards=guards, control=control, budget=budget, limiters=limiters, metrics=metrics

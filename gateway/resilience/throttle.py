@@ -3,7 +3,7 @@
 A rule fires when its signal rises above ``above`` and clears only when it falls below
 ``clear_below``; between the two it keeps its state, so a temperature hovering at the limit
 does not flap.  An unknown signal (no sample yet, stale, unreadable) neither fires nor clears
-a rule, unless the rule or its backend fails closed, in which case unknown fires.  Several
+a rule, unless its backend's telemetry fails closed, in which case unknown fires.  Several
 rules may hold at once; the strictest action wins: shed > reroute > limit, and among limits
 the smallest of each limit.
 
@@ -20,41 +20,23 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.telemetry.signals import SIGNALS, Signal, Telemetry
+from gateway.policy.throttle import ThrottleLimit, ThrottleRule
+from gateway.telemetry.signals import Telemetry
 
 log = logging.getLogger(__name__)
 
-Action = Literal["reroute", "shed", "limit"]
-ACTIONS: tuple[Action, ...] = ("reroute", "shed", "limit")
-DEFAULT_ACTION: Action = "reroute"
 STRICTNESS: dict[str, int] = {"none": 0, "limit": 1, "reroute": 2, "shed": 3}
 
 T = TypeVar("T", int, float)
 
 
-@dataclass(frozen=True, slots=True)
-class ThrottleLimit:
-    """What a ``limit`` rule caps; unset fields are not capped."""
-
-    max_concurrency: int | None = None
-    rps: float | None = None
-    batch_max_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_concurrency is None and self.rps is None and self.batch_max_size is None:
-            raise ValueError("a throttle limit needs max_concurrency, rps or batch_max_size")
-        for name in ("max_concurrency", "rps", "batch_max_size"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"limit.{name} must be positive")
-
-    def tightest(self, other: ThrottleLimit) -> ThrottleLimit:
-        """Each field the smaller of the two (an unset field loses to a set one)."""
-        return ThrottleLimit(
-            max_concurrency=_min(self.max_concurrency, other.max_concurrency),
-            rps=_min(self.rps, other.rps),
-            batch_max_size=_min(self.batch_max_size, other.batch_max_size),
-        )
+def tightest(a: ThrottleLimit, b: ThrottleLimit) -> ThrottleLimit:
+    """Each field the smaller of the two (an unset field loses to a set one)."""
+    return ThrottleLimit(
+        max_concurrency=_min(a.max_concurrency, b.max_concurrency),
+        rps=_min(a.rps, b.rps),
+        batch_max_size=_min(a.batch_max_size, b.batch_max_size),
+    )
 
 
 def _min(a: T | None, b: T | None) -> T | None:
@@ -65,32 +47,9 @@ def _min(a: T | None, b: T | None) -> T | None:
     return min(a, b)
 
 
-@dataclass(frozen=True, slots=True)
-class ThrottleRule:
-    """One ``throttle:`` entry.  ``fail_closed`` None means: as the backend's telemetry says."""
-
-    name: str
-    backend: str
-    signal: Signal
-    above: float
-    clear_below: float
-    action: Action = DEFAULT_ACTION
-    limit: ThrottleLimit | None = None
-    fail_closed: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.signal not in SIGNALS:
-            raise ValueError(f"unknown signal {self.signal!r}; known: {', '.join(SIGNALS)}")
-        if self.clear_below > self.above:
-            raise ValueError("clear_below must not be greater than above")
-        if self.action not in ACTIONS:
-            raise ValueError(f"unknown action {self.action!r}; known: {', '.join(ACTIONS)}")
-        if (self.action == "limit") != (self.limit is not None):
-            raise ValueError("a limit is required with action 'limit' and only there")
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.name, self.backend)
+def rule_key(rule: ThrottleRule) -> tuple[str, str]:
+    """A rule's identity across reloads: its name and backend."""
+    return (rule.name, rule.backend)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +113,7 @@ class Throttle:
     def set_rules(self, rules: Iterable[ThrottleRule]) -> None:
         """Swap in a reloaded rule set; a rule of the same name and backend keeps its state."""
         rules = tuple(rules)
-        keys = [r.key for r in rules]
+        keys = [rule_key(r) for r in rules]
         if len(set(keys)) != len(keys):
             raise ValueError("two throttle rules share a name on the same backend")
         for key in set(self._active) - set(keys):
@@ -163,7 +122,7 @@ class Throttle:
         by_backend: dict[str, list[ThrottleRule]] = {}
         for rule in rules:
             by_backend.setdefault(rule.backend, []).append(rule)
-            self._active.setdefault(rule.key, False)
+            self._active.setdefault(rule_key(rule), False)
         self._by_backend = {b: tuple(rs) for b, rs in by_backend.items()}
         self._cache.clear()
 
@@ -190,25 +149,26 @@ class Throttle:
 
     def _evaluate(self, rules: tuple[ThrottleRule, ...], telemetry: Telemetry | None) -> Decision:
         sample = None if telemetry is None else telemetry.current()
-        default_closed = telemetry.fail_closed if telemetry is not None else False
+        fail_closed = telemetry.fail_closed if telemetry is not None else False
         strictest: ThrottleRule | None = None
         active: list[str] = []
         limit: ThrottleLimit | None = None
         for rule in rules:
-            value = None if sample is None else sample.value(rule.signal)
-            was = self._active[rule.key]
+            when = rule.when
+            value = None if sample is None else sample.value(when.signal)
+            was = self._active[rule_key(rule)]
             if value is None:
-                now = was or (rule.fail_closed if rule.fail_closed is not None else default_closed)
+                now = was or fail_closed
             else:
-                now = value >= rule.clear_below if was else value > rule.above
+                now = value >= when.clear_below if was else value > when.above
             if now != was:
-                self._active[rule.key] = now
+                self._active[rule_key(rule)] = now
                 self._emit(ThrottleTransition(rule.name, rule.backend, now, value, self._now()))
             if not now:
                 continue
             active.append(rule.name)
             if rule.limit is not None:
-                limit = rule.limit if limit is None else limit.tightest(rule.limit)
+                limit = rule.limit if limit is None else tightest(limit, rule.limit)
             if strictest is None or STRICTNESS[rule.action] > STRICTNESS[strictest.action]:
                 strictest = rule
         if strictest is None:

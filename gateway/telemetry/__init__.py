@@ -7,8 +7,8 @@
 from gateway.telemetry.nvml import NvmlSource
 from gateway.telemetry.poller import (
     Source,
-    TelemetryConfig,
     TelemetryPoller,
+    TelemetrySettings,
     make_source,
     telemetry_for,
 )
@@ -31,8 +31,8 @@ __all__ = [
     "Signal",
     "Source",
     "Telemetry",
-    "TelemetryConfig",
     "TelemetryPoller",
+    "TelemetrySettings",
     "make_source",
     "parse_exposition",
     "read_series",

@@ -1,4 +1,4 @@
-"""Per-backend telemetry polling: the config, the source it names, and the polling task.
+"""Per-backend telemetry polling: the settings, the source they name, and the polling task.
 
 One ``TelemetryPoller`` per backend reads its source every ``interval_ms`` and hands each
 sample to the backend's ``Telemetry``.  It never dies of a failed read: it counts the error and
@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import aiohttp
@@ -23,39 +22,40 @@ from gateway.telemetry.signals import Sample, Telemetry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_MS = 1000
-MIN_INTERVAL_MS = 50
 
 SourceKind = Literal["prometheus", "nvml", "none"]
 
 
-@dataclass(frozen=True, slots=True)
-class TelemetryConfig:
-    """Where a backend's telemetry comes from (``backends.<name>.telemetry`` in a policy).
+class TelemetrySettings(Protocol):
+    """Where a backend's telemetry comes from: a policy's ``backends.<name>.telemetry``
+    (``gateway.policy.model.TelemetrySource``, whose checks hold: a prometheus source has a
+    url, ``interval_ms`` is at least 50).
 
     ``url`` is scraped for ``prometheus`` (``extra_urls`` too: a DCGM exporter and the model
     server's own ``/metrics`` side by side); ``index`` picks the GPU for ``nvml``; ``gpu``
-    picks one GPU's series from a multi-GPU exporter by its ``gpu`` or ``UUID`` label.
-    ``fail_closed`` makes rules treat unknown signals as firing.
+    picks one GPU's series from a multi-GPU exporter by its ``gpu`` or ``UUID`` label, and
+    ``gpu_instance`` one MIG instance; ``select`` are label matchers every GPU series must
+    meet.  ``fail_closed`` makes rules treat unknown signals as firing.
     """
 
-    source: SourceKind = "none"
-    url: str = ""
-    extra_urls: tuple[str, ...] = ()
-    index: int = 0
-    gpu: str | None = None
-    gpu_instance: str | None = None
-    select: tuple[tuple[str, str], ...] = ()
-    interval_ms: int = DEFAULT_INTERVAL_MS
-    fail_closed: bool = False
-
-    def __post_init__(self) -> None:
-        if self.source not in ("prometheus", "nvml", "none"):
-            raise ValueError(f"unknown telemetry source {self.source!r}")
-        if self.source == "prometheus" and not self.url:
-            raise ValueError("the prometheus telemetry source needs a url")
-        if self.interval_ms < MIN_INTERVAL_MS:
-            raise ValueError(f"interval_ms must be at least {MIN_INTERVAL_MS}")
+    @property
+    def source(self) -> SourceKind: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def extra_urls(self) -> tuple[str, ...]: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def gpu(self) -> str | None: ...
+    @property
+    def gpu_instance(self) -> str | None: ...
+    @property
+    def select(self) -> tuple[tuple[str, str], ...]: ...
+    @property
+    def interval_ms(self) -> int: ...
+    @property
+    def fail_closed(self) -> bool: ...
 
 
 class Source(Protocol):
@@ -67,7 +67,7 @@ class Source(Protocol):
 
 
 def make_source(
-    config: TelemetryConfig,
+    config: TelemetrySettings,
     *,
     session: aiohttp.ClientSession | None = None,
     nvml: Any = None,
@@ -91,7 +91,9 @@ def make_source(
     return None
 
 
-def telemetry_for(backend: str, config: TelemetryConfig, clock: Clock = SYSTEM_CLOCK) -> Telemetry:
+def telemetry_for(
+    backend: str, config: TelemetrySettings, clock: Clock = SYSTEM_CLOCK
+) -> Telemetry:
     """The ``Telemetry`` holder ``config`` implies for ``backend``."""
     return Telemetry(backend, config.interval_ms, fail_closed=config.fail_closed, clock=clock)
 

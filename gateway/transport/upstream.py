@@ -28,7 +28,7 @@ from gateway.policy.model import Backend, Policy
 from gateway.routing import INFERENCE_PATH
 from gateway.transport.connection import Connection, StaleConnection
 from gateway.transport.connection import Head as ResponseHead
-from gateway.transport.headers import RESPONSE_OWNED, media_type, strip
+from gateway.transport.headers import RESPONSE_OWNED, SSE_TYPE, media_type, strip
 from gateway.transport.pool import HostPool
 
 # Answers up to this size that nobody reads piece by piece are read whole (by length,
@@ -187,7 +187,7 @@ class BackendPool:
             stream=_chunks(conn, prefix),
             backend=self.name,
             close=close,
-            notes={"content_length": length},
+            content_length=length,
         )
 
     async def _exchange(
@@ -300,7 +300,7 @@ async def _chunks(conn: Connection, prefix: list[bytes]) -> AsyncIterator[bytes]
 
 
 STREAMING_TYPES = (
-    "text/event-stream",
+    SSE_TYPE,
     "application/x-ndjson",
     "application/ndjson",
     "application/jsonl",
