@@ -70,6 +70,7 @@ class Gateway:
         self._seen_fingerprint = ""
         self._runners: list[web.BaseRunner] = []
         self._server: HttpServer | None = None
+        self._live = False
         self._tasks: list[asyncio.Task[None]] = []
         self._generation = 0
         loaded = source.load()  # an invalid first policy is fatal: raise to the caller
@@ -91,8 +92,8 @@ class Gateway:
         built = stages.build(policy, runtime, embedding_tiers=self._embedding_tiers)
         handler = compose(built, Forward(self.transport))
         self.registry.end()
-        if self._server is not None:  # a reload while running: start the pollers it added
-            self.registry.start()
+        if self._live:  # a reload while running: start the pollers it added
+            self.begin()
         self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
         trusted = TrustedProxies(policy.server.trusted_proxies)
         return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler, trusted)
@@ -191,6 +192,13 @@ class Gateway:
         else:
             self.warm = True
         return data_url, admin_url
+
+    def begin(self) -> None:
+        """On the running loop: start what runs in the background (telemetry pollers, the
+        cache sweep); from now on a reload starts what it adds.  ``start`` calls it; a
+        gateway without listeners (``harness.Pipeline``) calls it itself."""
+        self._live = True
+        self.registry.start()
 
     def _limits(self) -> Server:
         return self.snapshot.policy.server

@@ -1,15 +1,19 @@
-"""Fixtures shared by the whole suite: real listeners on ephemeral ports."""
+"""Fixtures shared by the whole suite: real listeners on ephemeral ports, and gateways
+without sockets (``pipeline``) for the stage tests."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from aiohttp import web
 
 from gateway.app import Gateway
+from gateway.harness import Pipeline
 from gateway.policy.load import zero_config_policy
 from gateway.policy.watch import PolicySource
 from tests.upstreams import Answer, RawBackend, RawExchange
@@ -94,3 +98,25 @@ async def raw_backend() -> AsyncIterator[Callable[..., Awaitable[tuple[str, RawB
     yield start
     for backend in started:
         await backend.close()
+
+
+StartPipeline = Callable[..., Awaitable[Pipeline]]
+
+
+@pytest.fixture
+async def pipeline() -> AsyncIterator[StartPipeline]:
+    """Gateways without sockets: ``gw = await pipeline(policy, backends, **options)``, the
+    policy as YAML text, data, a path or a ``PolicySource`` (``gateway.harness.Pipeline``)."""
+    opened: list[Pipeline] = []
+
+    async def start(policy: Any, backends: Any, **options: Any) -> Pipeline:
+        if isinstance(policy, dict):
+            policy = yaml.safe_dump(policy, sort_keys=False)
+        gw = Pipeline(policy, backends, **options)
+        await gw.__aenter__()
+        opened.append(gw)
+        return gw
+
+    yield start
+    for gw in reversed(opened):
+        await gw.__aexit__(None, None, None)

@@ -5,11 +5,66 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httptools
+import yaml
+
+from gateway.resilience.gpu import TELEMETRY
+
+CHAT = {"model": "llama-3", "messages": [{"role": "user", "content": "hello there"}]}
+"""A chat request body."""
+
+
+def chat(tag: str = "hello", **extra: Any) -> dict[str, Any]:
+    """A chat request whose one user message is ``tag``."""
+    return {"model": "m", "messages": [{"role": "user", "content": tag}], **extra}
+
+
+def write_policy(tmp_path: Path, policy: str | dict[str, Any], name: str = "policy.yaml") -> Path:
+    """A policy file in ``tmp_path``: YAML text (dedented) or a policy as data."""
+    path = tmp_path / name
+    if isinstance(policy, str):
+        path.write_text(textwrap.dedent(policy))
+    else:
+        path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    return path
+
+
+def policy(
+    backends: dict[str, dict[str, Any]], route: dict[str, Any] | None = None, **more: Any
+) -> dict[str, Any]:
+    """A policy whose one route (chat, ``/v1/*``) goes to the first backend."""
+    first = next(iter(backends))
+    routes = [{"name": "chat", "match": {"path": "/v1/*"}, "backend": first, **(route or {})}]
+    return {"backends": backends, "routes": routes, **more}
+
+
+INTERVAL_MS = 200
+"""The telemetry interval of the throttle tests' policies."""
+
+
+async def poll(gw: Any, backend: str = "main") -> None:
+    """Take one telemetry sample now (the poller's own schedule waits on the FakeClock)."""
+    item = gw.gateway.registry.peek(TELEMETRY, backend)
+    await until(lambda: item.poller is not None)
+    assert await item.poller.poll_once()
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one series in a Prometheus exposition."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            series, value = line.rsplit(" ", 1)
+            got = series[len(name) :].strip("{}")
+            if ",".join(sorted(got.split(","))) == want or (not labels and not got):
+                return float(value)
+    return None
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from tests.test_proxy import CHAT, write_policy
+from tests.helpers import CHAT, until, write_policy
 from tests.upstreams import Recorder
 
 
@@ -111,11 +111,8 @@ async def test_pool_opens_at_most_max_connections_to_a_backend(serve_app, start_
     gw = await start_gateway(policy=policy)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=20)) as client:
         tasks = [asyncio.create_task(client.get(gw.url + "/slow")) for _ in range(10)]
-        for _ in range(100):
-            if concurrent == 3:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # would more than 3 arrive? (they must not)
+        pool = gw.gateway.transport.pool(gw.gateway.snapshot.policy.backend("main"))
+        await until(lambda: concurrent == 3 and pool.waiting == 7)  # the rest wait their turn
         assert peak == 3
         gate.set()
         results = await asyncio.gather(*tasks)

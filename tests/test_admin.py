@@ -4,12 +4,13 @@ effective policy, and the loopback rule for mutating endpoints without a token."
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 from aiohttp import web
 
 from gateway.metrics import Metrics, names
-from tests.test_proxy import write_policy
+from tests.helpers import until, write_policy
 from tests.upstreams import Recorder
 
 
@@ -50,7 +51,7 @@ async def test_readyz_waits_for_warmup_requests_to_answer(serve_app, start_gatew
 
 
 async def test_warmup_retries_a_backend_that_is_still_starting(
-    serve_app, start_gateway, tmp_path, unused_tcp_port
+    serve_app, start_gateway, tmp_path, unused_tcp_port, caplog
 ):
     import gateway.transport.warmup
 
@@ -66,9 +67,10 @@ async def test_warmup_retries_a_backend_that_is_still_starting(
             routes: [{{match: {{path: "*"}}, backend: main}}]
             """,
         )
+        caplog.set_level(logging.INFO, "gateway.transport.warmup")
         gw = await start_gateway(policy=policy)
-        await asyncio.sleep(0.05)
-        assert not gw.gateway.ready
+        await until(lambda: caplog.text.count("retrying") >= 2)
+        assert not gw.gateway.ready  # tried twice, refused twice: still warming up
         rec = Recorder()
         runner = web.AppRunner(rec.app())
         await runner.setup()

@@ -16,7 +16,7 @@ from gateway.admin import PLACEHOLDER_TOKEN
 from gateway.app import Gateway
 from gateway.errors import PolicyError
 from gateway.policy.watch import PolicySource
-from tests.test_proxy import write_policy
+from tests.helpers import write_policy
 from tests.upstreams import Recorder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from gateway.resilience.stage import GUARDS
-from tests.test_proxy import write_policy
+from tests.helpers import write_policy
 from tests.upstreams import RawExchange, Recorder
 
 SSE_HEAD = (

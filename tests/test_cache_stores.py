@@ -532,7 +532,7 @@ async def test_late_replies_never_mark_redis_down(redis_url: str) -> None:  # no
             for _ in range(10):
                 with pytest.raises(StoreError, match="budget"):
                     await store.get("k")
-            await asyncio.sleep(0.1)  # the commands' own answers come in
+            await until(lambda: store.health.reached == 10)  # the commands' own answers came
             assert store.available and store.health.transitions == 0
         finally:
             await store.close()

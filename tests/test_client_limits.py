@@ -15,8 +15,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from tests.helpers import parse_responses, until
-from tests.test_proxy import CHAT, write_policy
+from tests.helpers import CHAT, parse_responses, until, write_policy
 from tests.upstreams import Recorder
 
 LIMITS = """

@@ -10,8 +10,7 @@ import json
 import httpx
 import pytest
 
-from tests.helpers import send_raw
-from tests.test_proxy import CHAT, write_policy
+from tests.helpers import CHAT, send_raw, write_policy
 from tests.upstreams import Recorder
 
 

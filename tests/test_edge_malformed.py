@@ -11,7 +11,7 @@ import logging
 import httpx
 import pytest
 
-from tests.test_proxy import CHAT
+from tests.helpers import CHAT
 from tests.upstreams import Recorder
 
 

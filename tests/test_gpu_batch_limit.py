@@ -9,8 +9,8 @@ import httpx
 from gateway.batching.aimd import CappedLimit, FixedLimit
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeClock
-from tests.test_gpu_throttle import INTERVAL_MS, poll
-from tests.test_stage_resilience import Exporter, metric, write_policy
+from tests.helpers import INTERVAL_MS, metric, poll, write_policy
+from tests.upstreams import Exporter
 
 
 def test_capped_limit_holds_the_inner_limit_under_the_cap_only_while_set():

@@ -18,34 +18,20 @@ from gateway.resilience.gpu import TELEMETRY, TELEMETRY_HTTP
 from gateway.resilience.stage import GUARDS
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeClock, FakeNvml
-from tests.helpers import until
-from tests.test_stage_resilience import (
-    Exporter,
-    Model,
-    metric,
-    metrics_of,
-    policy,
-    post,
-    write_policy,
-)
+from tests.backends import Model, post, started
+from tests.helpers import INTERVAL_MS, chat, metric, policy, poll, until, write_policy
+from tests.upstreams import Exporter
 
-INTERVAL_MS = 200
+URL = "http://model.test"
 
 
-async def poll(gw, backend: str = "main") -> None:
-    """Take one telemetry sample now (the poller's own schedule waits on the FakeClock)."""
-    item = gw.gateway.registry.peek(TELEMETRY, backend)
-    await until(lambda: item.poller is not None)
-    assert await item.poller.poll_once()
-
-
-async def rig(serve_app, start_gateway, tmp_path, rule, *, route=None, backend_extra=None):
+async def rig(serve_app, pipeline, rule, *, route=None, backend_extra=None):
     clock = FakeClock()
     main, spare, exporter = Model("main"), Model("spare"), Exporter()
     exporter_url = await serve_app(exporter.app())
     backends = {
         "main": {
-            "url": await serve_app(main.app()),
+            "url": URL,
             "telemetry": {
                 "source": "prometheus",
                 "url": exporter_url + "/metrics",
@@ -53,18 +39,18 @@ async def rig(serve_app, start_gateway, tmp_path, rule, *, route=None, backend_e
             },
             **(backend_extra or {}),
         },
-        "spare": {"url": await serve_app(spare.app())},
+        "spare": {"url": URL},
     }
-    file = write_policy(
-        tmp_path, policy(backends, route, throttle=[{"name": "r", "backend": "main", **rule}])
+    rules = [{"name": "r", "backend": "main", **rule}]
+    gw = await pipeline(
+        policy(backends, route, throttle=rules), {"main": main, "spare": spare}, clock=clock
     )
-    gw = await start_gateway(policy=file, clock=clock, watch_interval_s=3600)
     await until(lambda: exporter.scrapes >= 1)  # the poller's first read, at start
     return gw, clock, main, spare, exporter
 
 
-async def served_by(client: httpx.AsyncClient, gw, **kw) -> tuple[int, str, str | None]:
-    answer = await post(client, gw.url, **kw)
+async def served_by(gw, **kw) -> tuple[int, str, str | None]:
+    answer = await post(gw, **kw)
     return (
         answer.status_code,
         answer.headers.get("X-Gateway-Backend", ""),
@@ -73,14 +59,14 @@ async def served_by(client: httpx.AsyncClient, gw, **kw) -> tuple[int, str, str 
 
 
 async def test_reroute_fires_above_clears_only_below_clear_below_and_never_flaps(
-    serve_app, start_gateway, tmp_path
+    serve_app, pipeline
 ):
     rule = {
         "when": {"signal": "gpu_temperature_c", "above": 85, "clear_below": 80},
         "action": "reroute",
     }
     gw, _, _main, _spare, exporter = await rig(
-        serve_app, start_gateway, tmp_path, rule, route={"fallback": ["spare"]}
+        serve_app, pipeline, rule, route={"fallback": ["spare"]}
     )
     sequence = [
         (70, "main"),
@@ -95,154 +81,138 @@ async def test_reroute_fires_above_clears_only_below_clear_below_and_never_flaps
         (82, "main"),
         (85.1, "spare"),
     ]
-    async with httpx.AsyncClient(timeout=10) as client:
-        for temperature, expected in sequence:
-            exporter.temperature = temperature
-            await poll(gw)
-            status, backend, reason = await served_by(client, gw)
-            assert (temperature, status, backend) == (temperature, 200, expected)
-            assert reason == ("throttle" if expected == "spare" else None)
-        text = await metrics_of(client, gw)
-    assert metric(text, "gateway_throttle_transitions_total", rule="r", backend="main") == 3
-    assert metric(text, "gateway_throttle_active", rule="r", backend="main") == 1
-    assert metric(text, "gateway_gpu_temperature_celsius", backend="main") == 85.1
-    assert metric(text, "gateway_fallbacks_total", route="chat", reason="throttle") == 6
+    for temperature, expected in sequence:
+        exporter.temperature = temperature
+        await poll(gw)
+        status, backend, reason = await served_by(gw)
+        assert (temperature, status, backend) == (temperature, 200, expected)
+        assert reason == ("throttle" if expected == "spare" else None)
+    assert gw.metric("gateway_throttle_transitions_total", rule="r", backend="main") == 3
+    assert gw.metric("gateway_throttle_active", rule="r", backend="main") == 1
+    assert gw.metric("gateway_gpu_temperature_celsius", backend="main") == 85.1
+    assert gw.metric("gateway_fallbacks_total", route="chat", reason="throttle") == 6
 
 
-async def test_reroute_without_a_fallback_serves_on_the_primary(serve_app, start_gateway, tmp_path):
+async def test_reroute_without_a_fallback_serves_on_the_primary(serve_app, pipeline):
     rule = {"when": {"signal": "gpu_temperature_c", "above": 85, "clear_below": 80}}
-    gw, _, _main, _spare, exporter = await rig(serve_app, start_gateway, tmp_path, rule)
+    gw, _, _main, _spare, exporter = await rig(serve_app, pipeline, rule)
     exporter.temperature = 95
     await poll(gw)
-    async with httpx.AsyncClient(timeout=10) as client:
-        assert await served_by(client, gw) == (200, "main", None)
+    assert await served_by(gw) == (200, "main", None)
 
 
 async def test_shed_refuses_all_but_high_priority_with_retry_after_and_has_hysteresis(
-    serve_app, start_gateway, tmp_path
+    serve_app, pipeline
 ):
     # vLLM's KV-cache use, the signal to use for a vLLM backend (VRAM is pre-allocated).
     rule = {
         "when": {"signal": "kv_cache_usage", "above": 0.9, "clear_below": 0.8},
         "action": "shed",
     }
-    gw, _, main, _, exporter = await rig(serve_app, start_gateway, tmp_path, rule)
-    async with httpx.AsyncClient(timeout=10) as client:
-        exporter.kv_cache = 0.95
-        await poll(gw)
-        refused = await post(client, gw.url, "normal")
-        assert refused.status_code == 503
-        assert refused.json()["error"]["code"] == "overloaded"
-        assert int(refused.headers["Retry-After"]) >= 1
-        low = await post(client, gw.url, "low", headers={"X-Priority": "low"})
-        assert low.status_code == 503
-        high = await post(client, gw.url, "high", headers={"X-Priority": "high"})
-        assert high.status_code == 200
-        exporter.kv_cache = 0.85  # between: still shedding
-        await poll(gw)
-        assert (await post(client, gw.url, "still")).status_code == 503
-        exporter.kv_cache = 0.79
-        await poll(gw)
-        assert (await post(client, gw.url, "back")).status_code == 200
-        exporter.kv_cache = 0.88  # between: stays clear
-        await poll(gw)
-        assert (await post(client, gw.url, "fine")).status_code == 200
-        text = await metrics_of(client, gw)
+    gw, _, main, _, exporter = await rig(serve_app, pipeline, rule)
+    exporter.kv_cache = 0.95
+    await poll(gw)
+    refused = await post(gw, "normal")
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert int(refused.headers["Retry-After"]) >= 1
+    low = await post(gw, "low", headers={"X-Priority": "low"})
+    assert low.status_code == 503
+    high = await post(gw, "high", headers={"X-Priority": "high"})
+    assert high.status_code == 200
+    exporter.kv_cache = 0.85  # between: still shedding
+    await poll(gw)
+    assert (await post(gw, "still")).status_code == 503
+    exporter.kv_cache = 0.79
+    await poll(gw)
+    assert (await post(gw, "back")).status_code == 200
+    exporter.kv_cache = 0.88  # between: stays clear
+    await poll(gw)
+    assert (await post(gw, "fine")).status_code == 200
     assert main.arrivals == ["high", "back", "fine"]
-    assert metric(text, "gateway_shed_total", backend="main", reason="throttle") == 3
-    assert metric(text, "gateway_kv_cache_usage_ratio", backend="main") == 0.88
+    assert gw.metric("gateway_shed_total", backend="main", reason="throttle") == 3
+    assert gw.metric("gateway_kv_cache_usage_ratio", backend="main") == 0.88
 
 
-async def test_shed_with_a_fallback_moves_lower_priorities_there(
-    serve_app, start_gateway, tmp_path
-):
+async def test_shed_with_a_fallback_moves_lower_priorities_there(serve_app, pipeline):
     rule = {
         "when": {"signal": "gpu_memory_used_ratio", "above": 0.9, "clear_below": 0.85},
         "action": "shed",
     }
     gw, _, _main, _spare, exporter = await rig(
-        serve_app, start_gateway, tmp_path, rule, route={"fallback": ["spare"]}
+        serve_app, pipeline, rule, route={"fallback": ["spare"]}
     )
     exporter.fb_used_mib, exporter.fb_free_mib = 76000, 4000  # 95% of VRAM
     await poll(gw)
-    async with httpx.AsyncClient(timeout=10) as client:
-        assert await served_by(client, gw) == (200, "spare", "throttle")
-        assert await served_by(client, gw, headers={"X-Priority": "high"}) == (200, "main", None)
+    assert await served_by(gw) == (200, "spare", "throttle")
+    assert await served_by(gw, headers={"X-Priority": "high"}) == (200, "main", None)
 
 
-async def test_a_shed_rule_also_sheds_the_lower_priorities_already_queued(
-    serve_app, start_gateway, tmp_path
-):
+async def test_a_shed_rule_also_sheds_the_lower_priorities_already_queued(serve_app, pipeline):
     rule = {
         "when": {"signal": "gpu_temperature_c", "above": 85, "clear_below": 80},
         "action": "shed",
     }
     extra = {"max_concurrency": 1, "queue": {"capacity": 10}}
-    gw, _, main, _, exporter = await rig(
-        serve_app, start_gateway, tmp_path, rule, backend_extra=extra
-    )
+    gw, _, main, _, exporter = await rig(serve_app, pipeline, rule, backend_extra=extra)
     admission = gw.gateway.registry.peek(GUARDS, "main").admission
     main.hold()
-    async with httpx.AsyncClient(timeout=10) as client:
-        busy = asyncio.create_task(post(client, gw.url, "busy"))
-        await until(lambda: main.active == 1)
-        low = asyncio.create_task(post(client, gw.url, "low", headers={"X-Priority": "low"}))
-        await until(lambda: admission.depth == 1)
-        high = asyncio.create_task(post(client, gw.url, "high", headers={"X-Priority": "high"}))
-        await until(lambda: admission.depth == 2)
-        exporter.temperature = 90
-        await poll(gw)
-        assert (await low).status_code == 503
-        assert admission.depth == 1
-        main.let(2)
-        assert (await busy).status_code == 200 and (await high).status_code == 200
+    busy = started(gw, "busy")
+    await until(lambda: main.active == 1)
+    low = started(gw, "low", headers={"X-Priority": "low"})
+    await until(lambda: admission.depth == 1)
+    high = started(gw, "high", headers={"X-Priority": "high"})
+    await until(lambda: admission.depth == 2)
+    exporter.temperature = 90
+    await poll(gw)
+    assert (await low).status_code == 503
+    assert admission.depth == 1
+    main.let(2)
+    assert (await busy).status_code == 200 and (await high).status_code == 200
     assert main.arrivals == ["busy", "high"]
 
 
-async def test_a_limit_rule_caps_concurrency_while_it_holds(serve_app, start_gateway, tmp_path):
+async def test_a_limit_rule_caps_concurrency_while_it_holds(serve_app, pipeline):
     rule = {
         "when": {"signal": "gpu_temperature_c", "above": 80, "clear_below": 76},
         "action": "limit",
         "limit": {"max_concurrency": 1},
     }
-    gw, _, main, _, exporter = await rig(serve_app, start_gateway, tmp_path, rule)
+    gw, _, main, _, exporter = await rig(serve_app, pipeline, rule)
     admission = gw.gateway.registry.peek(GUARDS, "main").admission
     main.hold()
-    async with httpx.AsyncClient(timeout=10) as client:
-        exporter.temperature = 82
-        await poll(gw)
-        assert admission.limit == 1
-        calls = [asyncio.create_task(post(client, gw.url, f"hot{i}")) for i in range(3)]
-        await until(lambda: main.active == 1 and admission.depth == 2)
-        exporter.temperature = 78  # between the thresholds: the cap holds
-        await poll(gw)
-        assert admission.limit == 1 and admission.depth == 2
-        exporter.temperature = 70
-        await poll(gw)  # cleared: the queue drains at once, uncapped
-        await until(lambda: main.active == 3)
-        main.let(3)
-        assert [c.status_code for c in await asyncio.gather(*calls)] == [200] * 3
-        text = await metrics_of(client, gw)
+    exporter.temperature = 82
+    await poll(gw)
+    assert admission.limit == 1
+    calls = [started(gw, f"hot{i}") for i in range(3)]
+    await until(lambda: main.active == 1 and admission.depth == 2)
+    exporter.temperature = 78  # between the thresholds: the cap holds
+    await poll(gw)
+    assert admission.limit == 1 and admission.depth == 2
+    exporter.temperature = 70
+    await poll(gw)  # cleared: the queue drains at once, uncapped
+    await until(lambda: main.active == 3)
+    main.let(3)
+    assert [c.status_code for c in await asyncio.gather(*calls)] == [200] * 3
     assert admission.limit > 1000
-    assert metric(text, "gateway_throttle_active", rule="r", backend="main") == 0
+    assert gw.metric("gateway_throttle_active", rule="r", backend="main") == 0
 
 
-async def test_a_limit_rule_on_rate_refuses_past_it(serve_app, start_gateway, tmp_path):
+async def test_a_limit_rule_on_rate_refuses_past_it(serve_app, pipeline):
     rule = {
         "when": {"signal": "gpu_temperature_c", "above": 80, "clear_below": 76},
         "action": "limit",
         "limit": {"rps": 2},
     }
-    gw, clock, _main, _spare, exporter = await rig(serve_app, start_gateway, tmp_path, rule)
+    gw, clock, _main, _spare, exporter = await rig(serve_app, pipeline, rule)
     exporter.temperature = 90
     await poll(gw)
-    async with httpx.AsyncClient(timeout=10) as client:
-        statuses = [(await post(client, gw.url)).status_code for _ in range(3)]
-        assert statuses == [200, 200, 503]
-        clock.advance(0.5)  # one more token; telemetry is still fresh (< 3 intervals)
-        await poll(gw)
-        assert (await post(client, gw.url)).status_code == 200
-        refused = await post(client, gw.url)
+    statuses = [(await post(gw)).status_code for _ in range(3)]
+    assert statuses == [200, 200, 503]
+    clock.advance(0.5)  # one more token; telemetry is still fresh (< 3 intervals)
+    await poll(gw)
+    assert (await post(gw)).status_code == 200
+    refused = await post(gw)
     assert refused.status_code == 503 and "Retry-After" in refused.headers
 
 
@@ -253,7 +223,7 @@ def test_batch_limit_is_exposed_for_the_batching_stage():
     assert batch_limit(Registry(), "main") is None
 
 
-async def test_a_batch_max_size_limit_reads_through_batch_limit(serve_app, start_gateway, tmp_path):
+async def test_a_batch_max_size_limit_reads_through_batch_limit(serve_app, pipeline):
     from gateway.resilience.gpu import batch_limit
 
     rule = {
@@ -261,7 +231,7 @@ async def test_a_batch_max_size_limit_reads_through_batch_limit(serve_app, start
         "action": "limit",
         "limit": {"batch_max_size": 4},
     }
-    gw, _, _, _, exporter = await rig(serve_app, start_gateway, tmp_path, rule)
+    gw, _, _, _, exporter = await rig(serve_app, pipeline, rule)
     registry = gw.gateway.registry
     assert batch_limit(registry, "main") is None
     exporter.temperature = 90
@@ -272,41 +242,37 @@ async def test_a_batch_max_size_limit_reads_through_batch_limit(serve_app, start
 # -- staleness -----------------------------------------------------------------------------
 
 
-async def test_stale_telemetry_fails_open_rules_neither_fire_nor_clear(
-    serve_app, start_gateway, tmp_path
-):
+async def test_stale_telemetry_fails_open_rules_neither_fire_nor_clear(serve_app, pipeline):
     rule = {"when": {"signal": "gpu_temperature_c", "above": 85, "clear_below": 80}}
     gw, clock, _main, _spare, exporter = await rig(
-        serve_app, start_gateway, tmp_path, rule, route={"fallback": ["spare"]}
+        serve_app, pipeline, rule, route={"fallback": ["spare"]}
     )
-    async with httpx.AsyncClient(timeout=10) as client:
-        exporter.temperature = 95
-        exporter.broken = True  # the exporter dies before a sample shows the heat
-        item = gw.gateway.registry.peek(TELEMETRY, "main")
-        assert not await item.poller.poll_once()
-        clock.advance(3 * INTERVAL_MS / 1000 + 0.01)  # no fresh sample for 3 intervals
-        await until(lambda: item.poller.errors >= 2)  # the poller woke, failed again
-        assert item.telemetry.stale
-        assert await served_by(client, gw) == (200, "main", None)
-        text = await metrics_of(client, gw)
-        assert metric(text, "gateway_telemetry_age_seconds", backend="main") > 0.6
-        # Back, hot: fires.  Then stale again while hot: the rule holds (does not clear).
-        exporter.broken = False
-        await poll(gw)
-        assert await served_by(client, gw) == (200, "spare", "throttle")
-        exporter.broken = True
-        clock.advance(1.0)
-        await until(lambda: item.poller.errors >= 3)
-        assert item.telemetry.stale
-        assert await served_by(client, gw) == (200, "spare", "throttle")
+    exporter.temperature = 95
+    exporter.broken = True  # the exporter dies before a sample shows the heat
+    item = gw.gateway.registry.peek(TELEMETRY, "main")
+    assert not await item.poller.poll_once()
+    clock.advance(3 * INTERVAL_MS / 1000 + 0.01)  # no fresh sample for 3 intervals
+    await until(lambda: item.poller.errors >= 2)  # the poller woke, failed again
+    assert item.telemetry.stale
+    assert await served_by(gw) == (200, "main", None)
+    assert gw.metric("gateway_telemetry_age_seconds", backend="main") > 0.6
+    # Back, hot: fires.  Then stale again while hot: the rule holds (does not clear).
+    exporter.broken = False
+    await poll(gw)
+    assert await served_by(gw) == (200, "spare", "throttle")
+    exporter.broken = True
+    clock.advance(1.0)
+    await until(lambda: item.poller.errors >= 3)
+    assert item.telemetry.stale
+    assert await served_by(gw) == (200, "spare", "throttle")
 
 
-async def test_fail_closed_treats_unknown_as_firing(serve_app, start_gateway, tmp_path):
+async def test_fail_closed_treats_unknown_as_firing(pipeline):
     clock = FakeClock()
     main, spare = Model("main"), Model("spare")
     backends = {
         "main": {
-            "url": await serve_app(main.app()),
+            "url": URL,
             "telemetry": {
                 "source": "prometheus",
                 "url": "http://127.0.0.1:9/metrics",  # nothing listens: never a sample
@@ -314,17 +280,18 @@ async def test_fail_closed_treats_unknown_as_firing(serve_app, start_gateway, tm
                 "fail_closed": True,
             },
         },
-        "spare": {"url": await serve_app(spare.app())},
+        "spare": {"url": URL},
     }
     rule = {
         "name": "hot",
         "backend": "main",
         "when": {"signal": "gpu_temperature_c", "above": 85, "clear_below": 80},
     }
-    file = write_policy(tmp_path, policy(backends, {"fallback": ["spare"]}, throttle=[rule]))
-    gw = await start_gateway(policy=file, clock=clock)
-    async with httpx.AsyncClient(timeout=10) as client:
-        assert await served_by(client, gw) == (200, "spare", "throttle")
+    models = {"main": main, "spare": spare}
+    gw = await pipeline(
+        policy(backends, {"fallback": ["spare"]}, throttle=[rule]), models, clock=clock
+    )
+    assert await served_by(gw) == (200, "spare", "throttle")
 
 
 # -- sources -------------------------------------------------------------------------------
@@ -357,8 +324,8 @@ async def test_the_prometheus_source_reads_the_sims_dcgm_and_vllm_names(start_ga
         await poll(gw)
         state = sim.state()
         async with httpx.AsyncClient(timeout=10) as client:
-            text = await metrics_of(client, gw)
-            shed = await post(client, gw.url)
+            text = (await client.get(gw.admin_url + "/metrics")).text
+            shed = await client.post(gw.url + "/v1/chat/completions", json=chat())
     finally:
         await sim.close()
     assert metric(text, "gateway_gpu_temperature_celsius", backend="main") == pytest.approx(
@@ -374,17 +341,17 @@ async def test_the_prometheus_source_reads_the_sims_dcgm_and_vllm_names(start_ga
     assert shed.status_code == 503
 
 
-async def test_nvml_through_a_stand_in_pynvml(serve_app, start_gateway, tmp_path, monkeypatch):
+async def test_nvml_through_a_stand_in_pynvml(pipeline, monkeypatch):
     nvml = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     clock = FakeClock()
     main, spare = Model("main"), Model("spare")
     backends = {
         "main": {
-            "url": await serve_app(main.app()),
+            "url": URL,
             "telemetry": {"source": "nvml", "index": 0, "interval_ms": INTERVAL_MS},
         },
-        "spare": {"url": await serve_app(spare.app())},
+        "spare": {"url": URL},
     }
     rules = [
         {
@@ -393,18 +360,18 @@ async def test_nvml_through_a_stand_in_pynvml(serve_app, start_gateway, tmp_path
             "when": {"signal": "gpu_thermal_throttling", "above": 0.5, "clear_below": 0.5},
         },
     ]
-    file = write_policy(tmp_path, policy(backends, {"fallback": ["spare"]}, throttle=rules))
-    gw = await start_gateway(policy=file, clock=clock)
-    async with httpx.AsyncClient(timeout=10) as client:
-        await poll(gw)
-        assert await served_by(client, gw) == (200, "main", None)
-        nvml.gpus[0].clocks_event_reasons = 0x20  # SW thermal slowdown
-        nvml.gpus[0].power_mw = 350_000
-        await poll(gw)
-        assert await served_by(client, gw) == (200, "spare", "throttle")
-        text = await metrics_of(client, gw)
-    assert metric(text, "gateway_gpu_temperature_celsius", backend="main") == 45
-    assert metric(text, "gateway_gpu_power_ratio", backend="main") == 0.5
+    models = {"main": main, "spare": spare}
+    gw = await pipeline(
+        policy(backends, {"fallback": ["spare"]}, throttle=rules), models, clock=clock
+    )
+    await poll(gw)
+    assert await served_by(gw) == (200, "main", None)
+    nvml.gpus[0].clocks_event_reasons = 0x20  # SW thermal slowdown
+    nvml.gpus[0].power_mw = 350_000
+    await poll(gw)
+    assert await served_by(gw) == (200, "spare", "throttle")
+    assert gw.metric("gateway_gpu_temperature_celsius", backend="main") == 45
+    assert gw.metric("gateway_gpu_power_ratio", backend="main") == 0.5
     await gw.gateway.shutdown(0.5)
     assert nvml.initialised == 0  # shutdown stopped the poller and closed NVML
 
@@ -413,15 +380,14 @@ async def test_nvml_through_a_stand_in_pynvml(serve_app, start_gateway, tmp_path
 
 
 async def test_pollers_start_with_the_gateway_follow_reloads_and_stop_on_shutdown(
-    serve_app, start_gateway, tmp_path
+    serve_app, pipeline, tmp_path
 ):
     exporter = Exporter()
     exporter_url = await serve_app(exporter.app())
     main = Model("main")
-    main_url = await serve_app(main.app())
 
     def backends(interval_ms: int | None) -> dict:
-        b: dict = {"url": main_url}
+        b: dict = {"url": URL}
         if interval_ms is not None:
             b["telemetry"] = {
                 "source": "prometheus",
@@ -431,9 +397,7 @@ async def test_pollers_start_with_the_gateway_follow_reloads_and_stop_on_shutdow
         return {"main": b}
 
     clock = FakeClock()
-    gw = await start_gateway(
-        policy=write_policy(tmp_path, policy(backends(200))), clock=clock, watch_interval_s=3600
-    )
+    gw = await pipeline(write_policy(tmp_path, policy(backends(200))), main, clock=clock)
     registry = gw.gateway.registry
     first = registry.peek(TELEMETRY, "main")
     await until(lambda: first.telemetry.samples == 1)
@@ -447,9 +411,7 @@ async def test_pollers_start_with_the_gateway_follow_reloads_and_stop_on_shutdow
     assert gw.gateway.reload()
     assert registry.peek(TELEMETRY, "main") is None
     await until(lambda: not second.poller.running)
-    async with httpx.AsyncClient(timeout=10) as client:
-        text = await metrics_of(client, gw)
-    assert metric(text, "gateway_telemetry_age_seconds", backend="main") is None
+    assert gw.metric("gateway_telemetry_age_seconds", backend="main") is None
     write_policy(tmp_path, policy(backends(200)))
     assert gw.gateway.reload()
     third = registry.peek(TELEMETRY, "main")

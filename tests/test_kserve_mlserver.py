@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_proxy import write_policy
+from tests.helpers import write_policy
 
 MODEL = Path(__file__).resolve().parent / "kserve_model"
 

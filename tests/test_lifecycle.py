@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import until
-from tests.test_proxy import CHAT
+from tests.helpers import CHAT, until
 from tests.upstreams import Recorder
 
 

@@ -6,21 +6,12 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import textwrap
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.helpers import CHAT, write_policy
 from tests.upstreams import Recorder
-
-CHAT = {"model": "llama-3", "messages": [{"role": "user", "content": "hello there"}]}
-
-
-def write_policy(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(text))
-    return path
 
 
 @pytest.fixture

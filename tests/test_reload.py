@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from gateway.policy.watch import PolicySource, Settling
-from tests.test_proxy import CHAT
+from tests.helpers import CHAT
 from tests.upstreams import Recorder
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gateway.testing import FakeClock
-from tests.test_proxy import CHAT, write_policy
+from tests.helpers import CHAT, write_policy
 from tests.upstreams import Recorder
 
 

@@ -1,4 +1,5 @@
-"""Micro-batching through a running gateway, against a small real model server per API.
+"""Micro-batching through the gateway (without sockets), against a small model server per
+API behind a ``FakeTransport`` (``tests.backends.ArrayModel``).
 
 The model server answers deterministically from each input (a vector derived from the text,
 the input doubled, ...), so every test can check that each client got exactly its own answer;
@@ -11,132 +12,15 @@ together the moment the held call returns.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.batching import Batcher
-from gateway.batching.stage import BATCHERS
-from tests.conftest import Running
+from tests.backends import ArrayModel, BatchRig, embed, vector
 from tests.helpers import until
 
 NEVER_MS = 600_000  # no test waits this long for company: batches go when the backend frees
-
-
-def vector(text: Any) -> list[float]:
-    """The fake model's embedding: a function of the input only."""
-    s = str(text)
-    return [float(len(s)), float(sum(map(ord, s)) % 997)]
-
-
-@dataclass
-class Seen:
-    """One call as the model server received it."""
-
-    path: str
-    inputs: list[Any]
-    body: dict[str, Any]
-    authorization: str
-
-
-class Model:
-    """A tiny model server speaking every batchable API."""
-
-    def __init__(self) -> None:
-        self.calls: list[Seen] = []
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self.oom_above: int | None = None
-        self.app = web.Application()
-        self.app.router.add_post("/v1/embeddings", self.embeddings)
-        self.app.router.add_post("/v1/completions", self.completions)
-        self.app.router.add_post("/embed", self.tei)
-        self.app.router.add_post("/v2/models/{model}/infer", self.kserve)
-        self.app.router.add_post("/v1/models/{model}:predict", self.tfserving)
-
-    async def _record(self, request: web.Request, inputs: list[Any], body: Any) -> None:
-        auth = request.headers.get("Authorization", "")
-        self.calls.append(Seen(request.path, inputs, body, auth))
-        await self.gate.wait()
-
-    def sizes(self, path: str | None = None) -> list[int]:
-        return [len(c.inputs) for c in self.calls if path is None or c.path == path]
-
-    async def embeddings(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
-        await self._record(request, inputs, body)
-        if "POISON" in inputs:
-            return web.json_response({"error": {"message": "bad input POISON"}}, status=400)
-        if self.oom_above is not None and len(inputs) > self.oom_above:
-            message = "CUDA out of memory. Tried to allocate 2.00 GiB"
-            return web.json_response({"error": {"message": message}}, status=500)
-        data = [
-            {"object": "embedding", "index": i, "embedding": vector(t)}
-            for i, t in enumerate(inputs)
-        ]
-        data.reverse()  # order is not promised: answers are matched by index
-        tokens = sum(len(str(t).split()) for t in inputs)
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-        return web.json_response(
-            {"object": "list", "data": data, "model": body["model"], "usage": usage}
-        )
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
-        await self._record(request, prompts, body)
-        choices = [
-            {"index": i, "text": f"{p}!", "finish_reason": "stop", "logprobs": None}
-            for i, p in enumerate(prompts)
-        ]
-        if body.get("stream"):
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            for choice in choices:
-                event = {"object": "text_completion", "choices": [choice]}
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        usage = {"prompt_tokens": 2 * len(prompts), "completion_tokens": len(prompts)}
-        usage["total_tokens"] = 3 * len(prompts)
-        return web.json_response({"object": "text_completion", "choices": choices, "usage": usage})
-
-    async def tei(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        inputs = body["inputs"] if isinstance(body["inputs"], list) else [body["inputs"]]
-        await self._record(request, inputs, body)
-        return web.json_response([vector(t) for t in inputs])
-
-    async def kserve(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        (tensor,) = body["inputs"]
-        rows, width = tensor["shape"]
-        flat = tensor["data"]
-        await self._record(request, [flat[r * width : (r + 1) * width] for r in range(rows)], body)
-        out = {
-            "name": "out",
-            "datatype": "FP32",
-            "shape": [rows, width],
-            "data": [2 * x for x in flat],
-        }
-        answer: dict[str, Any] = {"model_name": request.match_info["model"], "outputs": [out]}
-        if "id" in body:
-            answer["id"] = body["id"]
-        return web.json_response(answer)
-
-    async def tfserving(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        await self._record(request, body["instances"], body)
-        return web.json_response({"predictions": [sum(i) for i in body["instances"]]})
-
 
 POLICY = """
 backends:
@@ -165,64 +49,14 @@ routes:
 """
 
 
-@dataclass
-class Setup:
-    model: Model
-    running: Running
-    session: aiohttp.ClientSession
-    policy_path: Path
-
-    async def post(
-        self, path: str, body: Any, *, auth: str = "Bearer tenant-a"
-    ) -> tuple[int, Any, Any]:
-        async with self.session.post(
-            self.running.url + path, json=body, headers={"Authorization": auth}
-        ) as resp:
-            return resp.status, await resp.json(), resp.headers
-
-    def batcher(self, route: str) -> Batcher:
-        found = [
-            b
-            for name, b in self.running.gateway.registry.items(BATCHERS)
-            if name.startswith(route + " ")
-        ]
-        assert len(found) == 1, found
-        return found[0]
-
-    async def busy(self, path: str, body: Any) -> asyncio.Task[Any]:
-        """One request held upstream: from now on the backend is busy."""
-        self.model.gate.clear()
-        before = len(self.model.calls)
-        task = asyncio.create_task(self.post(path, body))
-        await until(lambda: len(self.model.calls) == before + 1)
-        return task
-
-    async def metric(self, name: str, **labels: str) -> float:
-        async with self.session.get(self.running.admin_url + "/metrics") as resp:
-            text = await resp.text()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    return float(sample.value)
-        raise AssertionError(f"no sample {name}{labels}")
-
-
 @pytest.fixture
-async def setup(serve_app, start_gateway, tmp_path) -> AsyncIterator[Setup]:
-    model = Model()
-    url = await serve_app(model.app)
+async def setup(pipeline, tmp_path) -> AsyncIterator[BatchRig]:
+    model = ArrayModel()
     path = tmp_path / "policy.yaml"
-    path.write_text(POLICY.format(url=url, never=NEVER_MS))
-    running = await start_gateway(policy=path)
-    async with aiohttp.ClientSession() as session:
-        yield Setup(model, running, session, path)
-        model.gate.set()
-
-
-def embed(text: Any, **fields: Any) -> dict[str, Any]:
-    return {"model": "e5", "input": text, **fields}
+    path.write_text(POLICY.format(url="http://model.test", never=NEVER_MS))
+    rig = BatchRig(model, await pipeline(path, model), path)
+    yield rig
+    model.gate.set()
 
 
 async def test_concurrent_callers_each_get_exactly_their_own_vectors_also_when_sending_lists(setup):
@@ -231,7 +65,7 @@ async def test_concurrent_callers_each_get_exactly_their_own_vectors_also_when_s
         f"text number {i}" if i % 3 else [f"list {i} a", f"list {i} bb", f"list {i} ccc"]
         for i in range(24)
     ]
-    tasks = [asyncio.create_task(setup.post("/v1/embeddings", embed(x))) for x in inputs]
+    tasks = [asyncio.ensure_future(setup.post("/v1/embeddings", embed(x))) for x in inputs]
     await until(lambda: setup.batcher("embeddings").waiting == len(inputs))
     setup.model.gate.set()
     results = await asyncio.gather(*tasks)
@@ -248,8 +82,8 @@ async def test_concurrent_callers_each_get_exactly_their_own_vectors_also_when_s
         assert [d["embedding"] for d in answer["data"]] == [vector(t) for t in own]
         prompt_tokens += answer["usage"]["prompt_tokens"]
     assert prompt_tokens == sum(len(t.split()) for t in sent)  # usage apportioned, none lost
-    assert await setup.metric("gateway_batch_size_count", route="embeddings") == 2
-    assert await setup.metric("gateway_batch_size_sum", route="embeddings") == 1 + len(sent)
+    assert setup.metric("gateway_batch_size_count", route="embeddings") == 2
+    assert setup.metric("gateway_batch_size_sum", route="embeddings") == 1 + len(sent)
 
 
 ADAPTER_CASES = {
@@ -300,10 +134,8 @@ async def test_each_adapter_merges_concurrent_requests_into_one_call_and_answers
 ):
     path, make, check = ADAPTER_CASES[case]
     first = await setup.busy(path, make(100))
-    tasks = [asyncio.create_task(setup.post(path, make(i))) for i in range(5)]
-    await until(
-        lambda: sum(b.waiting for _, b in setup.running.gateway.registry.items(BATCHERS)) == 5
-    )
+    tasks = [asyncio.ensure_future(setup.post(path, make(i))) for i in range(5)]
+    await until(lambda: setup.waiting() == 5)
     setup.model.gate.set()
     results = await asyncio.gather(*tasks)
     status, answer, _ = await first
@@ -319,7 +151,7 @@ async def test_each_adapter_merges_concurrent_requests_into_one_call_and_answers
 async def test_a_poison_input_fails_only_its_own_request_by_bisection(setup):
     first = await setup.busy("/v1/embeddings", embed("first"))
     texts = ["alpha", "beta", "POISON", "gamma", "delta"]
-    tasks = [asyncio.create_task(setup.post("/v1/embeddings", embed(t))) for t in texts]
+    tasks = [asyncio.ensure_future(setup.post("/v1/embeddings", embed(t))) for t in texts]
     await until(lambda: setup.batcher("embeddings").waiting == len(texts))
     setup.model.gate.set()
     results = await asyncio.gather(*tasks)
@@ -332,14 +164,14 @@ async def test_a_poison_input_fails_only_its_own_request_by_bisection(setup):
         else:
             assert status == 200
             assert answer["data"][0]["embedding"] == vector(text)
-    assert await setup.metric("gateway_batch_splits_total", route="embeddings") >= 2
+    assert setup.metric("gateway_batch_splits_total", route="embeddings") >= 2
 
 
 async def test_out_of_memory_halves_the_batch_size_and_every_request_still_succeeds(setup):
     setup.model.oom_above = 2
     first = await setup.busy("/v1/embeddings", embed("first"))
     texts = [f"t{i}" for i in range(4)]
-    tasks = [asyncio.create_task(setup.post("/v1/embeddings", embed(t))) for t in texts]
+    tasks = [asyncio.ensure_future(setup.post("/v1/embeddings", embed(t))) for t in texts]
     await until(lambda: setup.batcher("embeddings").waiting == len(texts))
     setup.model.gate.set()
     results = await asyncio.gather(*tasks)
@@ -349,8 +181,8 @@ async def test_out_of_memory_halves_the_batch_size_and_every_request_still_succe
     assert [a["data"][0]["embedding"] for _, a, _ in results] == [vector(t) for t in texts]
     assert setup.model.sizes() == [1, 4, 2, 2]
     assert setup.batcher("embeddings").limit == 2
-    assert await setup.metric("gateway_batch_oom_backoffs_total", route="embeddings") == 1
-    assert await setup.metric("gateway_batch_limit", route="embeddings") == 2
+    assert setup.metric("gateway_batch_oom_backoffs_total", route="embeddings") == 1
+    assert setup.metric("gateway_batch_limit", route="embeddings") == 2
 
 
 async def test_requests_of_different_tenants_never_share_a_call(setup):
@@ -380,7 +212,7 @@ async def test_requests_differing_in_a_parameter_never_share_a_call(setup):
     first = await setup.busy("/v1/embeddings", embed("first"))
     bodies = [embed(f"x{i}", model="small" if i % 2 else "large", dimensions=8) for i in range(4)]
     bodies.append(embed("x4", model="small", dimensions=16))
-    tasks = [asyncio.create_task(setup.post("/v1/embeddings", b)) for b in bodies]
+    tasks = [asyncio.ensure_future(setup.post("/v1/embeddings", b)) for b in bodies]
     await until(lambda: setup.batcher("embeddings").waiting == len(bodies))
     setup.model.gate.set()
     results = await asyncio.gather(*tasks)
@@ -407,8 +239,8 @@ async def test_streaming_and_sampled_requests_are_never_merged(setup):
     ]
 
     async def send(body: dict[str, Any]) -> tuple[int, bytes]:
-        async with setup.session.post(setup.running.url + "/v1/completions", json=body) as resp:
-            return resp.status, await resp.read()
+        answer = await setup.gw.post("/v1/completions", body)
+        return answer.status_code, answer.body
 
     tasks = [asyncio.create_task(send(b)) for b in bodies]
     await until(lambda: len(setup.model.calls) == len(bodies))  # each went on alone, at once
@@ -423,7 +255,7 @@ async def test_streaming_and_sampled_requests_are_never_merged(setup):
 
 async def test_a_body_the_adapter_cannot_batch_goes_straight_on(setup):
     first = await setup.busy("/embed", {"inputs": "first"})
-    task = asyncio.create_task(setup.post("/embed", {"inputs": []}))  # no input: not batchable
+    task = asyncio.ensure_future(setup.post("/embed", {"inputs": []}))  # no input: not batchable
     await until(lambda: len(setup.model.calls) == 2)  # it did not wait for the busy backend
     setup.model.gate.set()
     status, answer, _ = await task
@@ -433,7 +265,7 @@ async def test_a_body_the_adapter_cannot_batch_goes_straight_on(setup):
 
 
 async def test_a_reload_keeps_an_unchanged_batcher_and_replaces_a_changed_one(setup):
-    gateway = setup.running.gateway
+    gateway = setup.gw.gateway
     before = setup.batcher("embeddings")
     text = setup.policy_path.read_text()
     setup.policy_path.write_text(text.replace("name: tei", "name: tei-renamed"))

@@ -1,6 +1,6 @@
 """Adaptive batching: batches held while the backend is busy, sized by AIMD when they go.
 
-Through a running gateway with ``adaptive`` on the route, and on the batcher itself with
+Through the gateway (without sockets) with ``adaptive`` on the route, and on the batcher itself with
 ``hold_while_busy`` (the mode the stage uses for adaptive routes), against a fake send that
 the test answers call by call; time moves only through ``FakeClock``.
 """
@@ -11,11 +11,10 @@ import asyncio
 import json
 from typing import Any
 
-import aiohttp
-
 from gateway.batching import Batcher, FixedLimit, OpenAIEmbeddings
 from gateway.testing import FakeClock
-from tests.test_stage_batch import Model, Setup, embed, until, vector
+from tests.backends import ArrayModel, BatchRig, embed, vector
+from tests.helpers import until
 
 ADAPTIVE_POLICY = """
 backends:
@@ -29,33 +28,30 @@ routes:
 
 
 async def test_adaptive_route_holds_batches_while_busy_and_grows_the_size_on_fast_full_batches(
-    serve_app, start_gateway, tmp_path
+    pipeline, tmp_path
 ):
-    model = Model()
-    url = await serve_app(model.app)
+    model = ArrayModel()
     path = tmp_path / "policy.yaml"
-    path.write_text(ADAPTIVE_POLICY.format(url=url))
-    running = await start_gateway(policy=path)
-    async with aiohttp.ClientSession() as session:
-        setup = Setup(model, running, session, path)
-        batcher = setup.batcher("embeddings")
-        assert batcher.limit == 1
-        first = await setup.busy("/v1/embeddings", embed("first"))
-        texts = [f"t{i}" for i in range(5)]
-        tasks = [asyncio.create_task(setup.post("/v1/embeddings", embed(t))) for t in texts]
-        await until(lambda: batcher.waiting == len(texts))
-        # Each request is a full batch at limit 1 and max_wait_ms is 0, yet none went: the
-        # backend is busy, and a batch that queued there would time the queue, not the batch.
-        assert len(model.calls) == 1
-        model.gate.set()
-        results = await asyncio.gather(*tasks)
-        await first
+    path.write_text(ADAPTIVE_POLICY.format(url="http://model.test"))
+    setup = BatchRig(model, await pipeline(path, model), path)
+    batcher = setup.batcher("embeddings")
+    assert batcher.limit == 1
+    first = await setup.busy("/v1/embeddings", embed("first"))
+    texts = [f"t{i}" for i in range(5)]
+    tasks = [asyncio.ensure_future(setup.post("/v1/embeddings", embed(t))) for t in texts]
+    await until(lambda: batcher.waiting == len(texts))
+    # Each request is a full batch at limit 1 and max_wait_ms is 0, yet none went: the
+    # backend is busy, and a batch that queued there would time the queue, not the batch.
+    assert len(model.calls) == 1
+    model.gate.set()
+    results = await asyncio.gather(*tasks)
+    await first
 
-        assert model.sizes() == [1, 2, 3]  # each batch as large as the limit when it went
-        assert [a["data"][0]["embedding"] for _, a, _ in results] == [vector(t) for t in texts]
-        assert batcher.limit == 4
-        assert await setup.metric("gateway_batch_limit", route="embeddings") == 4
-        assert "held<=1" in repr(batcher)
+    assert model.sizes() == [1, 2, 3]  # each batch as large as the limit when it went
+    assert [a["data"][0]["embedding"] for _, a, _ in results] == [vector(t) for t in texts]
+    assert batcher.limit == 4
+    assert setup.metric("gateway_batch_limit", route="embeddings") == 4
+    assert "held<=1" in repr(batcher)
 
 
 class Backend:

@@ -4,16 +4,17 @@ stored answer, never able to serve another tenant's entry; and when its module i
 
 The gateway takes its tier factory as a parameter (``Gateway(embedding_tiers=...)``), so
 these tests give it a stand-in tier that has gone wrong; the extra's absence is shown by
-hiding the third-party packages the local model needs.
+hiding the third-party packages the local model needs.  The gateway runs without sockets
+(``gateway.harness.Pipeline``) in front of a backend that gives every answer a fresh id.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from gateway.cache.embedding.local import MODEL, RUNTIME_MODULES, TOKENIZER
@@ -21,12 +22,13 @@ from gateway.cache.embedding_seam import EmbeddingContext, unavailable
 from gateway.cache.keys import RequestKey
 from gateway.cache.tiers import Hit
 from gateway.cli import main
+from gateway.pipeline import Reply
 from gateway.policy.model import Semantic
-from gateway.sim import SimConfig, start_sim
+from gateway.testing import Sent, json_reply
 
 POLICY = """
 backends:
-  gpu: {{url: "{sim}"}}
+  gpu: {{url: "{url}"}}
 routes:
   - name: chat
     match: {{path: /v1/chat/completions}}
@@ -55,11 +57,18 @@ class StandInTier:
         self.added.append((text, entry_key))
 
 
-@pytest.fixture
-async def sim() -> Any:
-    server = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0))
-    yield server
-    await server.close()
+URL = "http://gpu.test"
+CHAT = "/v1/chat/completions"
+_IDS = itertools.count(1)
+
+
+def fresh(sent: Sent) -> Reply:
+    """A chat answer with an id of its own, so a cached answer is told from a fresh one."""
+    message = {"role": "assistant", "content": "an answer"}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    return json_reply(
+        {"id": f"chatcmpl-{next(_IDS)}", "object": "chat.completion", "choices": [choice]}
+    )
 
 
 class StandIns:
@@ -84,53 +93,44 @@ def ask(text: str) -> dict[str, Any]:
 
 
 async def test_the_embedding_tier_answers_after_exact_and_simhash(
-    sim: Any, tiers: StandIns, start_gateway: Any, tmp_path: Path
+    tiers: StandIns, pipeline: Any
 ) -> None:
-    policy = tmp_path / "p.yaml"
-    policy.write_text(POLICY.format(sim=sim.url))
-    gw = await start_gateway(policy=policy, warmup=False, embedding_tiers=tiers)
+    gw = await pipeline(POLICY.format(url=URL), fresh, embedding_tiers=tiers)
     (tier,) = tiers.made
-    url = gw.url + "/v1/chat/completions"
     alice = {"Authorization": "Bearer a"}
-    async with httpx.AsyncClient(headers=alice) as client:
-        stored = await client.post(url, json=ask("What is the capital of France?"))
-        assert stored.headers["X-Gateway-Cache"] == "miss"
-        assert tier.added and tier.added[0][0] == "What is the capital of France?"
-        exact = await client.post(url, json=ask("What is the capital of France?"))
-        near = await client.post(url, json=ask("what is the capital of france"))
-        assert exact.headers["X-Gateway-Cache-Match"] == "exact"
-        assert near.headers["X-Gateway-Cache-Match"] == "simhash"
-        assert tier.looked_up == ["What is the capital of France?"]  # only on the miss
-        para = await client.post(url, json=ask("Which city is France's capital?"))
-        assert para.headers["X-Gateway-Cache"] == "hit"
-        assert para.headers["X-Gateway-Cache-Match"] == "embedding"
-        assert para.headers["X-Gateway-Cache-Similarity"] == "0.970"
-        assert para.json()["id"] == stored.json()["id"]
+    stored = await gw.post(CHAT, ask("What is the capital of France?"), headers=alice)
+    assert stored.headers["X-Gateway-Cache"] == "miss"
+    assert tier.added and tier.added[0][0] == "What is the capital of France?"
+    exact = await gw.post(CHAT, ask("What is the capital of France?"), headers=alice)
+    near = await gw.post(CHAT, ask("what is the capital of france"), headers=alice)
+    assert exact.headers["X-Gateway-Cache-Match"] == "exact"
+    assert near.headers["X-Gateway-Cache-Match"] == "simhash"
+    assert tier.looked_up == ["What is the capital of France?"]  # only on the miss
+    para = await gw.post(CHAT, ask("Which city is France's capital?"), headers=alice)
+    assert para.headers["X-Gateway-Cache"] == "hit"
+    assert para.headers["X-Gateway-Cache-Match"] == "embedding"
+    assert para.headers["X-Gateway-Cache-Similarity"] == "0.970"
+    assert para.json()["id"] == stored.json()["id"]
 
 
 async def test_an_embedding_hit_of_another_tenant_or_context_is_refused(
-    sim: Any, tiers: StandIns, start_gateway: Any, tmp_path: Path
+    tiers: StandIns, pipeline: Any
 ) -> None:
-    policy = tmp_path / "p.yaml"
-    policy.write_text(POLICY.format(sim=sim.url))
-    gw = await start_gateway(policy=policy, warmup=False, embedding_tiers=tiers)
-    url = gw.url + "/v1/chat/completions"
-    async with httpx.AsyncClient() as client:
-        alice = {"Authorization": "a"}
-        await client.post(url, json=ask("Alice's secret question"), headers=alice)
-        other_context = ask("Alice asks again")
-        other_context["max_tokens"] = 3
-        own = await client.post(url, json=other_context, headers=alice)
-        assert own.headers["X-Gateway-Cache"] == "miss"
-        bob = await client.post(url, json=ask("Bob asks this"), headers={"Authorization": "b"})
-        assert bob.headers["X-Gateway-Cache"] == "miss"
-        assert len(tiers.made[0].looked_up) == 3  # each was offered the wrong entry, and refused
+    gw = await pipeline(POLICY.format(url=URL), fresh, embedding_tiers=tiers)
+    alice = {"Authorization": "a"}
+    await gw.post(CHAT, ask("Alice's secret question"), headers=alice)
+    other_context = ask("Alice asks again")
+    other_context["max_tokens"] = 3
+    own = await gw.post(CHAT, other_context, headers=alice)
+    assert own.headers["X-Gateway-Cache"] == "miss"
+    bob = await gw.post(CHAT, ask("Bob asks this"), headers={"Authorization": "b"})
+    assert bob.headers["X-Gateway-Cache"] == "miss"
+    assert len(tiers.made[0].looked_up) == 3  # each was offered the wrong entry, and refused
 
 
 async def test_without_the_embedding_extra_check_warns_and_the_gateway_serves_the_rest(
-    sim: Any,
     monkeypatch: pytest.MonkeyPatch,
-    start_gateway: Any,
+    pipeline: Any,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -140,16 +140,14 @@ async def test_without_the_embedding_extra_check_warns_and_the_gateway_serves_th
     assert reason is not None and "embedding tier is unavailable" in reason
     assert "the embedding extra is not installed" in reason
     policy = tmp_path / "p.yaml"
-    policy.write_text(POLICY.format(sim=sim.url))
+    policy.write_text(POLICY.format(url=URL))
     assert main(["check", str(policy)]) == 0
     err = capsys.readouterr().err
     assert "routes[0].cache.semantic.method: the embedding tier is unavailable" in err
-    gw = await start_gateway(policy=policy, warmup=False)
-    async with httpx.AsyncClient() as client:
-        url = gw.url + "/v1/chat/completions"
-        await client.post(url, json=ask("Still cached?"))
-        again = await client.post(url, json=ask("still cached"))
-        assert again.headers["X-Gateway-Cache-Match"] == "simhash"
+    gw = await pipeline(policy, fresh)
+    await gw.post(CHAT, ask("Still cached?"))
+    again = await gw.post(CHAT, ask("still cached"))
+    assert again.headers["X-Gateway-Cache-Match"] == "simhash"
 
 
 def test_check_warns_when_max_distance_exceeds_the_index(
@@ -157,7 +155,7 @@ def test_check_warns_when_max_distance_exceeds_the_index(
 ) -> None:
     policy = tmp_path / "p.yaml"
     policy.write_text(
-        POLICY.format(sim="http://127.0.0.1:1").replace(
+        POLICY.format(url="http://127.0.0.1:1").replace(
             "method: embedding", "method: simhash, max_distance: 9"
         )
     )

@@ -16,8 +16,7 @@ from gateway.policy import parse_policy_text
 from gateway.policy.load import parse_sources
 from gateway.resilience.gpu import TELEMETRY
 from gateway.telemetry import Selector, parse_exposition, read_series, signals_from
-from tests.helpers import until
-from tests.test_proxy import write_policy
+from tests.helpers import until, write_policy
 
 
 def series(text: str):

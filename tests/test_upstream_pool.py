@@ -11,7 +11,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from tests.test_proxy import CHAT, write_policy
+from tests.helpers import CHAT, write_policy
 from tests.upstreams import Recorder
 
 

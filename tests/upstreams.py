@@ -268,3 +268,37 @@ class RawBackend:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+class Exporter:
+    """A DCGM exporter and a vLLM ``/metrics`` in one; the test sets the values, and
+    ``broken`` makes the scrape answer 500."""
+
+    def __init__(self) -> None:
+        self.temperature = 50.0
+        self.fb_used_mib = 10000
+        self.fb_free_mib = 70000
+        self.kv_cache = 0.1
+        self.waiting = 0
+        self.broken = False
+        self.scrapes = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
+        if self.broken:
+            return web.Response(status=500, text="exporter down")
+        labels = 'gpu="0",UUID="GPU-1",device="nvidia0",modelName="H100",Hostname="n"'
+        lines = [
+            f"DCGM_FI_DEV_GPU_TEMP{{{labels}}} {self.temperature}",
+            f"DCGM_FI_DEV_FB_USED{{{labels}}} {self.fb_used_mib}",
+            f"DCGM_FI_DEV_FB_FREE{{{labels}}} {self.fb_free_mib}",
+            f"DCGM_FI_DEV_GPU_UTIL{{{labels}}} 90",
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv_cache}',
+            f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}',
+        ]
+        return web.Response(text="\n".join(lines) + "\n")

@@ -43,6 +43,11 @@ class HostPool:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
 
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a connection (every one of ``limit`` is in use)."""
+        return len(self._waiters)
+
     def idle_connection(self) -> Connection | None:
         """An idle connection at once (most recently used first), or None."""
         while self._idle:

@@ -105,6 +105,11 @@ class BackendPool:
         self._retry_counter = metrics.upstream_retries.labels(backend.name)
         self._upstream_hist = metrics.upstream_duration.labels(backend.name)
 
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a free connection to this backend."""
+        return self._http.waiting
+
     def _head(
         self, method: str, path_qs: str, headers: list[tuple[str, str]], body: bytes
     ) -> bytes:

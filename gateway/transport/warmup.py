@@ -50,4 +50,11 @@ async def _warm_backend(transport: Transport, backend: Backend) -> None:
                     reason,
                 )
                 break
+            log.info(
+                "warm-up of %s %s: %s; retrying in %g s",
+                backend.name,
+                request.path,
+                reason,
+                RETRY_DELAY_S,
+            )
             await asyncio.sleep(RETRY_DELAY_S)

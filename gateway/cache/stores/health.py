@@ -30,17 +30,23 @@ class Health:
         self.on_change = on_change
         self.up = True
         self.transitions = 0
+        self.reached = 0
+        """Commands that reached the store (whatever they answered), since the start."""
+        self.unreached = 0
+        """Commands that could not reach it (connection failures, timeouts)."""
         self._in_a_row = 0
         self._recent: deque[tuple[float, bool]] = deque()
 
     def succeeded(self) -> None:
         """A command reached the store (an error it answered with counts as reaching it)."""
         self._in_a_row = 0
+        self.reached += 1
         self._note(True)
 
     def failed(self) -> bool:
         """A command could not reach the store; True when that takes it down."""
         self._in_a_row += 1
+        self.unreached += 1
         failures, calls = self._note(False)
         if self.up and (
             self._in_a_row >= DOWN_AFTER
