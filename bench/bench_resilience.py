@@ -40,7 +40,8 @@ from bench.common import free_port, machine, update_section, wait_port
 from bench.outage import bench_sudden_outage, rows
 from bench.plumbing import Backend, Exporter, RawClient, gateway, pcts, serving
 from gateway.errors import Overloaded
-from gateway.resilience.admission import Admission, AdmissionConfig, QueueConfig
+from gateway.policy.model import Queue
+from gateway.resilience.admission import Admission, AdmissionConfig
 
 INTERVAL_MS = 200
 BREAKER = {
@@ -130,7 +131,7 @@ async def bench_shed(requests: int, blocks: int = 10) -> dict[str, Any]:
 
 async def library_shed(rounds: int = 20000) -> tuple[float, float, float]:
     """``Admission.acquire`` on a full queue: it raises before awaiting anything."""
-    admission = Admission("main", AdmissionConfig(1, QueueConfig(capacity=1)))
+    admission = Admission("main", AdmissionConfig(1, Queue(capacity=1)))
     ticket = await admission.acquire()
     waiter = asyncio.create_task(admission.acquire())
     await asyncio.sleep(0)

@@ -8,14 +8,20 @@ a reload can change them without re-registering anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.samples import Sample
+
+from gateway.collectors import (
+    ConnectionCollector,
+    EmbeddingCollector,
+    EmbeddingFigures,
+    Labelled,
+)
+
+__all__ = ["LATENCY_BUCKETS", "EmbeddingFigures", "Metrics", "names"]
 
 # Seconds; dense below 10 ms where the gateway's own overhead lives, up to long generations.
 LATENCY_BUCKETS = (
@@ -333,85 +339,7 @@ class Metrics:
         """The text format of every series, constant labels added."""
         if not self.const_labels:
             return generate_latest(self.registry)
-        return generate_latest(_Labelled(self.registry, dict(self.const_labels)))
-
-
-class ConnectionCollector:
-    """``gateway_connections{state}``, counted at scrape time over the open client
-    connections (``states`` is set by the data plane's server)."""
-
-    STATES = ("reading", "active", "idle")
-
-    def __init__(self) -> None:
-        self.states: Callable[[], dict[str, int]] = dict
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
-            "gateway_connections",
-            "Open client connections by state: reading (a request head or body arriving), "
-            "active (a request being answered), idle (keep-alive, waiting).",
-            labels=["state"],
-        )
-        counts = self.states()
-        for state in self.STATES:
-            family.add_metric([state], counts.get(state, 0))
-        yield family
-
-
-@dataclass(frozen=True, slots=True)
-class EmbeddingFigures:
-    """One route's embedding tier at scrape time: vectors held, shared-index events."""
-
-    route: str
-    entries: int
-    shared: Mapping[str, int] | None = None
-
-
-class EmbeddingCollector:
-    """The embedding tiers' figures, read at scrape time from the tiers of the live policy
-    (``tiers`` is set by the cache stage; each tier counts for itself)."""
-
-    def __init__(self) -> None:
-        self.tiers: Callable[[], Iterable[EmbeddingFigures]] = tuple
-
-    def collect(self) -> Iterator[Metric]:
-        entries = GaugeMetricFamily(
-            "gateway_cache_embedding_entries",
-            "Vectors in a route's embedding index in this process (every replica's, with Redis).",
-            labels=["route"],
-        )
-        shared = CounterMetricFamily(
-            "gateway_cache_embedding_shared",
-            "A route's embedding index shared through Redis, by event: published, indexed "
-            "(another replica's), own, other_embedder, refused, malformed, restarts, "
-            "publish_error, read_error.",
-            labels=["route", "event"],
-        )
-        for tier in self.tiers():
-            entries.add_metric([tier.route], tier.entries)
-            for event, count in sorted((tier.shared or {}).items()):
-                shared.add_metric([tier.route, event], count)
-        yield entries
-        yield shared
-
-
-class _Labelled:
-    """A collector view of a registry that adds constant labels to every sample."""
-
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        self._registry = registry
-        self._labels = labels
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self._registry.collect():
-            out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-            out.samples = [_with(s, self._labels) for s in metric.samples]
-            yield out
-
-
-def _with(sample: Sample, labels: dict[str, str]) -> Sample:
-    merged = {**labels, **sample.labels}
-    return Sample(sample.name, merged, sample.value, sample.timestamp, sample.exemplar)
+        return generate_latest(Labelled(self.registry, dict(self.const_labels)))
 
 
 def names(metrics: Metrics) -> Iterable[str]:
