@@ -28,7 +28,7 @@ from typing import Any
 from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
-from gateway.pipeline import Call, Reply
+from gateway.pipeline import Call, Record, Reply
 from gateway.routing import OPENAI_JSON_PATHS
 from gateway.server.request import Request
 from gateway.snapshot import Live
@@ -146,6 +146,7 @@ class Edge:
             started=started,
             received=tuple(raw),
             client=client,
+            record=Record() if policy.server.access_log or self._gateway.access_log else None,
         )
 
     async def _respond(
@@ -246,6 +247,6 @@ class Edge:
                 entry["first_byte_ms"] = round((first_byte - started) * 1000, 3)
             if tokens is not None:
                 entry["prompt_tokens"], entry["completion_tokens"] = tokens
-            if call is not None and call.record.cache is not None:
+            if call is not None and call.record is not None and call.record.cache is not None:
                 entry["log_cache"] = call.record.cache
             sys.stderr.write(json.dumps(entry) + "\n")

@@ -50,7 +50,7 @@ from gateway.batching.aimd import BatchLimit, CappedLimit
 from gateway.batching.merged_calls import SPLIT_REASONS
 from gateway.errors import Overloaded
 from gateway.metrics import Metrics
-from gateway.pipeline import Call, Handler, Headers, Record, Reply, Stage
+from gateway.pipeline import Call, Handler, Headers, Reply, Stage
 from gateway.policy.model import Batch, Policy, Route
 from gateway.resilience.gpu import batch_limit
 from gateway.runtime import Runtime
@@ -184,7 +184,7 @@ def merged_call(template: Call, body: Any) -> Call:
         body=encoded,
         json=body if template.json is not None else None,
         headers=(*headers, ("Accept-Encoding", "identity")),
-        record=Record(),  # the merged call's own: its members' records are theirs
+        record=None,  # the merged call is no client's: its members' records are theirs
     )
 
 

@@ -65,11 +65,15 @@ class RouteRules:
         self._children: dict[tuple[str, str], Any] = {}
         self.lookup_seconds = runtime.metrics.cache_lookup_seconds.labels(route.name)
 
-    def count(self, result: str, match: str) -> None:
+    def count(self, call: Call, result: str, match: str) -> None:
+        """Count one lookup's result in the metrics, and tell it the access log (when the
+        request is recorded: ``Call.record``)."""
         child = self._children.get((result, match))
         if child is None:
             child = self._children[(result, match)] = self._lookups.labels(self.name, result, match)
         child.inc()
+        if call.record is not None:
+            call.record.cache = result if match == NONE else f"{result}:{match}"
 
 
 class ItemCache:
@@ -98,12 +102,10 @@ class ItemCache:
             rules.lookup_seconds.observe(time.perf_counter() - started)
         positions = missing(cached)
         if not positions:
-            rules.count(HIT, EXACT)
-            call.record.cache = f"{HIT}:{EXACT}"
+            rules.count(call, HIT, EXACT)
             return self._items_hit(call, cached)
         result = BYPASS if no_cache else MISS
-        rules.count(result, NONE)
-        call.record.cache = result
+        rules.count(call, result, NONE)
         headers = ((CACHE_HEADER, result), (ITEMS_HEADER, f"{total - len(positions)}/{total}"))
         store = not no_store
         if len(positions) == total:

@@ -196,7 +196,7 @@ class CacheStage:
         key = self._key(call, scope, call.backend, near=False)
         result = BYPASS
         if no_cache:
-            rules.count(BYPASS, NONE)
+            rules.count(call, BYPASS, NONE)
             key = self._with_context(rules, call, key)
         else:
             hit, key = await self._lookup(rules, call, key)
@@ -204,9 +204,8 @@ class CacheStage:
                 reply = self._answer(rules, call, hit)
                 if reply is not None:
                     return reply
-            rules.count(MISS, NONE)
+            rules.count(call, MISS, NONE)
             result = MISS
-        call.record.cache = result
         reply = (await call_next(call)).with_headers(((CACHE_HEADER, result),))
         if no_store or reply.status != 200 or content_encoded(reply.headers):
             return reply
@@ -214,8 +213,7 @@ class CacheStage:
 
     # -- whole answers ------------------------------------------------------------------------
     async def _pass(self, rules: RouteRules, call: Call, call_next: Handler) -> Reply:
-        rules.count(BYPASS, NONE)
-        call.record.cache = BYPASS
+        rules.count(call, BYPASS, NONE)
         reply = await call_next(call)
         return reply.with_headers(((CACHE_HEADER, BYPASS),))
 
@@ -294,8 +292,7 @@ class CacheStage:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("route %s: cached answer %s not replayable: %s", rules.name, hit.key, exc)
             return None
-        rules.count(HIT, hit.match)
-        call.record.cache = f"{HIT}:{hit.match}"
+        rules.count(call, HIT, hit.match)
         headers = (
             (CACHE_HEADER, HIT),
             (MATCH_HEADER, hit.match),
