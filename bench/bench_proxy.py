@@ -1,13 +1,13 @@
 """Proxy overhead: the backend reached directly, through nginx and through the gateway.
 
-    python -m bench.bench_proxy [--duration 5] [--rounds 3] [--baseline DIR]
+    python -m bench.bench_proxy [--duration 5] [--rounds 3] [--baseline DIR ...]
 
 Measures, in one run on one machine: p50/p99 latency at 1 connection (added latency is
 the difference to direct), requests/s at saturation with 32 connections, the first byte of
 an SSE stream, and the gateway's RSS under that load.  The latency and throughput runs are
 repeated ``--rounds`` times, the paths taking turns in each round so that they see the
 same moments of a shared machine, and each figure is the median over the rounds.
-``--baseline DIR`` adds a fourth path: the gateway of another checkout (``git worktree add
+Each ``--baseline DIR`` adds a path: the gateway of another checkout (``git worktree add
 DIR <commit>``), so that a change is measured against what it replaced in the same run.
 Writes docs/benchmarks.md.
 """
@@ -232,7 +232,7 @@ def baseline_label(checkout: Path) -> str:
     return f"gateway before ({found.stdout.strip() or checkout.name})"
 
 
-def run(duration: int, rounds: int, baseline: Path | None = None) -> str:
+def run(duration: int, rounds: int, baselines: list[Path] | None = None) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     script = tmp / "post.lua"
     script.write_text(
@@ -258,8 +258,8 @@ def run(duration: int, rounds: int, baseline: Path | None = None) -> str:
         gateway = process(gateway_command(backend_port, gateway_port, admin_port), gateway_port)
         gw_proc = gateway.__enter__()
         wait_port(admin_port)
-        before = None
-        if baseline is not None:
+        befores = []
+        for baseline in baselines or []:
             before_port, before_admin = free_port(), free_port()
             before = process(
                 gateway_command(backend_port, before_port, before_admin),
@@ -267,6 +267,7 @@ def run(duration: int, rounds: int, baseline: Path | None = None) -> str:
                 cwd=str(baseline.resolve()),  # `-m gateway` imports from the working directory
             )
             before.__enter__()
+            befores.append(before)
             wait_port(before_admin)
             targets.append((baseline_label(baseline), before_port, None))
         targets.append(("gateway", gateway_port, gw_proc.pid))
@@ -311,12 +312,12 @@ def run(duration: int, rounds: int, baseline: Path | None = None) -> str:
                 )
         finally:
             gateway.__exit__(None, None, None)
-            if before is not None:
+            for before in befores:
                 before.__exit__(None, None, None)
             if nginx is not None:
                 nginx.__exit__(None, None, None)
         counted = {"gateway": instructions_per_request(ROOT, backend_port, tmp)}
-        if baseline is not None:
+        for baseline in baselines or []:
             counted[baseline_label(baseline)] = instructions_per_request(
                 baseline, backend_port, tmp
             )
@@ -333,12 +334,11 @@ def report(
 ) -> str:
     by = dict(rows)
     d, g = by["direct"], by["gateway"]
-    baseline = next((name for name, _ in rows if name.startswith("gateway before")), None)
+    befores = [name for name, _ in rows if name.startswith("gateway before")]
     command = f"python -m bench.bench_proxy --duration {duration} --rounds {rounds}"
-    if baseline is not None:
-        command += " --baseline DIR"
+    command += "".join(f" --baseline DIR{i + 1}" for i in range(len(befores)))
     lines = [
-        "## Proxy overhead (issues 2 and 11)",
+        "## Proxy overhead (issues 2, 11 and 13)",
         "",
         f"`{command}` on "
         f"{machine()}; the backend (`bench/backend.py`, a minimal uvloop server), nginx "
@@ -346,9 +346,12 @@ def report(
         "share the machine. Small chat JSON bodies; latency at 1 connection, throughput at "
         f"32; each a median over {rounds} rounds in which the paths take turns."
         + (
-            f" `{baseline}` is the gateway of another checkout (`git worktree add DIR "
-            "<commit>`), measured in the same rounds."
-            if baseline
+            " "
+            + ", ".join(f"`{name}`" for name in befores)
+            + (" is" if len(befores) == 1 else " are")
+            + " the gateway of another checkout (`git worktree add DIR <commit>`), measured "
+            "in the same rounds."
+            if befores
             else ""
         ),
         "",
@@ -386,15 +389,16 @@ def report(
         f"| streaming first byte added <= 1 ms | {added_fb:.3f} ms | {verdict(added_fb <= 1)} |",
         f"| gateway RSS <= 100 MB under that load | {rss:.0f} MB | {verdict(rss <= 100)} |",
     ]
-    if baseline is not None and "nginx" in by:
-        b = by[baseline]
+    for name in befores if "nginx" in by else []:
+        b = by[name]
         before = b["rps"] / by["nginx"]["rps"]
         before_p50 = b["p50"] - d["p50"]
+        commit = name.removeprefix("gateway before ")
         lines += [
-            f"| throughput not below the gateway before, in the same run | {ratio:.2f}x nginx "
-            f"against {before:.2f}x ({g['rps'] / b['rps']:.2f}x its req/s) | "
+            f"| throughput not below the gateway {commit}, in the same run | {ratio:.2f}x "
+            f"nginx against {before:.2f}x ({g['rps'] / b['rps']:.2f}x its req/s) | "
             f"{verdict(ratio >= before * 0.97)} |",
-            f"| added p50 not above the gateway before | {added_p50:.3f} ms against "
+            f"| added p50 not above the gateway {commit} | {added_p50:.3f} ms against "
             f"{before_p50:.3f} ms | {verdict(added_p50 <= before_p50 + 0.01)} |",
         ]
     if breakdown:
@@ -441,7 +445,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--duration", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline", type=Path, help="a checkout of the gateway to compare")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        action="append",
+        help="a checkout of the gateway to compare (may be given more than once)",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     table = run(args.duration, args.rounds, args.baseline)
