@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.cache.embedding.learned import in_force
 from gateway.cache.state import CACHE_STATE, CacheState
 from gateway.errors import GatewayError, PolicyError, Problem, StoreError, Unauthorized
 from gateway.policy.show import to_data
@@ -102,6 +103,11 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
             "hash": snap.digest,
             "policy": to_data(snap.policy),
             "throttle_signals": control.signal_status() if control is not None else [],
+            "cache_operating_points": {
+                route.name: in_force(route.cache.semantic)
+                for route in snap.policy.routes
+                if route.cache is not None and route.cache.semantic.method == "embedding"
+            },
         }
         return web.json_response(shown, dumps=lambda d: json.dumps(d, indent=2))
 

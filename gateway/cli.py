@@ -4,7 +4,10 @@ gateway serve --policy PATH | --upstream URL [--host --port --admin-host --admin
 gateway check PATH...      validate policies; non-zero exit naming file, key path, line
 gateway schema [--markdown] the policy's JSON Schema (or its reference page)
 gateway sim [flags]        the simulated GPU model server
-gateway cache-eval PAIRS.tsv... [--json]   precision / recall / false hits per cache tier
+gateway cache-eval PAIRS.tsv... [--embedding] [--plot F.png] [--json]
+                           precision / recall / false hits per cache tier, and curves
+gateway cache-eval --calibrate PAIRS.tsv [--max-false-hit-rate R]
+                           the learned verifier's operating point for your own pairs
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gateway import __version__
@@ -78,13 +82,28 @@ def _parser() -> argparse.ArgumentParser:
         "cache-eval", help="precision, recall and false-hit rate of each cache tier and setting"
     )
     cache_eval.add_argument(
-        "pairs", nargs="+", metavar="PAIRS.tsv", help="label<TAB>first<TAB>second per line"
+        "pairs", nargs="*", metavar="PAIRS.tsv", help="label<TAB>first<TAB>second per line"
     )
     cache_eval.add_argument("--json", action="store_true", help="machine-readable output")
     cache_eval.add_argument(
         "--embedding",
         action="store_true",
         help="also evaluate the embedding tier with the local model (the embedding extra)",
+    )
+    cache_eval.add_argument(
+        "--calibrate",
+        metavar="PAIRS.tsv",
+        help="your own labelled pairs: print the learned verifier's operating point for "
+        "--max-false-hit-rate on them and a policy snippet",
+    )
+    cache_eval.add_argument(
+        "--max-false-hit-rate",
+        type=float,
+        default=None,
+        help="the error budget for --calibrate (default: the policy's default)",
+    )
+    cache_eval.add_argument(
+        "--plot", metavar="FILE.png", help="draw the precision-recall curves (needs matplotlib)"
     )
     cache_eval.set_defaults(run=_cache_eval)
 
@@ -167,8 +186,11 @@ def _cache_warnings(policy: Any) -> list[str]:
 def _cache_eval(args: argparse.Namespace) -> int:
     from gateway.cache.evaluate import evaluate, format_report, local_embed
 
+    if not args.pairs and not args.calibrate:
+        print("error: give PAIRS.tsv files, or --calibrate PAIRS.tsv", file=sys.stderr)
+        return 2
     embed = None
-    if args.embedding:
+    if args.embedding or args.calibrate or args.plot:
         from gateway.cache.embedding import available
 
         ok, reason = available()
@@ -176,6 +198,8 @@ def _cache_eval(args: argparse.Namespace) -> int:
             print(f"error: {reason}", file=sys.stderr)
             return 1
         embed = local_embed()
+    if args.calibrate:
+        return _calibrate(args.calibrate, embed, args.max_false_hit_rate, args.json)
     reports = []
     for path in args.pairs:
         try:
@@ -188,6 +212,54 @@ def _cache_eval(args: argparse.Namespace) -> int:
         print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
     else:
         print("\n\n".join(format_report(r) for r in reports))
+    if args.plot:
+        from gateway.cache.plot import plot
+
+        try:
+            plot(reports, args.plot)
+        except ImportError:
+            print("error: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 1
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _calibrate(path: str, embed: Any, budget: float | None, as_json: bool) -> int:
+    from gateway.cache.evaluate import calibrate_pairs
+    from gateway.policy.route import DEFAULT_MAX_FALSE_HIT_RATE
+
+    budget = DEFAULT_MAX_FALSE_HIT_RATE if budget is None else budget
+    if not 0 < budget < 1:
+        print("error: --max-false-hit-rate must be in (0, 1)", file=sys.stderr)
+        return 2
+    try:
+        point, _ = calibrate_pairs(path, embed, budget)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    found = point.min_score <= 1
+    if as_json:
+        print(json.dumps({"source": path, "budget": budget, "found": found} | point.as_dict()))
+        return 0 if found else 1
+    if not found:
+        print(
+            f"{path}: no operating point keeps the false-hit rate's 95% upper bound within "
+            f"{budget:g} ({point.negatives} pairs labelled different: too few, or the "
+            "verifier confuses them); add labelled pairs or raise the budget",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"{path}: {point.positives + point.negatives} pairs; at min_score {point.min_score:.3f}"
+        f": recall {point.recall:.1%}, precision {point.precision or 0:.1%}, false-hit rate "
+        f"{point.false_hit_rate:.2%} (95% upper bound {point.upper:.2%}, budget {budget:g})\n"
+        "\n"
+        "cache:\n"
+        "  semantic:\n"
+        "    method: embedding\n"
+        "    verifier: learned\n"
+        f"    min_score: {point.min_score:.3f}   # calibrated on {Path(path).name}"
+    )
     return 0
 
 

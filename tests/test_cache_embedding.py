@@ -16,8 +16,8 @@ import pytest
 
 from gateway.cache import CachedResponse, ResponseCache, request_key
 from gateway.cache.embedding import (
-    DEFAULT_THRESHOLD,
     EMBEDDING,
+    RULES_THRESHOLD,
     BackendEmbedder,
     EmbeddingTier,
     LocalEmbedder,
@@ -182,7 +182,7 @@ async def test_a_paraphrase_under_the_threshold_is_a_miss() -> None:
 
 def test_threshold_defaults_and_is_validated() -> None:
     store = MemoryStore()
-    assert EmbeddingTier(store, WordsEmbedder()).threshold == DEFAULT_THRESHOLD == 0.90
+    assert EmbeddingTier(store, WordsEmbedder()).threshold == RULES_THRESHOLD == 0.90
     assert EmbeddingTier(store, WordsEmbedder(), threshold=0.8).threshold == 0.8
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="threshold"):
@@ -284,7 +284,7 @@ async def test_repr_shows_live_state() -> None:
     await h.cached("How do I learn Python?")
     await h.ask("How can I learn Python?")
     assert repr(h.tier) == (
-        "<EmbeddingTier embedder=words threshold=0.60 entries=1/10 contexts=1 rejected=0 "
+        "<EmbeddingTier embedder=words threshold=0.60 verifier=rules entries=1/10 contexts=1 rejected=0 "
         "embedding=1>"
     )
 

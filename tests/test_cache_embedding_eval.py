@@ -44,13 +44,13 @@ def words(texts: Sequence[str]) -> np.ndarray:
 def test_embedding_rows_per_threshold_and_the_route_stack() -> None:
     report = evaluate(PAIRS, embed=words, thresholds=(0.2, 0.9))
     rows = {r.setting: r for r in report.rows}
-    for name in ("embedding>=0.20", "embedding>=0.20+guard", "embedding>=0.20+verify"):
-        assert name in rows and "embedding>=0.90+verify" in rows
+    for name in ("embedding>=0.20", "embedding>=0.20+guard", "embedding>=0.20+rules"):
+        assert name in rows and "embedding>=0.90+rules" in rows
     for row in report.rows:
         assert row.true_hits + row.false_hits + row.misses + row.true_rejects == len(PAIRS)
     assert rows["embedding>=0.20"].false_hits == 2  # similar words, different questions
-    assert rows["embedding>=0.20+verify"].false_hits == 0
-    assert rows["embedding>=0.20+verify"].true_hits == 3
+    assert rows["embedding>=0.20+rules"].false_hits == 0
+    assert rows["embedding>=0.20+rules"].true_hits == 3
     assert rows["embedding>=0.20+guard"].true_hits == 1  # the guard alone: exact text only
     assert report.embedding_default == EMBEDDING_SETTING
     assert EMBEDDING_SETTING.startswith(DEFAULT_SETTING + "+embedding>=")
@@ -71,8 +71,8 @@ def test_the_table_marks_the_embedding_default_and_json_names_it() -> None:
     data = json.loads(report.to_json())
     assert data["embedding_default"] == EMBEDDING_SETTING
     settings = [row["setting"] for row in data["rows"]]
-    assert [s for s in settings if s.endswith("+verify")] == [
-        f"embedding>={t:.2f}+verify" for t in DEFAULT_THRESHOLDS
+    assert [s for s in settings if s.endswith("+rules")] == [
+        f"embedding>={t:.2f}+rules" for t in DEFAULT_THRESHOLDS
     ]
 
 

@@ -371,7 +371,9 @@ async def test_repr_shows_the_shared_state(replicas: Any) -> None:
     await a.ask("How can I learn Python?")
     assert repr(a.shared).startswith(f"<SharedIndex v:{ROUTE} idle last=")
     assert repr(a.shared).endswith(" own=1 published=1>")
-    assert repr(a.tier).startswith("<EmbeddingTier embedder=words threshold=0.60 entries=1/10")
+    assert repr(a.tier).startswith(
+        "<EmbeddingTier embedder=words threshold=0.60 verifier=rules entries=1/10"
+    )
     assert f" shared={a.shared.last_id}>" in repr(a.tier)
 
 

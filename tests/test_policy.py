@@ -206,6 +206,18 @@ routes:
         ("", "rate_limit: {}", "", "set requests_per_s and/or tokens_per_min"),
         ("", "rate_limit: {requests_per_s: 0}", "", "rate_limit.requests_per_s: must be"),
         ("", "rate_limit: {tokens_per_min: 9, burst: -1}", "", "rate_limit.burst: must be"),
+        (
+            "",
+            "cache: {semantic: {method: embedding, max_false_hit_rate: 0}}",
+            "",
+            "cache.semantic.max_false_hit_rate: must be in (0, 1)",
+        ),
+        (
+            "",
+            "cache: {semantic: {method: embedding, min_score: 1.5}}",
+            "",
+            "cache.semantic.min_score: must be in [0, 1]",
+        ),
         ("", "", "retry_budget: {window_s: 0}", "retry_budget.window_s: must be greater"),
         ("", "", "retry_budget: {ratio: -0.1}", "retry_budget.ratio: must not be negative"),
         (

@@ -8,10 +8,14 @@ guard that the product always runs.  A false hit is a hit on a pair labelled 0.
 
 With an embedder (``embed``, e.g. ``local_embed()`` from the ``embedding`` extra) the
 embedding tier is scored too, at each threshold: on cosine similarity alone, with the
-guard, and with its verification (``embedding.verify``: the guard, or its checks over
-reworded question frames), which is what the tier runs; and the tiers a route with
+guard, with the rules (``embedding.verify``: the guard, or its checks over reworded
+question frames) and with the learned verifier at the default error budget
+(``embedding.learned``), which is what the tier runs by default; and the tiers a route with
 ``semantic.method: embedding`` runs, in order (exact, SimHash with guard, then the
-embedding tier at its default threshold), as ``EMBEDDING_SETTING``.
+embedding tier at its defaults), as ``EMBEDDING_SETTING``.  Each method also gets its
+precision-recall curve (``calibrate.curve``), with the false-hit rate's 95% upper bound at
+every operating point; ``calibrate_pairs`` picks the operating point for a budget on the
+user's own pairs.
 """
 
 from __future__ import annotations
@@ -23,16 +27,23 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.cache import calibrate
+from gateway.cache.calibrate import Point
+from gateway.cache.embedding import learned
 from gateway.cache.embedding.tier import DEFAULT_THRESHOLD
 from gateway.cache.embedding.verify import verify
 from gateway.cache.guard import check
 from gateway.cache.normalize import normalize
 from gateway.cache.simhash import MAX_DISTANCE, fingerprint, hamming
+from gateway.policy.route import DEFAULT_MAX_FALSE_HIT_RATE
 
 DEFAULT_DISTANCES = tuple(range(MAX_DISTANCE + 1))
 DEFAULT_SETTING = f"simhash<={MAX_DISTANCE}+guard"
 DEFAULT_THRESHOLDS = (0.80, 0.85, 0.90, 0.95)
-EMBEDDING_SETTING = f"{DEFAULT_SETTING}+embedding>={DEFAULT_THRESHOLD:.2f}"
+LEARNED = f"+learned@{DEFAULT_MAX_FALSE_HIT_RATE:g}"
+EMBEDDING_SETTING = f"{DEFAULT_SETTING}+embedding>={DEFAULT_THRESHOLD:.2f}{LEARNED}"
+RECALLS = (0.1, 0.2, 0.3, 0.45)
+BUDGETS = (0.005, 0.01, 0.02, 0.05)
 
 BatchEmbed = Callable[[Sequence[str]], np.ndarray]
 """A synchronous embedder for evaluation: texts -> one vector per row, in order."""
@@ -88,6 +99,7 @@ class Report:
     rows: tuple[Row, ...]
     default: str = DEFAULT_SETTING
     embedding_default: str | None = None
+    curves: tuple[tuple[str, tuple[Point, ...]], ...] = ()
 
     def row(self, setting: str) -> Row:
         return next(r for r in self.rows if r.setting == setting)
@@ -108,6 +120,10 @@ class Report:
                     }
                     for r in self.rows
                 ],
+                "curves": {
+                    name: [p.as_dict() for p in points[::4] if p.min_score <= 1]
+                    for name, points in self.curves
+                },
             },
             indent=2,
         )
@@ -158,43 +174,95 @@ def evaluate(
             outcomes[f"simhash<={d}+guard"].append(exact or (near and guarded))
         outcomes["guard-only"].append(exact or guarded)
     embedding_default = None
+    curves: tuple[tuple[str, tuple[Point, ...]], ...] = ()
+    labels = [p.label == 1 for p in items]
     if embed is not None:
-        embedded, tier = _embedding_outcomes(items, embed, tuple(thresholds))
+        embedded, tier, scored = _embedding_outcomes(items, embed, tuple(thresholds))
         outcomes.update(embedded)
+        curves = tuple((name, calibrate.curve(s, labels)) for name, s in scored.items())
         stack = outcomes[DEFAULT_SETTING]
         outcomes[EMBEDDING_SETTING] = [n or t for n, t in zip(stack, tier, strict=True)]
         embedding_default = EMBEDDING_SETTING
-    labels = [p.label == 1 for p in items]
     rows = tuple(_row(name, hits, labels) for name, hits in outcomes.items())
-    return Report(source, len(items), rows, embedding_default=embedding_default)
+    return Report(source, len(items), rows, embedding_default=embedding_default, curves=curves)
 
 
-def _embedding_outcomes(
-    items: Sequence[Pair], embed: BatchEmbed, thresholds: tuple[float, ...]
-) -> tuple[dict[str, list[bool]], list[bool]]:
-    """Per threshold: cosine alone, with the guard, with the tier's verification; and the
-    tier's own hits (verified, at its default threshold)."""
+def cosines(items: Sequence[Pair], embed: BatchEmbed) -> list[float]:
+    """The cosine similarity of each pair, every distinct text embedded once."""
     texts = sorted({p.first for p in items} | {p.second for p in items})
     vectors = np.asarray(embed(texts), dtype=np.float32).reshape(len(texts), -1)
     vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     row = {text: i for i, text in enumerate(texts)}
-    cosines = [float(vectors[row[p.first]] @ vectors[row[p.second]]) for p in items]
+    return [float(vectors[row[p.first]] @ vectors[row[p.second]]) for p in items]
+
+
+def learned_scores(
+    items: Sequence[Pair], similarity: Sequence[float], floor: float = DEFAULT_THRESHOLD
+) -> list[float]:
+    """The learned verifier's score of each pair as the tier computes it: 2 for byte-equal
+    text (the exact tier), -1 below the cosine ``floor`` or for a hard difference."""
+    model = learned.shipped()
+    out = []
+    for p, c in zip(items, similarity, strict=True):
+        if p.first == p.second:
+            out.append(2.0)
+        elif c < floor:
+            out.append(-1.0)
+        else:
+            out.append(model.score(normalize(p.first), normalize(p.second), c))
+    return out
+
+
+def calibrate_pairs(
+    pairs: str | Path | Sequence[Pair], embed: BatchEmbed, budget: float
+) -> tuple[Point, tuple[Point, ...]]:
+    """The learned verifier's operating point for ``budget`` on the user's labelled pairs,
+    and the whole curve."""
+    items = read_pairs(pairs) if isinstance(pairs, str | Path) else list(pairs)
+    scores = learned_scores(items, cosines(items, embed))
+    points = calibrate.curve(scores, [p.label == 1 for p in items])
+    return calibrate.choose(points, budget), points
+
+
+def _embedding_outcomes(
+    items: Sequence[Pair], embed: BatchEmbed, thresholds: tuple[float, ...]
+) -> tuple[dict[str, list[bool]], list[bool], dict[str, list[float]]]:
+    """Per threshold: cosine alone, with the guard, with the rules, with the learned
+    verifier; the tier's own hits at its defaults; and each method's scores for its
+    curve."""
+    similarity = cosines(items, embed)
     exact = [p.first == p.second for p in items]
     guarded = [check(p.first, p.second).ok for p in items]
     verified = [verify(p.first, p.second).ok for p in items]
+    scores = learned_scores(items, similarity, floor=0.0)
+    min_score = learned.shipped().operating_point(DEFAULT_MAX_FALSE_HIT_RATE).min_score
+    accepted = [s >= min_score for s in scores]
     outcomes: dict[str, list[bool]] = {}
     for t in thresholds:
-        near = [e or c >= t for e, c in zip(exact, cosines, strict=True)]
+        near = [e or c >= t for e, c in zip(exact, similarity, strict=True)]
         name = f"embedding>={t:.2f}"
         outcomes[name] = near
         outcomes[name + "+guard"] = [
             e or (n and g) for e, n, g in zip(exact, near, guarded, strict=True)
         ]
-        outcomes[name + "+verify"] = [
+        outcomes[name + "+rules"] = [
             e or (n and v) for e, n, v in zip(exact, near, verified, strict=True)
         ]
-    tier = [c >= DEFAULT_THRESHOLD and v for c, v in zip(cosines, verified, strict=True)]
-    return outcomes, tier
+        outcomes[name + LEARNED] = [
+            e or (n and a) for e, n, a in zip(exact, near, accepted, strict=True)
+        ]
+    tier = [c >= DEFAULT_THRESHOLD and a for c, a in zip(similarity, accepted, strict=True)]
+    scored = {
+        "cosine": [2.0 if e else c for e, c in zip(exact, similarity, strict=True)],
+        "cosine+rules": [
+            2.0 if e else (c if v else -1.0)
+            for e, c, v in zip(exact, similarity, verified, strict=True)
+        ],
+        "learned": [
+            -1.0 if c < DEFAULT_THRESHOLD else s for c, s in zip(similarity, scores, strict=True)
+        ],
+    }
+    return outcomes, tier, scored
 
 
 def local_embed() -> BatchEmbed:
@@ -233,8 +301,28 @@ def format_report(report: Report) -> str:
     if report.embedding_default is not None:
         lines.append(
             "  + with the embedding tier at its default threshold (exact, SimHash, embedding); "
-            "+verify: the tier's verification"
+            "+rules: the rule-based verifier; "
+            f"{LEARNED.lstrip('+')}: the learned verifier at the default error budget"
         )
+    for name, points in report.curves:
+        lines.append("")
+        lines.append(
+            f"  {name}: precision at recall "
+            + "  ".join(
+                f"{r:.2f}: {_pct(calibrate.precision_at_recall(points, r))}" for r in RECALLS
+            )
+        )
+        if name == "learned":
+            lines.append(
+                f"    {'budget':>7} {'min_score':>9} {'precision':>9} {'recall':>7} "
+                f"{'false-hit':>9} {'upper 95%':>9}"
+            )
+            for budget in BUDGETS:
+                p = calibrate.choose(points, budget)
+                lines.append(
+                    f"    {budget:>7g} {p.min_score:>9.3f} {_pct(p.precision):>9} "
+                    f"{_pct(p.recall):>7} {_pct(p.false_hit_rate):>9} {_pct(p.upper):>9}"
+                )
     return "\n".join(lines)
 
 

@@ -173,6 +173,10 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             bad("cache.semantic.max_distance", "must be between 0 and 16")
         if semantic.threshold is not None and not 0 < semantic.threshold <= 1:
             bad("cache.semantic.threshold", "must be in (0, 1]")
+        if not 0 < semantic.max_false_hit_rate < 1:
+            bad("cache.semantic.max_false_hit_rate", "must be in (0, 1)")
+        if semantic.min_score is not None and not 0 <= semantic.min_score <= 1:
+            bad("cache.semantic.min_score", "must be in [0, 1]")
         if semantic.embedder is not None and semantic.embedder not in backends:
             bad("cache.semantic.embedder", f"unknown backend {semantic.embedder!r}")
         if semantic.embedder_model is not None and semantic.embedder is None:

@@ -14,6 +14,7 @@ DEFAULT_CACHE_TTL_S = 600.0
 DEFAULT_SIMHASH_MAX_DISTANCE = 3
 DEFAULT_BATCH_MAX_SIZE = 16
 DEFAULT_BATCH_MAX_WAIT_MS = 5.0
+DEFAULT_MAX_FALSE_HIT_RATE = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +52,33 @@ class Semantic:
     threshold: float | None = field(
         default=None,
         metadata=doc(
-            "Embedding: cosine similarity needed (default: the "
-            "calibrated value in docs/caching.md)."
+            "Embedding: cosine similarity a candidate needs before it is verified "
+            "(default: 0.80 with the learned verifier, 0.90 with the rules; "
+            "docs/caching.md)."
+        ),
+    )
+    verifier: Literal["learned", "rules"] = field(
+        default="learned",
+        metadata=doc(
+            "Embedding: how a candidate is verified: `learned` (a model over features of "
+            "the pair, at the operating point of `max_false_hit_rate`) or `rules` (the "
+            "guard over reworded question frames)."
+        ),
+    )
+    max_false_hit_rate: float = field(
+        default=DEFAULT_MAX_FALSE_HIT_RATE,
+        metadata=doc(
+            "Embedding, learned verifier: the error budget, as the share of different "
+            "questions that may get a cached answer; the verifier runs at the most "
+            "permissive calibrated operating point whose 95% upper bound stays within it."
+        ),
+    )
+    min_score: float | None = field(
+        default=None,
+        metadata=doc(
+            "Embedding, learned verifier: the score a candidate needs, instead of the one "
+            "`max_false_hit_rate` picks (`gateway cache-eval --calibrate` prints it for "
+            "your own labelled pairs)."
         ),
     )
     embedder: str | None = field(

@@ -2,7 +2,8 @@
 
 tier.py     EmbeddingTier: lookup / add over the route's store, bounded, stale-safe
 index.py    VectorIndex: one context's vectors, binary prefilter then exact cosine
-verify.py   the guard, or its checks over reworded question frames
+verify.py   the rules: the guard, or its checks over reworded question frames
+learned.py  the learned verifier (the default): hard differences, then a calibrated score
 local.py    the local model (the ``embedding`` extra): MiniLM int8 ONNX on onnxruntime
 backend.py  a policy backend's /v1/embeddings instead of the local model
 shared.py   SharedIndex: with the Redis store, every replica's index entries in one stream
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.cache.embedding import local
+from gateway.cache.embedding import learned, local
 from gateway.cache.embedding.backend import BackendEmbedder
 from gateway.cache.embedding.local import MODEL_NAME, LocalEmbedder, LocalModel
 from gateway.cache.embedding.shared import SharedIndex
@@ -26,8 +27,10 @@ from gateway.cache.embedding.tier import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_THRESHOLD,
     EMBEDDING,
+    RULES_THRESHOLD,
     Embed,
     EmbeddingTier,
+    rules,
 )
 from gateway.cache.embedding.verify import verify
 from gateway.cache.stores.redis import RedisStore
@@ -42,6 +45,7 @@ __all__ = [
     "DEFAULT_MAX_ENTRIES",
     "DEFAULT_THRESHOLD",
     "EMBEDDING",
+    "RULES_THRESHOLD",
     "BackendEmbedder",
     "Embed",
     "EmbeddingContext",
@@ -100,7 +104,8 @@ def from_semantic(semantic: Semantic, context: EmbeddingContext) -> EmbeddingTie
         embedder.start_loading()  # off the event loop; the first lookup waits for it
         embed = embedder
         identity = f"local:{MODEL_NAME}"
-    tier = EmbeddingTier(context.store, embed, threshold=semantic.threshold)
+    verifier = learned.verifier_for(semantic) if learned.uses_learned(semantic) else rules
+    tier = EmbeddingTier(context.store, embed, threshold=semantic.threshold, verifier=verifier)
     if isinstance(context.store, RedisStore):
         tier.share(context.store, context.route, identity, context.clock)
     return tier

@@ -8,8 +8,10 @@ includes the tenant scope), and returns the first candidate that
 2. still exists in the store (entries expire, are evicted and purged there; the index
    only points at them, and a stale pointer is dropped and is a miss), belongs to the
    asking tenant's scope and the same context, and
-3. passes ``verify`` against the message it was stored for: the near-duplicate guard, or
-   the guard's checks over reworded question frames (see ``verify``).
+3. passes the route's verifier against the message it was stored for: by default the
+   learned verifier (``learned.py``: no hard difference, and a score at the operating
+   point of the route's error budget), or the rules (``verify``: the near-duplicate
+   guard, or its checks over reworded question frames).
 
 The index is held in this process (one ``VectorIndex`` per context), bounded by
 ``max_entries`` across contexts, least recently used first out.  Over the Redis store it is
@@ -32,6 +34,7 @@ import numpy as np
 from gateway.cache.embedding.index import VectorIndex
 from gateway.cache.embedding.shared import SharedIndex
 from gateway.cache.embedding.verify import verify
+from gateway.cache.guard import Verdict
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores.base import CacheStore
 from gateway.cache.stores.redis import RedisStore
@@ -42,14 +45,15 @@ from gateway.errors import GatewayError, StoreError
 log = logging.getLogger("gateway.cache")
 
 EMBEDDING = "embedding"
-DEFAULT_THRESHOLD = 0.90
-"""Cosine similarity a candidate needs before verification.  Measured (docs/caching.md,
-``gateway cache-eval``): with verification, precision is 100% on the question-pair,
-adversarial and PAWS sets at every threshold from 0.80 to 0.95, and recall is the same from
-0.80 to 0.90 (verified question-pair duplicates score 0.92 or more, PAWS ones 0.94), so 0.90
-loses nothing there while a verified pair the model scores lower (a reworded frame that
-changed the question in a way the rules do not see) stays a miss.  Calibrated for the local
-MiniLM model: with a backend ``embedder``, check the threshold for that model."""
+DEFAULT_THRESHOLD = 0.80
+"""Cosine similarity a candidate needs before the learned verifier scores it: below it,
+the development pairs the verifier would accept are too few to matter (docs/caching.md),
+and fewer candidates are scored per lookup.  For the local MiniLM model."""
+RULES_THRESHOLD = 0.90
+"""The same floor for the rule-based verifier (``verifier: rules``): with the rules,
+recall on the development sets is the same from 0.80 to 0.90, and a pair the model scores
+lower that the rules pass (a reworded frame that changed the question in a way the rules
+do not see) stays a miss."""
 DEFAULT_MAX_ENTRIES = 100_000
 MAX_CANDIDATES = 8
 """At most this many candidates above the threshold are fetched and verified per lookup."""
@@ -58,6 +62,13 @@ MEMO_TEXTS = 1024
 
 Embed = Callable[[Sequence[str]], Awaitable[Any]]
 """An embedder: texts -> one vector per text (any array-like of floats, rows in order)."""
+Verifier = Callable[[str, str, float], Verdict]
+"""Whether a cached message may answer the asked one: (cached, asked, cosine) -> verdict."""
+
+
+def rules(first: str, second: str, cosine: float) -> Verdict:
+    """The rule-based verifier (``verify``) as a ``Verifier``; the cosine is not used."""
+    return verify(first, second)
 
 
 class EmbeddingTier:
@@ -72,13 +83,17 @@ class EmbeddingTier:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_candidates: int = MAX_CANDIDATES,
         name: str = "",
+        verifier: Verifier = rules,
     ) -> None:
-        threshold = DEFAULT_THRESHOLD if threshold is None else float(threshold)
+        if threshold is None:
+            threshold = RULES_THRESHOLD if verifier is rules else DEFAULT_THRESHOLD
+        threshold = float(threshold)
         if not 0.0 < threshold <= 1.0:
             raise ValueError("threshold must be within (0, 1]")
         if max_entries < 1 or max_candidates < 1:
             raise ValueError("max_entries and max_candidates must be >= 1")
         self.store = store
+        self.verifier = verifier
         self.threshold = threshold
         self.max_entries = max_entries
         self.max_candidates = max_candidates
@@ -142,7 +157,7 @@ class EmbeddingTier:
             if entry.scope != key.scope or entry.context != key.context or entry.prompt is None:
                 self.rejections["scope"] += 1
                 continue
-            verdict = verify(entry.prompt, text)
+            verdict = self.verifier(entry.prompt, text, similarity)
             if not verdict.ok:
                 self.rejections[verdict.reason] += 1
                 continue
@@ -262,7 +277,15 @@ class EmbeddingTier:
         rejected = sum(self.rejections.values())
         return (
             f"<EmbeddingTier embedder={self.name} threshold={self.threshold:.2f} "
+            f"verifier={_verifier_name(self.verifier)} "
             f"entries={len(self)}/{self.max_entries} contexts={self.contexts} "
             f"rejected={rejected}{' ' + results if results else ''}"
             f"{' shared=' + self.shared.last_id if self.shared is not None else ''}>"
         )
+
+
+def _verifier_name(verifier: Verifier) -> str:
+    min_score = getattr(verifier, "min_score", None)
+    if min_score is not None:
+        return f"learned>={min_score:.3f}"
+    return "rules" if verifier is rules else getattr(verifier, "__name__", "custom")

@@ -1,0 +1,254 @@
+"""The learned verifier: a logistic model over cheap features of a candidate pair.
+
+An embedding candidate (a cached message whose vector is near the asked one) is accepted
+when, first, no *hard difference* refuses it (quoted spans, code, numbers, negations, the
+same words in another order, "my" against "your": the minimal edits that change an answer
+and that no score may outvote), and then its score reaches the route's ``min_score``.  The
+score is a logistic model over features that cost microseconds: the cosine, token and character
+overlap, what each side has that the other lacks, entity and direction differences, the
+opening question word, the length ratio, and the verdicts of the guard and the rule-based
+verifier (``verify``).
+
+The weights (``gateway/data/verifier.json``) were trained offline on development pairs by
+``bench/train_verifier.py``, which also ships the *calibration*: the operating points of
+the model on pairs it was not trained on (cross-fitted), from which a route's
+``max_false_hit_rate`` picks its ``min_score`` (``calibrate.choose``).  The calibration
+holds for the local model's cosines; with another embedder, calibrate on your own pairs
+(``gateway cache-eval --calibrate``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from gateway.cache import guard
+from gateway.cache.calibrate import Point, choose
+from gateway.cache.embedding.verify import canonical, relaxed, stem
+from gateway.cache.guard import Verdict
+from gateway.cache.normalize import Normalized, normalize
+from gateway.policy.route import Semantic
+
+HARD = frozenset(("quoted", "code", "numbers", "negation", "order", "pronoun"))
+"""Rule verdicts no score overrides."""
+SCORE = "score"
+"""The rejection reason of a candidate whose score is below ``min_score``."""
+_OPENINGS = frozenset(
+    "what how why who when where which is are can do does should will would was were did".split()
+)
+
+FEATURES = (
+    "cosine",
+    "cosine_over_0.8",
+    "cosine_over_0.9",
+    "token_jaccard",
+    "char_jaccard",
+    "only_first_share",
+    "only_second_share",
+    "only_fewer",
+    "only_more",
+    "length_ratio",
+    "entities_differ",
+    "direction_swap",
+    "direction_change",
+    "same_opening",
+    "other_question_opening",
+    "guard_ok",
+    "rules_ok",
+    "log_length",
+    "rules_ok_x_cosine",
+    "guard_ok_x_cosine",
+    "token_jaccard_x_cosine",
+)
+
+
+def features(a: Normalized, b: Normalized, cosine: float) -> list[float]:
+    """The model's inputs for the pair, in ``FEATURES`` order."""
+    rules = relaxed(a, b)
+    rules_ok = 1.0 if rules.ok or guard.check(a, b).ok else 0.0
+    guard_ok = 1.0 if guard.check(a, b).ok else 0.0
+    ca, cb = canonical(a), canonical(b)
+    sa, sb = set(ca), set(cb)
+    only_a, only_b = sa - sb, sb - sa
+    la, lb = len(ca) or 1, len(cb) or 1
+    jaccard = len(sa & sb) / (len(sa | sb) or 1)
+    wa = [t.text for t in a.tokens]
+    wb = [t.text for t in b.tokens]
+    ga, gb = _grams(" ".join(wa)), _grams(" ".join(wb))
+    cased_a = {stem(t.text) for t in a.tokens if t.cased}
+    cased_b = {stem(t.text) for t in b.tokens if t.cased}
+    dir_a = any(w in guard.DIRECTIONS for w in only_a)
+    dir_b = any(w in guard.DIRECTIONS for w in only_b)
+    same_opening = bool(wa and wb and wa[0] == wb[0])
+    both_questions = bool(wa and wb and wa[0] in _OPENINGS and wb[0] in _OPENINGS)
+    return [
+        cosine,
+        max(0.0, cosine - 0.8),
+        max(0.0, cosine - 0.9),
+        jaccard,
+        len(ga & gb) / (len(ga | gb) or 1),
+        len(only_a) / la,
+        len(only_b) / lb,
+        float(min(len(only_a), len(only_b))),
+        float(max(len(only_a), len(only_b))),
+        min(la, lb) / max(la, lb),
+        float(len(cased_a ^ cased_b)),
+        float(dir_a and dir_b),
+        float(dir_a or dir_b),
+        float(same_opening),
+        float(both_questions and not same_opening),
+        guard_ok,
+        rules_ok,
+        math.log(max(la, lb)),
+        rules_ok * cosine,
+        guard_ok * cosine,
+        jaccard * cosine,
+    ]
+
+
+def hard_difference(a: Normalized, b: Normalized) -> str:
+    """The reason a pair is refused whatever its score, or "" when none applies."""
+    if guard.check(a, b).ok:
+        return ""
+    reason = relaxed(a, b).reason
+    return reason if reason in HARD else ""
+
+
+def _grams(text: str, n: int = 3) -> set[str]:
+    padded = f" {text} "
+    return {padded[i : i + n] for i in range(len(padded) - n + 1)}
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A trained logistic model and its calibration (operating points on unseen pairs)."""
+
+    names: tuple[str, ...]
+    mean: tuple[float, ...]
+    scale: tuple[float, ...]
+    weights: tuple[float, ...]
+    bias: float
+    calibration: tuple[Point, ...]
+    source: str = ""
+
+    def score(self, a: Normalized, b: Normalized, cosine: float) -> float:
+        """The probability the model gives that both ask the same thing; -1 for a hard
+        difference."""
+        if hard_difference(a, b):
+            return -1.0
+        return self.raw_score(features(a, b, cosine))
+
+    def raw_score(self, values: list[float]) -> float:
+        z = self.bias
+        for x, m, s, w in zip(values, self.mean, self.scale, self.weights, strict=True):
+            z += w * (x - m) / s
+        return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, z))))
+
+    def operating_point(self, max_false_hit_rate: float) -> Point:
+        """The most permissive calibrated point within the error budget."""
+        return choose(self.calibration, max_false_hit_rate)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "features": list(self.names),
+                "mean": list(self.mean),
+                "scale": list(self.scale),
+                "weights": list(self.weights),
+                "bias": self.bias,
+                "source": self.source,
+                "calibration": [
+                    [p.min_score, p.true_hits, p.false_hits, p.positives, p.negatives]
+                    for p in self.calibration
+                ],
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Model:
+        data = json.loads(text)
+        names = tuple(data["features"])
+        if names != FEATURES:
+            raise ValueError("the verifier's weights were trained on other features")
+        return cls(
+            names,
+            tuple(data["mean"]),
+            tuple(data["scale"]),
+            tuple(data["weights"]),
+            float(data["bias"]),
+            tuple(Point(float(t), *map(int, rest)) for t, *rest in data["calibration"]),
+            data.get("source", ""),
+        )
+
+
+@lru_cache(maxsize=1)
+def shipped() -> Model:
+    """The model that ships in the package (``gateway/data/verifier.json``)."""
+    text = resources.files("gateway.data").joinpath("verifier.json").read_text("utf-8")
+    return Model.from_json(text)
+
+
+class LearnedVerifier:
+    """Accepts a candidate at ``score >= min_score``; ``min_score`` from the route's policy
+    or the error budget's operating point."""
+
+    def __init__(self, model: Model, min_score: float) -> None:
+        self.model = model
+        self.min_score = min_score
+
+    def __call__(self, first: str, second: str, cosine: float) -> Verdict:
+        a, b = normalize(first), normalize(second)
+        reason = hard_difference(a, b)
+        if reason:
+            return Verdict(False, reason)
+        if self.model.raw_score(features(a, b, cosine)) >= self.min_score:
+            return guard.PASS
+        return Verdict(False, SCORE)
+
+    def __repr__(self) -> str:
+        return f"<LearnedVerifier min_score={self.min_score:.3f}>"
+
+
+def uses_learned(semantic: Semantic) -> bool:
+    """Whether a route runs the learned verifier: when its policy says so, except with a
+    backend ``embedder`` and no ``min_score`` (the shipped calibration is for the local
+    model's cosines; another model's need their own), where the rules run."""
+    return semantic.verifier == "learned" and (
+        semantic.embedder is None or semantic.min_score is not None
+    )
+
+
+def in_force(semantic: Semantic) -> dict[str, object]:
+    """The operating point a route's ``cache.semantic`` runs at, as ``GET /policy`` shows
+    it: from ``min_score`` when set (with the shipped calibration's figures there), else
+    from the error budget."""
+    if not uses_learned(semantic):
+        why = "policy" if semantic.verifier == "rules" else "embedder without min_score"
+        return {"verifier": "rules", "why": why}
+    model = shipped()
+    wanted = semantic.min_score
+    if wanted is not None:
+        point = min(model.calibration, key=lambda p: (abs(p.min_score - wanted), p.min_score))
+        chosen: dict[str, object] = {"from": "min_score", "min_score": wanted}
+    else:
+        point = model.operating_point(semantic.max_false_hit_rate)
+        chosen = {"from": "max_false_hit_rate", "min_score": point.min_score}
+    return {
+        "verifier": "learned",
+        "max_false_hit_rate": semantic.max_false_hit_rate,
+        **chosen,
+        "calibration": model.source,
+        "calibrated": point.as_dict(),
+    }
+
+
+def verifier_for(semantic: Semantic) -> LearnedVerifier:
+    """The learned verifier at the route's operating point."""
+    model = shipped()
+    if semantic.min_score is not None:
+        return LearnedVerifier(model, semantic.min_score)
+    return LearnedVerifier(model, model.operating_point(semantic.max_false_hit_rate).min_score)
