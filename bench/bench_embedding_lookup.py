@@ -1,6 +1,7 @@
 """Embedding-tier lookup latency with 100k entries, embedding time, memory per entry.
 
-    .venv/bin/python bench/bench_embedding_lookup.py [--entries 100000] [--queries 3000]
+    python -m bench.bench_embedding_lookup [--entries 100000] [--queries 3000]
+        [--verifier learned|rules]
 
 Fills a ``MemoryStore`` and an ``EmbeddingTier`` with N chat answers, all in ONE context
 (the worst case: one index holds every entry), then times ``EmbeddingTier.lookup`` for
@@ -8,7 +9,9 @@ fresh queries of three kinds: a paraphrase of a stored prompt (reworded frame, v
 cosine ~0.95: a verified hit), an unseen prompt (a miss), and a paraphrase whose stored
 entry has expired (a stale pointer dropped, then a miss).  Lookup times exclude embedding:
 the tier's embedder here answers from a precomputed table, so the figures are the index
-search, the store fetch and the verification.  Embedding vectors are mixtures of real
+search, the store fetch and the verification (the learned verifier at the default error
+budget, unless ``--verifier rules``); the end-to-end figure adds the embedding of a short
+question, which the tier computes once per request.  Embedding vectors are mixtures of real
 MiniLM vectors of the question sets in ``gateway/data`` when the ``embedding`` extra is
 installed (random ones otherwise), so their geometry, and the binary prefilter's
 selectivity, are a real model's.  Embedding time is measured separately on the local
@@ -33,11 +36,12 @@ import numpy as np
 
 from bench.common import machine, update_section
 from gateway.cache import CachedResponse, ResponseCache, request_key
-from gateway.cache.embedding import EmbeddingTier, local
+from gateway.cache.embedding import EmbeddingTier, learned, local, rules
 from gateway.cache.embedding.index import PREFILTER_ROWS, hamming_bound
 from gateway.cache.evaluate import read_pairs
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores import MemoryStore
+from gateway.policy.route import Semantic
 from gateway.testing import FakeClock
 
 DATA = Path(__file__).resolve().parent.parent / "gateway" / "data"
@@ -145,7 +149,7 @@ def embedding_times(queries: int) -> list[tuple[str, list[float]]]:
     return rows
 
 
-async def main(entries: int, queries: int) -> list[str]:
+async def main(entries: int, queries: int, verifier: str = "learned") -> list[str]:
     lines: list[str] = []
 
     def out(text: str) -> None:
@@ -159,7 +163,9 @@ async def main(entries: int, queries: int) -> list[str]:
     store = MemoryStore(max_bytes=1 << 40, clock=clock)
     cache = ResponseCache(store, clock=clock)
     embed = TableEmbedder()
-    tier = EmbeddingTier(store, embed, max_entries=entries + 1)
+    semantic = Semantic(method="embedding", verifier=verifier)  # type: ignore[arg-type]
+    checker = learned.verifier_for(semantic) if learned.uses_learned(semantic) else rules
+    tier = EmbeddingTier(store, embed, max_entries=entries + 1, verifier=checker)
     dims = base.shape[1]
 
     def stored_vector() -> np.ndarray:
@@ -258,20 +264,32 @@ if __name__ == "__main__":
     parser.add_argument("--entries", type=int, default=100_000)
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--no-gc", action="store_true", help="disable the cyclic GC while timing")
+    parser.add_argument("--verifier", choices=("learned", "rules"), default="learned")
     args = parser.parse_args()
     if args.no_gc:
         gc.disable()
-    printed = asyncio.run(main(args.entries, args.queries))
-    p99 = [float(line.split()[-3]) for line in printed if line.startswith("paraphrase (")]
-    verdict = "met" if p99 and p99[0] <= 2.0 else "**missed**"
+    printed = asyncio.run(main(args.entries, args.queries, args.verifier))
+
+    def p99_of(prefix: str, column: int) -> float:
+        found = [float(line.split()[column]) for line in printed if line.startswith(prefix)]
+        return max(found) if found else float("nan")
+
+    # lookup rows end "p50 p99 max hits", embedding rows "p50 p99 max"
+    lookup = max(p99_of(kind, -3) for kind in ("paraphrase (", "unseen", "paraphrase of"))
+    embedding = p99_of("short question, 2 threads", -2)
+    both = lookup + embedding
     command = "python -m bench.bench_embedding_lookup" + (" --no-gc" if args.no_gc else "")
+    if args.verifier != "learned":
+        command += f" --verifier {args.verifier}"
     update_section(
         "embedding",
-        "## Embedding cache tier (issue 4)\n\n"
+        "## Embedding cache tier (issues 4 and 14)\n\n"
         f"`{command}` on {machine()}; {args.entries} entries in one exact context "
         "(the worst case: lookups only search their own context).\n\n```\n"
         + "\n".join(printed)
         + "\n```\n\n| target | measured | |\n|---|---|---|\n"
         f"| embedding-tier lookup <= 2 ms p99 at 100k entries (embedding time apart) | "
-        f"{p99[0] if p99 else float('nan'):.3f} ms | {verdict} |",
+        f"{lookup:.3f} ms (the slowest kind) | {'met' if lookup <= 2 else '**missed**'} |\n"
+        f"| lookup plus verification plus embedding the prompt <= 10 ms p99 | {both:.3f} ms "
+        f"(p99s added: {lookup:.3f} + {embedding:.3f}) | {'met' if both <= 10 else '**missed**'} |",
     )

@@ -20,8 +20,12 @@ def plot(reports: Sequence[Report], path: str | Path) -> None:
     shown = [r for r in reports if r.curves]
     if not shown:
         raise ValueError("no curves to draw: run with --embedding")
-    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.5), squeeze=False)
-    for ax, report in zip(axes[0], shown, strict=True):
+    cols = min(2, len(shown))
+    rows = -(-len(shown) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(shown) :]:
+        ax.set_visible(False)
+    for ax, report in zip(axes.flat, shown, strict=False):
         for name, points in report.curves:
             drawn = [p for p in points if p.precision is not None and p.min_score <= 1]
             ax.plot([p.recall for p in drawn], [p.precision for p in drawn], label=name)
