@@ -32,9 +32,10 @@ from gateway.runtime import Runtime
 from gateway.server.listener import HttpServer
 from gateway.snapshot import Snapshot
 from gateway.state import Registry
+from gateway.transport.endpoints import Upstreams
 from gateway.transport.forward import Forward
 from gateway.transport.forwarding import TrustedProxies
-from gateway.transport.upstream import Transport, Upstreams
+from gateway.transport.upstream import Transport
 from gateway.transport.warmup import warm_up
 
 log = logging.getLogger("gateway")
@@ -61,7 +62,7 @@ class Gateway:
         self.clock = clock
         self.access_log = access_log
         self.metrics = Metrics()
-        self._upstreams = Upstreams(self.metrics) if transport is None else None
+        self._upstreams = Upstreams(self.metrics, clock) if transport is None else None
         self.transport: Transport = transport if transport is not None else self._upstreams  # type: ignore[assignment]
         self.registry = Registry()
         self.inflight_requests = 0

@@ -16,6 +16,7 @@
     │   │   └── CircuitOpen         503 the backend's circuit breaker is open
     │   ├── UpstreamError           the backend could not be used; 5xx
     │   │   ├── UpstreamUnavailable 502 refused, reset or closed mid-response
+    │   │   │   ├── ConnectFailed   502 no connection could be opened (nothing was sent)
     │   │   │   └── BadUpstreamResponse 502 the answer is not valid HTTP/1.1 framing
     │   │   ├── UpstreamTimeout     504 connect, total or idle-between-chunks timeout
     │   │   └── BatchSplitError     502 a merged answer could not be split back per caller
@@ -184,6 +185,11 @@ class UpstreamUnavailable(UpstreamError):
     """The backend refused, reset or closed the connection."""
 
     code = "upstream_unavailable"
+
+
+class ConnectFailed(UpstreamUnavailable):
+    """No connection to the backend could be opened (refused, unreachable, a failed
+    handshake): nothing of the request was sent, so another endpoint may take it."""
 
 
 class BadUpstreamResponse(UpstreamUnavailable):

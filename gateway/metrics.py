@@ -83,6 +83,30 @@ class Metrics:
         self.inflight = Gauge(
             "gateway_inflight_requests", "Upstream requests in flight.", ["backend"], registry=r
         )
+        self.endpoint_inflight = Gauge(
+            "gateway_endpoint_inflight",
+            "Upstream requests in flight per endpoint (instance) of a backend.",
+            ["backend", "endpoint"],
+            registry=r,
+        )
+        self.endpoint_requests = Counter(
+            "gateway_endpoint_requests",
+            "Upstream requests per endpoint, by outcome (the status class, or error).",
+            ["backend", "endpoint", "status"],
+            registry=r,
+        )
+        self.endpoint_state = Gauge(
+            "gateway_endpoint_state",
+            "1 for an endpoint's current state (active, ejected), 0 for the others.",
+            ["backend", "endpoint", "state"],
+            registry=r,
+        )
+        self.pool_active_endpoints = Gauge(
+            "gateway_pool_active_endpoints",
+            "Endpoints of a backend taking traffic (not ejected).",
+            ["backend"],
+            registry=r,
+        )
         self.tokens = Counter(
             "gateway_tokens",
             "Tokens reported by upstream `usage`, by kind (prompt, completion).",

@@ -125,3 +125,15 @@ async def send_raw(url: str, data: bytes, timeout_s: float = 5.0) -> list[RawRes
     raw = await asyncio.wait_for(reader.read(), timeout_s)
     writer.close()
     return parse_responses(raw)
+
+
+def problems_of(text: str) -> list[str]:
+    """The problems the loader reports for policy ``text`` (as file ``p.yaml``)."""
+    from gateway.errors import PolicyError
+    from gateway.policy.load import parse_policy_text
+
+    try:
+        parse_policy_text(text, "p.yaml")
+    except PolicyError as exc:
+        return [str(p) for p in exc.problems]
+    raise AssertionError("the policy was accepted")

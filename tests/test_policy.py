@@ -12,6 +12,7 @@ from gateway.cli import main
 from gateway.errors import PolicyError
 from gateway.policy import load_policy, parse_policy_text
 from gateway.policy.schema import json_schema, reference_markdown
+from tests.helpers import problems_of
 
 ROOT = Path(__file__).resolve().parent.parent
 MINIMAL = """\
@@ -25,12 +26,6 @@ routes:
   - match: {path: "/v1/*", model: "llama*"}
     backend: main
 """
-
-
-def problems_of(text: str) -> list[str]:
-    with pytest.raises(PolicyError) as info:
-        parse_policy_text(text, "p.yaml")
-    return [str(p) for p in info.value.problems]
 
 
 def test_the_issue_minimal_policy_parses_into_frozen_types():

@@ -128,7 +128,29 @@ class Backend:
     """A model server the gateway forwards to."""
 
     name: str = field(metadata=doc("The backend's name (its key under `backends`)."))
-    url: str = field(metadata=doc("Base URL, `http://` or `https://`; paths are appended."))
+    url: str = field(
+        default="",
+        metadata=doc(
+            "Base URL, `http://` or `https://`; paths are appended. One instance; for "
+            "several, `endpoints`.",
+            required_unless="endpoints",
+        ),
+    )
+    endpoints: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "Several instances of the same model server (replicas), instead of `url`: base "
+            "URLs, each with its own keep-alive pool, picked per request by `balance`; an "
+            "endpoint that fails repeatedly is ejected for `circuit_breaker.open_s`. At most 64."
+        ),
+    )
+    balance: Literal["least_request", "round_robin"] = field(
+        default="least_request",
+        metadata=doc(
+            "How an endpoint is picked: `least_request` (of two drawn at random, the one "
+            "with fewer requests in flight) or `round_robin`."
+        ),
+    )
     model_version: str = field(
         default="",
         metadata=doc(

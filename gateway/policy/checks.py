@@ -9,6 +9,8 @@ import ipaddress
 from gateway.policy.model import Backend, RetryBudget, Route, Server, ThrottleRule
 
 Found = list[tuple[str, str]]
+MAX_ENDPOINTS = 64
+"""Endpoints per backend at most: each is a label value of the endpoint metrics."""
 
 
 def check_server(server: Server) -> Found:
@@ -103,8 +105,20 @@ def check_backend(b: Backend) -> Found:
     def bad(key: str, message: str) -> None:
         found.append((key, message))
 
-    if not b.url.startswith(("http://", "https://")):
+    if not b.url and not b.endpoints:
+        bad("url", "is required (or `endpoints`, for several instances)")
+    elif b.url and b.endpoints:
+        bad("endpoints", "give `url` (one instance) or `endpoints` (several), not both")
+    elif not b.endpoints and not b.url.startswith(("http://", "https://")):
         bad("url", f"must start with http:// or https://, not {b.url!r}")
+    if len(b.endpoints) > MAX_ENDPOINTS:
+        bad("endpoints", f"at most {MAX_ENDPOINTS} endpoints per backend")
+    for i, url in enumerate(b.endpoints):
+        if not url.startswith(("http://", "https://")):
+            bad(f"endpoints[{i}]", f"must start with http:// or https://, not {url!r}")
+    urls = [u.rstrip("/") for u in b.endpoints]
+    if len(set(urls)) != len(urls):
+        bad("endpoints", "an endpoint is listed twice")
     for key in (
         "timeout_s",
         "stream_timeout_s",

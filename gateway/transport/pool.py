@@ -4,7 +4,7 @@ At most ``limit`` connections are open; callers past it wait in line.  An idle c
 is reused most recently used first, and one that the backend closed while idle leaves the
 pool.  Connecting is where the socket's errors become the gateway's: a connect timeout is
 ``UpstreamTimeout``, any other socket or TLS error (refused, unreachable, a failed
-handshake) ``UpstreamUnavailable``.
+handshake) ``ConnectFailed`` (an ``UpstreamUnavailable``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import collections
 import socket
 import ssl
 
-from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import ConnectFailed, UpstreamTimeout
 from gateway.transport.connection import Connection
 
 
@@ -100,7 +100,7 @@ class HostPool:
                 f"connecting to backend {self.name!r} timed out", self.name
             ) from exc
         except (OSError, ssl.SSLError) as exc:
-            raise UpstreamUnavailable(
+            raise ConnectFailed(
                 f"cannot connect to backend {self.name!r}: {exc}", self.name
             ) from exc
         conn.on_close = self.forget

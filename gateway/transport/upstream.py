@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
-from gateway.policy.model import Backend, Policy
+from gateway.policy.model import Backend
 from gateway.routing import INFERENCE_PATH
 from gateway.transport.connection import Connection, StaleConnection
 from gateway.transport.connection import Head as ResponseHead
@@ -64,11 +64,11 @@ class Transport(Protocol):
     ) -> Reply: ...
 
 
-def pool_key(backend: Backend) -> tuple[object, ...]:
-    """What makes two backend definitions share a pool."""
+def pool_key(backend: Backend, url: str | None = None) -> tuple[object, ...]:
+    """What makes two backend definitions share a pool to ``url`` (default: its ``url``)."""
     return (
         backend.name,
-        backend.url.rstrip("/"),
+        (backend.url if url is None else url).rstrip("/"),
         backend.max_connections,
         backend.verify_tls,
         backend.ca_bundle,
@@ -77,22 +77,25 @@ def pool_key(backend: Backend) -> tuple[object, ...]:
 
 
 class BackendPool:
-    """Keep-alive connections to one backend URL, and the exchange over them."""
+    """Keep-alive connections to one backend URL (one endpoint), and the exchange over
+    them."""
 
-    def __init__(self, backend: Backend, metrics: Metrics) -> None:
-        self.key = pool_key(backend)
+    def __init__(self, backend: Backend, metrics: Metrics, url: str | None = None) -> None:
+        self.key = pool_key(backend, url)
         self.name = backend.name
-        self.base_url = backend.url.rstrip("/")
-        url = urlsplit(self.base_url)
-        https = url.scheme == "https"
-        self._prefix = url.path
-        port = url.port or (443 if https else 80)
-        self._host_header = url.hostname if url.port is None else f"{url.hostname}:{url.port}"
+        self.base_url = (backend.url if url is None else url).rstrip("/")
+        parts = urlsplit(self.base_url)
+        https = parts.scheme == "https"
+        self._prefix = parts.path
+        port = parts.port or (443 if https else 80)
+        self._host_header = (
+            parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+        )
         self.inflight = 0
         self._limit = backend.max_connections
         self._http = HostPool(
             backend.name,
-            url.hostname or "",
+            parts.hostname or "",
             port,
             ssl_context=_ssl_context(backend) if https else None,
             limit=backend.max_connections,
@@ -325,69 +328,3 @@ def _ssl_context(backend: Backend) -> ssl.SSLContext:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
-
-
-class Upstreams:
-    """The real transport: a pool per backend, kept across reloads while its key holds."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-        self._pools: dict[str, BackendPool] = {}
-        self._retired: dict[tuple[object, ...], BackendPool] = {}
-        self._live: dict[int, tuple[Backend, BackendPool]] = {}  # by the live policy's objects
-
-    def sync(self, policy: Policy) -> None:
-        """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
-        wanted = {b.name: b for b in policy.backends}
-        for name, pool in list(self._pools.items()):
-            backend = wanted.get(name)
-            if backend is None or pool_key(backend) != pool.key:
-                pool.retire()
-                del self._pools[name]
-                if not pool.closed:
-                    self._retired[pool.key] = pool
-        self._retired = {k: p for k, p in self._retired.items() if not p.closed}
-        for name, backend in wanted.items():
-            if name not in self._pools:
-                self._pools[name] = BackendPool(backend, self._metrics)
-        self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
-
-    def pool(self, backend: Backend) -> BackendPool:
-        """The live pool of ``backend`` (a request started on an older policy still gets the
-        pool its backend's URL calls for)."""
-        live = self._live.get(id(backend))
-        if live is not None and live[0] is backend:
-            return live[1]
-        pool = self._pools.get(backend.name)
-        if pool is not None and pool.key == pool_key(backend):
-            return pool
-        retired = self._retired.get(pool_key(backend))
-        if retired is not None and not retired.closed:
-            return retired
-        pool = BackendPool(backend, self._metrics)
-        pool.retire_after_use()
-        return pool
-
-    async def send(
-        self,
-        backend: Backend,
-        method: str,
-        path_qs: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        *,
-        streaming: bool,
-    ) -> Reply:
-        return await self.pool(backend).send(
-            backend, method, path_qs, headers, body, streaming=streaming
-        )
-
-    async def aclose(self) -> None:
-        for pool in [*self._pools.values(), *self._retired.values()]:
-            await pool.aclose()
-        self._pools.clear()
-        self._retired.clear()
-        self._live.clear()
-
-    def __repr__(self) -> str:
-        return f"<Upstreams {list(self._pools.values())!r}>"

@@ -1,0 +1,284 @@
+"""The instances of a backend and the real transport over them.
+
+A backend is one ``url`` or several ``endpoints`` (replicas of one model server).  Each
+endpoint has its own keep-alive pool (``BackendPool``).  ``EndpointSet`` picks one per
+request by the backend's ``balance``:
+
+* ``least_request`` (the default): the power of two random choices over in-flight counts
+  (Mitzenmacher; Envoy's default): two distinct endpoints drawn at random, the one with
+  fewer requests in flight wins, so a slow instance, whose requests pile up, gets fewer;
+* ``round_robin``: each in turn, whatever their load.
+
+Per-endpoint health is outlier ejection (Envoy's ``consecutive_5xx``): after
+``EJECT_AFTER`` failures in a row (a connect error, a timeout, a 5xx other than 503; the
+backend's ``circuit_breaker.consecutive_failures`` when set) an endpoint gets no traffic
+for ``circuit_breaker.open_s`` (``EJECT_S`` without a breaker), then is tried again.  The
+backend stays up while any endpoint is healthy; when every endpoint is ejected, all are
+tried again (Envoy's panic mode), so the backend's own breaker, not the ejection, decides
+whether the backend is down.  A request whose connection could not even be opened (so
+nothing was sent) is tried once more on another endpoint.
+
+``Upstreams`` keeps one set per backend across reloads while the backend's endpoints and
+connection settings hold, retiring a replaced set after its requests in flight.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import ConnectFailed, UpstreamError
+from gateway.metrics import Metrics
+from gateway.pipeline import Reply
+from gateway.policy.model import Backend, Policy
+from gateway.transport.upstream import BackendPool, pool_key
+
+EJECT_AFTER = 5
+"""Failures in a row that eject an endpoint when the backend has no breaker settings."""
+EJECT_S = 10.0
+"""How long an ejected endpoint gets no traffic when the backend has no breaker settings."""
+
+
+def endpoint_urls(backend: Backend) -> tuple[str, ...]:
+    """The backend's instances: ``endpoints``, or its one ``url``."""
+    return tuple(u.rstrip("/") for u in backend.endpoints) or (backend.url.rstrip("/"),)
+
+
+def set_key(backend: Backend) -> tuple[object, ...]:
+    """What makes two backend definitions share an endpoint set."""
+    return (*pool_key(backend, ""), endpoint_urls(backend), backend.balance)
+
+
+class Endpoint:
+    """One instance: its pool and its health."""
+
+    def __init__(self, pool: BackendPool, metrics: Metrics) -> None:
+        self.pool = pool
+        self.url = pool.base_url
+        self.failures = 0
+        self.ejected_until = 0.0
+        self.ejections = 0
+        self._requests = metrics.endpoint_requests
+        self._counted: dict[str, Any] = {}  # outcome -> its counter child, looked up once
+        # read at scrape time: no per-request cost
+        metrics.endpoint_inflight.labels(pool.name, self.url).set_function(lambda: pool.inflight)
+        self._state = metrics.endpoint_state
+        self._name = pool.name
+        self.show_state("active")
+
+    @property
+    def inflight(self) -> int:
+        return self.pool.inflight
+
+    def count(self, outcome: str) -> None:
+        counter = self._counted.get(outcome)
+        if counter is None:
+            counter = self._counted[outcome] = self._requests.labels(self._name, self.url, outcome)
+        counter.inc()
+
+    def show_state(self, state: str) -> None:
+        for name in ("active", "ejected"):
+            self._state.labels(self._name, self.url, name).set(1 if name == state else 0)
+
+    def __repr__(self) -> str:
+        return f"<Endpoint {self.url} inflight={self.inflight} failures={self.failures}>"
+
+
+class EndpointSet:
+    """The endpoints of one backend, picked per request; duck-types a ``BackendPool``."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        metrics: Metrics,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.key = set_key(backend)
+        self.name = backend.name
+        self.balance = backend.balance
+        breaker = backend.circuit_breaker
+        self.eject_after = (breaker.consecutive_failures if breaker else 0) or EJECT_AFTER
+        self.eject_s = breaker.open_s if breaker else EJECT_S
+        self.endpoints = [
+            Endpoint(BackendPool(backend, metrics, url), metrics) for url in endpoint_urls(backend)
+        ]
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._next = 0
+        self._active = metrics.pool_active_endpoints.labels(backend.name)
+        self._active.set(len(self.endpoints))
+
+    @property
+    def inflight(self) -> int:
+        return sum(e.inflight for e in self.endpoints)
+
+    @property
+    def waiting(self) -> int:
+        return sum(e.pool.waiting for e in self.endpoints)
+
+    @property
+    def closed(self) -> bool:
+        return all(e.pool.closed for e in self.endpoints)
+
+    def healthy(self) -> list[Endpoint]:
+        """The endpoints not ejected now (an ejection that ran out returns here)."""
+        now = self._clock.now()
+        out = []
+        for e in self.endpoints:
+            if e.ejected_until and now >= e.ejected_until:
+                e.ejected_until = 0.0
+                e.failures = 0
+                e.show_state("active")
+            if not e.ejected_until:
+                out.append(e)
+        self._active.set(len(out))
+        return out
+
+    def pick(self, exclude: Sequence[Endpoint] = ()) -> Endpoint:
+        """The endpoint for the next request (``exclude``: those already tried)."""
+        if len(self.endpoints) == 1:
+            return self.endpoints[0]
+        choices = [e for e in self.healthy() if e not in exclude]
+        if not choices:  # every endpoint ejected (or tried): try them all again
+            choices = [e for e in self.endpoints if e not in exclude] or self.endpoints
+        if len(choices) == 1:
+            return choices[0]
+        if self.balance == "round_robin":
+            self._next += 1
+            return choices[self._next % len(choices)]
+        a, b = self._rng.sample(choices, 2)
+        return a if a.inflight <= b.inflight else b
+
+    def observe(self, endpoint: Endpoint, outcome: str, failed: bool) -> None:
+        """Count an answer (or error) of ``endpoint``; eject it after too many failures."""
+        endpoint.count(outcome)
+        if not failed:
+            endpoint.failures = 0
+            return
+        endpoint.failures += 1
+        if len(self.endpoints) > 1 and endpoint.failures >= self.eject_after:
+            endpoint.ejected_until = self._clock.now() + self.eject_s
+            endpoint.ejections += 1
+            endpoint.show_state("ejected")
+            self.healthy()
+
+    async def send(
+        self,
+        backend: Backend,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        streaming: bool,
+    ) -> Reply:
+        tried: list[Endpoint] = []
+        while True:
+            endpoint = self.pick(tried)
+            tried.append(endpoint)
+            try:
+                reply = await endpoint.pool.send(
+                    backend, method, path_qs, headers, body, streaming=streaming
+                )
+            except ConnectFailed:
+                self.observe(endpoint, "error", True)
+                if len(tried) >= min(2, len(self.endpoints)):
+                    raise
+                continue  # nothing reached that endpoint: another may take it
+            except UpstreamError:
+                self.observe(endpoint, "error", True)
+                raise
+            status = reply.status
+            self.observe(endpoint, f"{status // 100}xx", status >= 500 and status != 503)
+            return reply
+
+    def retire(self) -> None:
+        for e in self.endpoints:
+            e.pool.retire()
+
+    def retire_after_use(self) -> None:
+        for e in self.endpoints:
+            e.pool.retire_after_use()
+
+    async def aclose(self) -> None:
+        for e in self.endpoints:
+            await e.pool.aclose()
+
+    def __repr__(self) -> str:
+        healthy = len(self.healthy())
+        return (
+            f"<EndpointSet {self.name} balance={self.balance} "
+            f"healthy={healthy}/{len(self.endpoints)} inflight={self.inflight}>"
+        )
+
+
+class Upstreams:
+    """The real transport: an endpoint set per backend, kept across reloads while its key
+    holds."""
+
+    def __init__(self, metrics: Metrics, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._pools: dict[str, EndpointSet] = {}
+        self._retired: dict[tuple[object, ...], EndpointSet] = {}
+        self._live: dict[int, tuple[Backend, EndpointSet]] = {}  # by the live policy's objects
+
+    def sync(self, policy: Policy) -> None:
+        """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
+        wanted = {b.name: b for b in policy.backends}
+        for name, pool in list(self._pools.items()):
+            backend = wanted.get(name)
+            if backend is None or set_key(backend) != pool.key:
+                pool.retire()
+                del self._pools[name]
+                if not pool.closed:
+                    self._retired[pool.key] = pool
+        self._retired = {k: p for k, p in self._retired.items() if not p.closed}
+        for name, backend in wanted.items():
+            if name not in self._pools:
+                self._pools[name] = EndpointSet(backend, self._metrics, clock=self._clock)
+        self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
+
+    def pool(self, backend: Backend) -> EndpointSet:
+        """The live pool of ``backend`` (a request started on an older policy still gets the
+        pool its backend's URL calls for)."""
+        live = self._live.get(id(backend))
+        if live is not None and live[0] is backend:
+            return live[1]
+        pool = self._pools.get(backend.name)
+        if pool is not None and pool.key == set_key(backend):
+            return pool
+        retired = self._retired.get(set_key(backend))
+        if retired is not None and not retired.closed:
+            return retired
+        pool = EndpointSet(backend, self._metrics, clock=self._clock)
+        pool.retire_after_use()
+        return pool
+
+    async def send(
+        self,
+        backend: Backend,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        streaming: bool,
+    ) -> Reply:
+        return await self.pool(backend).send(
+            backend, method, path_qs, headers, body, streaming=streaming
+        )
+
+    async def aclose(self) -> None:
+        for pool in [*self._pools.values(), *self._retired.values()]:
+            await pool.aclose()
+        self._pools.clear()
+        self._retired.clear()
+        self._live.clear()
+
+    def __repr__(self) -> str:
+        return f"<Upstreams {list(self._pools.values())!r}>"

@@ -1,0 +1,194 @@
+"""A backend as several endpoints: each its own pool, picked by `balance` (round robin
+in turn, least request by the power of two choices), an endpoint that cannot be reached
+skipped without failing the request, one that keeps failing ejected for the breaker's open
+time and then tried again, the policy's `url`/`endpoints` rules, and the endpoint metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+
+import httpx
+import pytest
+from aiohttp import web
+
+from gateway.errors import ConnectFailed
+from gateway.metrics import Metrics
+from gateway.policy.model import Backend, CircuitBreaker
+from gateway.testing import FakeClock
+from gateway.transport.endpoints import EndpointSet
+from tests.helpers import problems_of, write_policy
+
+
+def named(name: str, gate: asyncio.Event | None = None, status: int = 200) -> web.Application:
+    """An instance that answers its own name (after ``gate``, when given)."""
+
+    async def handle(_: web.Request) -> web.Response:
+        if gate is not None:
+            await gate.wait()
+        return web.json_response({"served_by": name}, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+
+
+async def served_by(endpoints: EndpointSet, backend: Backend) -> tuple[int, str]:
+    reply = await endpoints.send(backend, "GET", "/", [], b"", streaming=False)
+    assert reply.body is not None
+    return reply.status, reply.body.decode()
+
+
+async def test_round_robin_takes_each_endpoint_in_turn(serve_app) -> None:
+    urls = [await serve_app(named(n)) for n in "abc"]
+    backend = Backend("m", endpoints=tuple(urls), balance="round_robin")
+    endpoints = EndpointSet(backend, Metrics())
+    try:
+        served = [(await served_by(endpoints, backend))[1] for _ in range(9)]
+    finally:
+        await endpoints.aclose()
+    assert sorted(served) == sorted([f'{{"served_by": "{n}"}}' for n in "abc"] * 3)
+    assert len(set(served[:3])) == 3
+
+
+async def test_least_request_sends_the_next_request_where_fewer_are_in_flight(
+    serve_app,
+) -> None:
+    gate = asyncio.Event()
+    urls = [await serve_app(named(n, gate)) for n in "abc"]
+    backend = Backend("m", endpoints=tuple(urls))
+    assert backend.balance == "least_request"
+    metrics = Metrics()
+    endpoints = EndpointSet(backend, metrics, rng=random.Random(3))
+    tasks = []
+    try:
+        for n in range(1, 4):  # each waits at its instance, so in-flight counts stay put
+            tasks.append(asyncio.create_task(served_by(endpoints, backend)))
+            while endpoints.inflight < n:
+                await asyncio.sleep(0)
+        # of any two drawn, a busy one loses to an idle one: three requests, three instances
+        assert sorted(e.inflight for e in endpoints.endpoints) == [1, 1, 1]
+        text = metrics.exposition().decode()
+        assert f'gateway_endpoint_inflight{{backend="m",endpoint="{urls[0]}"}} 1.0' in text
+        gate.set()
+        answers = await asyncio.gather(*tasks)
+    finally:
+        gate.set()
+        await endpoints.aclose()
+    assert len({body for _, body in answers}) == 3
+
+
+async def test_an_unreachable_endpoint_costs_no_request_and_is_ejected_then_retried(
+    serve_app,
+) -> None:
+    up = await serve_app(named("up"))
+    dead = closed_port()
+    clock = FakeClock()
+    backend = Backend(
+        "m",
+        endpoints=(dead, up),
+        balance="round_robin",
+        circuit_breaker=CircuitBreaker(consecutive_failures=2, open_s=30),
+    )
+    metrics = Metrics()
+    endpoints = EndpointSet(backend, metrics, clock=clock)
+    try:
+        answers = [await served_by(endpoints, backend) for _ in range(8)]
+        assert all(status == 200 and "up" in body for status, body in answers)
+        gone = endpoints.endpoints[0]
+        assert gone.ejected_until and gone.ejections == 1
+        assert [e.url for e in endpoints.healthy()] == [up]
+        text = metrics.exposition().decode()
+        assert (
+            f'gateway_endpoint_state{{backend="m",endpoint="{dead}",state="ejected"}} 1.0' in text
+        )
+        assert 'gateway_pool_active_endpoints{backend="m"} 1.0' in text
+        clock.advance(30)
+        assert len(endpoints.healthy()) == 2  # its open time is over: tried again
+        assert "healthy=2/2" in repr(endpoints)
+    finally:
+        await endpoints.aclose()
+
+
+async def test_every_endpoint_unreachable_fails_with_a_connect_error(serve_app) -> None:
+    backend = Backend("m", endpoints=(closed_port(), closed_port()))
+    endpoints = EndpointSet(backend, Metrics())
+    try:
+        with pytest.raises(ConnectFailed):
+            await served_by(endpoints, backend)
+    finally:
+        await endpoints.aclose()
+
+
+async def test_an_endpoint_answering_5xx_is_ejected_and_the_backend_stays_up(serve_app) -> None:
+    bad = await serve_app(named("bad", status=500))
+    good = await serve_app(named("good"))
+    clock = FakeClock()
+    backend = Backend(
+        "m",
+        endpoints=(bad, good),
+        balance="round_robin",
+        circuit_breaker=CircuitBreaker(consecutive_failures=2, open_s=10),
+    )
+    endpoints = EndpointSet(backend, Metrics(), clock=clock)
+    try:
+        statuses = [(await served_by(endpoints, backend))[0] for _ in range(10)]
+        assert statuses.count(500) == 2  # two in a row eject it; then only "good" answers
+        assert statuses[-6:] == [200] * 6
+        clock.advance(10)
+        statuses = [(await served_by(endpoints, backend))[0] for _ in range(2)]
+        assert 500 in statuses  # back in rotation after its open time
+    finally:
+        await endpoints.aclose()
+
+
+async def test_a_gateway_spreads_a_route_over_the_endpoints(
+    serve_app, start_gateway, tmp_path
+) -> None:
+    urls = [await serve_app(named(n)) for n in "ab"]
+    policy = write_policy(
+        tmp_path,
+        {
+            "backends": {"main": {"endpoints": urls, "balance": "round_robin"}},
+            "routes": [{"backend": "main"}],
+        },
+    )
+    gw = await start_gateway(policy=policy)
+    async with httpx.AsyncClient() as client:
+        served = [(await client.get(gw.url + "/x")).json()["served_by"] for _ in range(4)]
+    assert sorted(served) == ["a", "a", "b", "b"]
+    text = gw.gateway.metrics.exposition().decode()
+    for url in urls:
+        assert (
+            f'gateway_endpoint_requests_total{{backend="main",endpoint="{url}",status="2xx"}} 2.0'
+            in text
+        )
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("{timeout_s: 5}", "backends.main.url: is required (or `endpoints`)"),
+        (
+            '{url: "http://a", endpoints: ["http://b"]}',
+            "backends.main.endpoints: give `url` (one instance) or `endpoints`",
+        ),
+        ('{endpoints: ["http://a", "ftp://b"]}', "backends.main.endpoints[1]: must start"),
+        ('{endpoints: ["http://a", "http://a/"]}', "an endpoint is listed twice"),
+        (
+            "{endpoints: [" + ", ".join(f'"http://h{i}"' for i in range(65)) + "]}",
+            "at most 64 endpoints per backend",
+        ),
+        ('{endpoints: ["http://a"], balance: random}', "backends.main.balance"),
+    ],
+)
+def test_endpoint_settings_that_cannot_work_are_refused(backend: str, message: str) -> None:
+    found = problems_of(f"backends:\n  main: {backend}\nroutes: [{{backend: main}}]\n")
+    assert any(message in p for p in found), found
