@@ -32,6 +32,7 @@ from gateway.runtime import Runtime
 from gateway.server.listener import HttpServer
 from gateway.snapshot import Snapshot
 from gateway.state import Registry
+from gateway.transport.discovery import Resolver
 from gateway.transport.endpoints import Upstreams
 from gateway.transport.forward import Forward
 from gateway.transport.forwarding import TrustedProxies
@@ -56,13 +57,14 @@ class Gateway:
         clock: Clock = SYSTEM_CLOCK,
         access_log: bool = False,
         embedding_tiers: TierFactory | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self.source = source
         self._embedding_tiers = embedding_tiers
         self.clock = clock
         self.access_log = access_log
         self.metrics = Metrics()
-        self._upstreams = Upstreams(self.metrics, clock) if transport is None else None
+        self._upstreams = Upstreams(self.metrics, clock, resolver) if transport is None else None
         self.transport: Transport = transport if transport is not None else self._upstreams  # type: ignore[assignment]
         self.registry = Registry()
         self.inflight_requests = 0

@@ -175,10 +175,10 @@ async def test_a_gateway_spreads_a_route_over_the_endpoints(
 @pytest.mark.parametrize(
     ("backend", "message"),
     [
-        ("{timeout_s: 5}", "backends.main.url: is required (or `endpoints`)"),
+        ("{timeout_s: 5}", "backends.main.url: is required (or `endpoints`"),
         (
             '{url: "http://a", endpoints: ["http://b"]}',
-            "backends.main.endpoints: give `url` (one instance) or `endpoints`",
+            "backends.main.endpoints: give `url` (one instance) or `endpoints` or `discovery`",
         ),
         ('{endpoints: ["http://a", "ftp://b"]}', "backends.main.endpoints[1]: must start"),
         ('{endpoints: ["http://a", "http://a/"]}', "an endpoint is listed twice"),

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from gateway.policy.metadata import doc
 
+DEFAULT_DISCOVERY_INTERVAL_S = 5.0
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_STREAM_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -124,6 +125,20 @@ class CircuitBreaker:
 
 
 @dataclass(frozen=True, slots=True)
+class Discovery:
+    """A backend's endpoints from DNS: every A/AAAA record of a name (a Kubernetes headless
+    Service), re-resolved every ``interval_s``; changes apply without a reload."""
+
+    dns: str = field(metadata=doc("The name to resolve (e.g. `llm.default.svc.cluster.local`)."))
+    port: int = field(metadata=doc("The model servers' port."))
+    interval_s: float = field(
+        default=DEFAULT_DISCOVERY_INTERVAL_S, metadata=doc("How often the name is resolved.")
+    )
+    scheme: Literal["http", "https"] = field(default="http", metadata=doc("URL scheme."))
+    path: str = field(default="", metadata=doc("Base path appended to each address."))
+
+
+@dataclass(frozen=True, slots=True)
 class Backend:
     """A model server the gateway forwards to."""
 
@@ -133,7 +148,7 @@ class Backend:
         metadata=doc(
             "Base URL, `http://` or `https://`; paths are appended. One instance; for "
             "several, `endpoints`.",
-            required_unless="endpoints",
+            required_unless=("endpoints", "discovery"),
         ),
     )
     endpoints: tuple[str, ...] = field(
@@ -142,6 +157,13 @@ class Backend:
             "Several instances of the same model server (replicas), instead of `url`: base "
             "URLs, each with its own keep-alive pool, picked per request by `balance`; an "
             "endpoint that fails repeatedly is ejected for `circuit_breaker.open_s`. At most 64."
+        ),
+    )
+    discovery: Discovery | None = field(
+        default=None,
+        metadata=doc(
+            "Endpoints from DNS instead of `url`/`endpoints`: one per address the name "
+            "resolves to; one that disappears drains its requests in flight."
         ),
     )
     balance: Literal["least_request", "round_robin"] = field(

@@ -105,17 +105,25 @@ def check_backend(b: Backend) -> Found:
     def bad(key: str, message: str) -> None:
         found.append((key, message))
 
-    if not b.url and not b.endpoints:
-        bad("url", "is required (or `endpoints`, for several instances)")
-    elif b.url and b.endpoints:
-        bad("endpoints", "give `url` (one instance) or `endpoints` (several), not both")
-    elif not b.endpoints and not b.url.startswith(("http://", "https://")):
+    given = [k for k in ("url", "endpoints", "discovery") if getattr(b, k)]
+    if not given:
+        bad("url", "is required (or `endpoints` or `discovery`, for several instances)")
+    elif len(given) > 1:
+        bad(given[1], "give `url` (one instance) or `endpoints` or `discovery`, only one")
+    elif b.url and not b.url.startswith(("http://", "https://")):
         bad("url", f"must start with http:// or https://, not {b.url!r}")
     if len(b.endpoints) > MAX_ENDPOINTS:
         bad("endpoints", f"at most {MAX_ENDPOINTS} endpoints per backend")
     for i, url in enumerate(b.endpoints):
         if not url.startswith(("http://", "https://")):
             bad(f"endpoints[{i}]", f"must start with http:// or https://, not {url!r}")
+    if b.discovery is not None:
+        if not 0 < b.discovery.port < 65536:
+            bad("discovery.port", "must be between 1 and 65535")
+        if b.discovery.interval_s <= 0:
+            bad("discovery.interval_s", "must be greater than 0")
+        if not b.discovery.dns:
+            bad("discovery.dns", "must name a host")
     urls = [u.rstrip("/") for u in b.endpoints]
     if len(set(urls)) != len(urls):
         bad("endpoints", "an endpoint is listed twice")

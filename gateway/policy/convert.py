@@ -202,9 +202,11 @@ def _dataclass(cls: type, value: Any, path: str, problems: Found) -> Any:
         elif f.default is _MISSING and f.default_factory is _MISSING:
             problems.append(Invalid(join(path, name), "is required"))
             failed = True
-        elif "required_unless" in f.metadata and f.metadata["required_unless"] not in value:
-            other = f.metadata["required_unless"]
-            problems.append(Invalid(join(path, name), f"is required (or `{other}`)"))
+        elif "required_unless" in f.metadata and not any(
+            other in value for other in f.metadata["required_unless"]
+        ):
+            others = " or ".join(f"`{o}`" for o in f.metadata["required_unless"])
+            problems.append(Invalid(join(path, name), f"is required (or {others})"))
             failed = True
     return _MISSING if failed else cls(**kwargs)
 

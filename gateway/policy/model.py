@@ -14,6 +14,7 @@ from typing import Literal
 from gateway.policy.backend import (
     Backend,
     CircuitBreaker,
+    Discovery,
     Queue,
     TelemetrySource,
     WarmupRequest,
@@ -39,6 +40,7 @@ __all__ = [
     "Batch",
     "CacheStore",
     "CircuitBreaker",
+    "Discovery",
     "Match",
     "Metrics",
     "Policy",

@@ -24,6 +24,8 @@ connection settings hold, retiring a replaced set after its requests in flight.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +34,9 @@ from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import ConnectFailed, UpstreamError
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
+from gateway.policy.checks import MAX_ENDPOINTS
 from gateway.policy.model import Backend, Policy
+from gateway.transport.discovery import Resolver, SystemResolver, follow
 from gateway.transport.upstream import BackendPool, pool_key
 
 EJECT_AFTER = 5
@@ -42,13 +46,16 @@ EJECT_S = 10.0
 
 
 def endpoint_urls(backend: Backend) -> tuple[str, ...]:
-    """The backend's instances: ``endpoints``, or its one ``url``."""
+    """The backend's instances as the policy lists them: ``endpoints``, or its one ``url``
+    (none with ``discovery``: DNS says)."""
+    if backend.discovery is not None:
+        return ()
     return tuple(u.rstrip("/") for u in backend.endpoints) or (backend.url.rstrip("/"),)
 
 
 def set_key(backend: Backend) -> tuple[object, ...]:
     """What makes two backend definitions share an endpoint set."""
-    return (*pool_key(backend, ""), endpoint_urls(backend), backend.balance)
+    return (*pool_key(backend, ""), endpoint_urls(backend), backend.discovery, backend.balance)
 
 
 class Endpoint:
@@ -71,6 +78,16 @@ class Endpoint:
     @property
     def inflight(self) -> int:
         return self.pool.inflight
+
+    def forget(self, metrics: Metrics) -> None:
+        """Drop this endpoint's metric series (it left the backend: bounded cardinality)."""
+        for family, labels in (
+            (metrics.endpoint_inflight, ()),
+            *((metrics.endpoint_requests, (o,)) for o in self._counted),
+            *((metrics.endpoint_state, (s,)) for s in ("active", "ejected")),
+        ):
+            with contextlib.suppress(KeyError):
+                family.remove(self._name, self.url, *labels)
 
     def count(self, outcome: str) -> None:
         counter = self._counted.get(outcome)
@@ -103,9 +120,22 @@ class EndpointSet:
         breaker = backend.circuit_breaker
         self.eject_after = (breaker.consecutive_failures if breaker else 0) or EJECT_AFTER
         self.eject_s = breaker.open_s if breaker else EJECT_S
+        self._backend = backend
+        self._metrics = metrics
         self.endpoints = [
             Endpoint(BackendPool(backend, metrics, url), metrics) for url in endpoint_urls(backend)
         ]
+        # one fixed instance (the `url` form): requests go straight to its pool, unpicked,
+        # uncounted per endpoint (the backend's own metrics say it all), at no extra cost
+        self.direct = (
+            self.endpoints[0].pool
+            if backend.discovery is None and len(self.endpoints) == 1
+            else None
+        )
+        self.resolved = asyncio.Event()  # set once the endpoints are known
+        if backend.discovery is None:
+            self.resolved.set()
+        self._follower: asyncio.Task[None] | None = None
         self._clock = clock
         self._rng = rng or random.Random()
         self._next = 0
@@ -138,8 +168,40 @@ class EndpointSet:
         self._active.set(len(out))
         return out
 
+    def update(self, urls: Sequence[str]) -> None:
+        """Make the endpoints ``urls`` (discovery): add the new, drain the gone (no new
+        requests; those in flight finish, then the pool closes)."""
+        wanted = [u.rstrip("/") for u in urls][:MAX_ENDPOINTS]
+        kept = {e.url: e for e in self.endpoints if e.url in wanted}
+        for e in self.endpoints:
+            if e.url not in kept:
+                e.pool.retire()
+                e.forget(self._metrics)
+        self.endpoints = [
+            kept.get(u) or Endpoint(BackendPool(self._backend, self._metrics, u), self._metrics)
+            for u in dict.fromkeys(wanted)
+        ]
+        self.healthy()
+        self.resolved.set()
+
+    def follow(self, resolver: Resolver) -> None:
+        """Keep the endpoints on what the backend's ``discovery`` name resolves to."""
+        discovery = self._backend.discovery
+        if discovery is not None and self._follower is None:
+            self._follower = asyncio.get_running_loop().create_task(
+                follow(
+                    self.name,
+                    discovery,
+                    self.update,
+                    resolver,
+                    getattr(self._clock, "sleep", asyncio.sleep),
+                )
+            )
+
     def pick(self, exclude: Sequence[Endpoint] = ()) -> Endpoint:
         """The endpoint for the next request (``exclude``: those already tried)."""
+        if not self.endpoints:
+            raise ConnectFailed(f"backend {self.name!r} has no endpoint", self.name)
         if len(self.endpoints) == 1:
             return self.endpoints[0]
         choices = [e for e in self.healthy() if e not in exclude]
@@ -176,6 +238,9 @@ class EndpointSet:
         *,
         streaming: bool,
     ) -> Reply:
+        if not self.resolved.is_set():  # discovery's first answer is on its way
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.resolved.wait(), backend.connect_timeout_s)
         tried: list[Endpoint] = []
         while True:
             endpoint = self.pick(tried)
@@ -196,7 +261,13 @@ class EndpointSet:
             self.observe(endpoint, f"{status // 100}xx", status >= 500 and status != 503)
             return reply
 
+    def _stop(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
+
     def retire(self) -> None:
+        self._stop()
         for e in self.endpoints:
             e.pool.retire()
 
@@ -205,6 +276,7 @@ class EndpointSet:
             e.pool.retire_after_use()
 
     async def aclose(self) -> None:
+        self._stop()
         for e in self.endpoints:
             await e.pool.aclose()
 
@@ -220,9 +292,12 @@ class Upstreams:
     """The real transport: an endpoint set per backend, kept across reloads while its key
     holds."""
 
-    def __init__(self, metrics: Metrics, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self, metrics: Metrics, clock: Clock = SYSTEM_CLOCK, resolver: Resolver | None = None
+    ) -> None:
         self._metrics = metrics
         self._clock = clock
+        self._resolver = resolver or SystemResolver()
         self._pools: dict[str, EndpointSet] = {}
         self._retired: dict[tuple[object, ...], EndpointSet] = {}
         self._live: dict[int, tuple[Backend, EndpointSet]] = {}  # by the live policy's objects
@@ -241,6 +316,7 @@ class Upstreams:
         for name, backend in wanted.items():
             if name not in self._pools:
                 self._pools[name] = EndpointSet(backend, self._metrics, clock=self._clock)
+                self._pools[name].follow(self._resolver)
         self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
 
     def pool(self, backend: Backend) -> EndpointSet:
@@ -252,6 +328,7 @@ class Upstreams:
         pool = self._pools.get(backend.name)
         if pool is not None and pool.key == set_key(backend):
             return pool
+        # (a one-off set never follows discovery: a request of a policy replaced mid-way)
         retired = self._retired.get(set_key(backend))
         if retired is not None and not retired.closed:
             return retired
@@ -269,9 +346,9 @@ class Upstreams:
         *,
         streaming: bool,
     ) -> Reply:
-        return await self.pool(backend).send(
-            backend, method, path_qs, headers, body, streaming=streaming
-        )
+        endpoints = self.pool(backend)
+        target = endpoints.direct or endpoints
+        return await target.send(backend, method, path_qs, headers, body, streaming=streaming)
 
     async def aclose(self) -> None:
         for pool in [*self._pools.values(), *self._retired.values()]:

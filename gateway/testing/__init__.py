@@ -1,23 +1,39 @@
 """Fakes of the gateway's boundaries, shared by its tests and by its users' tests.
 
-Each boundary (clock, upstream transport, socket, cache store, NVML) has one real
-implementation in the package and one fake here.  Nothing in this module fakes the
+Each boundary (clock, upstream transport, DNS, socket, cache store, NVML) has one real
+implementation in the package and one fake here (the transport's and DNS's in
+``gateway.testing.transport``, re-exported).  Nothing in this module fakes the
 gateway's own logic.  ``gateway.harness.Pipeline`` runs a whole gateway, its edge and
 stages as they are, over a ``FakeTransport`` and without sockets.
 """
 
 from __future__ import annotations
 
-import inspect
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gateway.pipeline import Headers, Reply, first_header
+from gateway.testing.transport import (
+    FakeResolver,
+    FakeTransport,
+    Respond,
+    Sent,
+    json_reply,
+    stream_reply,
+)
 
-if TYPE_CHECKING:
-    from gateway.policy.model import Backend
+__all__ = [
+    "FakeClock",
+    "FakeGpu",
+    "FakeNvml",
+    "FakeNvmlError",
+    "FakeResolver",
+    "FakeSocket",
+    "FakeTransport",
+    "FlakyStore",
+    "Respond",
+    "Sent",
+    "json_reply",
+    "stream_reply",
+]
 
 
 class FakeClock:
@@ -303,105 +319,3 @@ class FakeSocket:
     def __repr__(self) -> str:
         state = "aborted" if self.aborted else "closed" if self.closed else "open"
         return f"<FakeSocket {state} written={len(self.written)} reading={self.reading}>"
-
-
-@dataclass(frozen=True, slots=True)
-class Sent:
-    """One call a ``FakeTransport`` was given: to ``backend``, as the gateway sends it."""
-
-    backend: str
-    method: str
-    target: str
-    headers: Headers
-    body: bytes
-    streaming: bool
-
-    def header(self, name: str) -> str | None:
-        return first_header(self.headers, name)
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-Respond = Callable[[Sent], Reply | Awaitable[Reply]]
-"""Answers one call: returns a ``Reply`` (``json_reply``, ``stream_reply``), or raises an
-``UpstreamError`` as the real transport does for a refused, reset or timed-out call."""
-
-
-def json_reply(data: Any, status: int = 200, headers: Iterable[tuple[str, str]] = ()) -> Reply:
-    """A whole JSON answer."""
-    body = json.dumps(data).encode()
-    return Reply(status, (("Content-Type", "application/json"), *headers), body=body)
-
-
-def stream_reply(
-    chunks: Iterable[bytes] | AsyncIterator[bytes],
-    status: int = 200,
-    content_type: str = "text/event-stream",
-    headers: Iterable[tuple[str, str]] = (),
-) -> Reply:
-    """A streamed answer of ``chunks`` (an async iterator may pause, or raise mid-way)."""
-
-    async def relay() -> AsyncIterator[bytes]:
-        if isinstance(chunks, AsyncIterator):
-            async for chunk in chunks:
-                yield chunk
-        else:
-            for chunk in chunks:
-                yield chunk
-
-    return Reply(status, (("Content-Type", content_type), *headers), stream=relay())
-
-
-class FakeTransport:
-    """The upstream transport without sockets (httpx's ``MockTransport`` is the model):
-    ``respond`` answers every call, or ``respond[backend name]`` each backend's.
-
-    ``sent`` lists the calls in order; ``open_streams`` counts streamed replies not yet
-    closed, so a test can show that nothing upstream is left held."""
-
-    def __init__(self, respond: Respond | Mapping[str, Respond]) -> None:
-        self._respond = respond
-        self.sent: list[Sent] = []
-        self.open_streams = 0
-
-    def to(self, backend: str) -> list[Sent]:
-        """The calls sent to ``backend``."""
-        return [s for s in self.sent if s.backend == backend]
-
-    async def send(
-        self,
-        backend: Backend,
-        method: str,
-        path_qs: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        *,
-        streaming: bool,
-    ) -> Reply:
-        sent = Sent(backend.name, method, path_qs, tuple(headers), body, streaming)
-        self.sent.append(sent)
-        respond = (
-            self._respond[backend.name] if isinstance(self._respond, Mapping) else self._respond
-        )
-        answer = respond(sent)
-        reply = await answer if inspect.isawaitable(answer) else answer
-        assert isinstance(reply, Reply), f"the fake backend answered {reply!r}, not a Reply"
-        reply = reply.replace(backend=reply.backend or backend.name)
-        if reply.stream is None:
-            return reply
-        self.open_streams += 1
-        inner, closed = reply.close, False
-
-        async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                self.open_streams -= 1
-                if inner is not None:
-                    await inner()
-
-        return reply.replace(close=close)
-
-    def __repr__(self) -> str:
-        return f"<FakeTransport sent={len(self.sent)} open_streams={self.open_streams}>"
