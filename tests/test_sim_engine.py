@@ -157,3 +157,31 @@ def test_run_time_changes_check_names_types_and_the_address() -> None:
     for bad in ({"nope": 1}, {"slots": "2"}, {"slots": True}, {"port": 9000}):
         with pytest.raises(ValueError):
             apply_changes(config, bad)
+
+
+async def test_cold_start_is_paid_after_start_and_after_idle_and_shared_while_warming() -> (
+    None
+):
+    """`--cold-start-ms`: the first call waits for the model to warm; a call starting while
+    it warms waits for the rest of it; a warm model costs nothing more; idle for
+    `cold_idle_s`, it is cold again."""
+    clock = FakeClock()
+    config = SimConfig(slots=2, base_ms=10, per_item_ms=0, cold_start_ms=3000, cold_idle_s=60)
+    engine = Engine(config, clock)
+    async with engine.call(1) as first:
+        clock.advance(1)  # one second into the warm-up, a second call starts
+        async with engine.call(1) as second:
+            pass
+    assert (first, second) == (3010, 2010)
+    clock.advance(5)
+    async with engine.call(1) as warm:
+        pass
+    assert warm == 10
+    clock.advance(60)
+    async with engine.call(1) as cold_again:
+        pass
+    assert cold_again == 3010
+    assert engine.state()["cold_starts"] == 2
+    async with Engine(SimConfig(base_ms=10, per_item_ms=0), clock).call(1) as never_cold:
+        pass
+    assert never_cold == 10

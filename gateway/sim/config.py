@@ -81,6 +81,12 @@ class SimConfig:
     error_rate: float = _opt(0.0, "share of model calls answered with an injected error (0..1)")
     fail_status: int = _opt(DEFAULT_FAIL_STATUS, "HTTP status of injected errors")
     added_latency_ms: float = _opt(0.0, "extra time every GPU call holds its slot (ms)")
+    cold_start_ms: float = _opt(
+        0.0,
+        "time the model takes to warm up: the first calls after start, or after "
+        "cold_idle_s without a call, wait for it (ms; 0 = always warm)",
+    )
+    cold_idle_s: float = _opt(60.0, "idle time after which the model is cold again (s)")
     oom_above: int = _opt(0, "calls with more items than this fail with CUDA OOM (0 = off)")
     healthy: bool = _opt(True, "whether /health answers 200 (else 503)")
     seed: int = _opt(0, "seed of the fault-injection RNG")
@@ -102,6 +108,7 @@ def _problems(c: SimConfig) -> list[str]:
         (bool(c.model_names), "models must name at least one model"),
         (c.base_ms >= 0 and c.per_item_ms >= 0, "base_ms and per_item_ms must be >= 0"),
         (c.token_ms >= 0 and c.added_latency_ms >= 0, "token_ms, added_latency_ms must be >= 0"),
+        (c.cold_start_ms >= 0 and c.cold_idle_s > 0, "cold_start_ms >= 0, cold_idle_s > 0"),
         (c.slots >= 1, "slots must be >= 1"),
         (c.answer_tokens >= 1, "answer_tokens must be >= 1"),
         (c.dimensions >= 1, "dimensions must be >= 1"),

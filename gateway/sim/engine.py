@@ -45,6 +45,7 @@ class Counters:
     ooms: int = 0
     peak_running: int = 0
     peak_waiting: int = 0
+    cold_starts: int = 0
 
 
 class Slots:
@@ -98,6 +99,8 @@ class Engine:
         self.slots = Slots(config.slots)
         self.counters = Counters()
         self._rng = random.Random(config.seed)
+        self._warm_at: float | None = None  # when the model is (or was) warm; None: cold
+        self._last_end = clock.now()
 
     @property
     def config(self) -> SimConfig:
@@ -152,7 +155,7 @@ class Engine:
             await self.slots.acquire()
         finally:
             self.gpu.dequeued(items)
-        cost_ms = call_cost_ms(self.config, items, tokens)
+        cost_ms = call_cost_ms(self.config, items, tokens) + self._cold_ms()
         self.gpu.started(items)
         n = self.counters  # re-read: a reset may have replaced them while this call waited
         n.calls += 1
@@ -165,6 +168,20 @@ class Engine:
         finally:
             self.gpu.finished(items)
             self.slots.release()
+            self._last_end = self.clock.now()
+
+    def _cold_ms(self) -> float:
+        """What a call starting now waits for the model to be warm (``cold_start_ms``): the
+        first calls after start, or after ``cold_idle_s`` without one, wait until it is."""
+        c = self.config
+        if c.cold_start_ms <= 0:
+            return 0.0
+        now = self.clock.now()
+        idle = self.gpu.running == 0 and now - self._last_end >= c.cold_idle_s
+        if self._warm_at is None or (idle and now >= self._warm_at):
+            self._warm_at = now + c.cold_start_ms / 1000
+            self.counters.cold_starts += 1
+        return max(0.0, self._warm_at - now) * 1000
 
     def state(self) -> dict[str, Any]:
         """A JSON-ready snapshot: the GPU, the counters and the slot count."""

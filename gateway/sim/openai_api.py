@@ -92,8 +92,8 @@ async def _stream_chat(
         return _sse({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
     try:
-        async with engine.call(1, len(tokens)):
-            await _hold(prefill_ms(config, 1))
+        async with engine.call(1, len(tokens)) as cost_ms:
+            await _hold(prefill_ms(config, 1) + cost_ms - call_cost_ms(config, 1, len(tokens)))
             await response.write(chunk({"role": "assistant", "content": ""}))
             for i, token in enumerate(tokens):
                 await _hold(config.token_ms)
@@ -158,8 +158,9 @@ async def _stream_completions(
         return _sse({**head, "choices": [choice]})
 
     try:
-        async with engine.call(len(answers), length):
-            await _hold(prefill_ms(config, len(answers)))
+        async with engine.call(len(answers), length) as cost_ms:
+            cold_ms = cost_ms - call_cost_ms(config, len(answers), length)
+            await _hold(prefill_ms(config, len(answers)) + cold_ms)
             for step in range(length):
                 await _hold(config.token_ms)
                 for i, answer in enumerate(answers):
