@@ -18,7 +18,7 @@ from gateway.metrics import Metrics
 from gateway.policy.model import Backend, CircuitBreaker
 from gateway.testing import FakeClock
 from gateway.transport.endpoints import EndpointSet
-from tests.helpers import problems_of, write_policy
+from tests.helpers import problems_of, until, write_policy
 
 
 def named(name: str, gate: asyncio.Event | None = None, status: int = 200) -> web.Application:
@@ -192,3 +192,30 @@ async def test_a_gateway_spreads_a_route_over_the_endpoints(
 def test_endpoint_settings_that_cannot_work_are_refused(backend: str, message: str) -> None:
     found = problems_of(f"backends:\n  main: {backend}\nroutes: [{{backend: main}}]\n")
     assert any(message in p for p in found), found
+
+
+async def test_warm_up_reaches_every_endpoint_before_ready(serve_app, start_gateway, tmp_path):
+    seen: list[str] = []
+
+    def warmed(name: str) -> web.Application:
+        async def handle(request: web.Request) -> web.Response:
+            seen.append(f"{name} {request.path}")
+            return web.json_response({"served_by": name})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    urls = [await serve_app(warmed(n)) for n in "abc"]
+    policy = write_policy(
+        tmp_path,
+        {
+            "backends": {
+                "main": {"endpoints": urls, "warmup": [{"path": "/v1/models", "method": "GET"}]}
+            },
+            "routes": [{"backend": "main"}],
+        },
+    )
+    gw = await start_gateway(policy=policy)
+    await until(lambda: gw.gateway.warm)
+    assert sorted(seen) == ["a /v1/models", "b /v1/models", "c /v1/models"]

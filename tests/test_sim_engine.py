@@ -159,9 +159,7 @@ def test_run_time_changes_check_names_types_and_the_address() -> None:
             apply_changes(config, bad)
 
 
-async def test_cold_start_is_paid_after_start_and_after_idle_and_shared_while_warming() -> (
-    None
-):
+async def test_cold_start_is_paid_after_start_and_after_idle_and_shared_while_warming() -> None:
     """`--cold-start-ms`: the first call waits for the model to warm; a call starting while
     it warms waits for the rest of it; a warm model costs nothing more; idle for
     `cold_idle_s`, it is cold again."""

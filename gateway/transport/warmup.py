@@ -1,9 +1,12 @@
 """Warm-up: requests sent to each backend before the gateway reports ready, so the first
-user request never pays a cold start (the case study's first request timed out)."""
+user request never pays a cold start (the case study's first request timed out).  A
+backend of several ``endpoints`` is warmed on each of them: a replica left cold would make
+whichever request is picked for it pay (endpoints found by ``discovery`` later are not)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -18,7 +21,14 @@ RETRY_DELAY_S = 1.0
 
 async def warm_up(transport: Transport, backends: Sequence[Backend]) -> None:
     """Send every backend's warm-up requests, retrying while a backend is still starting."""
-    await asyncio.gather(*(_warm_backend(transport, b) for b in backends))
+    await asyncio.gather(*(_warm_backend(transport, i) for b in backends for i in instances(b)))
+
+
+def instances(backend: Backend) -> list[Backend]:
+    """The backend once per endpoint (each a one-``url`` backend), or as it is."""
+    if len(backend.endpoints) < 2:
+        return [backend]
+    return [dataclasses.replace(backend, url=url, endpoints=()) for url in backend.endpoints]
 
 
 async def _warm_backend(transport: Transport, backend: Backend) -> None:
