@@ -107,6 +107,19 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.forecast_rps = Gauge(
+            "gateway_forecast_requests_per_second",
+            "A route's forecast mean request rate over its prewarm horizon.",
+            ["route"],
+            registry=r,
+        )
+        self.desired_endpoints = Gauge(
+            "gateway_desired_endpoints",
+            "Endpoints a backend will need over the horizon: the forecast times the "
+            "headroom over one endpoint's best rate (for autoscalers).",
+            ["backend"],
+            registry=r,
+        )
         self.tokens = Counter(
             "gateway_tokens",
             "Tokens reported by upstream `usage`, by kind (prompt, completion).",

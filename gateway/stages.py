@@ -1,5 +1,6 @@
-"""The pipeline's stages, in order: cache lookup, single flight, batching, then admission,
-throttling, breakers and fallback around the forward to a backend.
+"""The pipeline's stages, in order: the rate history of routes that forecast it, cache
+lookup, single flight, batching, then admission, throttling, breakers and fallback around
+the forward to a backend.
 
 ``build`` makes the stage list for one policy generation.  Stages keep per-request rules
 from the policy snapshot they are built with, and take their long-lived state (stores,
@@ -13,6 +14,7 @@ from __future__ import annotations
 import gateway.batching.stage
 import gateway.cache.stage
 import gateway.coalesce.stage
+import gateway.pool.stage
 import gateway.resilience.stage
 from gateway.cache.embedding_seam import TierFactory
 from gateway.pipeline import Stage
@@ -28,6 +30,8 @@ def build(
     """The stages for ``policy``, in pipeline order (``embedding_tiers``: the cache's
     embedding tier factory, when not the shipped one)."""
     return [
+        # 0. request-rate history of the routes that forecast it (prewarm)
+        *gateway.pool.stage.build(policy, runtime),
         # 1. cache lookup: exact, SimHash, embedding tiers
         *gateway.cache.stage.build(policy, runtime, embedding_tiers),
         # 2. single flight: identical in-flight calls share one

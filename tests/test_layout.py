@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 3. what a request and the stages share at run time
     ("runtime", "snapshot"),
     # 4. the capabilities, each a package with its stage
-    ("cache", "coalesce", "batching", "resilience"),
+    ("cache", "coalesce", "batching", "resilience", "pool"),
     # 5. the pipeline's order, and the edge that runs it
     ("stages", "edge"),
     # 6. the admin port and the app that owns everything

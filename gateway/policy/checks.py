@@ -173,6 +173,13 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
     def bad(key: str, message: str) -> None:
         found.append((key, message))
 
+    if route.prewarm is not None:
+        if route.prewarm.horizon_s <= 0:
+            bad("prewarm.horizon_s", "must be greater than 0")
+        if route.prewarm.headroom < 1:
+            bad("prewarm.headroom", "must be at least 1")
+        if route.prewarm.endpoint_rps is not None and route.prewarm.endpoint_rps <= 0:
+            bad("prewarm.endpoint_rps", "must be greater than 0")
     for i, name in enumerate(route.fallback):
         if name not in backends:
             bad(f"fallback[{i}]", f"unknown backend {name!r}")

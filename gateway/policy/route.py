@@ -15,6 +15,8 @@ DEFAULT_SIMHASH_MAX_DISTANCE = 3
 DEFAULT_BATCH_MAX_SIZE = 16
 DEFAULT_BATCH_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_FALSE_HIT_RATE = 0.01
+DEFAULT_PREWARM_HORIZON_S = 600.0
+DEFAULT_PREWARM_HEADROOM = 1.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,27 @@ class RouteCache:
 
 
 @dataclass(frozen=True, slots=True)
+class Prewarm:
+    """Predictive pre-warming: the rate forecast and the endpoints it calls for."""
+
+    horizon_s: float = field(
+        default=DEFAULT_PREWARM_HORIZON_S,
+        metadata=doc("How far ahead the forecast looks (a cold start and then some)."),
+    )
+    headroom: float = field(
+        default=DEFAULT_PREWARM_HEADROOM,
+        metadata=doc("Capacity asked for over the forecast (1.2 = 20% more)."),
+    )
+    endpoint_rps: float | None = field(
+        default=None,
+        metadata=doc(
+            "Requests/s one endpoint serves at its best; default: the best minute seen, "
+            "divided by the backend's listed endpoints."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Adaptive:
     """AIMD on the batch size against a latency target (Clipper, NSDI'17)."""
 
@@ -199,6 +222,13 @@ class Route:
     batch: Batch | None = field(default=None, metadata=doc("Micro-batching into array calls."))
     rate_limit: RateLimit | None = field(default=None, metadata=doc("Per-tenant rate limit."))
     quality: Quality | None = field(default=None, metadata=doc("Low-confidence fallback."))
+    prewarm: Prewarm | None = field(
+        default=None,
+        metadata=doc(
+            "Forecast this route's request rate (time of day, day of week, trend) and "
+            "export what its backend will need, ahead of the peak."
+        ),
+    )
 
     @property
     def coalescing(self) -> bool:
