@@ -6,6 +6,7 @@ time and then tried again, the policy's `url`/`endpoints` rules, and the endpoin
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 
@@ -15,8 +16,9 @@ from aiohttp import web
 
 from gateway.errors import ConnectFailed
 from gateway.metrics import Metrics
+from gateway.openai.prefix import leading_key
 from gateway.policy.model import Backend, CircuitBreaker
-from gateway.testing import FakeClock
+from gateway.testing import FakeClock, FakeTransport, json_reply
 from gateway.transport.endpoints import EndpointSet
 from tests.helpers import problems_of, until, write_policy
 
@@ -219,3 +221,92 @@ async def test_warm_up_reaches_every_endpoint_before_ready(serve_app, start_gate
     gw = await start_gateway(policy=policy)
     await until(lambda: gw.gateway.warm)
     assert sorted(seen) == ["a /v1/models", "b /v1/models", "c /v1/models"]
+
+
+def chat_body(system: str, user: str) -> bytes:
+    return json.dumps(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+        }
+    ).encode()
+
+
+async def test_prefix_affinity_keeps_a_leading_context_on_one_endpoint(serve_app) -> None:
+    """8 system prompts over 3 instances, none saturated: every request of a prefix lands
+    where its first one did; a different later turn keeps the prefix's endpoint."""
+    urls = [await serve_app(named(n)) for n in "abc"]
+    backend = Backend("m", endpoints=tuple(urls), prefix_affinity=True)
+    endpoints = EndpointSet(backend, Metrics(), rng=random.Random(5))
+    landed: dict[str, list[str]] = {}
+    try:
+        for turn in range(10):
+            for p in range(8):
+                body = json.loads(chat_body(f"you are assistant {p}", "hello"))
+                body["messages"].append({"role": "user", "content": f"turn {turn}"})
+                key = leading_key(body)
+                reply = await endpoints.send(
+                    backend,
+                    "POST",
+                    "/",
+                    [],
+                    json.dumps(body).encode(),
+                    streaming=False,
+                    affinity=key,
+                )
+                assert reply.body is not None
+                landed.setdefault(f"p{p}", []).append(json.loads(reply.body)["served_by"])
+    finally:
+        await endpoints.aclose()
+    for served in landed.values():
+        assert len(set(served)) == 1  # >= 90% asked; unsaturated, it is all of them
+    assert len({s[0] for s in landed.values()}) >= 2  # the prefixes spread over instances
+    assert endpoints.affinity_hits == 72
+
+
+async def test_a_busy_affine_endpoint_gives_way(serve_app) -> None:
+    gate = asyncio.Event()
+    urls = [await serve_app(named(n, gate)) for n in "ab"]
+    backend = Backend("m", endpoints=tuple(urls), prefix_affinity=True)
+    endpoints = EndpointSet(backend, Metrics(), rng=random.Random(1))
+    held = []
+    try:
+        first = endpoints.pick(affinity="k")
+        for _ in range(5):  # five in flight on it, none elsewhere: more than the slack
+            held.append(
+                asyncio.create_task(first.pool.send(backend, "GET", "/", [], b"", streaming=False))
+            )
+        await until(lambda: first.inflight == 5)
+        assert endpoints.pick(affinity="k") is not first
+    finally:
+        gate.set()
+        await asyncio.gather(*held)
+        await endpoints.aclose()
+
+
+async def test_the_forward_hands_the_leading_key_only_where_prefix_affinity_is_on(
+    pipeline,
+) -> None:
+    transport = FakeTransport(lambda sent: json_reply({"ok": True}))
+    body = json.loads(chat_body("sys", "hi"))
+    gw = await pipeline(
+        {
+            "backends": {
+                "on": {"endpoints": ["http://a", "http://b"], "prefix_affinity": True},
+                "off": {"url": "http://c"},
+            },
+            "routes": [
+                {"match": {"path": "/v1/chat/completions", "model": "m"}, "backend": "on"},
+                {"match": {"path": "*"}, "backend": "off"},
+            ],
+        },
+        transport,
+    )
+    await gw.post("/v1/chat/completions", body)
+    await gw.post("/v1/chat/completions", {**body, "model": "other"})
+    on, off = transport.to("on")[0], transport.to("off")[0]
+    assert on.affinity == leading_key(body) and on.affinity is not None
+    assert off.affinity is None

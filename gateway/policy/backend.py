@@ -173,6 +173,15 @@ class Backend:
             "with fewer requests in flight) or `round_robin`."
         ),
     )
+    prefix_affinity: bool = field(
+        default=False,
+        metadata=doc(
+            "With several endpoints: send a request whose leading context (model, system "
+            "prompt, first turn) an endpoint served recently to that endpoint, while it is "
+            "not busier than the least busy by more than a few requests (its prefix cache "
+            "is reused)."
+        ),
+    )
     model_version: str = field(
         default="",
         metadata=doc(

@@ -25,6 +25,8 @@ class Sent:
     headers: Headers
     body: bytes
     streaming: bool
+    affinity: str | None = None
+    """The leading-context key, for a backend with ``prefix_affinity``."""
 
     def header(self, name: str) -> str | None:
         return first_header(self.headers, name)
@@ -88,8 +90,9 @@ class FakeTransport:
         body: bytes,
         *,
         streaming: bool,
+        affinity: str | None = None,
     ) -> Reply:
-        sent = Sent(backend.name, method, path_qs, tuple(headers), body, streaming)
+        sent = Sent(backend.name, method, path_qs, tuple(headers), body, streaming, affinity)
         self.sent.append(sent)
         respond = (
             self._respond[backend.name] if isinstance(self._respond, Mapping) else self._respond

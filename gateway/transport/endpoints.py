@@ -7,7 +7,11 @@ request by the backend's ``balance``:
 * ``least_request`` (the default): the power of two random choices over in-flight counts
   (Mitzenmacher; Envoy's default): two distinct endpoints drawn at random, the one with
   fewer requests in flight wins, so a slow instance, whose requests pile up, gets fewer;
-* ``round_robin``: each in turn, whatever their load.
+* ``round_robin``: each in turn, whatever their load;
+* with ``prefix_affinity``, on top of either: a request whose leading context (its
+  ``openai.prefix.leading_key``) an endpoint served recently goes to that endpoint again,
+  while it is no busier than the least busy by more than ``AFFINITY_SLACK`` (so its model
+  server's prefix cache is reused, and a hot prefix cannot pile onto one instance).
 
 Per-endpoint health is outlier ejection (Envoy's ``consecutive_5xx``): after
 ``EJECT_AFTER`` failures in a row (a connect error, a timeout, a 5xx other than 503; the
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +44,11 @@ from gateway.policy.model import Backend, Policy
 from gateway.transport.discovery import Resolver, SystemResolver, follow
 from gateway.transport.upstream import BackendPool, pool_key
 
+AFFINITY_SLACK = 4
+"""Requests in flight an affine endpoint may have over the least busy one before a request
+of its prefix goes elsewhere (consistent hashing with bounded loads, in spirit)."""
+AFFINITY_KEYS = 4096
+"""Leading contexts remembered per backend, least recently used out."""
 EJECT_AFTER = 5
 """Failures in a row that eject an endpoint when the backend has no breaker settings."""
 EJECT_S = 10.0
@@ -138,6 +148,8 @@ class EndpointSet:
         self._follower: asyncio.Task[None] | None = None
         self._clock = clock
         self._rng = rng or random.Random()
+        self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
+        self.affinity_hits = 0
         self._next = 0
         self._active = metrics.pool_active_endpoints.labels(backend.name)
         self._active.set(len(self.endpoints))
@@ -198,8 +210,9 @@ class EndpointSet:
                 )
             )
 
-    def pick(self, exclude: Sequence[Endpoint] = ()) -> Endpoint:
-        """The endpoint for the next request (``exclude``: those already tried)."""
+    def pick(self, exclude: Sequence[Endpoint] = (), affinity: str | None = None) -> Endpoint:
+        """The endpoint for the next request (``exclude``: those already tried;
+        ``affinity``: the request's leading-context key, see ``prefix_affinity``)."""
         if not self.endpoints:
             raise ConnectFailed(f"backend {self.name!r} has no endpoint", self.name)
         if len(self.endpoints) == 1:
@@ -207,6 +220,28 @@ class EndpointSet:
         choices = [e for e in self.healthy() if e not in exclude]
         if not choices:  # every endpoint ejected (or tried): try them all again
             choices = [e for e in self.endpoints if e not in exclude] or self.endpoints
+        if affinity is not None:
+            return self._affine(affinity, choices)
+        return self._balanced(choices)
+
+    def _affine(self, key: str, choices: list[Endpoint]) -> Endpoint:
+        """The endpoint that served ``key`` recently, while it is among ``choices`` and no
+        busier than the least busy by more than ``AFFINITY_SLACK``; else a balanced pick,
+        remembered for the key."""
+        least = min(e.inflight for e in choices)
+        known = self._affinity.get(key)
+        if known is not None and known in choices and known.inflight <= least + AFFINITY_SLACK:
+            self._affinity.move_to_end(key)
+            self.affinity_hits += 1
+            return known
+        endpoint = self._balanced(choices)
+        self._affinity[key] = endpoint
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > AFFINITY_KEYS:
+            self._affinity.popitem(last=False)
+        return endpoint
+
+    def _balanced(self, choices: list[Endpoint]) -> Endpoint:
         if len(choices) == 1:
             return choices[0]
         if self.balance == "round_robin":
@@ -237,13 +272,14 @@ class EndpointSet:
         body: bytes,
         *,
         streaming: bool,
+        affinity: str | None = None,
     ) -> Reply:
         if not self.resolved.is_set():  # discovery's first answer is on its way
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.resolved.wait(), backend.connect_timeout_s)
         tried: list[Endpoint] = []
         while True:
-            endpoint = self.pick(tried)
+            endpoint = self.pick(tried, affinity)
             tried.append(endpoint)
             try:
                 reply = await endpoint.pool.send(
@@ -345,10 +381,16 @@ class Upstreams:
         body: bytes,
         *,
         streaming: bool,
+        affinity: str | None = None,
     ) -> Reply:
         endpoints = self.pool(backend)
-        target = endpoints.direct or endpoints
-        return await target.send(backend, method, path_qs, headers, body, streaming=streaming)
+        if endpoints.direct is not None:
+            return await endpoints.direct.send(
+                backend, method, path_qs, headers, body, streaming=streaming
+            )
+        return await endpoints.send(
+            backend, method, path_qs, headers, body, streaming=streaming, affinity=affinity
+        )
 
     async def aclose(self) -> None:
         for pool in [*self._pools.values(), *self._retired.values()]:

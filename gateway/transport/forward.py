@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.openai.prefix import leading_key
 from gateway.pipeline import Call, Reply
 from gateway.transport.upstream import Transport
 
@@ -20,6 +21,16 @@ class Forward:
             headers = [(k, v) for k, v in headers if k.lower() not in names]
             headers.extend(backend.headers)
         path_qs = call.raw_target or call.path + ("?" + call.query if call.query else "")
+        if backend.prefix_affinity:
+            return await self._transport.send(
+                backend,
+                call.method,
+                path_qs,
+                headers,
+                call.body,
+                streaming=call.streaming,
+                affinity=leading_key(call.json),
+            )
         return await self._transport.send(
             backend, call.method, path_qs, headers, call.body, streaming=call.streaming
         )

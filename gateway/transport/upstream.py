@@ -50,7 +50,9 @@ def resendable(method: str, path_qs: str, headers: list[tuple[str, str]]) -> boo
 
 
 class Transport(Protocol):
-    """Sends a request to a backend and returns the reply (real: ``Upstreams``)."""
+    """Sends a request to a backend and returns the reply (real: ``Upstreams``).
+    ``affinity`` is the request's leading-context key, for a backend with
+    ``prefix_affinity`` (``openai.prefix.leading_key``); a transport may ignore it."""
 
     async def send(
         self,
@@ -61,6 +63,7 @@ class Transport(Protocol):
         body: bytes,
         *,
         streaming: bool,
+        affinity: str | None = None,
     ) -> Reply: ...
 
 
