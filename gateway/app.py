@@ -32,8 +32,8 @@ from gateway.runtime import Runtime
 from gateway.server.listener import HttpServer
 from gateway.snapshot import Snapshot
 from gateway.state import Registry
+from gateway.transport.backends import Upstreams
 from gateway.transport.discovery import Resolver
-from gateway.transport.endpoints import Upstreams
 from gateway.transport.forward import Forward
 from gateway.transport.forwarding import TrustedProxies
 from gateway.transport.upstream import Transport

@@ -19,7 +19,7 @@ from gateway.cache.stores import MemoryStore
 from gateway.errors import UpstreamError
 from gateway.metrics import Metrics
 from gateway.policy.model import Backend
-from gateway.transport.endpoints import Upstreams
+from gateway.transport.backends import Upstreams
 
 from .conftest import ServeApp
 from .test_cache_embedding import WordsEmbedder

@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.errors import ConnectFailed
 from gateway.metrics import Metrics
 from gateway.openai.prefix import leading_key
-from gateway.policy.model import Backend, CircuitBreaker
+from gateway.policy.model import Backend, CircuitBreaker, TelemetrySource
 from gateway.testing import FakeClock, FakeTransport, json_reply
 from gateway.transport.endpoints import EndpointSet
 from tests.helpers import problems_of, until, write_policy
@@ -310,3 +310,52 @@ async def test_the_forward_hands_the_leading_key_only_where_prefix_affinity_is_o
     on, off = transport.to("on")[0], transport.to("off")[0]
     assert on.affinity == leading_key(body) and on.affinity is not None
     assert off.affinity is None
+
+
+def reporting(name: str, figures: dict[str, float]) -> web.Application:
+    """An instance that answers its name and serves vLLM's load figures at /metrics."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            text=f"vllm:num_requests_waiting {figures['waiting']}\n"
+            f"vllm:kv_cache_usage_perc {figures['kv']}\n"
+        )
+
+    async def handle(_: web.Request) -> web.Response:
+        return web.json_response({"served_by": name})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+async def test_kv_aware_leaves_out_a_saturated_endpoint_until_it_clears(serve_app) -> None:
+    figures = {n: {"waiting": 0.0, "kv": 0.2} for n in "abc"}
+    figures["c"]["kv"] = 0.95
+    urls = [await serve_app(reporting(n, figures[n])) for n in "abc"]
+    clock = FakeClock()
+    backend = Backend(
+        "m",
+        endpoints=tuple(urls),
+        balance="kv_aware",
+        telemetry=TelemetrySource(interval_ms=200),
+    )
+    endpoints = EndpointSet(backend, Metrics(), clock=clock, rng=random.Random(2))
+    endpoints.watch_load()
+    try:
+        await until(lambda: all(e.kv_cache_usage is not None for e in endpoints.endpoints))
+        served = [(await served_by(endpoints, backend))[1] for _ in range(60)]
+        assert sum('"c"' in s for s in served) <= 3  # <= 5% while saturated: here none
+        figures["c"]["kv"] = 0.1
+        clock.advance(0.2)
+        await until(lambda: endpoints.endpoints[2].kv_cache_usage == 0.1)
+        served = [(await served_by(endpoints, backend))[1] for _ in range(60)]
+        assert sum('"c"' in s for s in served) >= 10  # its share returns
+        for n in "abc":
+            figures[n]["waiting"] = 9.0  # every one saturated: still served, least loaded
+        clock.advance(0.2)
+        await until(lambda: all(e.queue_waiting == 9.0 for e in endpoints.endpoints))
+        assert (await served_by(endpoints, backend))[0] == 200
+    finally:
+        await endpoints.aclose()

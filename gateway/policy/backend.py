@@ -166,11 +166,13 @@ class Backend:
             "resolves to; one that disappears drains its requests in flight."
         ),
     )
-    balance: Literal["least_request", "round_robin"] = field(
+    balance: Literal["least_request", "round_robin", "kv_aware"] = field(
         default="least_request",
         metadata=doc(
             "How an endpoint is picked: `least_request` (of two drawn at random, the one "
-            "with fewer requests in flight) or `round_robin`."
+            "with fewer requests in flight), `round_robin`, or `kv_aware` (each server's "
+            "`/metrics`, every `telemetry.interval_ms`: one with more than 5 requests "
+            "waiting or its KV cache over 80% gets none while another has room)."
         ),
     )
     prefix_affinity: bool = field(

@@ -8,6 +8,8 @@ request by the backend's ``balance``:
   (Mitzenmacher; Envoy's default): two distinct endpoints drawn at random, the one with
   fewer requests in flight wins, so a slow instance, whose requests pile up, gets fewer;
 * ``round_robin``: each in turn, whatever their load;
+* ``kv_aware``: least request over the model servers' own figures (``load.py``): an
+  endpoint whose queue or KV cache is over its limit is left out while another is not;
 * with ``prefix_affinity``, on top of either: a request whose leading context (its
   ``openai.prefix.leading_key``) an endpoint served recently goes to that endpoint again,
   while it is no busier than the least busy by more than ``AFFINITY_SLACK`` (so its model
@@ -22,8 +24,7 @@ tried again (Envoy's panic mode), so the backend's own breaker, not the ejection
 whether the backend is down.  A request whose connection could not even be opened (so
 nothing was sent) is tried once more on another endpoint.
 
-``Upstreams`` keeps one set per backend across reloads while the backend's endpoints and
-connection settings hold, retiring a replaced set after its requests in flight.
+``backends.Upstreams`` keeps one set per backend across reloads.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from gateway.errors import ConnectFailed, UpstreamError
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
 from gateway.policy.checks import MAX_ENDPOINTS
-from gateway.policy.model import Backend, Policy
-from gateway.transport.discovery import Resolver, SystemResolver, follow
+from gateway.policy.model import Backend
+from gateway.transport import load
+from gateway.transport.discovery import Resolver, follow
 from gateway.transport.upstream import BackendPool, pool_key
 
 AFFINITY_SLACK = 4
@@ -77,6 +79,8 @@ class Endpoint:
         self.failures = 0
         self.ejected_until = 0.0
         self.ejections = 0
+        self.queue_waiting: float | None = None  # the server's own figures (kv_aware)
+        self.kv_cache_usage: float | None = None
         self._requests = metrics.endpoint_requests
         self._counted: dict[str, Any] = {}  # outcome -> its counter child, looked up once
         # read at scrape time: no per-request cost
@@ -146,6 +150,7 @@ class EndpointSet:
         if backend.discovery is None:
             self.resolved.set()
         self._follower: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._clock = clock
         self._rng = rng or random.Random()
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
@@ -196,6 +201,17 @@ class EndpointSet:
         self.healthy()
         self.resolved.set()
 
+    def watch_load(self) -> None:
+        """With ``balance: kv_aware``, keep each endpoint's queue and KV use current."""
+        if self.balance == "kv_aware" and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(
+                load.watch(
+                    lambda: self.endpoints,
+                    self._backend,
+                    getattr(self._clock, "sleep", asyncio.sleep),
+                )
+            )
+
     def follow(self, resolver: Resolver) -> None:
         """Keep the endpoints on what the backend's ``discovery`` name resolves to."""
         discovery = self._backend.discovery
@@ -242,12 +258,16 @@ class EndpointSet:
         return endpoint
 
     def _balanced(self, choices: list[Endpoint]) -> Endpoint:
+        if self.balance == "kv_aware":  # the unsaturated, else all; then by score
+            choices = [e for e in choices if not load.saturated(e)] or choices
         if len(choices) == 1:
             return choices[0]
         if self.balance == "round_robin":
             self._next += 1
             return choices[self._next % len(choices)]
         a, b = self._rng.sample(choices, 2)
+        if self.balance == "kv_aware":
+            return a if load.score(a) <= load.score(b) else b
         return a if a.inflight <= b.inflight else b
 
     def observe(self, endpoint: Endpoint, outcome: str, failed: bool) -> None:
@@ -298,9 +318,10 @@ class EndpointSet:
             return reply
 
     def _stop(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-            self._follower = None
+        for task in (self._follower, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._follower = self._watcher = None
 
     def retire(self) -> None:
         self._stop()
@@ -322,82 +343,3 @@ class EndpointSet:
             f"<EndpointSet {self.name} balance={self.balance} "
             f"healthy={healthy}/{len(self.endpoints)} inflight={self.inflight}>"
         )
-
-
-class Upstreams:
-    """The real transport: an endpoint set per backend, kept across reloads while its key
-    holds."""
-
-    def __init__(
-        self, metrics: Metrics, clock: Clock = SYSTEM_CLOCK, resolver: Resolver | None = None
-    ) -> None:
-        self._metrics = metrics
-        self._clock = clock
-        self._resolver = resolver or SystemResolver()
-        self._pools: dict[str, EndpointSet] = {}
-        self._retired: dict[tuple[object, ...], EndpointSet] = {}
-        self._live: dict[int, tuple[Backend, EndpointSet]] = {}  # by the live policy's objects
-
-    def sync(self, policy: Policy) -> None:
-        """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
-        wanted = {b.name: b for b in policy.backends}
-        for name, pool in list(self._pools.items()):
-            backend = wanted.get(name)
-            if backend is None or set_key(backend) != pool.key:
-                pool.retire()
-                del self._pools[name]
-                if not pool.closed:
-                    self._retired[pool.key] = pool
-        self._retired = {k: p for k, p in self._retired.items() if not p.closed}
-        for name, backend in wanted.items():
-            if name not in self._pools:
-                self._pools[name] = EndpointSet(backend, self._metrics, clock=self._clock)
-                self._pools[name].follow(self._resolver)
-        self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
-
-    def pool(self, backend: Backend) -> EndpointSet:
-        """The live pool of ``backend`` (a request started on an older policy still gets the
-        pool its backend's URL calls for)."""
-        live = self._live.get(id(backend))
-        if live is not None and live[0] is backend:
-            return live[1]
-        pool = self._pools.get(backend.name)
-        if pool is not None and pool.key == set_key(backend):
-            return pool
-        # (a one-off set never follows discovery: a request of a policy replaced mid-way)
-        retired = self._retired.get(set_key(backend))
-        if retired is not None and not retired.closed:
-            return retired
-        pool = EndpointSet(backend, self._metrics, clock=self._clock)
-        pool.retire_after_use()
-        return pool
-
-    async def send(
-        self,
-        backend: Backend,
-        method: str,
-        path_qs: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        *,
-        streaming: bool,
-        affinity: str | None = None,
-    ) -> Reply:
-        endpoints = self.pool(backend)
-        if endpoints.direct is not None:
-            return await endpoints.direct.send(
-                backend, method, path_qs, headers, body, streaming=streaming
-            )
-        return await endpoints.send(
-            backend, method, path_qs, headers, body, streaming=streaming, affinity=affinity
-        )
-
-    async def aclose(self) -> None:
-        for pool in [*self._pools.values(), *self._retired.values()]:
-            await pool.aclose()
-        self._pools.clear()
-        self._retired.clear()
-        self._live.clear()
-
-    def __repr__(self) -> str:
-        return f"<Upstreams {list(self._pools.values())!r}>"

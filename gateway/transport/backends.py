@@ -1,0 +1,92 @@
+"""The real transport: an endpoint set per backend (``EndpointSet``), kept across reloads
+while the backend's endpoints and connection settings hold, a replaced set retired after
+its requests in flight."""
+
+from __future__ import annotations
+
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.metrics import Metrics
+from gateway.pipeline import Reply
+from gateway.policy.model import Backend, Policy
+from gateway.transport.discovery import Resolver, SystemResolver
+from gateway.transport.endpoints import EndpointSet, set_key
+
+
+class Upstreams:
+    """The real transport: an endpoint set per backend, kept across reloads while its key
+    holds."""
+
+    def __init__(
+        self, metrics: Metrics, clock: Clock = SYSTEM_CLOCK, resolver: Resolver | None = None
+    ) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._resolver = resolver or SystemResolver()
+        self._pools: dict[str, EndpointSet] = {}
+        self._retired: dict[tuple[object, ...], EndpointSet] = {}
+        self._live: dict[int, tuple[Backend, EndpointSet]] = {}  # by the live policy's objects
+
+    def sync(self, policy: Policy) -> None:
+        """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
+        wanted = {b.name: b for b in policy.backends}
+        for name, pool in list(self._pools.items()):
+            backend = wanted.get(name)
+            if backend is None or set_key(backend) != pool.key:
+                pool.retire()
+                del self._pools[name]
+                if not pool.closed:
+                    self._retired[pool.key] = pool
+        self._retired = {k: p for k, p in self._retired.items() if not p.closed}
+        for name, backend in wanted.items():
+            if name not in self._pools:
+                self._pools[name] = EndpointSet(backend, self._metrics, clock=self._clock)
+                self._pools[name].follow(self._resolver)
+                self._pools[name].watch_load()
+        self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
+
+    def pool(self, backend: Backend) -> EndpointSet:
+        """The live pool of ``backend`` (a request started on an older policy still gets the
+        pool its backend's URL calls for)."""
+        live = self._live.get(id(backend))
+        if live is not None and live[0] is backend:
+            return live[1]
+        pool = self._pools.get(backend.name)
+        if pool is not None and pool.key == set_key(backend):
+            return pool
+        # (a one-off set never follows discovery: a request of a policy replaced mid-way)
+        retired = self._retired.get(set_key(backend))
+        if retired is not None and not retired.closed:
+            return retired
+        pool = EndpointSet(backend, self._metrics, clock=self._clock)
+        pool.retire_after_use()
+        return pool
+
+    async def send(
+        self,
+        backend: Backend,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        streaming: bool,
+        affinity: str | None = None,
+    ) -> Reply:
+        endpoints = self.pool(backend)
+        if endpoints.direct is not None:
+            return await endpoints.direct.send(
+                backend, method, path_qs, headers, body, streaming=streaming
+            )
+        return await endpoints.send(
+            backend, method, path_qs, headers, body, streaming=streaming, affinity=affinity
+        )
+
+    async def aclose(self) -> None:
+        for pool in [*self._pools.values(), *self._retired.values()]:
+            await pool.aclose()
+        self._pools.clear()
+        self._retired.clear()
+        self._live.clear()
+
+    def __repr__(self) -> str:
+        return f"<Upstreams {list(self._pools.values())!r}>"
