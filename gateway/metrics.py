@@ -97,7 +97,8 @@ class Metrics:
         )
         self.endpoint_state = Gauge(
             "gateway_endpoint_state",
-            "1 for an endpoint's current state (active, ejected), 0 for the others.",
+            "1 for an endpoint's current state (active, standby, warming, ejected), 0 for "
+            "the others.",
             ["backend", "endpoint", "state"],
             registry=r,
         )

@@ -17,7 +17,13 @@ from aiohttp import web
 from gateway.errors import ConnectFailed
 from gateway.metrics import Metrics
 from gateway.openai.prefix import leading_key
-from gateway.policy.model import Backend, CircuitBreaker, TelemetrySource
+from gateway.policy.model import (
+    Backend,
+    CircuitBreaker,
+    ModelPool,
+    TelemetrySource,
+    WarmupRequest,
+)
 from gateway.testing import FakeClock, FakeTransport, json_reply
 from gateway.transport.endpoints import EndpointSet
 from tests.helpers import problems_of, until, write_policy
@@ -359,3 +365,97 @@ async def test_kv_aware_leaves_out_a_saturated_endpoint_until_it_clears(serve_ap
         assert (await served_by(endpoints, backend))[0] == 200
     finally:
         await endpoints.aclose()
+
+
+async def test_a_pool_keeps_core_in_rotation_and_brings_standby_in_warm_then_returns_it(
+    serve_app,
+) -> None:
+    """`pool: {core: 1, scale_up_inflight: 2, idle_timeout_s: 60}` over three instances:
+    only the core one answers at first; with two requests held in flight the next standby
+    one is warmed (its warm-up answered) and only then takes requests; after an idle minute
+    (fake clock) it is back on standby."""
+    gate = asyncio.Event()
+    warmed: list[str] = []
+
+    def instance(name: str) -> web.Application:
+        async def handle(request: web.Request) -> web.Response:
+            if request.path == "/warm":
+                warmed.append(name)
+            elif request.path == "/gated":
+                await gate.wait()
+            return web.json_response({"served_by": name})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    urls = [await serve_app(instance(n)) for n in "abc"]
+    clock = FakeClock()
+    backend = Backend(
+        "m",
+        endpoints=tuple(urls),
+        pool=ModelPool(core=1, scale_up_inflight=2, idle_timeout_s=60),
+        warmup=(WarmupRequest("/warm", "GET"),),
+    )
+    endpoints = EndpointSet(backend, Metrics(), clock=clock, rng=random.Random(4))
+    roles = lambda: [e.role for e in endpoints.endpoints]  # noqa: E731
+    held: list[asyncio.Task] = []
+    try:
+        assert roles() == ["active", "standby", "standby"]
+        assert {(await served_by(endpoints, backend))[1] for _ in range(4)} == {
+            '{"served_by": "a"}'
+        }
+        for _ in range(2):
+            held.append(
+                asyncio.create_task(
+                    endpoints.send(backend, "GET", "/gated", [], b"", streaming=False)
+                )
+            )
+        await until(lambda: endpoints.inflight == 2)
+        await served_by(endpoints, backend)  # the pick that sees the load
+        await until(lambda: roles() == ["active", "active", "standby"])
+        assert warmed == ["b"]  # warmed before it took any request
+        served = {(await served_by(endpoints, backend))[1] for _ in range(10)}
+        assert '{"served_by": "b"}' in served
+        gate.set()
+        await asyncio.gather(*held)
+        clock.advance(61)
+        assert (await served_by(endpoints, backend))[1] == '{"served_by": "a"}'
+        assert roles() == ["active", "standby", "standby"]
+        assert endpoints.sizing is not None and endpoints.sizing.demotions == 1
+    finally:
+        gate.set()
+        await endpoints.aclose()
+
+
+async def test_with_a_pool_warm_up_at_start_warms_only_the_core(
+    serve_app, start_gateway, tmp_path
+) -> None:
+    seen: list[str] = []
+
+    def app_for(name: str) -> web.Application:
+        async def handle(request: web.Request) -> web.Response:
+            seen.append(name)
+            return web.json_response({"served_by": name})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    urls = [await serve_app(app_for(n)) for n in "abc"]
+    policy = write_policy(
+        tmp_path,
+        {
+            "backends": {
+                "main": {
+                    "endpoints": urls,
+                    "pool": {"core": 2},
+                    "warmup": [{"path": "/v1/models", "method": "GET"}],
+                }
+            },
+            "routes": [{"backend": "main"}],
+        },
+    )
+    gw = await start_gateway(policy=policy)
+    await until(lambda: gw.gateway.warm)
+    assert sorted(seen) == ["a", "b"]

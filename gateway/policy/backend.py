@@ -125,6 +125,27 @@ class CircuitBreaker:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelPool:
+    """Which of a backend's endpoints take traffic: ``core`` always, the rest on demand."""
+
+    core: int = field(default=1, metadata=doc("Endpoints always in rotation (the first ones)."))
+    max: int | None = field(
+        default=None, metadata=doc("Endpoints in rotation at most (default: all).")
+    )
+    idle_timeout_s: float = field(
+        default=1800.0,
+        metadata=doc("A standby endpoint brought in returns to standby after this idle."),
+    )
+    scale_up_inflight: float = field(
+        default=4.0,
+        metadata=doc(
+            "Requests in flight per endpoint in rotation past which the next standby one "
+            "is warmed (its `warmup` requests answered) and brought in."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Discovery:
     """A backend's endpoints from DNS: every A/AAAA record of a name (a Kubernetes headless
     Service), re-resolved every ``interval_s``; changes apply without a reload."""
@@ -173,6 +194,13 @@ class Backend:
             "with fewer requests in flight), `round_robin`, or `kv_aware` (each server's "
             "`/metrics`, every `telemetry.interval_ms`: one with more than 5 requests "
             "waiting or its KV cache over 80% gets none while another has room)."
+        ),
+    )
+    pool: ModelPool | None = field(
+        default=None,
+        metadata=doc(
+            "With several endpoints: keep the first `core` in rotation and the rest on "
+            "standby, warmed and brought in under load, returned after `idle_timeout_s`."
         ),
     )
     prefix_affinity: bool = field(

@@ -117,6 +117,13 @@ def check_backend(b: Backend) -> Found:
     for i, url in enumerate(b.endpoints):
         if not url.startswith(("http://", "https://")):
             bad(f"endpoints[{i}]", f"must start with http:// or https://, not {url!r}")
+    if b.pool is not None:
+        if b.pool.core < 1:
+            bad("pool.core", "must be at least 1")
+        if b.pool.max is not None and b.pool.max < b.pool.core:
+            bad("pool.max", "must not be below pool.core")
+        if b.pool.idle_timeout_s <= 0 or b.pool.scale_up_inflight <= 0:
+            bad("pool", "idle_timeout_s and scale_up_inflight must be greater than 0")
     if b.discovery is not None:
         if not 0 < b.discovery.port < 65536:
             bad("discovery.port", "must be between 1 and 65535")

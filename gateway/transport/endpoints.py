@@ -44,6 +44,7 @@ from gateway.policy.checks import MAX_ENDPOINTS
 from gateway.policy.model import Backend
 from gateway.transport import load
 from gateway.transport.discovery import Resolver, follow
+from gateway.transport.sizing import Sizing
 from gateway.transport.upstream import BackendPool, pool_key
 
 AFFINITY_SLACK = 4
@@ -79,6 +80,8 @@ class Endpoint:
         self.failures = 0
         self.ejected_until = 0.0
         self.ejections = 0
+        self.role = ""  # with a `pool`: active, standby or warming (sizing.py)
+        self.last_used = 0.0
         self.queue_waiting: float | None = None  # the server's own figures (kv_aware)
         self.kv_cache_usage: float | None = None
         self._requests = metrics.endpoint_requests
@@ -98,7 +101,7 @@ class Endpoint:
         for family, labels in (
             (metrics.endpoint_inflight, ()),
             *((metrics.endpoint_requests, (o,)) for o in self._counted),
-            *((metrics.endpoint_state, (s,)) for s in ("active", "ejected")),
+            *((metrics.endpoint_state, (s,)) for s in ("active", "standby", "warming", "ejected")),
         ):
             with contextlib.suppress(KeyError):
                 family.remove(self._name, self.url, *labels)
@@ -110,7 +113,7 @@ class Endpoint:
         counter.inc()
 
     def show_state(self, state: str) -> None:
-        for name in ("active", "ejected"):
+        for name in ("active", "standby", "warming", "ejected"):
             self._state.labels(self._name, self.url, name).set(1 if name == state else 0)
 
     def __repr__(self) -> str:
@@ -153,6 +156,9 @@ class EndpointSet:
         self._watcher: asyncio.Task[None] | None = None
         self._clock = clock
         self._rng = rng or random.Random()
+        self.sizing = Sizing(backend, backend.pool, clock) if backend.pool else None
+        if self.sizing is not None:
+            self.sizing.assign(self.endpoints)
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
         self.affinity_hits = 0
         self._next = 0
@@ -179,7 +185,7 @@ class EndpointSet:
             if e.ejected_until and now >= e.ejected_until:
                 e.ejected_until = 0.0
                 e.failures = 0
-                e.show_state("active")
+                e.show_state(e.role or "active")
             if not e.ejected_until:
                 out.append(e)
         self._active.set(len(out))
@@ -198,6 +204,8 @@ class EndpointSet:
             kept.get(u) or Endpoint(BackendPool(self._backend, self._metrics, u), self._metrics)
             for u in dict.fromkeys(wanted)
         ]
+        if self.sizing is not None:
+            self.sizing.assign(self.endpoints)
         self.healthy()
         self.resolved.set()
 
@@ -234,6 +242,15 @@ class EndpointSet:
         if len(self.endpoints) == 1:
             return self.endpoints[0]
         choices = [e for e in self.healthy() if e not in exclude]
+        if self.sizing is not None:
+            rotation = self.sizing.in_rotation(self.endpoints)
+            choices = [e for e in choices if e in rotation] or [
+                e for e in rotation if e not in exclude
+            ]
+            self.sizing.pressure(
+                self.endpoints, len(rotation), sum(e.inflight for e in rotation), self.waiting
+            )
+            self._active.set(len(rotation))
         if not choices:  # every endpoint ejected (or tried): try them all again
             choices = [e for e in self.endpoints if e not in exclude] or self.endpoints
         if affinity is not None:
@@ -300,6 +317,7 @@ class EndpointSet:
         tried: list[Endpoint] = []
         while True:
             endpoint = self.pick(tried, affinity)
+            endpoint.last_used = self._clock.now()
             tried.append(endpoint)
             try:
                 reply = await endpoint.pool.send(
@@ -318,6 +336,8 @@ class EndpointSet:
             return reply
 
     def _stop(self) -> None:
+        if self.sizing is not None:
+            self.sizing.close()
         for task in (self._follower, self._watcher):
             if task is not None:
                 task.cancel()

@@ -25,10 +25,12 @@ async def warm_up(transport: Transport, backends: Sequence[Backend]) -> None:
 
 
 def instances(backend: Backend) -> list[Backend]:
-    """The backend once per endpoint (each a one-``url`` backend), or as it is."""
+    """The backend once per endpoint to warm (each a one-``url`` backend), or as it is: with
+    a ``pool``, its ``core`` endpoints (standby ones are warmed when brought in)."""
     if len(backend.endpoints) < 2:
         return [backend]
-    return [dataclasses.replace(backend, url=url, endpoints=()) for url in backend.endpoints]
+    urls = backend.endpoints[: backend.pool.core] if backend.pool else backend.endpoints
+    return [dataclasses.replace(backend, url=u, endpoints=(), pool=None) for u in urls]
 
 
 async def _warm_backend(transport: Transport, backend: Backend) -> None:
