@@ -42,6 +42,18 @@ def named(name: str, gate: asyncio.Event | None = None, status: int = 200) -> we
     return app
 
 
+def recording(name: str, seen: list[str]) -> web.Application:
+    """An instance that answers its name and notes each request's path in ``seen``."""
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(f"{name} {request.path}")
+        return web.json_response({"served_by": name})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
 def closed_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -204,17 +216,7 @@ def test_endpoint_settings_that_cannot_work_are_refused(backend: str, message: s
 
 async def test_warm_up_reaches_every_endpoint_before_ready(serve_app, start_gateway, tmp_path):
     seen: list[str] = []
-
-    def warmed(name: str) -> web.Application:
-        async def handle(request: web.Request) -> web.Response:
-            seen.append(f"{name} {request.path}")
-            return web.json_response({"served_by": name})
-
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        return app
-
-    urls = [await serve_app(warmed(n)) for n in "abc"]
+    urls = [await serve_app(recording(n, seen)) for n in "abc"]
     policy = write_policy(
         tmp_path,
         {
@@ -432,17 +434,7 @@ async def test_with_a_pool_warm_up_at_start_warms_only_the_core(
     serve_app, start_gateway, tmp_path
 ) -> None:
     seen: list[str] = []
-
-    def app_for(name: str) -> web.Application:
-        async def handle(request: web.Request) -> web.Response:
-            seen.append(name)
-            return web.json_response({"served_by": name})
-
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        return app
-
-    urls = [await serve_app(app_for(n)) for n in "abc"]
+    urls = [await serve_app(recording(n, seen)) for n in "abc"]
     policy = write_policy(
         tmp_path,
         {
@@ -458,4 +450,4 @@ async def test_with_a_pool_warm_up_at_start_warms_only_the_core(
     )
     gw = await start_gateway(policy=policy)
     await until(lambda: gw.gateway.warm)
-    assert sorted(seen) == ["a", "b"]
+    assert sorted(seen) == ["a /v1/models", "b /v1/models"]
