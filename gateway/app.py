@@ -36,6 +36,7 @@ from gateway.transport.backends import Upstreams
 from gateway.transport.discovery import Resolver
 from gateway.transport.forward import Forward
 from gateway.transport.forwarding import TrustedProxies
+from gateway.transport.sizing import Demand
 from gateway.transport.upstream import Transport
 from gateway.transport.warmup import warm_up
 
@@ -64,7 +65,10 @@ class Gateway:
         self.clock = clock
         self.access_log = access_log
         self.metrics = Metrics()
-        self._upstreams = Upstreams(self.metrics, clock, resolver) if transport is None else None
+        self.demand: Demand = {}
+        self._upstreams = (
+            Upstreams(self.metrics, clock, resolver, self.demand) if transport is None else None
+        )
         self.transport: Transport = transport if transport is not None else self._upstreams  # type: ignore[assignment]
         self.registry = Registry()
         self.inflight_requests = 0
@@ -91,7 +95,7 @@ class Gateway:
         if self._upstreams is not None:
             self._upstreams.sync(policy)
         self.registry.begin()
-        runtime = Runtime(self.metrics, self.registry, self.clock, self.transport)
+        runtime = Runtime(self.metrics, self.registry, self.clock, self.transport, self.demand)
         built = stages.build(policy, runtime, embedding_tiers=self._embedding_tiers)
         handler = compose(built, Forward(self.transport))
         self.registry.end()

@@ -96,7 +96,6 @@ async def test_the_endpoints_follow_the_name_and_a_gone_one_drains(instances) ->
         assert sorted({await answer(endpoints, backend) for _ in range(4)}) == list(HOSTS[:2])
         first = next(e for e in endpoints.endpoints if HOSTS[0] in e.url)
         # a request in flight on the first instance while it leaves the name
-        endpoints.balance = "least_request"
         held = asyncio.create_task(
             first.pool.send(backend, "GET", "/gated", [], b"", streaming=False)
         )

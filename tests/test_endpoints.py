@@ -451,3 +451,29 @@ async def test_with_a_pool_warm_up_at_start_warms_only_the_core(
     gw = await start_gateway(policy=policy)
     await until(lambda: gw.gateway.warm)
     assert sorted(seen) == ["a /v1/models", "b /v1/models"]
+
+
+async def test_a_forecast_that_wants_more_endpoints_warms_standby_ones_before_load(
+    serve_app,
+) -> None:
+    """With `Demand` asking for two endpoints (a prewarm forecast), the next standby one is
+    warmed and brought in on an unloaded pick: before the peak, not when it arrives."""
+    seen: list[str] = []
+    urls = [await serve_app(recording(n, seen)) for n in "ab"]
+    backend = Backend(
+        "m",
+        endpoints=tuple(urls),
+        pool=ModelPool(core=1, scale_up_inflight=100),
+        warmup=(WarmupRequest("/warm", "GET"),),
+    )
+    demand = {"m": lambda: 1}
+    endpoints = EndpointSet(backend, Metrics(), demand=demand)
+    try:
+        await served_by(endpoints, backend)
+        assert [e.role for e in endpoints.endpoints] == ["active", "standby"]  # 1 wanted
+        demand["m"] = lambda: 2
+        await served_by(endpoints, backend)
+        await until(lambda: [e.role for e in endpoints.endpoints] == ["active", "active"])
+        assert "b /warm" in seen
+    finally:
+        await endpoints.aclose()

@@ -3,6 +3,10 @@ route's rate forecast and the endpoints its backend will need (for autoscalers: 
 ``ScaledObject`` or an HPA on ``gateway_desired_endpoints`` scales the model Deployment
 before the peak; ``deploy/k8s/`` has both).
 
+The desired count also reaches the backend's ``pool`` sizing (``Runtime.demand``): standby
+endpoints are warmed and brought in while fewer are in rotation than the forecast calls
+for.
+
 ``gateway_forecast_requests_per_second{route}`` is the forecast mean rate over the
 horizon; ``gateway_desired_endpoints{backend}`` is ``ceil(forecast x headroom /
 per-endpoint rate)``, the per-endpoint rate being ``prewarm.endpoint_rps`` or the best
@@ -62,6 +66,10 @@ def _desired_of(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> Callable
     return lambda: float(desired_endpoints(rate, prewarm, backend))
 
 
+def _count_of(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> Callable[[], int]:
+    return lambda: desired_endpoints(rate, prewarm, backend)
+
+
 class RecordStage:
     """Counts each call of a route that forecasts its rate."""
 
@@ -93,7 +101,8 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         rates[route.name] = rate
         backend = policy.backend(route.backend)
         metrics.forecast_rps.labels(route.name).set_function(_rate_of(rate, prewarm))
-        metrics.desired_endpoints.labels(backend.name).set_function(
-            _desired_of(rate, prewarm, backend)
-        )
+        desired = _desired_of(rate, prewarm, backend)
+        metrics.desired_endpoints.labels(backend.name).set_function(desired)
+        # a backend with a `pool` warms standby endpoints up to this, ahead of the peak
+        runtime.demand[backend.name] = _count_of(rate, prewarm, backend)
     return [RecordStage(rates)] if rates else []

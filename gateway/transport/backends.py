@@ -10,6 +10,7 @@ from gateway.pipeline import Reply
 from gateway.policy.model import Backend, Policy
 from gateway.transport.discovery import Resolver, SystemResolver
 from gateway.transport.endpoints import EndpointSet, set_key
+from gateway.transport.sizing import Demand
 
 
 class Upstreams:
@@ -17,9 +18,14 @@ class Upstreams:
     holds."""
 
     def __init__(
-        self, metrics: Metrics, clock: Clock = SYSTEM_CLOCK, resolver: Resolver | None = None
+        self,
+        metrics: Metrics,
+        clock: Clock = SYSTEM_CLOCK,
+        resolver: Resolver | None = None,
+        demand: Demand | None = None,
     ) -> None:
         self._metrics = metrics
+        self.demand: Demand = demand if demand is not None else {}
         self._clock = clock
         self._resolver = resolver or SystemResolver()
         self._pools: dict[str, EndpointSet] = {}
@@ -39,7 +45,9 @@ class Upstreams:
         self._retired = {k: p for k, p in self._retired.items() if not p.closed}
         for name, backend in wanted.items():
             if name not in self._pools:
-                self._pools[name] = EndpointSet(backend, self._metrics, clock=self._clock)
+                self._pools[name] = EndpointSet(
+                    backend, self._metrics, clock=self._clock, demand=self.demand
+                )
                 self._pools[name].follow(self._resolver)
                 self._pools[name].watch_load()
         self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
@@ -57,7 +65,7 @@ class Upstreams:
         retired = self._retired.get(set_key(backend))
         if retired is not None and not retired.closed:
             return retired
-        pool = EndpointSet(backend, self._metrics, clock=self._clock)
+        pool = EndpointSet(backend, self._metrics, clock=self._clock, demand=self.demand)
         pool.retire_after_use()
         return pool
 

@@ -44,7 +44,7 @@ from gateway.policy.checks import MAX_ENDPOINTS
 from gateway.policy.model import Backend
 from gateway.transport import load
 from gateway.transport.discovery import Resolver, follow
-from gateway.transport.sizing import Sizing
+from gateway.transport.sizing import Demand, Sizing
 from gateway.transport.upstream import BackendPool, pool_key
 
 AFFINITY_SLACK = 4
@@ -130,6 +130,7 @@ class EndpointSet:
         *,
         clock: Clock = SYSTEM_CLOCK,
         rng: random.Random | None = None,
+        demand: Demand | None = None,
     ) -> None:
         self.key = set_key(backend)
         self.name = backend.name
@@ -156,7 +157,12 @@ class EndpointSet:
         self._watcher: asyncio.Task[None] | None = None
         self._clock = clock
         self._rng = rng or random.Random()
-        self.sizing = Sizing(backend, backend.pool, clock) if backend.pool else None
+        wanted = demand if demand is not None else {}
+        self.sizing = (
+            Sizing(backend, backend.pool, clock, lambda: wanted.get(backend.name, _none)())
+            if backend.pool
+            else None
+        )
         if self.sizing is not None:
             self.sizing.assign(self.endpoints)
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
@@ -363,3 +369,7 @@ class EndpointSet:
             f"<EndpointSet {self.name} balance={self.balance} "
             f"healthy={healthy}/{len(self.endpoints)} inflight={self.inflight}>"
         )
+
+
+def _none() -> int:
+    return 0

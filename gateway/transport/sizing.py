@@ -7,7 +7,10 @@ for a connection), the next standby endpoint is *warming*: its ``warmup`` reques
 no user request pays its cold start.  An endpoint brought in that has had no request for
 ``idle_timeout_s`` returns to standby.  ``max`` bounds the endpoints in rotation.  The
 gateway never creates instances: it decides which existing ones take traffic (creating
-replicas is the autoscaler's job, fed by ``gateway_desired_endpoints``).
+replicas is the autoscaler's job, fed by ``gateway_desired_endpoints``).  A backend's
+``Demand`` entry (set by the pool stage from a route's ``prewarm`` forecast) is a second
+reason to warm the next standby endpoint: fewer endpoints in rotation than the forecast
+calls for, so they are warm before the peak arrives rather than when it has.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from gateway.clock import Clock
@@ -26,6 +29,9 @@ from gateway.transport.upstream import BackendPool
 log = logging.getLogger("gateway.transport")
 
 ACTIVE, STANDBY, WARMING = "active", "standby", "warming"
+
+Demand = dict[str, Callable[[], int]]
+"""Per backend name: the endpoints a forecast says it will need (``pool.stage``)."""
 
 
 class Member(Protocol):
@@ -48,8 +54,15 @@ M = TypeVar("M", bound=Member)
 class Sizing:
     """Roles (active, standby, warming) over a backend's endpoints, by its ``pool``."""
 
-    def __init__(self, backend: Backend, pool: ModelPool, clock: Clock) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        pool: ModelPool,
+        clock: Clock,
+        wanted: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.backend = backend
+        self.wanted = wanted
         self.pool = pool
         self.clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
@@ -84,7 +97,8 @@ class Sizing:
         warming = sum(1 for m in members if m.role == WARMING)
         if active + warming >= limit or warming:
             return
-        if not waiting and inflight < self.pool.scale_up_inflight * max(1, active):
+        loaded = waiting > 0 or inflight >= self.pool.scale_up_inflight * max(1, active)
+        if not loaded and active >= min(self.wanted(), limit):
             return
         standby = next((m for m in members if m.role == STANDBY), None)
         if standby is None:
