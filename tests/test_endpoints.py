@@ -477,3 +477,34 @@ async def test_a_forecast_that_wants_more_endpoints_warms_standby_ones_before_lo
         assert "b /warm" in seen
     finally:
         await endpoints.aclose()
+
+
+async def test_an_idle_core_endpoint_is_kept_warm_every_half_idle_timeout(serve_app) -> None:
+    seen: list[str] = []
+    urls = [await serve_app(recording(n, seen)) for n in "ab"]
+    clock = FakeClock()
+    backend = Backend(
+        "m",
+        endpoints=tuple(urls),
+        pool=ModelPool(core=1, idle_timeout_s=60),
+        warmup=(WarmupRequest("/warm", "GET"),),
+    )
+    endpoints = EndpointSet(backend, Metrics(), clock=clock)
+    endpoints.keep_warm()
+    try:
+        await until(lambda: clock.sleepers == 1)
+        clock.advance(30)  # idle for half the timeout: one warm-up to the core endpoint
+        await until(lambda: "a /warm" in seen)
+        assert "b /warm" not in seen  # standby endpoints are warmed when brought in
+        await until(lambda: clock.sleepers == 1)
+        clock.advance(15)
+        await served_by(endpoints, backend)  # a request 15 s before the next tick
+        seen.clear()
+        clock.advance(15)  # the tick: idle only 15 s, so no warm-up is sent
+        await until(lambda: clock.sleepers == 1)
+        assert seen == []
+        clock.advance(30)  # idle 45 s at this tick: warmed again
+        await until(lambda: seen == ["a /warm"])
+        assert endpoints.sizing is not None and endpoints.sizing.keep_warms == 2
+    finally:
+        await endpoints.aclose()

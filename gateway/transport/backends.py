@@ -50,6 +50,7 @@ class Upstreams:
                 )
                 self._pools[name].follow(self._resolver)
                 self._pools[name].watch_load()
+                self._pools[name].keep_warm()
         self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
 
     def pool(self, backend: Backend) -> EndpointSet:

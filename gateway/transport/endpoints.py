@@ -155,6 +155,7 @@ class EndpointSet:
             self.resolved.set()
         self._follower: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
         self._clock = clock
         self._rng = rng or random.Random()
         wanted = demand if demand is not None else {}
@@ -214,6 +215,15 @@ class EndpointSet:
             self.sizing.assign(self.endpoints)
         self.healthy()
         self.resolved.set()
+
+    def keep_warm(self) -> None:
+        """With a ``pool``, send warm-up requests to idle core endpoints (``Sizing``)."""
+        if self.sizing is not None and self._keeper is None:
+            self._keeper = asyncio.get_running_loop().create_task(
+                self.sizing.keep_warm(
+                    lambda: self.endpoints, getattr(self._clock, "sleep", asyncio.sleep)
+                )
+            )
 
     def watch_load(self) -> None:
         """With ``balance: kv_aware``, keep each endpoint's queue and KV use current."""
@@ -344,10 +354,10 @@ class EndpointSet:
     def _stop(self) -> None:
         if self.sizing is not None:
             self.sizing.close()
-        for task in (self._follower, self._watcher):
+        for task in (self._follower, self._watcher, self._keeper):
             if task is not None:
                 task.cancel()
-        self._follower = self._watcher = None
+        self._follower = self._watcher = self._keeper = None
 
     def retire(self) -> None:
         self._stop()

@@ -5,7 +5,9 @@ requests in flight per endpoint in rotation reach ``scale_up_inflight`` (or requ
 for a connection), the next standby endpoint is *warming*: its ``warmup`` requests are sent
 (off the request path) and only once they answered below 500 does it join the rotation, so
 no user request pays its cold start.  An endpoint brought in that has had no request for
-``idle_timeout_s`` returns to standby.  ``max`` bounds the endpoints in rotation.  The
+``idle_timeout_s`` returns to standby.  ``max`` bounds the endpoints in rotation.  A core
+endpoint idle for half ``idle_timeout_s`` gets a warm-up request (``keep_warm``), so the
+model behind it does not go cold between bursts (the case study's first-request scar).  The
 gateway never creates instances: it decides which existing ones take traffic (creating
 replicas is the autoscaler's job, fed by ``gateway_desired_endpoints``).  A backend's
 ``Demand`` entry (set by the pool stage from a route's ``prewarm`` forecast) is a second
@@ -18,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from gateway.clock import Clock
 from gateway.errors import UpstreamError
@@ -68,6 +70,7 @@ class Sizing:
         self._tasks: set[asyncio.Task[None]] = set()
         self.promotions = 0
         self.demotions = 0
+        self.keep_warms = 0
 
     def assign(self, members: Sequence[Member]) -> None:
         """Give new endpoints their role: the first ``core`` active, the rest standby."""
@@ -119,6 +122,20 @@ class Sizing:
         if ok:
             self.promotions += 1
             log.info("backend %s: %s brought into rotation", self.backend.name, member.url)
+
+    async def keep_warm(
+        self, members: Callable[[], Sequence[Member]], sleep: Callable[[float], Awaitable[Any]]
+    ) -> None:
+        """Every half ``idle_timeout_s``: a warm-up request to each core endpoint that had no
+        request for that long (until cancelled)."""
+        half = self.pool.idle_timeout_s / 2
+        while True:
+            await sleep(half)
+            now = self.clock.now()
+            for m in list(members())[: self.pool.core]:
+                if m.inflight == 0 and now - m.last_used >= half and self.backend.warmup:
+                    if await warm(m.pool, self.backend):
+                        self.keep_warms += 1
 
     def close(self) -> None:
         for task in self._tasks:
