@@ -286,7 +286,8 @@ def _demo(args: argparse.Namespace) -> int:
     if not args.json:
         print(
             "running the demo: the workload straight at a simulated GPU, then through the "
-            f"gateway ({2 * args.duration:g} s), then the thermal scene (about 10 s)...",
+            f"gateway ({2 * args.duration:g} s), then the thermal scene (about 10 s) and the "
+            "cold-start scene (about 8 s)...",
             file=sys.stderr,
             flush=True,
         )

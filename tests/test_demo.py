@@ -42,6 +42,10 @@ async def test_demo_runs_end_to_end_and_its_json_holds_the_numbers(tmp_path):
             "peak_gpu_temperature_c",
         ):
             assert numbers[key] > 0, key
+    cold = result["coldstart"]  # the pool keeps replicas warm; without it a burst waits
+    assert cold["with"]["cold_waits"] == 0 and cold["with"]["requests"] > 0
+    assert cold["without"]["cold_waits"] > 0
+    assert cold["with"]["p99_ms"] < cold["without"]["p99_ms"]
 
 
 def test_shipped_demo_policy_is_the_one_in_policies():

@@ -10,6 +10,7 @@ from importlib import resources
 from typing import Any
 
 from gateway.app import Gateway
+from gateway.demo.coldstart import format_coldstart, run_coldstart
 from gateway.demo.thermal import format_thermal, run_thermal
 from gateway.demo.workload import drive
 from gateway.policy.load import parse_policy_text
@@ -137,6 +138,8 @@ def format_table(result: dict[str, Any]) -> str:
         ]
     if "thermal" in result:
         lines += ["", format_thermal(result["thermal"])]
+    if "coldstart" in result:
+        lines += ["", format_coldstart(result["coldstart"])]
     lines += ["", "Every number above was measured in this run."]
     return "\n".join(lines)
 
@@ -146,11 +149,13 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     direct = await _phase(options, through_gateway=False)
     via = await _phase(options, through_gateway=True)
     thermal = await run_thermal()
+    coldstart = await run_coldstart()
     return {
         "options": dataclasses.asdict(options),
         "direct": direct,
         "gateway": via,
         "thermal": thermal,
+        "coldstart": coldstart,
     }
 
 
