@@ -20,7 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from gateway.cache.calibrate import curve, precision_at_recall
-from gateway.cache.embedding.learned import FEATURES, Model, features, hard_difference
+from gateway.cache.embedding.learned import (
+    FEATURES,
+    Model,
+    features,
+    hard_difference,
+    verdicts,
+)
 from gateway.cache.evaluate import Pair, read_pairs
 from gateway.cache.normalize import normalize
 
@@ -97,8 +103,9 @@ def main() -> None:
     for p in pairs:
         a, b = normalize(p.first), normalize(p.second)
         cosine = float(vectors[row[p.first]] @ vectors[row[p.second]])
-        x.append(features(a, b, cosine))
-        hard.append(bool(hard_difference(a, b)))
+        found = verdicts(a, b)
+        x.append(features(a, b, cosine, found))
+        hard.append(bool(hard_difference(a, b, found)))
     xs, y, refused = np.array(x), np.array([p.label for p in pairs], float), np.array(hard)
     fold = folds_by_question(pairs, args.folds)
     scores = np.full(len(pairs), -1.0)

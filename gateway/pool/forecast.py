@@ -51,6 +51,11 @@ class RateHistory:
                 self._counts.append(0)
         self._minute = minute
 
+    def minute(self) -> int:
+        """The wall-clock minute (since the epoch) now: what a cached figure is keyed by."""
+        self._roll()
+        return self._minute or 0
+
     def complete(self) -> tuple[list[int], int]:
         """The counts of the finished minutes, oldest first, and the wall-clock minute
         (since the epoch) of the first of them."""

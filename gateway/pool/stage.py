@@ -30,22 +30,27 @@ HISTORIES: Kind[RouteRate] = Kind("rate-history")
 
 
 class RouteRate:
-    """A route's request history and its forecast, cached for a minute."""
+    """A route's request history, and its forecast and best minute, each computed at most
+    once a minute (the pool sizing asks on every pick; the history is a week long)."""
 
     def __init__(self, history: RateHistory) -> None:
         self.history = history
-        self._cached: tuple[int, float, Forecast] | None = None
+        self._forecast: tuple[int, float, Forecast] | None = None
+        self._best: tuple[int, float] | None = None
 
     def forecast(self, horizon_s: float) -> Forecast:
-        counts, first = self.history.complete()
-        minute = first + len(counts)
-        if self._cached is None or self._cached[:2] != (minute, horizon_s):
-            self._cached = (minute, horizon_s, forecast(counts, first, horizon_s))
-        return self._cached[2]
+        minute = self.history.minute()
+        if self._forecast is None or self._forecast[:2] != (minute, horizon_s):
+            counts, first = self.history.complete()
+            self._forecast = (minute, horizon_s, forecast(counts, first, horizon_s))
+        return self._forecast[2]
 
     def best_rps(self) -> float:
-        counts, _ = self.history.complete()
-        return max(counts, default=0) / MINUTE_S
+        minute = self.history.minute()
+        if self._best is None or self._best[0] != minute:
+            counts, _ = self.history.complete()
+            self._best = (minute, max(counts, default=0) / MINUTE_S)
+        return self._best[1]
 
 
 def desired_endpoints(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> int:
@@ -60,10 +65,6 @@ def desired_endpoints(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> in
 
 def _rate_of(rate: RouteRate, prewarm: Prewarm) -> Callable[[], float]:
     return lambda: rate.forecast(prewarm.horizon_s).requests_per_s
-
-
-def _desired_of(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> Callable[[], float]:
-    return lambda: float(desired_endpoints(rate, prewarm, backend))
 
 
 def _count_of(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> Callable[[], int]:
@@ -101,8 +102,8 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         rates[route.name] = rate
         backend = policy.backend(route.backend)
         metrics.forecast_rps.labels(route.name).set_function(_rate_of(rate, prewarm))
-        desired = _desired_of(rate, prewarm, backend)
+        desired = _count_of(rate, prewarm, backend)
         metrics.desired_endpoints.labels(backend.name).set_function(desired)
         # a backend with a `pool` warms standby endpoints up to this, ahead of the peak
-        runtime.demand[backend.name] = _count_of(rate, prewarm, backend)
+        runtime.demand[backend.name] = desired
     return [RecordStage(rates)] if rates else []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -57,7 +58,7 @@ class Host(Protocol):
     def answered_refusal(self, status: int) -> None: ...
 
 
-class Turns(asyncio.Protocol):
+class Turns(asyncio.Protocol, ABC):
     """A client connection's state, and the answering of its requests in turn."""
 
     def __init__(self, server: Host) -> None:
@@ -86,11 +87,13 @@ class Turns(asyncio.Protocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         self._clock = ConnectionClock(self._loop, self._deadline, self._expired)
 
+    @abstractmethod
     def _deadline(self) -> Deadline | None:
-        raise NotImplementedError
+        """The deadline of the phase the connection is in (the parser's to say)."""
 
+    @abstractmethod
     def _expired(self, phase: str) -> None:
-        raise NotImplementedError
+        """Answer a deadline that passed in ``phase``."""
 
     @property
     def draining(self) -> bool:

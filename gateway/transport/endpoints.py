@@ -158,19 +158,15 @@ class EndpointSet:
         self._keeper: asyncio.Task[None] | None = None
         self._clock = clock
         self._rng = rng or random.Random()
-        wanted = demand if demand is not None else {}
-        self.sizing = (
-            Sizing(backend, backend.pool, clock, lambda: wanted.get(backend.name, _none)())
-            if backend.pool
-            else None
-        )
+        self.sizing = Sizing(backend, backend.pool, clock, demand) if backend.pool else None
         if self.sizing is not None:
             self.sizing.assign(self.endpoints)
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
         self.affinity_hits = 0
         self._next = 0
         self._active = metrics.pool_active_endpoints.labels(backend.name)
-        self._active.set(len(self.endpoints))
+        self._shown_active = -1
+        self._show_active(len(self.endpoints))
 
     @property
     def inflight(self) -> int:
@@ -195,8 +191,13 @@ class EndpointSet:
                 e.show_state(e.role or "active")
             if not e.ejected_until:
                 out.append(e)
-        self._active.set(len(out))
+        self._show_active(len(out))
         return out
+
+    def _show_active(self, count: int) -> None:
+        if count != self._shown_active:  # the gauge takes a lock: set it on change only
+            self._shown_active = count
+            self._active.set(count)
 
     def update(self, urls: Sequence[str]) -> None:
         """Make the endpoints ``urls`` (discovery): add the new, drain the gone (no new
@@ -266,7 +267,7 @@ class EndpointSet:
             self.sizing.pressure(
                 self.endpoints, len(rotation), sum(e.inflight for e in rotation), self.waiting
             )
-            self._active.set(len(rotation))
+            self._show_active(len(rotation))
         if not choices:  # every endpoint ejected (or tried): try them all again
             choices = [e for e in self.endpoints if e not in exclude] or self.endpoints
         if affinity is not None:
@@ -379,7 +380,3 @@ class EndpointSet:
             f"<EndpointSet {self.name} balance={self.balance} "
             f"healthy={healthy}/{len(self.endpoints)} inflight={self.inflight}>"
         )
-
-
-def _none() -> int:
-    return 0

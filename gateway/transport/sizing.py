@@ -61,10 +61,10 @@ class Sizing:
         backend: Backend,
         pool: ModelPool,
         clock: Clock,
-        wanted: Callable[[], int] = lambda: 0,
+        demand: Demand | None = None,
     ) -> None:
         self.backend = backend
-        self.wanted = wanted
+        self._demand: Demand = demand if demand is not None else {}
         self.pool = pool
         self.clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
@@ -79,6 +79,11 @@ class Sizing:
                 m.role = ACTIVE if i < self.pool.core else STANDBY
                 m.last_used = self.clock.now()
                 m.show_state(m.role)
+
+    def wanted(self) -> int:
+        """The endpoints the backend's forecast calls for (0: no forecast)."""
+        forecast = self._demand.get(self.backend.name)
+        return forecast() if forecast is not None else 0
 
     def in_rotation(self, members: Sequence[M]) -> list[M]:
         """The active endpoints; a brought-in one idle past ``idle_timeout_s`` goes back."""

@@ -65,11 +65,22 @@ FEATURES = (
 )
 
 
-def features(a: Normalized, b: Normalized, cosine: float) -> list[float]:
-    """The model's inputs for the pair, in ``FEATURES`` order."""
-    rules = relaxed(a, b)
-    rules_ok = 1.0 if rules.ok or guard.check(a, b).ok else 0.0
-    guard_ok = 1.0 if guard.check(a, b).ok else 0.0
+def verdicts(a: Normalized, b: Normalized) -> tuple[bool, Verdict]:
+    """The guard's verdict on the pair and, when it refuses, the rules' (run once, shared by
+    ``hard_difference`` and ``features``)."""
+    if guard.check(a, b).ok:
+        return True, guard.PASS
+    return False, relaxed(a, b)
+
+
+def features(
+    a: Normalized, b: Normalized, cosine: float, found: tuple[bool, Verdict] | None = None
+) -> list[float]:
+    """The model's inputs for the pair, in ``FEATURES`` order (``found``: its
+    ``verdicts``, when already known)."""
+    guarded, rules = found or verdicts(a, b)
+    guard_ok = 1.0 if guarded else 0.0
+    rules_ok = 1.0 if guarded or rules.ok else 0.0
     ca, cb = canonical(a), canonical(b)
     sa, sb = set(ca), set(cb)
     only_a, only_b = sa - sb, sb - sa
@@ -109,12 +120,10 @@ def features(a: Normalized, b: Normalized, cosine: float) -> list[float]:
     ]
 
 
-def hard_difference(a: Normalized, b: Normalized) -> str:
+def hard_difference(a: Normalized, b: Normalized, found: tuple[bool, Verdict] | None = None) -> str:
     """The reason a pair is refused whatever its score, or "" when none applies."""
-    if guard.check(a, b).ok:
-        return ""
-    reason = relaxed(a, b).reason
-    return reason if reason in HARD else ""
+    guarded, rules = found or verdicts(a, b)
+    return "" if guarded or rules.reason not in HARD else rules.reason
 
 
 def _grams(text: str, n: int = 3) -> set[str]:
@@ -137,9 +146,10 @@ class Model:
     def score(self, a: Normalized, b: Normalized, cosine: float) -> float:
         """The probability the model gives that both ask the same thing; -1 for a hard
         difference."""
-        if hard_difference(a, b):
+        found = verdicts(a, b)
+        if hard_difference(a, b, found):
             return -1.0
-        return self.raw_score(features(a, b, cosine))
+        return self.raw_score(features(a, b, cosine, found))
 
     def raw_score(self, values: list[float]) -> float:
         z = self.bias
@@ -202,10 +212,11 @@ class LearnedVerifier:
 
     def __call__(self, first: str, second: str, cosine: float) -> Verdict:
         a, b = normalize(first), normalize(second)
-        reason = hard_difference(a, b)
+        found = verdicts(a, b)
+        reason = hard_difference(a, b, found)
         if reason:
             return Verdict(False, reason)
-        if self.model.raw_score(features(a, b, cosine)) >= self.min_score:
+        if self.model.raw_score(features(a, b, cosine, found)) >= self.min_score:
             return guard.PASS
         return Verdict(False, SCORE)
 
