@@ -83,6 +83,9 @@ def test_addresses_become_base_urls_ipv6_in_brackets() -> None:
         "http://10.0.0.2:8000/v1",
         "http://[fd00::1]:8000/v1",
     )
+    # a broken resolver's garbage never becomes a URL (nor a header-injection vector)
+    garbage = ["not-an-ip", "10.0.0.3\r\nHost: evil", "", "10.0.0.3"]
+    assert urls_of(discovery, garbage) == ("http://10.0.0.3:8000/v1",)
 
 
 async def test_the_endpoints_follow_the_name_and_a_gone_one_drains(instances) -> None:
@@ -111,6 +114,19 @@ async def test_the_endpoints_follow_the_name_and_a_gone_one_drains(instances) ->
         text = metrics.exposition().decode()
         assert f'endpoint="http://{HOSTS[0]}:{port}"' not in text  # its series went with it
         assert resolver.asked == 2
+    finally:
+        await endpoints.aclose()
+
+
+async def test_a_flood_of_addresses_is_capped_at_64_endpoints(instances) -> None:
+    port, _ = instances
+    flood = [f"10.{i // 250}.{i % 250}.1" for i in range(1000)]
+    clock, resolver = FakeClock(), FakeResolver({"llm.svc": flood})
+    endpoints = EndpointSet(discovered(port), Metrics(), clock=clock)
+    endpoints.follow(resolver)
+    try:
+        await until(lambda: endpoints.resolved.is_set())
+        assert len(endpoints.endpoints) == 64
     finally:
         await endpoints.aclose()
 

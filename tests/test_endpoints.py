@@ -25,6 +25,7 @@ from gateway.policy.model import (
     WarmupRequest,
 )
 from gateway.testing import FakeClock, FakeTransport, json_reply
+from gateway.transport import load
 from gateway.transport.endpoints import EndpointSet
 from tests.helpers import problems_of, until, write_policy
 
@@ -202,6 +203,11 @@ async def test_a_gateway_spreads_a_route_over_the_endpoints(
         ),
         ('{endpoints: ["http://a", "ftp://b"]}', "backends.main.endpoints[1]: must start"),
         ('{endpoints: ["http://a", "http://a/"]}', "an endpoint is listed twice"),
+        ('{endpoints: ["http://a", "http://b"], pool: {core: 0}}', "backends.main.pool.core"),
+        (
+            '{endpoints: ["http://a", "http://b"], pool: {core: 2, max: 1}}',
+            "backends.main.pool.max: must not be below pool.core",
+        ),
         (
             "{endpoints: [" + ", ".join(f'"http://h{i}"' for i in range(65)) + "]}",
             "at most 64 endpoints per backend",
@@ -338,19 +344,22 @@ def reporting(name: str, figures: dict[str, float]) -> web.Application:
     return app
 
 
+def kv_aware(urls: list[str], clock: FakeClock, seed: int) -> tuple[Backend, EndpointSet]:
+    """A kv_aware backend over ``urls``, scraped every 200 ms of ``clock``, its loop on."""
+    backend = Backend(
+        "m", endpoints=tuple(urls), balance="kv_aware", telemetry=TelemetrySource(interval_ms=200)
+    )
+    endpoints = EndpointSet(backend, Metrics(), clock=clock, rng=random.Random(seed))
+    endpoints.watch_load()
+    return backend, endpoints
+
+
 async def test_kv_aware_leaves_out_a_saturated_endpoint_until_it_clears(serve_app) -> None:
     figures = {n: {"waiting": 0.0, "kv": 0.2} for n in "abc"}
     figures["c"]["kv"] = 0.95
     urls = [await serve_app(reporting(n, figures[n])) for n in "abc"]
     clock = FakeClock()
-    backend = Backend(
-        "m",
-        endpoints=tuple(urls),
-        balance="kv_aware",
-        telemetry=TelemetrySource(interval_ms=200),
-    )
-    endpoints = EndpointSet(backend, Metrics(), clock=clock, rng=random.Random(2))
-    endpoints.watch_load()
+    backend, endpoints = kv_aware(urls, clock, seed=2)
     try:
         await until(lambda: all(e.kv_cache_usage is not None for e in endpoints.endpoints))
         served = [(await served_by(endpoints, backend))[1] for _ in range(60)]
@@ -506,5 +515,44 @@ async def test_an_idle_core_endpoint_is_kept_warm_every_half_idle_timeout(serve_
         clock.advance(30)  # idle 45 s at this tick: warmed again
         await until(lambda: seen == ["a /warm"])
         assert endpoints.sizing is not None and endpoints.sizing.keep_warms == 2
+    finally:
+        await endpoints.aclose()
+
+
+@pytest.mark.parametrize(
+    ("status", "text"),
+    [
+        (500, "boom"),
+        (200, "vllm:kv_cache_usage_perc{ not prometheus at all\n\x00\xff"),
+        (200, "vllm:kv_cache_usage_perc NaN\nvllm:num_requests_waiting +Inf\n"),
+    ],
+    ids=["5xx", "garbage", "nan-inf"],
+)
+async def test_a_broken_metrics_endpoint_is_neither_trusted_nor_fatal(
+    serve_app, status: int, text: str
+) -> None:
+    """kv_aware over an instance whose /metrics fails or lies: no figure is taken from it
+    that would leave it out for nothing, the scrape loop keeps running, requests answer."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(status=status, text=text)
+
+    async def answer(_: web.Request) -> web.Response:
+        return web.json_response({"served_by": "x"})
+
+    broken = web.Application()
+    broken.router.add_get("/metrics", metrics)
+    broken.router.add_route("*", "/{tail:.*}", answer)
+    urls = [await serve_app(broken), await serve_app(named("ok"))]
+    clock = FakeClock()
+    backend, endpoints = kv_aware(urls, clock, seed=3)
+    try:
+        await until(lambda: clock.sleepers == 1)  # one scrape round done
+        bad = endpoints.endpoints[0]
+        assert not load.saturated(bad)
+        clock.advance(0.2)
+        await until(lambda: clock.sleepers == 1)  # and the loop goes on
+        served = {(await served_by(endpoints, backend))[1] for _ in range(12)}
+        assert len(served) == 2  # the broken one still takes its share
     finally:
         await endpoints.aclose()

@@ -14,7 +14,7 @@ from gateway.pool.forecast import DAY_MIN, WEEK_MIN, RateHistory, forecast
 from gateway.pool.stage import HISTORIES, RouteRate, desired_endpoints
 from gateway.testing import FakeClock
 from tests.backends import Model, post
-from tests.helpers import policy
+from tests.helpers import policy, problems_of
 
 MONDAY = 1_700_438_400 // 60  # 2023-11-20 00:00 UTC, a Monday, in minutes since the epoch
 
@@ -126,3 +126,17 @@ def test_without_endpoint_rps_the_best_minute_seen_sets_the_per_endpoint_rate() 
     # the forecast (last-hour mean) is 1.5 requests/s; x 1.2 over 1 request/s per endpoint
     assert desired_endpoints(rate, Prewarm(headroom=1.2), backend) == 2
     assert desired_endpoints(rate, Prewarm(headroom=2.0), backend) == 3
+
+
+@pytest.mark.parametrize(
+    ("prewarm", "message"),
+    [
+        ("{horizon_s: 0}", "prewarm.horizon_s: must be greater than 0"),
+        ("{headroom: 0.5}", "prewarm.headroom: must be at least 1"),
+        ("{endpoint_rps: -1}", "prewarm.endpoint_rps: must be greater than 0"),
+    ],
+)
+def test_prewarm_settings_that_cannot_work_are_refused(prewarm: str, message: str) -> None:
+    text = f'backends: {{main: {{url: "http://a"}}}}\nroutes: [{{backend: main, prewarm: {prewarm}}}]\n'
+    found = problems_of(text)
+    assert any(message in p for p in found), found

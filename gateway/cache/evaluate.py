@@ -189,6 +189,8 @@ def evaluate(
 
 def cosines(items: Sequence[Pair], embed: BatchEmbed) -> list[float]:
     """The cosine similarity of each pair, every distinct text embedded once."""
+    if not items:
+        return []
     texts = sorted({p.first for p in items} | {p.second for p in items})
     vectors = np.asarray(embed(texts), dtype=np.float32).reshape(len(texts), -1)
     vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
@@ -219,6 +221,8 @@ def calibrate_pairs(
     """The learned verifier's operating point for ``budget`` on the user's labelled pairs,
     and the whole curve."""
     items = read_pairs(pairs) if isinstance(pairs, str | Path) else list(pairs)
+    if not items:
+        raise ValueError(f"{pairs}: no labelled pairs to calibrate on")
     scores = learned_scores(items, cosines(items, embed))
     points = calibrate.curve(scores, [p.label == 1 for p in items])
     return calibrate.choose(points, budget), points

@@ -40,10 +40,15 @@ class SystemResolver:
 
 
 def urls_of(discovery: Discovery, addresses: list[str]) -> tuple[str, ...]:
-    """One base URL per address, IPv6 in brackets, in a stable order."""
+    """One base URL per address, IPv6 in brackets, in a stable order; what is not an IP
+    address is skipped (a resolver's garbage never becomes a URL)."""
     out = []
     for address in sorted(set(addresses)):
-        host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+        try:
+            version = ipaddress.ip_address(address).version
+        except ValueError:
+            continue
+        host = f"[{address}]" if version == 6 else address
         out.append(f"{discovery.scheme}://{host}:{discovery.port}{discovery.path.rstrip('/')}")
     return tuple(out)
 

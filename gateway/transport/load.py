@@ -6,14 +6,17 @@ pod whose queue is over 5 or whose KV cache is over 80% full, and score the rest
 and KV use.  So does ``kv_aware``: ``watch`` scrapes ``<endpoint>/metrics`` every
 ``telemetry.interval_ms`` over the endpoint's own pool, ``saturated`` says whether an
 endpoint is over either limit, and ``score`` orders the rest (requests in flight here plus
-the server's queue, plus four for a full KV cache).  An endpoint whose scrape fails has no
-load figures: it is treated as unsaturated and scored by its requests in flight alone.
+the server's queue, plus four for a full KV cache).  An endpoint whose scrape fails, or whose
+figures cannot be true (not finite, negative, a KV share over 1), has no load figures: it is
+treated as unsaturated and scored by its requests in flight alone.  A scrape is an ordinary
+exchange over the endpoint's pool, so its answer is bounded like any other's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -69,8 +72,16 @@ async def scrape(endpoint: Endpoint, backend: Backend) -> None:
         log.debug("load of %s: %s", endpoint.url, exc)
         endpoint.queue_waiting = endpoint.kv_cache_usage = None
         return
-    endpoint.queue_waiting = signals.get("queue_waiting")
-    endpoint.kv_cache_usage = signals.get("kv_cache_usage")
+    endpoint.queue_waiting = _figure(signals.get("queue_waiting"), math.inf)
+    endpoint.kv_cache_usage = _figure(signals.get("kv_cache_usage"), 1.0)
+
+
+def _figure(value: float | None, most: float) -> float | None:
+    """A server's figure as it is, or unknown when it cannot be true (not finite, negative,
+    a KV share over 1): a broken exporter must not leave an endpoint out for nothing."""
+    if value is None or not math.isfinite(value) or not 0 <= value <= most:
+        return None
+    return value
 
 
 async def watch(
