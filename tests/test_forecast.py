@@ -10,8 +10,8 @@ import math
 import pytest
 
 from gateway.policy.model import Backend, Prewarm
-from gateway.pool.forecast import DAY_MIN, WEEK_MIN, RateHistory, forecast
-from gateway.pool.stage import HISTORIES, RouteRate, desired_endpoints
+from gateway.pool.forecast import DAY_MIN, WEEK_MIN, RateHistory, RouteRate, forecast
+from gateway.pool.stage import HISTORIES, desired_endpoints
 from gateway.testing import FakeClock
 from tests.backends import Model, post
 from tests.helpers import policy, problems_of

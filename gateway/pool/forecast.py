@@ -28,6 +28,8 @@ WEEK_MIN = 7 * DAY_MIN
 SEASON = DAY_MIN // BUCKET_MIN
 ALPHA, BETA, GAMMA = 0.3, 0.02, 0.3
 """Smoothing of level, trend and season (per 10-minute bucket)."""
+FLEET_STALE_MIN = 3
+"""Minutes after which the fleet's counts (``shared.py``) give way to this replica's own."""
 
 
 class RateHistory:
@@ -122,3 +124,40 @@ def _weekday_factors(counts: Sequence[float], first_minute: int) -> list[float]:
     if mean <= 0:
         return [1.0] * 7
     return [(sums[d] / days[d]) / mean if days[d] and sums[d] > 0 else 1.0 for d in range(7)]
+
+
+class RouteRate:
+    """A route's request history, and its forecast and best minute, each computed at most
+    once a minute (the pool sizing asks on every pick; the history is a week long)."""
+
+    def __init__(self, history: RateHistory) -> None:
+        self.history = history
+        self._forecast: tuple[int, float, Forecast] | None = None
+        self._best: tuple[int, float] | None = None
+        self._fleet: tuple[list[int], int, int] | None = None  # counts, first, read at
+
+    def use_fleet(self, counts: list[int], first_minute: int) -> None:
+        """Forecast from the fleet's counts (``shared.py``) rather than this replica's."""
+        self._fleet = (counts, first_minute, self.history.minute())
+        self._forecast = self._best = None
+
+    def counts(self) -> tuple[list[int], int]:
+        """The finished minutes' counts the forecast uses, and the first one's minute: the
+        fleet's while they are fresh, else this replica's own."""
+        if self._fleet is not None and self.history.minute() - self._fleet[2] <= FLEET_STALE_MIN:
+            return self._fleet[0], self._fleet[1]
+        return self.history.complete()
+
+    def forecast(self, horizon_s: float) -> Forecast:
+        minute = self.history.minute()
+        if self._forecast is None or self._forecast[:2] != (minute, horizon_s):
+            counts, first = self.counts()
+            self._forecast = (minute, horizon_s, forecast(counts, first, horizon_s))
+        return self._forecast[2]
+
+    def best_rps(self) -> float:
+        minute = self.history.minute()
+        if self._best is None or self._best[0] != minute:
+            counts, _ = self.counts()
+            self._best = (minute, max(counts, default=0) / MINUTE_S)
+        return self._best[1]

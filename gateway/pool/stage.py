@@ -13,6 +13,9 @@ per-endpoint rate)``, the per-endpoint rate being ``prewarm.endpoint_rps`` or th
 minute the route has served divided by its backend's listed endpoints (at least 1, and
 never below what the backend lists while it has no history).  Both are computed at scrape
 time, at most once a minute per route.
+
+With the cache store ``redis``, the history is the fleet's (``shared.py``): every replica
+adds its counts to one hash per route and forecasts from the sum.
 """
 
 from __future__ import annotations
@@ -22,35 +25,14 @@ from collections.abc import Callable
 
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Backend, Policy, Prewarm
-from gateway.pool.forecast import MINUTE_S, Forecast, RateHistory, forecast
+from gateway.pool.forecast import RateHistory, RouteRate
+from gateway.pool.shared import RateRedis, SharedHistory
 from gateway.runtime import Runtime
 from gateway.state import Kind
 
 HISTORIES: Kind[RouteRate] = Kind("rate-history")
-
-
-class RouteRate:
-    """A route's request history, and its forecast and best minute, each computed at most
-    once a minute (the pool sizing asks on every pick; the history is a week long)."""
-
-    def __init__(self, history: RateHistory) -> None:
-        self.history = history
-        self._forecast: tuple[int, float, Forecast] | None = None
-        self._best: tuple[int, float] | None = None
-
-    def forecast(self, horizon_s: float) -> Forecast:
-        minute = self.history.minute()
-        if self._forecast is None or self._forecast[:2] != (minute, horizon_s):
-            counts, first = self.history.complete()
-            self._forecast = (minute, horizon_s, forecast(counts, first, horizon_s))
-        return self._forecast[2]
-
-    def best_rps(self) -> float:
-        minute = self.history.minute()
-        if self._best is None or self._best[0] != minute:
-            counts, _ = self.history.complete()
-            self._best = (minute, max(counts, default=0) / MINUTE_S)
-        return self._best[1]
+RATE_REDIS: Kind[RateRedis] = Kind("rate-redis")
+SHARED_HISTORIES: Kind[SharedHistory] = Kind("shared-rate-history")
 
 
 def desired_endpoints(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> int:
@@ -69,6 +51,16 @@ def _rate_of(rate: RouteRate, prewarm: Prewarm) -> Callable[[], float]:
 
 def _count_of(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> Callable[[], int]:
     return lambda: desired_endpoints(rate, prewarm, backend)
+
+
+def _client(url: str) -> Callable[[], RateRedis]:
+    return lambda: RateRedis(url)
+
+
+def _shared(
+    route: str, rate: RouteRate, client: object, runtime: Runtime
+) -> Callable[[], SharedHistory]:
+    return lambda: SharedHistory(route, rate, client, clock=runtime.clock)
 
 
 class RecordStage:
@@ -100,6 +92,12 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
             HISTORIES, route.name, (), lambda: RouteRate(RateHistory(runtime.clock))
         )
         rates[route.name] = rate
+        if policy.cache.store == "redis":  # the fleet's history: every replica's traffic
+            url = policy.cache.redis_url
+            client = runtime.registry.get(RATE_REDIS, "", url, _client(url)).client
+            runtime.registry.get(
+                SHARED_HISTORIES, route.name, url, _shared(route.name, rate, client, runtime)
+            )
         backend = policy.backend(route.backend)
         metrics.forecast_rps.labels(route.name).set_function(_rate_of(rate, prewarm))
         desired = _count_of(rate, prewarm, backend)
