@@ -245,6 +245,12 @@ class Metrics:
         self.gpu_power = Gauge(
             "gateway_gpu_power_ratio", "Power draw / enforced limit.", ["backend"], registry=r
         )
+        self.gpu_thermal_throttling = Gauge(
+            "gateway_gpu_thermal_throttling",
+            "1 while the GPU slows its clocks for heat (a thermal clock-event reason), else 0.",
+            ["backend"],
+            registry=r,
+        )
         self.kv_cache_usage = Gauge(
             "gateway_kv_cache_usage_ratio",
             "Model server KV-cache use 0..1.",

@@ -366,10 +366,12 @@ async def test_nvml_through_a_stand_in_pynvml(pipeline, monkeypatch):
     )
     await poll(gw)
     assert await served_by(gw) == (200, "main", None)
+    assert gw.metric("gateway_gpu_thermal_throttling", backend="main") == 0
     nvml.gpus[0].clocks_event_reasons = 0x20  # SW thermal slowdown
     nvml.gpus[0].power_mw = 350_000
     await poll(gw)
     assert await served_by(gw) == (200, "spare", "throttle")
+    assert gw.metric("gateway_gpu_thermal_throttling", backend="main") == 1
     assert gw.metric("gateway_gpu_temperature_celsius", backend="main") == 45
     assert gw.metric("gateway_gpu_power_ratio", backend="main") == 0.5
     await gw.gateway.shutdown(0.5)

@@ -43,6 +43,7 @@ GAUGE_OF_SIGNAL = {
     "gpu_memory_used_ratio": "gpu_memory_used",
     "gpu_utilization": "gpu_utilization",
     "gpu_power_ratio": "gpu_power",
+    "gpu_thermal_throttling": "gpu_thermal_throttling",
     "kv_cache_usage": "kv_cache_usage",
 }
 """Signals published as gauges, and the ``Metrics`` attribute of each."""
