@@ -31,7 +31,15 @@ DEFAULT_SHUTDOWN_GRACE_S = 25
 GATEWAY_CONTAINER = "gateway"
 MODEL_SERVER_CONTAINER = "vllm"
 
-MANIFESTS = sorted(path for path in K8S_DIR.rglob("*.yaml") if path.name != "kustomization.yaml")
+# The Prometheus Operator's custom resources: applied on their own, outside the kustomization,
+# so that `kubectl apply -k` works on a cluster without the operator (tests/test_alert_rules.py
+# checks them).
+OPERATOR_RESOURCES = frozenset({"prometheus-rules.yaml"})
+MANIFESTS = sorted(
+    path
+    for path in K8S_DIR.rglob("*.yaml")
+    if path.name != "kustomization.yaml" and path.name not in OPERATOR_RESOURCES
+)
 
 
 def _documents(path: Path) -> list[dict[str, Any]]:
