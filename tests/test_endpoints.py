@@ -549,7 +549,7 @@ async def test_a_broken_metrics_endpoint_is_neither_trusted_nor_fatal(
     try:
         await until(lambda: clock.sleepers == 1)  # one scrape round done
         bad = endpoints.endpoints[0]
-        assert not load.saturated(bad)
+        assert not load.saturated(bad, backend)
         clock.advance(0.2)
         await until(lambda: clock.sleepers == 1)  # and the loop goes on
         served = {(await served_by(endpoints, backend))[1] for _ in range(12)}

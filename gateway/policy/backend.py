@@ -17,6 +17,8 @@ DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_WARMUP_TIMEOUT_S = 300.0
 DEFAULT_TELEMETRY_INTERVAL_MS = 1000
 DEFAULT_QUEUE_CAPACITY = 50
+DEFAULT_MAX_QUEUE_WAITING = 5.0
+DEFAULT_MAX_KV_CACHE_USAGE = 0.8
 DEFAULT_QUEUE_TIMEOUT_MS = 5000
 
 
@@ -41,7 +43,14 @@ class TelemetrySource:
             "cannot open the GPU); `nvml` reads the GPU directly; `none`."
         ),
     )
-    url: str = field(default="", metadata=doc("Metrics URL for `prometheus`."))
+    url: str = field(
+        default="",
+        metadata=doc(
+            "Metrics URL for `prometheus`. With `{host}` or `{port}` in it, each endpoint's "
+            "own (its host and port put in): telemetry and throttle rules per endpoint, "
+            "e.g. `http://{host}:8000/metrics`, or a node's DCGM exporter at `{host}:9400`."
+        ),
+    )
     extra_urls: tuple[str, ...] = field(
         default=(),
         metadata=doc(
@@ -87,6 +96,18 @@ class TelemetrySource:
             "fail open: a broken exporter never takes the service "
             "down."
         ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    """When a model server is too loaded for `balance: kv_aware` to send it a request."""
+
+    queue_waiting: float = field(
+        default=DEFAULT_MAX_QUEUE_WAITING, metadata=doc("More requests waiting than this.")
+    )
+    kv_cache_usage: float = field(
+        default=DEFAULT_MAX_KV_CACHE_USAGE, metadata=doc("Its KV cache fuller than this (0..1).")
     )
 
 
@@ -195,6 +216,10 @@ class Backend:
             "`/metrics`, every `telemetry.interval_ms`: one with more than 5 requests "
             "waiting or its KV cache over 80% gets none while another has room)."
         ),
+    )
+    saturation: Saturation = field(
+        default_factory=Saturation,
+        metadata=doc("For `kv_aware`: the limits past which an endpoint gets no request."),
     )
     pool: ModelPool | None = field(
         default=None,

@@ -160,6 +160,19 @@ def check_backend(b: Backend) -> Found:
         bad("telemetry.url", "the prometheus source needs a metrics URL")
     if t.interval_ms < 50:
         bad("telemetry.interval_ms", "must be at least 50")
+    for key, url in (
+        ("url", t.url),
+        *((f"extra_urls[{i}]", u) for i, u in enumerate(t.extra_urls)),
+    ):
+        try:
+            url.format(host="h", port=1)
+        except (KeyError, IndexError, ValueError):
+            bad(
+                f"telemetry.{key}", "only {host} and {port} may be put in (braces otherwise: {{ }})"
+            )
+    sat = b.saturation
+    if sat.queue_waiting < 0 or not 0 < sat.kv_cache_usage <= 1:
+        bad("saturation", "queue_waiting must be >= 0 and kv_cache_usage in (0, 1]")
     cb = b.circuit_breaker
     if cb is not None:
         if not 0 < cb.failure_rate <= 1:

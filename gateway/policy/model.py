@@ -17,6 +17,7 @@ from gateway.policy.backend import (
     Discovery,
     ModelPool,
     Queue,
+    Saturation,
     TelemetrySource,
     WarmupRequest,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "RetryBudget",
     "Route",
     "RouteCache",
+    "Saturation",
     "Semantic",
     "Server",
     "TelemetrySource",

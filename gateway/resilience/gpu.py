@@ -17,6 +17,7 @@ pollers' schedule, so tests move telemetry time by advancing the clock.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -35,6 +36,8 @@ from gateway.telemetry import (
     make_source,
     telemetry_for,
 )
+from gateway.telemetry.poller import Source
+from gateway.transport.load import Fleet, FleetSource, templated
 
 log = logging.getLogger("gateway.resilience.throttle")
 
@@ -106,9 +109,11 @@ class BackendTelemetry:
         http: TelemetryHttp | None,
         clock: Clock,
         on_sample: Callable[[Telemetry], None],
+        source: Source | None = None,
     ) -> None:
         self.backend = backend
         self.config = config
+        self._source = source
         self.telemetry = telemetry_for(backend, config, clock)
         self.poller: TelemetryPoller | None = None
         self._http = http
@@ -122,7 +127,9 @@ class BackendTelemetry:
             return
         if self.poller is None:
             session = self._http.session() if self._http is not None else None
-            source = make_source(self.config, session=session, clock=self._clock, name=self.backend)
+            source = self._source or make_source(
+                self.config, session=session, clock=self._clock, name=self.backend
+            )
             if source is None:
                 return
             sleep = getattr(self._clock, "sleep", None) or asyncio.sleep
@@ -261,8 +268,13 @@ def wire_gpu(
     metrics: Metrics,
     clock: Clock,
     targets: Mapping[str, ThrottleTarget],
+    fleet: Callable[[str], Fleet | None] | None = None,
 ) -> GpuControl:
-    """The telemetry and throttle state for ``policy``, taken from (or added to) ``registry``."""
+    """The telemetry and throttle state for ``policy``, taken from (or added to) ``registry``.
+
+    A backend whose telemetry is per endpoint (``{host}`` in its URL) reads its endpoints'
+    coolest signals (``FleetSource``) from ``fleet(name)``, its live endpoint set (none
+    given: the real transport is not in use, and that backend has no telemetry)."""
     control = registry.get(GPU_CONTROL, "", None, lambda: GpuControl(metrics, clock))
     telemetry: dict[str, Telemetry] = {}
     http: TelemetryHttp | None = None
@@ -270,13 +282,19 @@ def wire_gpu(
         if backend.telemetry.source == "none":
             continue
         config = backend.telemetry
-        if config.source == "prometheus" and http is None:
+        per_endpoint = templated(backend)
+        if per_endpoint and fleet is None:
+            continue
+        if config.source == "prometheus" and http is None and not per_endpoint:
             http = registry.get(TELEMETRY_HTTP, "", None, TelemetryHttp)
+        source = (
+            FleetSource(functools.partial(fleet, backend.name)) if fleet and per_endpoint else None
+        )
         item = registry.get(
             TELEMETRY,
             backend.name,
             config,
-            _factory(backend.name, config, http, clock, control.on_sample),
+            _factory(backend.name, config, http, clock, control.on_sample, source),
         )
         telemetry[backend.name] = item.telemetry
     control.sync(policy, telemetry, targets)
@@ -289,9 +307,12 @@ def _factory(
     http: TelemetryHttp | None,
     clock: Clock,
     on_sample: Callable[[Telemetry], None],
+    source: Source | None,
 ) -> Callable[[], BackendTelemetry]:
     def make() -> BackendTelemetry:
-        return BackendTelemetry(backend, config, http=http, clock=clock, on_sample=on_sample)
+        return BackendTelemetry(
+            backend, config, http=http, clock=clock, on_sample=on_sample, source=source
+        )
 
     return make
 

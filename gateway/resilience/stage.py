@@ -346,7 +346,8 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         )
         guard.configure(b, needs_admission=b.name in capped)
         guards[b.name] = guard
-    control = wire_gpu(policy, registry, metrics, clock, guards)
+    fleet = getattr(runtime.transport, "endpoint_set", None)  # the real transport's
+    control = wire_gpu(policy, registry, metrics, clock, guards, fleet)
     limiters: dict[str, RateLimiter] = {}
     for route in policy.routes:
         if route.rate_limit is not None:

@@ -51,7 +51,13 @@ class Upstreams:
                 self._pools[name].follow(self._resolver)
                 self._pools[name].watch_load()
                 self._pools[name].keep_warm()
+        for name, pool in self._pools.items():
+            pool.rules = tuple(r for r in policy.throttle if r.backend == name)
         self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
+
+    def endpoint_set(self, name: str) -> EndpointSet | None:
+        """The live set of the backend ``name``, if the policy has it."""
+        return self._pools.get(name)
 
     def pool(self, backend: Backend) -> EndpointSet:
         """The live pool of ``backend`` (a request started on an older policy still gets the

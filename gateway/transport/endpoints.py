@@ -34,16 +34,16 @@ import contextlib
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import ConnectFailed, UpstreamError
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
 from gateway.policy.checks import MAX_ENDPOINTS
-from gateway.policy.model import Backend
+from gateway.policy.model import Backend, ThrottleRule
 from gateway.transport import load
 from gateway.transport.discovery import Resolver, follow
+from gateway.transport.endpoint import Endpoint
 from gateway.transport.sizing import Demand, Sizing
 from gateway.transport.upstream import BackendPool, pool_key
 
@@ -71,55 +71,6 @@ def set_key(backend: Backend) -> tuple[object, ...]:
     return (*pool_key(backend, ""), endpoint_urls(backend), backend.discovery, backend.balance)
 
 
-class Endpoint:
-    """One instance: its pool and its health."""
-
-    def __init__(self, pool: BackendPool, metrics: Metrics) -> None:
-        self.pool = pool
-        self.url = pool.base_url
-        self.failures = 0
-        self.ejected_until = 0.0
-        self.ejections = 0
-        self.role = ""  # with a `pool`: active, standby or warming (sizing.py)
-        self.last_used = 0.0
-        self.queue_waiting: float | None = None  # the server's own figures (kv_aware)
-        self.kv_cache_usage: float | None = None
-        self._requests = metrics.endpoint_requests
-        self._counted: dict[str, Any] = {}  # outcome -> its counter child, looked up once
-        # read at scrape time: no per-request cost
-        metrics.endpoint_inflight.labels(pool.name, self.url).set_function(lambda: pool.inflight)
-        self._state = metrics.endpoint_state
-        self._name = pool.name
-        self.show_state("active")
-
-    @property
-    def inflight(self) -> int:
-        return self.pool.inflight
-
-    def forget(self, metrics: Metrics) -> None:
-        """Drop this endpoint's metric series (it left the backend: bounded cardinality)."""
-        for family, labels in (
-            (metrics.endpoint_inflight, ()),
-            *((metrics.endpoint_requests, (o,)) for o in self._counted),
-            *((metrics.endpoint_state, (s,)) for s in ("active", "standby", "warming", "ejected")),
-        ):
-            with contextlib.suppress(KeyError):
-                family.remove(self._name, self.url, *labels)
-
-    def count(self, outcome: str) -> None:
-        counter = self._counted.get(outcome)
-        if counter is None:
-            counter = self._counted[outcome] = self._requests.labels(self._name, self.url, outcome)
-        counter.inc()
-
-    def show_state(self, state: str) -> None:
-        for name in ("active", "standby", "warming", "ejected"):
-            self._state.labels(self._name, self.url, name).set(1 if name == state else 0)
-
-    def __repr__(self) -> str:
-        return f"<Endpoint {self.url} inflight={self.inflight} failures={self.failures}>"
-
-
 class EndpointSet:
     """The endpoints of one backend, picked per request; duck-types a ``BackendPool``."""
 
@@ -141,7 +92,8 @@ class EndpointSet:
         self._backend = backend
         self._metrics = metrics
         self.endpoints = [
-            Endpoint(BackendPool(backend, metrics, url), metrics) for url in endpoint_urls(backend)
+            Endpoint(BackendPool(backend, metrics, url), metrics, backend)
+            for url in endpoint_urls(backend)
         ]
         # one fixed instance (the `url` form): requests go straight to its pool, unpicked,
         # uncounted per endpoint (the backend's own metrics say it all), at no extra cost
@@ -161,6 +113,8 @@ class EndpointSet:
         self.sizing = Sizing(backend, backend.pool, clock, demand) if backend.pool else None
         if self.sizing is not None:
             self.sizing.assign(self.endpoints)
+        self.rules: tuple[ThrottleRule, ...] = ()  # the backend's, judged per endpoint
+        self.scraped_at: float | None = None  # the last round of telemetry scrapes
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
         self.affinity_hits = 0
         self._next = 0
@@ -188,7 +142,7 @@ class EndpointSet:
             if e.ejected_until and now >= e.ejected_until:
                 e.ejected_until = 0.0
                 e.failures = 0
-                e.show_state(e.role or "active")
+                e.show_state(e.state())
             if not e.ejected_until:
                 out.append(e)
         self._show_active(len(out))
@@ -206,10 +160,12 @@ class EndpointSet:
         kept = {e.url: e for e in self.endpoints if e.url in wanted}
         for e in self.endpoints:
             if e.url not in kept:
-                e.pool.retire()
+                for pool in e.pools():
+                    pool.retire()
                 e.forget(self._metrics)
         self.endpoints = [
-            kept.get(u) or Endpoint(BackendPool(self._backend, self._metrics, u), self._metrics)
+            kept.get(u)
+            or Endpoint(BackendPool(self._backend, b := self._metrics, u), b, self._backend)
             for u in dict.fromkeys(wanted)
         ]
         if self.sizing is not None:
@@ -227,15 +183,24 @@ class EndpointSet:
             )
 
     def watch_load(self) -> None:
-        """With ``balance: kv_aware``, keep each endpoint's queue and KV use current."""
-        if self.balance == "kv_aware" and self._watcher is None:
+        """With ``balance: kv_aware`` or telemetry per endpoint, keep each endpoint's
+        figures current (and judge the throttle rules on them)."""
+        wanted = self.balance == "kv_aware" or load.templated(self._backend)
+        if wanted and self._watcher is None:
             self._watcher = asyncio.get_running_loop().create_task(
                 load.watch(
                     lambda: self.endpoints,
                     self._backend,
+                    self._judged,
                     getattr(self._clock, "sleep", asyncio.sleep),
                 )
             )
+
+    def _judged(self) -> None:
+        self.scraped_at = self._clock.now()
+        for e in self.endpoints:
+            if load.judge(e, self.rules):
+                e.show_state(e.state())
 
     def follow(self, resolver: Resolver) -> None:
         """Keep the endpoints on what the backend's ``discovery`` name resolves to."""
@@ -259,6 +224,7 @@ class EndpointSet:
         if len(self.endpoints) == 1:
             return self.endpoints[0]
         choices = [e for e in self.healthy() if e not in exclude]
+        choices = [e for e in choices if not e.throttled] or choices
         if self.sizing is not None:
             rotation = self.sizing.in_rotation(self.endpoints)
             choices = [e for e in choices if e in rotation] or [
@@ -293,7 +259,7 @@ class EndpointSet:
 
     def _balanced(self, choices: list[Endpoint]) -> Endpoint:
         if self.balance == "kv_aware":  # the unsaturated, else all; then by score
-            choices = [e for e in choices if not load.saturated(e)] or choices
+            choices = [e for e in choices if not load.saturated(e, self._backend)] or choices
         if len(choices) == 1:
             return choices[0]
         if self.balance == "round_robin":
@@ -363,7 +329,8 @@ class EndpointSet:
     def retire(self) -> None:
         self._stop()
         for e in self.endpoints:
-            e.pool.retire()
+            for pool in e.pools():
+                pool.retire()
 
     def retire_after_use(self) -> None:
         for e in self.endpoints:
@@ -372,7 +339,8 @@ class EndpointSet:
     async def aclose(self) -> None:
         self._stop()
         for e in self.endpoints:
-            await e.pool.aclose()
+            for pool in e.pools():
+                await pool.aclose()
 
     def __repr__(self) -> str:
         healthy = len(self.healthy())

@@ -1,4 +1,4 @@
-"""Per-endpoint load for ``balance: kv_aware``, from each model server's own ``/metrics``.
+"""Per-endpoint load and telemetry, from each model server's own ``/metrics``.
 
 vLLM exports ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (TGI
 ``tgi_queue_size``); the Kubernetes Gateway API inference extension and llm-d filter out a
@@ -10,6 +10,17 @@ the server's queue, plus four for a full KV cache).  An endpoint whose scrape fa
 figures cannot be true (not finite, negative, a KV share over 1), has no load figures: it is
 treated as unsaturated and scored by its requests in flight alone.  A scrape is an ordinary
 exchange over the endpoint's pool, so its answer is bounded like any other's.
+
+With ``{host}`` or ``{port}`` in the backend's ``telemetry.url`` (and ``extra_urls``), each
+endpoint is scraped at those URLs, its own host and port put in (a DCGM exporter on the
+node, the server's metrics on another port: over a pool of the endpoint's own to that
+address), for any ``balance``: each endpoint has its own signals, the backend's throttle
+rules are judged on each endpoint's with their hysteresis (``judge``: a firing rule takes
+the endpoint out of rotation while another is not throttled), and ``FleetSource`` gives the
+backend's telemetry the coolest endpoint's signals (each signal's least value over the
+endpoints), so a rule acts on the whole backend (reroute, shed, limit) only when every
+endpoint is over it.  An endpoint whose scrape fails has no signals: no rule fires on it
+(fail open, like the backend-wide telemetry by default).
 """
 
 from __future__ import annotations
@@ -19,10 +30,12 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
-from gateway.errors import UpstreamError
-from gateway.policy.model import Backend
-from gateway.telemetry.prometheus import parse_exposition, read_series
+from gateway.errors import TelemetryError, UpstreamError
+from gateway.policy.model import Backend, ThrottleRule
+from gateway.telemetry.prometheus import Selector, parse_exposition, read_series
+from gateway.telemetry.signals import Sample
 from gateway.transport.upstream import BackendPool
 
 
@@ -33,22 +46,48 @@ class Endpoint(Protocol):
     pool: BackendPool
     queue_waiting: float | None
     kv_cache_usage: float | None
+    signals: dict[str, float]
+    throttled: set[str]
 
     @property
     def inflight(self) -> int: ...
 
+    def pool_to(self, url: str) -> tuple[BackendPool, str]: ...
+
 
 log = logging.getLogger("gateway.transport")
 
-MAX_QUEUE = 5
-MAX_KV_CACHE = 0.8
 KV_WEIGHT = 4.0
 METRICS_PATH = "/metrics"
+_LIMITS = {"kv_cache_usage": 1.0, "gpu_memory_used_ratio": 1.0, "gpu_utilization": 1.0}
+"""Signals that are shares: over 1 they cannot be true."""
 
 
-def saturated(endpoint: Endpoint) -> bool:
-    queue, kv = endpoint.queue_waiting, endpoint.kv_cache_usage
-    return (queue is not None and queue > MAX_QUEUE) or (kv is not None and kv > MAX_KV_CACHE)
+def templated(backend: Backend) -> bool:
+    """Whether the backend's telemetry is per endpoint (``{host}``/``{port}`` in its URL)."""
+    t = backend.telemetry
+    return t.source == "prometheus" and any(
+        "{host}" in u or "{port}" in u for u in (t.url, *t.extra_urls)
+    )
+
+
+def scrape_urls(endpoint_url: str, backend: Backend) -> tuple[str, ...]:
+    """Where one endpoint's figures are read: its telemetry URLs, or ``<endpoint>/metrics``."""
+    if not templated(backend):
+        return (endpoint_url + METRICS_PATH,)
+    parts = urlsplit(endpoint_url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    t = backend.telemetry
+    return tuple(u.format(host=host, port=port) for u in (t.url, *t.extra_urls))
+
+
+def saturated(endpoint: Endpoint, backend: Backend) -> bool:
+    queue, kv, limit = endpoint.queue_waiting, endpoint.kv_cache_usage, backend.saturation
+    return (queue is not None and queue > limit.queue_waiting) or (
+        kv is not None and kv > limit.kv_cache_usage
+    )
 
 
 def score(endpoint: Endpoint) -> float:
@@ -60,20 +99,80 @@ def score(endpoint: Endpoint) -> float:
 
 
 async def scrape(endpoint: Endpoint, backend: Backend) -> None:
-    """Read one endpoint's queue and KV use (unknown when the scrape fails)."""
-    try:
-        reply = await endpoint.pool.send(backend, "GET", METRICS_PATH, [], b"", streaming=False)
-        if reply.close is not None:
-            await reply.close()
-        if reply.status != 200 or reply.body is None:
-            raise ValueError(f"status {reply.status}")
-        signals = read_series(parse_exposition(reply.body.decode("utf-8", "replace"))).signals
-    except (UpstreamError, ValueError) as exc:
-        log.debug("load of %s: %s", endpoint.url, exc)
-        endpoint.queue_waiting = endpoint.kv_cache_usage = None
-        return
-    endpoint.queue_waiting = _figure(signals.get("queue_waiting"), math.inf)
-    endpoint.kv_cache_usage = _figure(signals.get("kv_cache_usage"), 1.0)
+    """Read one endpoint's figures (none when every scrape of it fails)."""
+    t = backend.telemetry
+    texts = []
+    for url in scrape_urls(endpoint.url, backend):
+        pool, path = endpoint.pool_to(url)
+        try:
+            reply = await pool.send(backend, "GET", path, [], b"", streaming=False)
+            if reply.close is not None:
+                await reply.close()
+            if reply.status != 200 or reply.body is None:
+                raise ValueError(f"status {reply.status}")
+            texts.append(reply.body.decode("utf-8", "replace"))
+        except (UpstreamError, ValueError) as exc:
+            log.debug("load of %s at %s: %s", endpoint.url, url, exc)
+    series = [s for text in texts for s in parse_exposition(text)]
+    read = read_series(series, Selector(t.select, t.gpu, t.gpu_instance)).signals
+    signals = {}
+    for k, v in read.items():
+        figure = _figure(v, _LIMITS.get(k, math.inf))
+        if figure is not None:
+            signals[k] = figure
+    endpoint.signals = signals
+    endpoint.queue_waiting = signals.get("queue_waiting")
+    endpoint.kv_cache_usage = signals.get("kv_cache_usage")
+
+
+def judge(endpoint: Endpoint, rules: Sequence[ThrottleRule]) -> bool:
+    """Apply the backend's throttle rules to one endpoint's signals, each with its
+    hysteresis (fires above ``above``, clears below ``clear_below``; an unknown signal
+    clears); True when the endpoint's throttled state changed."""
+    before = bool(endpoint.throttled)
+    for rule in rules:
+        value = endpoint.signals.get(rule.when.signal)
+        if rule.name in endpoint.throttled:
+            if value is None or value < rule.when.clear_below:
+                endpoint.throttled.discard(rule.name)
+        elif value is not None and value > rule.when.above:
+            endpoint.throttled.add(rule.name)
+    return before != bool(endpoint.throttled)
+
+
+class Fleet(Protocol):
+    """What ``FleetSource`` reads of a backend's endpoints (``endpoints.EndpointSet``)."""
+
+    @property
+    def endpoints(self) -> Sequence[Endpoint]: ...
+
+    @property
+    def scraped_at(self) -> float | None: ...
+
+
+class FleetSource:
+    """The backend's telemetry when it is per endpoint: each signal's least value over the
+    endpoints (the coolest one), as of their last scrape round; ``fleet`` finds the
+    backend's live endpoints (a reload may have replaced them)."""
+
+    def __init__(self, fleet: Callable[[], Fleet | None]) -> None:
+        self._fleet = fleet
+
+    async def read(self) -> Sample:
+        fleet = self._fleet()
+        signals: dict[str, float] = {}
+        for e in fleet.endpoints if fleet is not None else ():
+            for k, v in e.signals.items():
+                signals[k] = min(v, signals.get(k, v))
+        if fleet is None or fleet.scraped_at is None or not signals:
+            raise TelemetryError("no endpoint's telemetry could be read")
+        return Sample(at=fleet.scraped_at, **signals)
+
+    async def aclose(self) -> None:
+        """Nothing to release: the scrapes are the endpoints'."""
+
+    def __repr__(self) -> str:
+        return "<FleetSource>"
 
 
 def _figure(value: float | None, most: float) -> float | None:
@@ -87,10 +186,13 @@ def _figure(value: float | None, most: float) -> float | None:
 async def watch(
     endpoints: Callable[[], Sequence[Endpoint]],
     backend: Backend,
+    round_done: Callable[[], None],
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
 ) -> None:
-    """Scrape every endpoint each ``telemetry.interval_ms``, until cancelled."""
+    """Scrape every endpoint each ``telemetry.interval_ms``, until cancelled; after each
+    round, ``round_done`` (the throttle rules are judged there)."""
     interval_s = backend.telemetry.interval_ms / 1000
     while True:
         await asyncio.gather(*(scrape(e, backend) for e in endpoints()))
+        round_done()
         await sleep(interval_s)
