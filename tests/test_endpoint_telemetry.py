@@ -111,7 +111,9 @@ async def test_a_hot_instance_is_out_of_rotation_until_it_cools(
         assert "c" in served
 
         celsius.update(a=90.0, b=90.0, c=92.0)  # every instance hot: the backend's rule sheds
-        await until(lambda: metric(text(), "gateway_throttle_active", backend="main", rule="hot") == 1.0)
+        await until(
+            lambda: metric(text(), "gateway_throttle_active", backend="main", rule="hot") == 1.0
+        )
         r = await client.get(gw.url + "/x")
         assert r.status_code == 503 and "Retry-After" in r.headers
 
