@@ -191,7 +191,7 @@ class Gateway:
         self._runners.append(admin)
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         admin_url = _url(sock.getsockname())
-        self.registry.start()
+        self.begin()
         if self.source.watchable:
             self._spawn(self._watch(watch_interval_s))
         if warmup:

@@ -192,3 +192,23 @@ def test_a_configmap_swap_applies_at_once(tmp_path: Path):
     (volume / "..data_tmp").symlink_to("..2026_12_01_b")
     (volume / "..data_tmp").replace(volume / "..data")
     assert settling.ready(source.read())
+
+
+async def test_a_reload_of_a_serving_gateway_starts_the_pollers_it_adds(
+    serve_app, start_gateway, tmp_path
+):
+    from gateway.resilience.gpu import TELEMETRY
+
+    url = await serve_app(Recorder().app())
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(url))
+    gw = await start_gateway(policy=path, watch_interval_s=60)
+    assert gw.gateway.registry.peek(TELEMETRY, "main") is None
+    path.write_text(
+        policy_for(url).replace(
+            f'url: "{url}"', f'url: "{url}", telemetry: {{source: prometheus, url: "{url}/m"}}'
+        )
+    )
+    assert gw.gateway.reload(force=True)
+    added = gw.gateway.registry.peek(TELEMETRY, "main")
+    assert added is not None and added.poller is not None and added.poller.running
