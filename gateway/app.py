@@ -22,6 +22,7 @@ from gateway.cache.embedding_seam import TierFactory
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.edge import Edge
 from gateway.errors import PolicyError
+from gateway.loop_lag import LoopLag
 from gateway.metrics import Metrics
 from gateway.pipeline import compose
 from gateway.policy.load import Loaded
@@ -65,6 +66,7 @@ class Gateway:
         self.clock = clock
         self.access_log = access_log
         self.metrics = Metrics()
+        self.loop_lag = LoopLag(self.metrics.event_loop_lag)
         self.demand: Demand = {}
         self._upstreams = (
             Upstreams(self.metrics, clock, resolver, self.demand) if transport is None else None
@@ -202,10 +204,12 @@ class Gateway:
 
     def begin(self) -> None:
         """On the running loop: start what runs in the background (telemetry pollers, the
-        cache sweep); from now on a reload starts what it adds.  ``start`` calls it; a
-        gateway without listeners (``harness.Pipeline``) calls it itself."""
+        cache sweep, the event-loop lag sampler); from now on a reload starts what it adds.
+        ``start`` calls it; a gateway without listeners (``harness.Pipeline``) calls it
+        itself."""
         self._live = True
         self.registry.start()
+        self.loop_lag.start()
 
     def _limits(self) -> Server:
         return self.snapshot.policy.server
@@ -228,6 +232,7 @@ class Gateway:
         self.draining = True
         for task in list(self._tasks):
             task.cancel()
+        await self.loop_lag.aclose()
         self.registry.drain()
         if self._server is not None:
             grace = self.snapshot.policy.server.shutdown_grace_s if grace_s is None else grace_s

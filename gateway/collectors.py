@@ -1,12 +1,13 @@
 """The gateway's collectors that read their figures at scrape time: client connections by
-state, the embedding tiers' indexes, and the view that adds the policy's constant labels."""
+state, the embedding tiers' indexes, the process itself (prometheus_client's own), and the
+view that adds the policy's constant labels."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
@@ -68,6 +69,14 @@ class EmbeddingCollector:
                 shared.add_metric([tier.route, event], count)
         yield entries
         yield shared
+
+
+def register_process_collectors(registry: CollectorRegistry) -> None:
+    """``process_*`` (memory, CPU, file descriptors; Linux only), ``python_info`` and
+    ``python_gc_*``: what the default registry has, on the app's own."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
 
 
 class Labelled:

@@ -14,14 +14,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from gateway import __version__
 from gateway.collectors import (
     ConnectionCollector,
     EmbeddingCollector,
     EmbeddingFigures,
     Labelled,
+    register_process_collectors,
 )
 
-__all__ = ["LATENCY_BUCKETS", "EmbeddingFigures", "Metrics", "names"]
+__all__ = ["LAG_BUCKETS", "LATENCY_BUCKETS", "EmbeddingFigures", "Metrics", "names"]
 
 # Seconds; dense below 10 ms where the gateway's own overhead lives, up to long generations.
 LATENCY_BUCKETS = (
@@ -43,6 +45,8 @@ LATENCY_BUCKETS = (
     60.0,
     120.0,
 )
+LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+"""Seconds an event-loop wake-up comes late: 0.1 ms (idle) to 1 s (a blocked loop)."""
 
 
 class Metrics:
@@ -337,6 +341,22 @@ class Metrics:
         )
         self.connections = ConnectionCollector()
         r.register(self.connections)
+        # -- the process itself (issue 16) --
+        self.build_info = Gauge(
+            "gateway_build_info",
+            "Always 1; `version` labels the gateway's version.",
+            ["version"],
+            registry=r,
+        )
+        self.build_info.labels(__version__).set(1)
+        self.event_loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every 0.25 s: time other work held the "
+            "loop, which every request on it waited too.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        register_process_collectors(r)
         self._route_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._request_children: dict[tuple[str, str, int], Any] = {}
         self._token_children: dict[str, tuple[Any, Any]] = {}
