@@ -281,6 +281,13 @@ class Metrics:
             ["rule", "backend"],
             registry=r,
         )
+        self.throttle_threshold = Gauge(
+            "gateway_throttle_threshold",
+            "A throttle rule's thresholds as the policy sets them, in its signal's unit: "
+            "`bound` above (it fires over this) or clear_below (it clears under this).",
+            ["rule", "backend", "signal", "bound"],
+            registry=r,
+        )
         self.throttle_transitions = Counter(
             "gateway_throttle_transitions",
             "Throttle rules firing or clearing.",

@@ -200,6 +200,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_telemetry_age_seconds",
         "gateway_throttle_active",
         "gateway_throttle_signal_seen",
+        "gateway_throttle_threshold",
         "gateway_throttle_transitions",
         "gateway_tokens",
         "gateway_upstream_duration_seconds",

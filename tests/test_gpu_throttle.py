@@ -421,3 +421,24 @@ async def test_pollers_start_with_the_gateway_follow_reloads_and_stop_on_shutdow
     await gw.gateway.shutdown(0.5)
     assert not third.poller.running
     assert registry.peek(TELEMETRY_HTTP) is None
+
+
+async def test_the_rules_thresholds_are_published_and_follow_reloads(serve_app, pipeline, tmp_path):
+    """So a dashboard draws the policy's own lines next to the signal."""
+    exporter_url = await serve_app(Exporter().app())
+    backends = {"main": {"url": URL, "telemetry": {"source": "prometheus", "url": exporter_url}}}
+
+    def rule(name: str, above: float, clear_below: float) -> dict:
+        when = {"signal": "gpu_temperature_c", "above": above, "clear_below": clear_below}
+        return {"name": name, "backend": "main", "when": when}
+
+    path = write_policy(tmp_path, policy(backends, throttle=[rule("hot", 85, 80)]))
+    gw = await pipeline(path, Model("main"), clock=FakeClock())
+    labels = {"rule": "hot", "backend": "main", "signal": "gpu_temperature_c"}
+    assert gw.metric("gateway_throttle_threshold", bound="above", **labels) == 85
+    assert gw.metric("gateway_throttle_threshold", bound="clear_below", **labels) == 80
+    write_policy(tmp_path, policy(backends, throttle=[rule("warm", 80, 76)]))
+    assert gw.gateway.reload()
+    assert gw.metric("gateway_throttle_threshold", bound="above", **labels) is None
+    labels["rule"] = "warm"
+    assert gw.metric("gateway_throttle_threshold", bound="above", **labels) == 80

@@ -175,6 +175,11 @@ class GpuControl:
         self.targets = targets
         self.throttle.set_rules(policy.throttle)
         m = self._metrics
+        m.throttle_threshold.clear()
+        for rule in policy.throttle:
+            when = rule.when
+            for bound, value in (("above", when.above), ("clear_below", when.clear_below)):
+                m.throttle_threshold.labels(rule.name, rule.backend, when.signal, bound).set(value)
         for backend in gone:
             for gauge in (*(getattr(m, g) for g in GAUGE_OF_SIGNAL.values()), m.telemetry_age):
                 _remove(gauge, backend)
