@@ -3,6 +3,7 @@
 gateway serve --policy PATH | --upstream URL [--host --port --admin-host --admin-port]
 gateway check PATH...      validate policies; non-zero exit naming file, key path, line
 gateway schema [--markdown] the policy's JSON Schema (or its reference page)
+gateway metrics [--markdown] every metric family as JSON (or docs/metrics.md)
 gateway sim [flags]        the simulated GPU model server
 gateway cache-eval PAIRS.tsv... [--embedding] [--plot F.png] [--json]
                            precision / recall / false hits per cache tier, and curves
@@ -71,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the policy JSON Schema")
     schema.add_argument("--markdown", action="store_true", help="the reference page instead")
     schema.set_defaults(run=_schema)
+
+    metrics = sub.add_parser("metrics", help="every metric: name, type, labels, meaning")
+    metrics.add_argument("--markdown", action="store_true", help="the reference page instead")
+    metrics.set_defaults(run=_metrics)
 
     demo = sub.add_parser("demo", help="simulated GPU + workload: before/after table")
     demo.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
@@ -270,6 +275,16 @@ def _schema(args: argparse.Namespace) -> int:
         sys.stdout.write(reference_markdown())
     else:
         print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from gateway.metrics_reference import families, reference_markdown
+
+    if args.markdown:
+        sys.stdout.write(reference_markdown())
+    else:
+        print(json.dumps([dataclasses.asdict(f) for f in families()], indent=2))
     return 0
 
 

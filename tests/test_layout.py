@@ -12,7 +12,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gateway"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 0. the base every part may use
-    ("errors", "clock", "tenant", "collectors", "metrics", "loop_lag", "state", "wire", "data"),
+    (
+        "errors",
+        "clock",
+        "tenant",
+        "collectors",
+        "metrics",
+        "metrics_reference",
+        "loop_lag",
+        "state",
+        "wire",
+        "data",
+    ),
     # 1. the policy model, telemetry, the OpenAI wire format, the pipeline's types, routing,
     #    and the simulated model server (which stands on its own)
     ("policy", "telemetry", "openai", "pipeline", "routing", "sim"),
