@@ -215,6 +215,8 @@ routes:
         ),
         ("", "", "retry_budget: {window_s: 0}", "retry_budget.window_s: must be greater"),
         ("", "", "retry_budget: {ratio: -0.1}", "retry_budget.ratio: must not be negative"),
+        ("", "", "tracing: {sample_ratio: 1.5}", "tracing.sample_ratio: must be between 0 and 1"),
+        ("", "", "tracing: {sample_ratio: -0.1}", "tracing.sample_ratio: must be between 0 and 1"),
         (
             "",
             "",

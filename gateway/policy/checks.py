@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from gateway.policy.model import Backend, RetryBudget, Route, Server, ThrottleRule
+from gateway.policy.model import Backend, RetryBudget, Route, Server, ThrottleRule, Tracing
 
 Found = list[tuple[str, str]]
 MAX_ENDPOINTS = 64
@@ -49,6 +49,13 @@ def check_retry_budget(budget: RetryBudget) -> Found:
     if budget.window_s <= 0:
         found.append(("window_s", "must be greater than 0"))
     return found
+
+
+def check_tracing(tracing: Tracing) -> Found:
+    """``tracing``: a ratio is a share."""
+    if not 0 <= tracing.sample_ratio <= 1:
+        return [("sample_ratio", "must be between 0 and 1")]
+    return []
 
 
 EXPORTER_FIELDS = {

@@ -24,13 +24,14 @@ from gateway.policy.checks import (
     check_route,
     check_server,
     check_throttle,
+    check_tracing,
     warn_throttle,
 )
 from gateway.policy.convert import Found, convert, join
 from gateway.policy.model import Backend, Match, Policy, Route, ThrottleRule, glob_regex
 
 POLICY_SUFFIXES = (".yaml", ".yml")
-_SINGLETONS = ("server", "admin", "metrics", "cache", "retry_budget")
+_SINGLETONS = ("server", "admin", "metrics", "cache", "retry_budget", "tracing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +196,9 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
     budget_part = next((p for p in parts if "retry_budget" in p.keys), None)
     if budget_part is not None:
         _report(check_retry_budget(singles["retry_budget"]), budget_part, "retry_budget", problems)
+    tracing_part = next((p for p in parts if "tracing" in p.keys), None)
+    if tracing_part is not None:
+        _report(check_tracing(singles["tracing"]), tracing_part, "tracing", problems)
     return Policy(
         backends=tuple(backends.values()),
         routes=tuple(named),

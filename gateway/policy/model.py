@@ -61,6 +61,7 @@ __all__ = [
     "TelemetrySource",
     "ThrottleLimit",
     "ThrottleRule",
+    "Tracing",
     "WarmupRequest",
     "When",
     "glob_regex",
@@ -79,6 +80,7 @@ DEFAULT_SHUTDOWN_GRACE_S = 25.0
 DEFAULT_RELOAD_INTERVAL_S = 1.0
 DEFAULT_CACHE_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_SAMPLE_RATIO = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +227,20 @@ class Metrics:
 
 
 @dataclass(frozen=True, slots=True)
+class Tracing:
+    """Traces of requests (the `otel` extra); the `OTEL_*` variables say where spans go."""
+
+    sample_ratio: float = field(
+        default=DEFAULT_SAMPLE_RATIO,
+        metadata=doc(
+            "Share of requests traced, 0 to 1; 0 turns tracing off (no span is made). "
+            "A request whose `traceparent` says its caller traced it is traced too, one "
+            "whose caller did not is not. A reload changes it at once."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """A whole policy: what the gateway forwards where, and how."""
 
@@ -243,6 +259,9 @@ class Policy:
     cache: CacheStore = field(default_factory=CacheStore, metadata=doc("The cache store."))
     retry_budget: RetryBudget = field(
         default_factory=RetryBudget, metadata=doc("Budget for fallback retries.")
+    )
+    tracing: Tracing = field(
+        default_factory=Tracing, metadata=doc("Request traces (OpenTelemetry).")
     )
 
     def backend(self, name: str) -> Backend:
