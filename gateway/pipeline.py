@@ -32,11 +32,26 @@ def first_header(headers: Headers, name: str, default: str | None = None) -> str
 
 @dataclass(slots=True)
 class Record:
-    """What the access log tells of one request besides its status and timing; one per
-    request, shared by the copies of its ``Call`` a stage passes on."""
+    """What the access log and the request's trace tell of one request besides its status
+    and timing; one per request, shared by the copies of its ``Call`` a stage passes on.
+    Each fact is written by the stage that decides it; times are ``time.perf_counter()``."""
 
     cache: str | None = None
     """The cache stage's result (``hit:exact``, ``miss``, ``bypass``...): ``log_cache``."""
+    cache_lookup: tuple[float, float] | None = None
+    """When the cache lookup began and ended."""
+    queue_wait: tuple[float, float] | None = None
+    """When the call joined a backend's admission queue and when it got its slot."""
+    batch: tuple[int, float, float] | None = None
+    """The size of the batch the call went in, when it waited for company and when it went."""
+    throttle: str | None = None
+    """The throttle rule in force on the backend when the call was admitted."""
+    fallback: str | None = None
+    """Why the route's primary backend did not serve (``X-Gateway-Fallback``)."""
+    endpoint: str = ""
+    """The URL of the endpoint that answered (``Reply.endpoint``)."""
+    trace: object | None = None
+    """The request's trace while one is recorded (``tracing.otel.Trace``); opaque here."""
 
 
 @dataclass(slots=True)
@@ -100,7 +115,8 @@ class Reply(NamedTuple):
     holds upstream (a pooled connection); the edge calls it in every case, also when the
     client went away mid-stream.  ``content_length`` is a stream's declared length, when the
     backend gave one (the edge then sends it as is, not chunked); ``coalesced`` says that
-    the call joined another's flight.  A reply is immutable: a stage that changes one
+    the call joined another's flight; ``endpoint`` is the URL of the endpoint that answered
+    (set by the transport).  A reply is immutable: a stage that changes one
     returns a new one (``with_headers``, ``replace``).  It is a named tuple, not a frozen
     dataclass: one is made per request, and a frozen dataclass costs four times as much to
     make on CPython 3.11.
@@ -114,6 +130,7 @@ class Reply(NamedTuple):
     close: Callable[[], Awaitable[None]] | None = None
     content_length: int | None = None
     coalesced: bool = False
+    endpoint: str = ""
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a response header, case-insensitively."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -50,7 +51,7 @@ from gateway.batching.aimd import BatchLimit, CappedLimit
 from gateway.batching.merged_calls import SPLIT_REASONS
 from gateway.errors import Overloaded
 from gateway.metrics import Metrics
-from gateway.pipeline import Call, Handler, Headers, Reply, Stage
+from gateway.pipeline import Call, Handler, Headers, Record, Reply, Stage
 from gateway.policy.model import Batch, Policy, Route
 from gateway.resilience.gpu import batch_limit
 from gateway.runtime import Runtime
@@ -81,6 +82,7 @@ class _Item:
     call_next: Handler
     backend: str = ""
     headers: Headers = ()
+    queued: float = 0.0  # when it began to wait (perf_counter), for its Record
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -144,6 +146,8 @@ class BatchStage:
             call.query,
         )
         item = _Item(body, call, call_next)
+        if call.record is not None:
+            item.queued = time.perf_counter()
         try:
             answer = await batcher.submit(item, scope)
         except Overloaded as exc:
@@ -160,7 +164,14 @@ class BatchStage:
 async def send(merged: _Merged) -> tuple[int, Headers, bytes]:
     """The batcher's send: the merged call through the rest of the pipeline, read whole."""
     first = merged.items[0]
-    reply = await first.call_next(merged_call(first.call, merged.body))
+    went = time.perf_counter()
+    trace = None
+    for item in merged.items:
+        record = item.call.record
+        if record is not None:
+            record.batch = (len(merged.items), item.queued, went)
+            trace = trace or record.trace
+    reply = await first.call_next(merged_call(first.call, merged.body, trace))
     try:
         if reply.body is not None:
             raw = reply.body
@@ -175,8 +186,9 @@ async def send(merged: _Merged) -> tuple[int, Headers, bytes]:
     return reply.status, reply.headers, raw
 
 
-def merged_call(template: Call, body: Any) -> Call:
-    """A copy of a member's call carrying ``body``, asking for an uncompressed answer."""
+def merged_call(template: Call, body: Any, trace: object | None = None) -> Call:
+    """A copy of a member's call carrying ``body``, asking for an uncompressed answer; its
+    upstream call belongs to ``trace``, a traced member's (``Record.trace``), if any."""
     encoded = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     headers = tuple((k, v) for k, v in template.headers if k.lower() != "accept-encoding")
     return dataclasses.replace(
@@ -184,7 +196,8 @@ def merged_call(template: Call, body: Any) -> Call:
         body=encoded,
         json=body if template.json is not None else None,
         headers=(*headers, ("Accept-Encoding", "identity")),
-        record=None,  # the merged call is no client's: its members' records are theirs
+        # The merged call is no client's: its members' records are theirs.
+        record=Record(trace=trace) if trace is not None else None,
     )
 
 

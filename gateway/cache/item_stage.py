@@ -99,7 +99,10 @@ class ItemCache:
         else:
             started = time.perf_counter()
             cached = await rules.cache.get_items(plan)
-            rules.lookup_seconds.observe(time.perf_counter() - started)
+            ended = time.perf_counter()
+            rules.lookup_seconds.observe(ended - started)
+            if call.record is not None:
+                call.record.cache_lookup = (started, ended)
         positions = missing(cached)
         if not positions:
             rules.count(call, HIT, EXACT)

@@ -258,7 +258,10 @@ class CacheStage:
                 hit = await rules.cache.lookup(key, exact=False)
                 if hit is None and rules.embedding is not None and key.prompt is not None:
                     hit = await self._embedding_lookup(rules, rules.embedding, key)
-        rules.lookup_seconds.observe(time.perf_counter() - started)
+        ended = time.perf_counter()
+        rules.lookup_seconds.observe(ended - started)
+        if call.record is not None:
+            call.record.cache_lookup = (started, ended)
         return hit, key
 
     async def _embedding_lookup(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -169,16 +170,22 @@ class Resilience:
             decision = self._control.decide(call.backend)
             if decision is not guard.decision:
                 guard.apply(decision)
+            record = call.record
+            if record is not None and decision.rule is not None:
+                record.throttle = decision.rule
             if decision.action == "reroute" and more:
                 return Moved("throttle", Overloaded("rerouted", reason="throttle"))
             if decision.action == "shed" and priority < Priority.HIGH:
                 return Moved("throttle", guard.shed(f"rule {decision.rule!r} sheds load"))
+            queued = time.perf_counter() if record is not None else 0.0
             try:
                 passed = await guard.enter(priority)
             except CircuitOpen as exc:
                 return Moved("circuit_open", exc)
             except Overloaded as exc:
                 return Moved(exc.reason, exc)
+            if record is not None and passed.ticket is not None:
+                record.queue_wait = (queued, time.perf_counter())
             if guard.decision.action == "reroute" and more:
                 # The rule fired while the call waited in the queue: it is rerouted too.
                 passed.release()
@@ -212,6 +219,8 @@ class Resilience:
         if index > 0 and reason is not None:
             extra.append((FALLBACK_HEADER, reason))
             self._metrics.fallbacks.labels(call.route.name, reason).inc()
+            if call.record is not None:
+                call.record.fallback = reason
         if reply.status in (429, 503) and reply.header("Retry-After") is None:
             guard = self._guards.get(reply.backend or call.backend)
             retry_s = guard.retry_after_s() if guard is not None else DEFAULT_RETRY_AFTER_S

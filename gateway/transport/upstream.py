@@ -172,7 +172,9 @@ class BackendPool:
             if whole is not None:
                 self._http.release(conn)
                 await release()
-                return Reply(resp.status, headers_out, body=whole, backend=self.name)
+                return Reply(
+                    resp.status, headers_out, body=whole, backend=self.name, endpoint=self.base_url
+                )
             if length is None or length <= BUFFER_LIMIT_BYTES:
                 try:
                     data, complete = await _read_up_to(conn, prefix, BUFFER_LIMIT_BYTES)
@@ -184,7 +186,13 @@ class BackendPool:
                 if complete:
                     self._http.release(conn)
                     await release()
-                    return Reply(resp.status, headers_out, body=data, backend=self.name)
+                    return Reply(
+                        resp.status,
+                        headers_out,
+                        body=data,
+                        backend=self.name,
+                        endpoint=self.base_url,
+                    )
 
         async def close() -> None:
             if not conn.complete:
@@ -199,6 +207,7 @@ class BackendPool:
             backend=self.name,
             close=close,
             content_length=length,
+            endpoint=self.base_url,
         )
 
     async def _exchange(
