@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -26,7 +26,7 @@ from gateway.loop_lag import LoopLag
 from gateway.metrics import Metrics
 from gateway.pipeline import compose
 from gateway.policy.load import Loaded
-from gateway.policy.model import Server
+from gateway.policy.model import Server, Tracing
 from gateway.policy.watch import PolicySource, Settling
 from gateway.routing import Router
 from gateway.runtime import Runtime
@@ -40,6 +40,11 @@ from gateway.transport.forwarding import TrustedProxies
 from gateway.transport.sizing import Demand
 from gateway.transport.upstream import Transport
 from gateway.transport.warmup import warm_up
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from gateway.tracing.otel import Tracer
 
 log = logging.getLogger("gateway")
 CLOSE_TIMEOUT_S = 0.3
@@ -60,8 +65,11 @@ class Gateway:
         access_log: bool = False,
         embedding_tiers: TierFactory | None = None,
         resolver: Resolver | None = None,
+        span_exporter: SpanExporter | None = None,
     ) -> None:
         self.source = source
+        self._span_exporter = span_exporter
+        self.tracer: Tracer | None = None  # made when a policy first turns tracing on
         self._embedding_tiers = embedding_tiers
         self.clock = clock
         self.access_log = access_log
@@ -99,13 +107,41 @@ class Gateway:
         self.registry.begin()
         runtime = Runtime(self.metrics, self.registry, self.clock, self.transport, self.demand)
         built = stages.build(policy, runtime, embedding_tiers=self._embedding_tiers)
-        handler = compose(built, Forward(self.transport))
+        tracer = self._tracer_for(policy.tracing)
+        forward = Forward(self.transport)
+        handler = compose(built, forward if tracer is None else tracer.forward(forward))
         self.registry.end()
         if self._live:  # a reload while running: start the pollers it added
             self.begin()
         self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
         trusted = TrustedProxies(policy.server.trusted_proxies)
-        return Snapshot(policy, loaded.digest, self._generation, Router(policy), handler, trusted)
+        return Snapshot(
+            policy, loaded.digest, self._generation, Router(policy), handler, trusted, tracer
+        )
+
+    def _tracer_for(self, settings: Tracing) -> Tracer | None:
+        """The tracer while ``tracing.sample_ratio`` is above 0, at that ratio; made on first
+        use and kept (a reload only moves its ratio), None without the ``otel`` extra."""
+        if settings.sample_ratio <= 0:
+            return None
+        if self.tracer is None:
+            try:
+                from gateway.tracing.otel import Tracer
+            except ImportError as exc:
+                log.warning(
+                    "tracing.sample_ratio is %g but OpenTelemetry is not installed (%s): "
+                    "no traces; pip install 'sidecar-gateway[otel]'",
+                    settings.sample_ratio,
+                    exc,
+                )
+                return None
+            try:
+                self.tracer = Tracer(settings.sample_ratio, self._span_exporter)
+            except ImportError as exc:  # the SDK without the OTLP exporter
+                log.warning("tracing: no exporter (%s): no traces", exc)
+                return None
+        self.tracer.ratio = settings.sample_ratio
+        return self.tracer
 
     def reload(self, *, force: bool = False) -> bool:
         """Re-read the policy; swap it in if valid and changed.  True when swapped."""
@@ -244,6 +280,8 @@ class Gateway:
                     await self._upstreams.aclose()
         except TimeoutError:
             log.warning("closing stores and pools took over %g s; left to exit", CLOSE_TIMEOUT_S)
+        if self.tracer is not None:
+            await self.tracer.aclose()
         for runner in self._runners:  # the admin port closes last: the model server's hook
             await runner.cleanup()  # waits for it to know the gateway is gone
         self._runners.clear()

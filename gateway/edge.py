@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
@@ -35,6 +35,9 @@ from gateway.snapshot import Live
 from gateway.transport.forwarding import forwarding_headers
 from gateway.transport.headers import REQUEST_OWNED, is_event_stream, strip
 from gateway.wire import error_body, error_headers
+
+if TYPE_CHECKING:
+    from gateway.tracing.otel import Trace
 
 log = logging.getLogger("gateway.edge")
 
@@ -77,6 +80,12 @@ class Edge:
         snap = gw.snapshot
         started = self._loop_time()
         request_id = request_id_of(request.header("X-Request-ID"))
+        tracer = snap.tracer
+        trace = (
+            tracer.begin(request.method, request.path, request.headers, request_id)
+            if tracer is not None
+            else None
+        )
         status = 0
         call: Call | None = None
         reply: Reply | None = None
@@ -85,16 +94,20 @@ class Edge:
         gw.inflight_requests += 1
         try:
             try:
-                call = self._to_call(request, snap, request_id, started)
+                call = self._to_call(request, snap, request_id, started, trace)
                 reply = await snap.handler(call)
             except GatewayError as exc:
                 status = exc.status
+                if trace is not None:
+                    trace.error = exc.code
                 if call is not None and isinstance(exc, UpstreamError):
                     call.backend = exc.backend or call.backend
                 headers = [*error_headers(exc, request_id), *exc.extra_headers]
                 request.respond(status, headers, error_body(exc))
                 return
             status = reply.status
+            if trace is not None:
+                reply = trace.watch(reply)
             tokens, first_byte = await self._respond(request, call, reply)
         except asyncio.CancelledError:
             if request.interrupted:
@@ -109,8 +122,12 @@ class Edge:
             self._record(
                 snap, call, reply, request, request_id, status, started, tokens, first_byte
             )
+            if trace is not None:
+                trace.end(call, reply, status or CLIENT_CLOSED, tokens)
 
-    def _to_call(self, request: Request, snap: Any, request_id: str, started: float) -> Call:
+    def _to_call(
+        self, request: Request, snap: Any, request_id: str, started: float, trace: Trace | None
+    ) -> Call:
         policy = snap.policy
         path = request.path
         body = request.body
@@ -146,7 +163,9 @@ class Edge:
             started=started,
             received=tuple(raw),
             client=client,
-            record=Record() if policy.server.access_log or self._gateway.access_log else None,
+            record=Record(trace=trace)
+            if trace is not None or policy.server.access_log or self._gateway.access_log
+            else None,
         )
 
     async def _respond(

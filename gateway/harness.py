@@ -19,7 +19,7 @@ import contextlib
 import json as jsonlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httptools
 from multidict import CIMultiDict
@@ -34,6 +34,9 @@ from gateway.policy.model import Policy
 from gateway.policy.watch import PolicySource
 from gateway.server.request import Head, Request
 from gateway.testing import FakeTransport, Respond
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 
 class MemoryWire:
@@ -145,6 +148,7 @@ class Pipeline:
         clock: Clock = SYSTEM_CLOCK,
         embedding_tiers: TierFactory | None = None,
         access_log: bool = False,
+        span_exporter: SpanExporter | None = None,
     ) -> None:
         self.transport = (
             backends if isinstance(backends, FakeTransport) else FakeTransport(backends)
@@ -164,6 +168,7 @@ class Pipeline:
             clock=clock,
             access_log=access_log,
             embedding_tiers=embedding_tiers,
+            span_exporter=span_exporter,
         )
         self._edge: Edge | None = None
 

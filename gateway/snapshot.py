@@ -4,7 +4,7 @@ the running gateway (``app.Gateway``), as protocols so that neither imports the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.metrics import Metrics
 from gateway.pipeline import Handler
@@ -12,6 +12,9 @@ from gateway.policy.model import Policy
 from gateway.routing import Router
 from gateway.state import Registry
 from gateway.transport.forwarding import TrustedProxies
+
+if TYPE_CHECKING:
+    from gateway.tracing.otel import Tracer
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,8 @@ class Snapshot:
     router: Router
     handler: Handler
     trusted: TrustedProxies
+    tracer: Tracer | None = None
+    """Traces requests while the policy's ``tracing.sample_ratio`` is above 0."""
 
 
 class Live(Protocol):
