@@ -1,6 +1,7 @@
 """Proxy overhead: the backend reached directly, through nginx and through the gateway.
 
     python -m bench.bench_proxy [--duration 5] [--rounds 3] [--baseline DIR ...]
+                                [--tracing-ratio 0.1]
 
 Measures, in one run on one machine: p50/p99 latency at 1 connection (added latency is
 the difference to direct), requests/s at saturation with 32 connections, the first byte of
@@ -9,6 +10,9 @@ repeated ``--rounds`` times, the paths taking turns in each round so that they s
 same moments of a shared machine, and each figure is the median over the rounds.
 Each ``--baseline DIR`` adds a path: the gateway of another checkout (``git worktree add
 DIR <commit>``), so that a change is measured against what it replaced in the same run.
+``--tracing-ratio R`` adds a path too: this gateway with ``tracing: {sample_ratio: R}``
+(the ``otel`` extra) and ``OTEL_TRACES_EXPORTER=none``, so spans are made, batched and
+dropped, and its cost against the untraced gateway is the gateway's, not a collector's.
 Writes docs/benchmarks.md.
 """
 
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import os
 import shutil
 import statistics
 import subprocess
@@ -125,7 +131,9 @@ for _ in range(n):
 """
 
 
-def instructions_per_request(cwd: Path, backend_port: int, tmp: Path, n: int = 1000) -> float:
+def instructions_per_request(
+    cwd: Path, backend_port: int, tmp: Path, n: int = 1000, tracing: float | None = None
+) -> float:
     """User-space instructions the gateway in checkout ``cwd`` executes per small chat
     request, counted by callgrind over ``n`` requests on one connection after a warm-up:
     a figure that, unlike time, the machine's other load does not move.  NaN without
@@ -140,9 +148,9 @@ def instructions_per_request(cwd: Path, backend_port: int, tmp: Path, n: int = 1
         "valgrind",
         "--tool=callgrind",
         f"--callgrind-out-file={out}",
-        *gateway_command(backend_port, port, admin),
+        *gateway_command(backend_port, port, admin, traced_policy(tmp, backend_port, tracing)),
     ]
-    with process(args, cwd=str(cwd)) as proc:
+    with process(args, cwd=str(cwd), env=gateway_env(tracing)) as proc:
         wait_port(port, timeout_s=180)
         subprocess.run([sys.executable, str(client), str(port), "200"], check=True)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], capture_output=True, check=True)
@@ -207,19 +215,45 @@ def _matches(where: str, needle: str) -> bool:
     return needle in where
 
 
-def gateway_command(backend_port: int, port: int, admin_port: int) -> list[str]:
+def gateway_command(
+    backend_port: int, port: int, admin_port: int, policy: Path | None = None
+) -> list[str]:
+    source = (
+        ["--policy", str(policy)] if policy else ["--upstream", f"http://127.0.0.1:{backend_port}"]
+    )
     return [
         sys.executable,
         "-m",
         "gateway",
         "serve",
-        "--upstream",
-        f"http://127.0.0.1:{backend_port}",
+        *source,
         "--port",
         str(port),
         "--admin-port",
         str(admin_port),
     ]
+
+
+def traced_policy(tmp: Path, backend_port: int, ratio: float | None) -> Path | None:
+    """The policy of ``--upstream`` with ``tracing.sample_ratio`` set (None: no tracing)."""
+    if ratio is None:
+        return None
+    path = tmp / f"traced-{ratio:g}.yaml"
+    path.write_text(
+        f"backends: {{upstream: {{url: 'http://127.0.0.1:{backend_port}'}}}}\n"
+        "routes: [{name: default, match: {path: '*'}, backend: upstream}]\n"
+        f"tracing: {{sample_ratio: {ratio:.6f}}}\n"
+    )
+    return path
+
+
+def gateway_env(tracing: float | None) -> dict[str, str] | None:
+    """A traced gateway's environment: its spans are made and dropped, never sent."""
+    return None if tracing is None else {**os.environ, "OTEL_TRACES_EXPORTER": "none"}
+
+
+def traced_label(ratio: float) -> str:
+    return f"gateway, tracing {ratio:g}"
 
 
 def baseline_label(checkout: Path) -> str:
@@ -232,7 +266,12 @@ def baseline_label(checkout: Path) -> str:
     return f"gateway before ({found.stdout.strip() or checkout.name})"
 
 
-def run(duration: int, rounds: int, baselines: list[Path] | None = None) -> str:
+def run(
+    duration: int,
+    rounds: int,
+    baselines: list[Path] | None = None,
+    tracing: float | None = None,
+) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     script = tmp / "post.lua"
     script.write_text(
@@ -270,6 +309,22 @@ def run(duration: int, rounds: int, baselines: list[Path] | None = None) -> str:
             befores.append(before)
             wait_port(before_admin)
             targets.append((baseline_label(baseline), before_port, None))
+        if tracing is not None:
+            traced_port, traced_admin = free_port(), free_port()
+            traced = process(
+                gateway_command(
+                    backend_port,
+                    traced_port,
+                    traced_admin,
+                    traced_policy(tmp, backend_port, tracing),
+                ),
+                traced_port,
+                env=gateway_env(tracing),
+            )
+            traced.__enter__()
+            befores.append(traced)
+            wait_port(traced_admin)
+            targets.append((traced_label(tracing), traced_port, None))
         targets.append(("gateway", gateway_port, gw_proc.pid))
         try:
             runs: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
@@ -321,7 +376,11 @@ def run(duration: int, rounds: int, baselines: list[Path] | None = None) -> str:
             counted[baseline_label(baseline)] = instructions_per_request(
                 baseline, backend_port, tmp
             )
-    return report(rows, rss, duration, rounds, breakdown, counted)
+        if tracing is not None:
+            counted[traced_label(tracing)] = instructions_per_request(
+                ROOT, backend_port, tmp, tracing=tracing
+            )
+    return report(rows, rss, duration, rounds, breakdown, counted, tracing)
 
 
 def report(
@@ -331,12 +390,15 @@ def report(
     rounds: int,
     breakdown: list[tuple[str, float]],
     counted: dict[str, float],
+    tracing: float | None = None,
 ) -> str:
     by = dict(rows)
     d, g = by["direct"], by["gateway"]
     befores = [name for name, _ in rows if name.startswith("gateway before")]
     command = f"python -m bench.bench_proxy --duration {duration} --rounds {rounds}"
     command += "".join(f" --baseline DIR{i + 1}" for i in range(len(befores)))
+    if tracing is not None:
+        command += f" --tracing-ratio {tracing:g}"
     lines = [
         "## Proxy overhead (issues 2, 11 and 13)",
         "",
@@ -401,6 +463,13 @@ def report(
             f"| added p50 not above the gateway {commit} | {added_p50:.3f} ms against "
             f"{before_p50:.3f} ms | {verdict(added_p50 <= before_p50 + 0.01)} |",
         ]
+    if tracing is not None:
+        t = by[traced_label(tracing)]
+        lines += [
+            f"| tracing at {tracing:g} (`OTEL_TRACES_EXPORTER=none`), against the untraced "
+            f"gateway in the same run | {t['rps'] / g['rps']:.2f}x its req/s, p50 "
+            f"{t['p50'] - g['p50']:+.3f} ms, first byte {t['fb'] - g['fb']:+.3f} ms | - |",
+        ]
     if breakdown:
         lines += [
             "",
@@ -451,9 +520,17 @@ def main() -> None:
         action="append",
         help="a checkout of the gateway to compare (may be given more than once)",
     )
+    parser.add_argument(
+        "--tracing-ratio",
+        type=float,
+        default=None,
+        help="also run this gateway with tracing.sample_ratio at this ratio (spans dropped)",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    table = run(args.duration, args.rounds, args.baseline)
+    if args.tracing_ratio is not None and importlib.util.find_spec("opentelemetry") is None:
+        parser.error("--tracing-ratio needs the otel extra: pip install -e '.[otel]'")
+    table = run(args.duration, args.rounds, args.baseline, args.tracing_ratio)
     print(table)
     if not args.no_write:
         update_section("proxy", table)
