@@ -295,6 +295,9 @@ async def test_a_busy_affine_endpoint_gives_way(serve_app) -> None:
             )
         await until(lambda: first.inflight == 5)
         assert endpoints.pick(affinity="k") is not first
+        gate.set()
+        await asyncio.gather(*held)
+        assert endpoints.pick(affinity="k") is first  # the overflow left its home as it was
     finally:
         gate.set()
         await asyncio.gather(*held)
@@ -556,3 +559,26 @@ async def test_a_broken_metrics_endpoint_is_neither_trusted_nor_fatal(
         assert len(served) == 2  # the broken one still takes its share
     finally:
         await endpoints.aclose()
+
+
+def test_the_leading_key_is_the_system_prompt_else_the_first_turn() -> None:
+    """Every conversation under one system prompt shares its key (they all start with its
+    tokens); without one, a conversation's turns share its first message's."""
+
+    def chat(*messages: tuple[str, str], model: str = "m") -> dict:
+        return {"model": model, "messages": [{"role": r, "content": c} for r, c in messages]}
+
+    sys_a = ("system", "You are A.")
+    assert leading_key(chat(sys_a, ("user", "q1"))) == leading_key(chat(sys_a, ("user", "q2")))
+    assert leading_key(chat(sys_a, ("user", "q1"))) != leading_key(
+        chat(("system", "You are B."), ("user", "q1"))
+    )
+    assert leading_key(chat(sys_a, ("user", "q"))) != leading_key(
+        chat(sys_a, ("user", "q"), model="other")
+    )
+    first = chat(("user", "hello"), ("assistant", "hi"), ("user", "more"))
+    assert leading_key(first) == leading_key(chat(("user", "hello")))
+    assert leading_key(chat(("developer", "Be terse."), ("user", "x"))) == leading_key(
+        chat(("developer", "Be terse."), ("user", "y"))
+    )
+    assert leading_key({"messages": "not a list"}) is None

@@ -2,9 +2,12 @@
 
 vLLM and SGLang keep the KV cache of prompts they have seen; a request that starts like an
 earlier one (the same system prompt, the same first turns) is cheaper on the instance that
-served it.  ``leading_key`` hashes the ``model`` and the first ``LEADING_MESSAGES`` messages
-of a chat body (or the first ``LEADING_CHARS`` of a completion prompt): requests with the
-same key start with the same tokens.
+served it.  ``leading_key`` hashes the ``model`` and a chat body's leading ``system`` (or
+``developer``) messages, the prompt an application puts before every conversation, so all
+its conversations, and their later turns, meet on one instance; a chat without one is keyed
+by its first message (its own conversation's turns share it).  A completion is keyed by the
+first ``LEADING_CHARS`` of its prompt.  Requests with the same key start with the same
+tokens.
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ import hashlib
 import json
 from typing import Any
 
-LEADING_MESSAGES = 2
-"""The system prompt and the first user turn: what a conversation's requests share."""
 LEADING_CHARS = 512
+INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
 
 def leading_key(body: Any) -> str | None:
@@ -24,7 +26,12 @@ def leading_key(body: Any) -> str | None:
         return None
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
-        leading: Any = messages[:LEADING_MESSAGES]
+        count = 0
+        for m in messages:
+            if not (isinstance(m, dict) and m.get("role") in INSTRUCTION_ROLES):
+                break
+            count += 1
+        leading: Any = messages[: count or 1]
     elif isinstance(body.get("prompt"), str):
         leading = body["prompt"][:LEADING_CHARS]
     else:

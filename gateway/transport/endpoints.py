@@ -242,14 +242,17 @@ class EndpointSet:
 
     def _affine(self, key: str, choices: list[Endpoint]) -> Endpoint:
         """The endpoint that served ``key`` recently, while it is among ``choices`` and no
-        busier than the least busy by more than ``AFFINITY_SLACK``; else a balanced pick,
-        remembered for the key."""
-        least = min(e.inflight for e in choices)
+        busier than the least busy by more than ``AFFINITY_SLACK``; else a balanced pick.
+        Only a prefix new here, or whose endpoint is out of ``choices`` (ejected, gone,
+        throttled), gets a new home: an overflow to another endpoint leaves it where its
+        model server's prefix cache is."""
         known = self._affinity.get(key)
-        if known is not None and known in choices and known.inflight <= least + AFFINITY_SLACK:
+        if known is not None and known in choices:
             self._affinity.move_to_end(key)
-            self.affinity_hits += 1
-            return known
+            if known.inflight <= min(e.inflight for e in choices) + AFFINITY_SLACK:
+                self.affinity_hits += 1
+                return known
+            return self._balanced([e for e in choices if e is not known] or choices)
         endpoint = self._balanced(choices)
         self._affinity[key] = endpoint
         self._affinity.move_to_end(key)
