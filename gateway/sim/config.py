@@ -71,6 +71,9 @@ class SimConfig:
     vram_total_mib: int = _opt(DEFAULT_VRAM_TOTAL_MIB, "framebuffer size (MiB)")
     weights_ratio: float = _opt(DEFAULT_WEIGHTS_RATIO, "share of VRAM the weights hold")
     kv_pool_ratio: float = _opt(DEFAULT_KV_POOL_RATIO, "share of VRAM a full KV cache holds")
+    kv_reserved_ratio: float = _opt(
+        0.0, "KV-cache share held by other work (long contexts): usage never reports below it"
+    )
     kv_capacity_items: int = _opt(
         DEFAULT_KV_CAPACITY_ITEMS, "admitted items that fill the KV cache"
     )
@@ -124,6 +127,7 @@ def _problems(c: SimConfig) -> list[str]:
             "weights_ratio and kv_pool_ratio must be >= 0 and sum to <= 1",
         ),
         (c.kv_capacity_items >= 1, "kv_capacity_items must be >= 1"),
+        (0 <= c.kv_reserved_ratio <= 1, "kv_reserved_ratio must be in [0, 1]"),
         (0 <= c.power_idle_w <= c.power_max_w, "need 0 <= power_idle_w <= power_max_w"),
         (c.power_limit_w > 0, "power_limit_w must be > 0"),
         (0 <= c.error_rate <= 1, "error_rate must be in 0..1"),

@@ -133,7 +133,8 @@ class GpuModel:
         """The GPU as of now."""
         self.step()
         c = self._config
-        kv_usage = min(1.0, (self.running_items + self.waiting_items) / c.kv_capacity_items)
+        held = (self.running_items + self.waiting_items) / c.kv_capacity_items
+        kv_usage = min(1.0, c.kv_reserved_ratio + held)
         used_ratio = c.weights_ratio + kv_usage * c.kv_pool_ratio
         used_mib = used_ratio * c.vram_total_mib
         power = c.power_idle_w + self._utilization * (c.power_max_w - c.power_idle_w)

@@ -53,6 +53,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(engine.clock.wall()),
         "model": model,
+        "system_fingerprint": f"sim-{config.port}",  # which instance answered
     }
     if body.get("stream"):
         options = body.get("stream_options") or {}
