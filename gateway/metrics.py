@@ -26,25 +26,8 @@ from gateway.collectors import (
 __all__ = ["LAG_BUCKETS", "LATENCY_BUCKETS", "EmbeddingFigures", "Metrics", "names"]
 
 # Seconds; dense below 10 ms where the gateway's own overhead lives, up to long generations.
-LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-)
+LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+LATENCY_BUCKETS += (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 """Seconds an event-loop wake-up comes late: 0.1 ms (idle) to 1 s (a blocked loop)."""
 
@@ -239,6 +222,12 @@ class Metrics:
         # -- GPU telemetry, throttling, admission, breakers, fallback (issue 6) --
         self.gpu_temperature = Gauge(
             "gateway_gpu_temperature_celsius", "GPU temperature.", ["backend"], registry=r
+        )
+        self.gpu_slowdown_temperature = Gauge(
+            "gateway_gpu_slowdown_temperature_celsius",
+            "The GPU's own slowdown temperature (NVML): its clocks drop past it.",
+            ["backend"],
+            registry=r,
         )
         self.gpu_memory_used = Gauge(
             "gateway_gpu_memory_used_ratio", "VRAM used / total.", ["backend"], registry=r

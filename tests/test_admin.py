@@ -180,6 +180,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_forecast_requests_per_second",
         "gateway_gpu_memory_used_ratio",
         "gateway_gpu_power_ratio",
+        "gateway_gpu_slowdown_temperature_celsius",
         "gateway_gpu_temperature_celsius",
         "gateway_gpu_thermal_throttling",
         "gateway_gpu_utilization_ratio",

@@ -48,8 +48,9 @@ GAUGE_OF_SIGNAL = {
     "gpu_power_ratio": "gpu_power",
     "gpu_thermal_throttling": "gpu_thermal_throttling",
     "kv_cache_usage": "kv_cache_usage",
+    "gpu_slowdown_temperature_c": "gpu_slowdown_temperature",
 }
-"""Signals published as gauges, and the ``Metrics`` attribute of each."""
+"""Sample fields published as gauges, and the ``Metrics`` attribute of each."""
 UNSEEN_AFTER_SAMPLES = 3
 _COUNTERS_HINT = (
     " (the stock dcgm-exporter counters lack {}: run the exporter with "
