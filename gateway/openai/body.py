@@ -56,11 +56,10 @@ def loads(body: bytes) -> Any:
     """``body`` parsed as strict JSON; ``BadRequest`` for anything else."""
     if _depth_over(body):
         raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")
-    hooks: dict[str, Any] = {"parse_constant": _no_constant}
-    if _LONG_NUMBER.search(body):
-        hooks.update(parse_int=_bounded_int, parse_float=_finite_float)
+    decoder = _BOUNDED if _LONG_NUMBER.search(body) else _STRICT
     try:
-        data = json.loads(body, **hooks)
+        # json.loads(body, **hooks) would build a decoder per call; these are built once
+        data = decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     except (ValueError, RecursionError) as exc:  # the hooks' refusals, a digit limit
@@ -103,6 +102,11 @@ def _finite_float(text: str) -> float:
         raise ValueError(f"the number {text[:20]} overflows")
     return value
 
+
+_STRICT = json.JSONDecoder(parse_constant=_no_constant)
+_BOUNDED = json.JSONDecoder(
+    parse_constant=_no_constant, parse_int=_bounded_int, parse_float=_finite_float
+)
 
 _REQUIRED: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "/v1/chat/completions": ("messages", list),
