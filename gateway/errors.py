@@ -23,7 +23,8 @@
     │   └── SlowReader              503 a joiner of a shared stream fell too far behind
     └── InternalError               handled inside the gateway, never rendered to a client
         ├── PolicyError             a policy is invalid (carries every problem found)
-        ├── StoreError              a cache store failed (the request goes on: a miss)
+        ├── StoreError              a shared store failed (the request goes on: a cache
+        │                               miss, a rate limit decided locally)
         └── TelemetryError          a telemetry source failed (its signals become unknown)
 
 Foreign exceptions (httptools, redis, pynvml, yaml, aiohttp's for the telemetry scrapes)
@@ -207,7 +208,8 @@ class UpstreamTimeout(UpstreamError):
 
 
 class StoreError(InternalError):
-    """A cache store failed; callers treat it as a miss and count it."""
+    """A shared store failed: the cache's (callers treat it as a miss and count it) or the
+    rate limits' Redis (the process decides over its local share)."""
 
 
 class TelemetryError(InternalError):

@@ -1,0 +1,214 @@
+"""Rate limits shared through a real Redis (``gateway/resilience/rate_redis.py``): the GCRA
+script keeps the memory limiter's limit, burst and debt, one key per tenant, route and limit
+kind, on Redis's own clock; and a Redis that is down, slow or failing raises ``StoreError``
+at once, is left alone for ``retry_s``, and is probed again in the background.
+
+The script's decisions are pinned with explicit times (``now_us``); the tests that use
+Redis's own clock assert counts only."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.errors import RateLimited, StoreError
+from gateway.policy.model import RateLimit
+from gateway.resilience.rate_limit import RateLimiter
+from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
+from gateway.testing import FakeClock
+from tests.helpers import until
+from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
+
+pytestmark = pytest.mark.redis
+T0 = 1_000_000_000_000_000  # microseconds: any time will do when the caller gives it
+SECOND = 1_000_000
+
+
+@pytest.fixture
+async def rates(redis_url: str) -> AsyncIterator[RedisRates]:  # noqa: F811
+    made = RedisRates.from_url(redis_url, budget_s=1.0, prefix=f"gw:rl:test-{uuid.uuid4().hex}:")
+    yield made
+    await made.aclose()
+
+
+@pytest.fixture
+async def admin(redis_url: str) -> AsyncIterator[Any]:  # noqa: F811
+    """A client of the test's own, to look at and tamper with the keys."""
+    made = aioredis.Redis.from_url(redis_url)
+    yield made
+    await made.aclose()
+
+
+def key(rates: RedisRates, kind: str = REQUESTS, tenant: str = "acme") -> str:
+    return bucket_key(rates.prefix, "chat", tenant, kind)
+
+
+# -- the script --------------------------------------------------------------------------
+
+
+async def test_a_full_bucket_admits_its_burst_then_refuses_with_the_wait(rates: RedisRates):
+    bucket = Bucket(REQUESTS, rate_per_s=2, capacity=3)
+    one = [(key(rates), bucket, 1.0)]
+    assert [await rates.admit(one, T0) for _ in range(4)] == [0.0, 0.0, 0.0, 0.5]
+    assert await rates.admit(one, T0 + SECOND // 4) == 0.25  # a refusal took nothing
+    assert await rates.admit(one, T0 + SECOND // 2) == 0.0
+    assert await rates.admit(one, T0 + SECOND // 2) == 0.5
+
+
+async def test_the_bucket_refills_at_its_rate_and_never_above_its_capacity(rates: RedisRates):
+    bucket = Bucket(REQUESTS, rate_per_s=10, capacity=2)
+    one = [(key(rates), bucket, 1.0)]
+    later = T0 + 60 * SECOND  # a minute idle refills two, not six hundred
+    admitted = [await rates.admit(one, later) == 0.0 for _ in range(4)]
+    assert admitted == [True, True, False, False]
+    assert await rates.admit(one, later + SECOND // 10) == 0.0
+
+
+async def test_both_buckets_must_pay_and_a_refusal_takes_from_neither(rates: RedisRates):
+    requests = (key(rates, REQUESTS), Bucket(REQUESTS, 5, 5), 1.0)
+    tokens = (key(rates, TOKENS), Bucket(TOKENS, 1, 60), 60.0)  # 60 tokens/min
+    assert await rates.admit([requests, tokens], T0) == 0.0
+    for _ in range(3):
+        assert await rates.admit([requests, (tokens[0], tokens[1], 10.0)], T0) == 10.0
+    assert [await rates.admit([requests], T0) for _ in range(5)] == [0.0] * 4 + [0.2]
+
+
+async def test_real_usage_puts_the_tenant_in_debt_and_refunds_stop_at_full(rates: RedisRates):
+    """What ``RateLimiter.charge`` does, through Redis: a bucket of 600 tokens/min."""
+    bucket = Bucket(TOKENS, 10, 600)
+    tokens = key(rates, TOKENS)
+    assert await rates.admit([(tokens, bucket, 100.0)], T0) == 0.0
+    await rates.charge(tokens, bucket, 1000, T0)  # far longer than estimated
+    assert await rates.admit([(tokens, bucket, 1.0)], T0) == pytest.approx(50.1)
+    await rates.charge(tokens, bucket, -10_000, T0)
+    assert await rates.admit([(tokens, bucket, 600.0)], T0) == 0.0
+    assert await rates.admit([(tokens, bucket, 1.0)], T0) > 0
+
+
+async def test_a_request_larger_than_the_bucket_is_admitted_when_it_is_full(rates: RedisRates):
+    bucket = Bucket(TOKENS, 100 / 60, 100)
+    tokens = key(rates, TOKENS)
+    assert await rates.admit([(tokens, bucket, 5000.0)], T0) == 0.0
+    assert await rates.admit([(tokens, bucket, 1.0)], T0) > 0
+
+
+async def test_the_script_decides_as_the_memory_limiter_does(rates: RedisRates):
+    """The same requests at the same times get the same answers from both stores (times
+    and rates whose arithmetic is exact in binary, so neither store's rounding shows)."""
+    limit = RateLimit(requests_per_s=4, tokens_per_min=600, burst=5)
+    clock = FakeClock(start=0.0)
+    memory = RateLimiter(limit, clock=clock)
+    requests, tokens = Bucket(REQUESTS, 4, 5), Bucket(TOKENS, 10, 600)
+    dice = random.Random(17)
+    for _ in range(300):
+        clock.advance(dice.choice((0.0, 0.125, 0.25, 0.5, 2.0)))
+        now, estimate = T0 + round(clock.now() * SECOND), dice.choice((0, 20, 90))
+        try:
+            memory.check("acme", estimate)
+            expected = 0.0  # admitted
+        except RateLimited as exc:
+            assert exc.retry_after_s is not None
+            expected = exc.retry_after_s
+        asked = [(key(rates, REQUESTS), requests, 1.0)]
+        if estimate:
+            asked.append((key(rates, TOKENS), tokens, float(estimate)))
+        wait = await rates.admit(asked, now)
+        assert (max(1, math.ceil(wait)) if wait else 0.0) == expected
+        if not expected and estimate:
+            used = dice.choice((0, 40, 200))
+            memory.charge("acme", used - estimate)
+            await rates.charge(key(rates, TOKENS), tokens, used - estimate, now)
+
+
+async def test_one_key_per_tenant_route_and_kind_that_expires_once_full(
+    rates: RedisRates, admin: Any
+):
+    requests, tokens = Bucket(REQUESTS, 4, 2), Bucket(TOKENS, 1, 60)
+    await rates.admit([(key(rates), requests, 1.0), (key(rates, TOKENS), tokens, 6.0)])
+    found = [k.decode() async for k in admin.scan_iter(match=rates.prefix + "*")]
+    assert sorted(found) == [rates.prefix + "{chat:acme}:rq", rates.prefix + "{chat:acme}:tk"]
+    assert 0 < await admin.pttl(key(rates)) <= 250  # one request is a quarter second
+    assert 0 < await admin.pttl(key(rates, TOKENS)) <= 6000
+    assert bucket_key("p:", "a:b}{", "c}d", "rq") == "p:{a%3Ab%7D%7B:c%7Dd}:rq"
+
+
+async def test_redis_time_refills_the_bucket(rates: RedisRates):
+    """On Redis's own clock: a refused request is admitted again once time has passed (the
+    counts are asserted, never how long it took)."""
+    bucket = Bucket(REQUESTS, rate_per_s=20, capacity=1)
+    one = [(key(rates), bucket, 1.0)]
+    assert await rates.admit(one) == 0.0
+    assert 0 < await rates.admit(one) <= 0.05
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while await rates.admit(one) > 0:
+        assert loop.time() < deadline, "Redis's clock never moved"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_flushed_script_is_loaded_again(rates: RedisRates, admin: Any):
+    """After a Redis restart its scripts are gone: EVALSHA fails with NOSCRIPT, and the
+    script is loaded and run again within the same decision."""
+    one = [(key(rates), Bucket(REQUESTS, 1, 5), 1.0)]
+    assert await rates.admit(one, T0) == 0.0
+    await admin.script_flush()
+    assert await rates.admit(one, T0) == 0.0
+    assert rates.up and rates.errors == 0
+
+
+# -- Redis down, slow or failing ---------------------------------------------------------
+
+
+async def test_redis_down_is_left_alone_for_retry_s_then_probed_in_the_background(
+    redis_server: RedisServer,  # noqa: F811
+):
+    clock = FakeClock()
+    rates = RedisRates.from_url(redis_server.url, clock=clock, budget_s=1.0, retry_s=1.0)
+    one = [(bucket_key(rates.prefix, "chat", "acme", REQUESTS), Bucket(REQUESTS, 1, 5), 1.0)]
+    try:
+        assert await rates.admit(one) == 0.0
+        redis_server.stop()
+        with pytest.raises(StoreError):
+            await rates.admit(one)
+        assert not rates.up and not rates.usable()
+        assert repr(rates).endswith("down retry_in=1.0s errors=1>")
+        redis_server.start()
+        assert not rates.usable()  # not before retry_s: no probe yet
+        clock.advance(1.0)
+        assert not rates.usable()  # the probe runs in the background; this call goes on
+        await until(lambda: rates.up)
+        assert await rates.admit(one) == 0.0
+    finally:
+        await rates.aclose()
+
+
+async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # noqa: F811
+    """A paused Redis (``CLIENT PAUSE``) answers late: past the budget each caller goes on
+    without it, and the third late answer in a row takes Redis for down."""
+    clock = FakeClock()
+    rates = RedisRates.from_url(redis_url, clock=clock, budget_s=0.025)
+    admin = aioredis.Redis.from_url(redis_url)
+    one = [
+        (bucket_key(rates.prefix, "slow", uuid.uuid4().hex, REQUESTS), Bucket(REQUESTS, 1, 5), 1)
+    ]
+    try:
+        assert await rates.admit(one) == 0.0
+        await admin.client_pause(300, all=True)
+        for _ in range(2):
+            with pytest.raises(StoreError, match="over its budget"):
+                await rates.admit(one)
+        assert rates.up and rates.usable()
+        with pytest.raises(StoreError, match="over its budget"):
+            await rates.admit(one)
+        assert not rates.up and not rates.usable()
+    finally:
+        await admin.client_unpause()
+        await admin.aclose()
+        await rates.aclose()
