@@ -1,6 +1,6 @@
 """The gateway's collectors that read their figures at scrape time: client connections by
-state, the embedding tiers' indexes, the process itself (prometheus_client's own), and the
-view that adds the policy's constant labels."""
+state, the embedding tiers' indexes, the shared rate limits, the process itself
+(prometheus_client's own), and the view that adds the policy's constant labels."""
 
 from __future__ import annotations
 
@@ -69,6 +69,47 @@ class EmbeddingCollector:
                 shared.add_metric([tier.route, event], count)
         yield entries
         yield shared
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitFigures:
+    """One ``store: redis`` rate limit at scrape time: whether Redis decides, and how many
+    decisions were made where (``redis``, ``local``)."""
+
+    route: str
+    store_up: bool
+    decisions: Mapping[str, int]
+
+
+class RateLimitCollector:
+    """The shared rate limits' figures, read at scrape time from the limiters of the live
+    policy (``routes`` is set by the resilience stage; each limiter counts for itself).
+    Registers itself on ``registry``, as prometheus_client's own collectors do."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.routes: Callable[[], Iterable[RateLimitFigures]] = tuple
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "gateway_rate_limit_store_up",
+            "1 while a `store: redis` route's rate limits are decided in Redis, shared by "
+            "every replica; 0 while Redis is taken for down and each process enforces its "
+            "local share (the limit over `replicas`).",
+            labels=["route"],
+        )
+        decisions = CounterMetricFamily(
+            "gateway_rate_limit_decisions",
+            "Rate-limit decisions of a `store: redis` route (admitted or refused), by where "
+            "they were made: redis, or local (Redis down, slow or failing).",
+            labels=["route", "store"],
+        )
+        for figures in self.routes():
+            up.add_metric([figures.route], 1 if figures.store_up else 0)
+            for store, count in figures.decisions.items():
+                decisions.add_metric([figures.route, store], count)
+        yield up
+        yield decisions
 
 
 def register_process_collectors(registry: CollectorRegistry) -> None:

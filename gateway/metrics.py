@@ -20,6 +20,7 @@ from gateway.collectors import (
     EmbeddingCollector,
     EmbeddingFigures,
     Labelled,
+    RateLimitCollector,
     register_process_collectors,
 )
 
@@ -320,6 +321,7 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        self.rate_limits = RateLimitCollector(registry=r)
         # -- the client side of the data plane (issue 11) --
         self.client_timeouts = Counter(
             "gateway_client_timeouts",

@@ -78,6 +78,11 @@ NOTES = {
     "gateway_throttle_signal_seen": "A few: 3 ([gpu](gpu.md#telemetry)).",
     "gateway_throttle_threshold": "Draw it next to the signal's gauge: "
     "`gateway_gpu_temperature_celsius` for `gpu_temperature_c`, and so on.",
+    "gateway_rate_limit_store_up": "Down for 1 s after a refused or broken connection, an "
+    "error Redis answered with, or 3 answers in a row later than 25 ms; then probed in the "
+    "background ([gpu](gpu.md#rate-limits-across-replicas)).",
+    "gateway_rate_limit_decisions": "A limit with nothing to count (tokens only, none "
+    "estimated) makes no decision; refusals are also in `gateway_rate_limited_total`.",
     "gateway_event_loop_lag_seconds": "A stall here is a stall in every request's latency; "
     "1 ms steps under uvloop (`gateway serve`'s loop).",
 }

@@ -192,6 +192,8 @@ def test_metric_names_are_the_public_contract():
         "gateway_pool_active_endpoints",
         "gateway_queue_depth",
         "gateway_queue_wait_seconds",
+        "gateway_rate_limit_decisions",
+        "gateway_rate_limit_store_up",
         "gateway_rate_limited",
         "gateway_refused_connections",
         "gateway_request_duration_seconds",

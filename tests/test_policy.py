@@ -201,6 +201,8 @@ routes:
         ("", "rate_limit: {}", "", "set requests_per_s and/or tokens_per_min"),
         ("", "rate_limit: {requests_per_s: 0}", "", "rate_limit.requests_per_s: must be"),
         ("", "rate_limit: {tokens_per_min: 9, burst: -1}", "", "rate_limit.burst: must be"),
+        ("", "rate_limit: {requests_per_s: 5, replicas: 0}", "", "rate_limit.replicas: must be"),
+        ("", "rate_limit: {requests_per_s: 5, store: etcd}", "", "rate_limit.store"),
         (
             "",
             "cache: {semantic: {method: embedding, max_false_hit_rate: 0}}",

@@ -1,7 +1,8 @@
-"""Rate limits shared through a real Redis (``gateway/resilience/rate_redis.py``): the GCRA
-script keeps the memory limiter's limit, burst and debt, one key per tenant, route and limit
-kind, on Redis's own clock; and a Redis that is down, slow or failing raises ``StoreError``
-at once, is left alone for ``retry_s``, and is probed again in the background.
+"""Rate limits shared through a real Redis (``gateway/resilience/rate_redis.py`` and
+``rate_shared.py``): the GCRA script keeps the memory limiter's limit, burst and debt, one key
+per tenant, route and limit kind, on Redis's own clock; two gateways share one count; and a
+Redis that is down, slow or failing makes each process enforce its local share, never fail a
+request, and is probed again in the background.
 
 The script's decisions are pinned with explicit times (``now_us``); the tests that use
 Redis's own clock assert counts only."""
@@ -19,16 +20,20 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import RateLimited, StoreError
+from gateway.harness import Pipeline
 from gateway.policy.model import RateLimit
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
+from gateway.resilience.rate_shared import RATE_LIMIT_REDIS, SharedRateLimiter, local_share
 from gateway.testing import FakeClock
-from tests.helpers import until
+from tests.backends import Model, post
+from tests.helpers import policy, until
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.redis
 T0 = 1_000_000_000_000_000  # microseconds: any time will do when the caller gives it
 SECOND = 1_000_000
+URL = "http://main.test"
 
 
 @pytest.fixture
@@ -44,6 +49,15 @@ async def admin(redis_url: str) -> AsyncIterator[Any]:  # noqa: F811
     made = aioredis.Redis.from_url(redis_url)
     yield made
     await made.aclose()
+
+
+def patient(gw: Pipeline) -> Pipeline:
+    """A gateway whose rate-limit Redis gets a second to answer, not 25 ms: the machine
+    running the suite may stall that long, which would (rightly) make a decision local."""
+    rates = gw.gateway.registry.peek(RATE_LIMIT_REDIS)
+    assert rates is not None
+    rates.budget_s = 1.0
+    return gw
 
 
 def key(rates: RedisRates, kind: str = REQUESTS, tenant: str = "acme") -> str:
@@ -212,3 +226,127 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
         await admin.client_unpause()
         await admin.aclose()
         await rates.aclose()
+
+
+async def test_an_error_redis_answers_with_makes_the_decision_local(
+    redis_url: str,  # noqa: F811
+    admin: Any,
+):
+    """A key of the wrong type (WRONGTYPE) is a RedisError like any other: local share."""
+    rates = RedisRates.from_url(redis_url, clock=FakeClock(), budget_s=1.0)
+    tenant = uuid.uuid4().hex
+    limiter = SharedRateLimiter("chat", RateLimit(requests_per_s=1, burst=1), rates)
+    wrong = bucket_key(rates.prefix, "chat", tenant, REQUESTS)
+    try:
+        await admin.hset(wrong, "x", 1)
+        await limiter.check(tenant)
+        assert limiter.decided == {"redis": 0, "local": 1} and not limiter.up
+    finally:
+        await admin.delete(wrong)
+        await rates.aclose()
+
+
+def test_the_local_share_divides_rates_and_burst_by_the_replicas():
+    limit = RateLimit(requests_per_s=10, tokens_per_min=6000, store="redis", replicas=4)
+    assert local_share(limit) == RateLimit(requests_per_s=2.5, tokens_per_min=1500, burst=2.5)
+    with_burst = RateLimit(requests_per_s=10, burst=20, store="redis", replicas=4)
+    assert local_share(with_burst).burst == 5
+    assert local_share(RateLimit(tokens_per_min=600, replicas=2)).burst is None
+
+
+async def test_while_redis_is_down_the_local_share_applies_and_nothing_fails(
+    redis_server: RedisServer,  # noqa: F811
+):
+    clock = FakeClock()
+    rates = RedisRates.from_url(redis_server.url, clock=clock, budget_s=1.0, retry_s=1.0)
+    limit = RateLimit(requests_per_s=4, burst=4, store="redis", replicas=2)
+    limiter = SharedRateLimiter("chat", limit, rates, clock=clock)
+    try:
+        redis_server.stop()
+        admitted = 0
+        for _ in range(6):
+            try:
+                await limiter.check("acme")
+                admitted += 1
+            except RateLimited as exc:
+                assert exc.retry_after_s == 1.0
+        assert admitted == 2  # the burst over 2 replicas
+        assert limiter.decided == {"redis": 0, "local": 6}
+        assert repr(limiter) == "<SharedRateLimiter chat local redis=0 local=6 rejected=4>"
+        clock.advance(0.5)  # the local share refills at 4 / 2 per second
+        await limiter.check("acme")
+    finally:
+        await rates.aclose()
+
+
+# -- through the gateway -----------------------------------------------------------------
+
+
+def shared_policy(redis: str, limit: dict[str, Any]) -> dict[str, Any]:
+    route = {"rate_limit": {"store": "redis", **limit}}
+    return policy({"main": {"url": URL}}, route, cache={"redis_url": redis})
+
+
+async def test_two_gateways_share_one_count_per_tenant(pipeline: Any, redis_url: str):  # noqa: F811
+    shared = shared_policy(redis_url, {"requests_per_s": 0.01, "burst": 3})
+    a = patient(await pipeline(shared, Model("main")))
+    b = patient(await pipeline(shared, Model("main")))
+    alice = {"Authorization": f"Bearer {uuid.uuid4().hex}"}
+    bob = {"Authorization": f"Bearer {uuid.uuid4().hex}"}
+    statuses = [(await post(gw, headers=alice)).status_code for gw in (a, b, a, b)]
+    assert statuses == [200, 200, 200, 429]
+    over = await post(a, headers=alice)
+    assert over.status_code == 429 and int(over.headers["Retry-After"]) > 1
+    assert (await post(b, headers=bob)).status_code == 200
+    assert a.metric("gateway_rate_limit_decisions_total", route="chat", store="redis") == 3
+    assert b.metric("gateway_rate_limit_decisions_total", route="chat", store="local") == 0
+    assert b.metric("gateway_rate_limit_store_up", route="chat") == 1
+    assert a.metric("gateway_rate_limited_total", route="chat") == 1
+
+
+async def test_tokens_per_minute_settle_on_the_answers_usage_through_redis(
+    pipeline: Any,
+    redis_url: str,  # noqa: F811
+):
+    gw = patient(await pipeline(shared_policy(redis_url, {"tokens_per_min": 300}), Model("main")))
+    tenant = {"Authorization": f"Bearer {uuid.uuid4().hex}"}
+    # Each call is estimated at body/4 + max_tokens = about 120 tokens; usage says 14.
+    statuses = [(await post(gw, max_tokens=100, headers=tenant)).status_code for _ in range(6)]
+    assert statuses == [200] * 6  # without settling, the third would be refused
+    rates = gw.gateway.registry.peek(RATE_LIMIT_REDIS)
+    assert rates is not None and rates.up and rates.errors == 0
+
+
+async def test_redis_killed_under_a_gateway_leaves_the_local_share_and_no_failed_request(
+    pipeline: Any,
+    redis_server: RedisServer,  # noqa: F811
+):
+    clock = FakeClock()
+    limit = {"requests_per_s": 0.01, "burst": 4, "replicas": 2}
+    gw = patient(await pipeline(shared_policy(redis_server.url, limit), Model("main"), clock=clock))
+    statuses = [(await post(gw)).status_code for _ in range(3)]
+    redis_server.stop()
+    statuses += [(await post(gw)).status_code for _ in range(5)]
+    assert statuses == [200] * 3 + [200, 200, 429, 429, 429]  # then the local 4 / 2
+    assert gw.metric("gateway_rate_limit_store_up", route="chat") == 0
+    assert gw.metric("gateway_rate_limit_decisions_total", route="chat", store="local") == 5
+    redis_server.start()
+    clock.advance(1.0)
+    await post(gw)  # starts the probe; decided locally
+    rates = gw.gateway.registry.peek(RATE_LIMIT_REDIS)
+    assert rates is not None
+    await until(lambda: rates.up)
+    assert (await post(gw)).status_code == 200  # a fresh Redis: a full bucket
+    assert gw.metric("gateway_rate_limit_store_up", route="chat") == 1
+
+
+async def test_a_memory_route_never_talks_to_redis(pipeline: Any):
+    """``store: memory`` (the default) is the process's own limiter, whatever the cache."""
+    closed = "redis://127.0.0.1:1/0"
+    memory = policy(
+        {"main": {"url": URL}}, {"rate_limit": {"requests_per_s": 1}}, cache={"redis_url": closed}
+    )
+    gw = await pipeline(memory, Model("main"))
+    assert [(await post(gw)).status_code for _ in range(2)] == [200, 429]
+    assert gw.gateway.registry.peek(RATE_LIMIT_REDIS) is None
+    assert gw.metric("gateway_rate_limit_store_up", route="chat") is None

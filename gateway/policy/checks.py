@@ -245,4 +245,6 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             value = getattr(limit, key)
             if value is not None and value <= 0:
                 bad(f"rate_limit.{key}", "must be greater than 0")
+        if limit.replicas < 1:
+            bad("rate_limit.replicas", "must be at least 1")
     return found

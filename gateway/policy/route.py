@@ -17,6 +17,7 @@ DEFAULT_BATCH_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_FALSE_HIT_RATE = 0.01
 DEFAULT_PREWARM_HORIZON_S = 600.0
 DEFAULT_PREWARM_HEADROOM = 1.2
+DEFAULT_RATE_LIMIT_REPLICAS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +171,21 @@ class RateLimit:
     requests_per_s: float | None = field(default=None, metadata=doc("Requests per second."))
     tokens_per_min: float | None = field(default=None, metadata=doc("Tokens per minute."))
     burst: float | None = field(default=None, metadata=doc("Bucket size (default: 1 s of rate)."))
+    store: Literal["memory", "redis"] = field(
+        default="memory",
+        metadata=doc(
+            "`memory`: each process counts on its own. `redis`: every process and replica "
+            "shares one count per tenant in the Redis at `cache.redis_url` (GCRA, one script "
+            "call a request); while Redis is down, each process enforces its local share."
+        ),
+    )
+    replicas: int = field(
+        default=DEFAULT_RATE_LIMIT_REPLICAS,
+        metadata=doc(
+            "`redis`: the gateway processes expected to share the limit; while Redis is "
+            "down each enforces the limit (and burst) divided by this."
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)

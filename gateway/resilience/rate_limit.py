@@ -19,6 +19,13 @@ DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""
 
 
+def request_burst(limit: RateLimit) -> float:
+    """The requests bucket's size: ``burst``, else one second of rate (at least 1)."""
+    if limit.burst is not None:
+        return limit.burst
+    return max(1.0, limit.requests_per_s or 0.0)
+
+
 class TokenBucket:
     """Holds up to ``capacity``, refilled at ``rate_per_s``; ``level`` may go below zero."""
 
@@ -108,8 +115,7 @@ class RateLimiter:
         limit = self.limit
         requests = tokens = None
         if limit.requests_per_s is not None:
-            burst = limit.burst if limit.burst is not None else max(1.0, limit.requests_per_s)
-            requests = TokenBucket(limit.requests_per_s, burst, now)
+            requests = TokenBucket(limit.requests_per_s, request_burst(limit), now)
         if limit.tokens_per_min is not None:
             tokens = TokenBucket(limit.tokens_per_min / 60, limit.tokens_per_min, now)
         state = self._tenants[tenant] = _Tenant(requests, tokens)

@@ -3,7 +3,9 @@ a backend (its calls are already batched and coalesced, so each counts once).
 
 For each call:
 
-1. A route's per-tenant ``rate_limit``: past it, 429 with ``Retry-After``.
+1. A route's per-tenant ``rate_limit``: past it, 429 with ``Retry-After``; counted in this
+   process (``rate_limit.py``) or, with ``store: redis``, across every replica
+   (``rate_shared.py``).
 2. The candidates: the call's backend, then the route's ``fallback`` backends in order.
 3. For each candidate, its guard (``guard.py``): the throttle's decision over the
    backend's telemetry (``reroute`` moves on; ``shed`` refuses all but high priority;
@@ -52,6 +54,7 @@ from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
 from gateway.resilience.rate_limit import RateLimiter
+from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
 from gateway.resilience.retry_budget import RetryAllowance
 from gateway.state import Kind
 from gateway.tenant import rate_key
@@ -101,7 +104,7 @@ class Resilience:
         guards: Mapping[str, BackendGuard],
         control: GpuControl,
         budget: RetryAllowance,
-        limiters: Mapping[str, RateLimiter],
+        limiters: Mapping[str, RateLimiter | SharedRateLimiter],
         metrics: Metrics,
     ) -> None:
         self._guards = guards
@@ -115,7 +118,7 @@ class Resilience:
         limiter = self._limiters.get(route.name)
         tenant, estimate = "", 0
         if limiter is not None:
-            tenant, estimate = self._check_rate(limiter, call)
+            tenant, estimate = await self._check_rate(limiter, call)
         self._budget.record_request()
         fallback = tuple(b for b in route.fallback if b != call.backend)
         if not fallback and call.backend not in self._guards:
@@ -125,7 +128,9 @@ class Resilience:
             served = await self._serve(call, call_next, (call.backend, *fallback))
         if limiter is not None and limiter.limit.tokens_per_min and served.body is not None:
             used = from_body(served.body)
-            if used is not None:
+            if used is not None and isinstance(limiter, SharedRateLimiter):
+                await limiter.charge(tenant, sum(used) - estimate)
+            elif used is not None:
                 limiter.charge(tenant, sum(used) - estimate)
         return served
 
@@ -227,11 +232,16 @@ class Resilience:
             extra.append(("Retry-After", str(max(1, round(retry_s)))))
         return reply.with_headers(extra) if extra else reply
 
-    def _check_rate(self, limiter: RateLimiter, call: Call) -> tuple[str, int]:
+    async def _check_rate(
+        self, limiter: RateLimiter | SharedRateLimiter, call: Call
+    ) -> tuple[str, int]:
         tenant = tenant_of(call)
         estimate = estimate_tokens(call) if limiter.limit.tokens_per_min else 0
         try:
-            limiter.check(tenant, estimate)
+            if isinstance(limiter, SharedRateLimiter):
+                await limiter.check(tenant, estimate)
+            else:
+                limiter.check(tenant, estimate)
         except RateLimited:
             self._metrics.rate_limited.labels(call.route.name).inc()
             raise
@@ -357,16 +367,22 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         guards[b.name] = guard
     fleet = getattr(runtime.transport, "endpoint_set", None)  # the real transport's
     control = wire_gpu(policy, registry, metrics, clock, guards, fleet)
-    limiters: dict[str, RateLimiter] = {}
+    limiters: dict[str, RateLimiter | SharedRateLimiter] = {}
+    shared: list[SharedRateLimiter] = []
     for route in policy.routes:
-        if route.rate_limit is not None:
-            limit = route.rate_limit
+        limit = route.rate_limit
+        if limit is not None and limit.store == "redis":
+            url = policy.cache.redis_url  # whichever store the cache uses
+            shared.append(shared_limiter(registry, route.name, limit, url, clock))
+            limiters[route.name] = shared[-1]
+        elif limit is not None:
             limiters[route.name] = registry.get(
                 RATE_LIMITERS,
                 route.name,
                 limit,
                 functools.partial(RateLimiter, limit, clock=clock),
             )
+    metrics.rate_limits.routes = lambda: [s.figures() for s in shared]
     if not (guards or limiters or any(r.fallback for r in policy.routes)):
         return []
     settings = policy.retry_budget

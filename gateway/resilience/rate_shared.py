@@ -1,0 +1,140 @@
+"""A route's ``rate_limit`` with ``store: redis``: one limit per tenant across every process
+and replica, decided in Redis (``rate_redis.py``), else by this process's local share.
+
+Each decision is one script call: the requests bucket (``requests_per_s``, ``burst``) and,
+when the request is estimated to use tokens, the tokens bucket (``tokens_per_min``), both
+paid or neither, as in ``rate_limit.py``; the answer's ``usage`` settles the estimate with a
+second call (``charge``), as there.  A route without ``store: redis`` never talks to Redis.
+
+While Redis cannot decide (down, slow past its budget, or answering with an error), each
+process enforces its local share instead, the memory limiter of ``rate_limit.py`` over the
+limit divided by ``replicas`` (rates and burst alike), so that the fleet stays near its limit;
+the request itself never fails for it.  ``decided`` counts where decisions were made
+(``gateway_rate_limit_decisions_total{route,store}``) and ``up`` tells which applies now
+(``gateway_rate_limit_store_up{route}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.collectors import RateLimitFigures
+from gateway.errors import RateLimited, StoreError
+from gateway.policy.route import RateLimit
+from gateway.resilience.rate_limit import RateLimiter, request_burst
+from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
+from gateway.state import Kind, Registry
+
+RATE_LIMIT_REDIS: Kind[RedisRates] = Kind("rate-limit-redis")
+SHARED_RATE_LIMITERS: Kind[SharedRateLimiter] = Kind("shared-rate-limit")
+STORES = ("redis", "local")
+
+
+def local_share(limit: RateLimit) -> RateLimit:
+    """This process's part of ``limit`` while Redis is down: rates and burst over
+    ``replicas``, in memory."""
+    n = limit.replicas
+    return dataclasses.replace(
+        limit,
+        requests_per_s=None if limit.requests_per_s is None else limit.requests_per_s / n,
+        tokens_per_min=None if limit.tokens_per_min is None else limit.tokens_per_min / n,
+        burst=None if limit.requests_per_s is None else request_burst(limit) / n,
+        store="memory",
+        replicas=1,
+    )
+
+
+class SharedRateLimiter:
+    """One route's limit, shared through ``rates``; see the module docstring."""
+
+    def __init__(
+        self, route: str, limit: RateLimit, rates: RedisRates, *, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self.route = route
+        self.limit = limit
+        self.local = RateLimiter(local_share(limit), clock=clock)
+        self.decided = dict.fromkeys(STORES, 0)
+        self._rates = rates
+        self._refused = 0
+        self._requests: Bucket | None = None
+        self._tokens: Bucket | None = None
+        if limit.requests_per_s is not None:
+            self._requests = Bucket(REQUESTS, limit.requests_per_s, request_burst(limit))
+        if limit.tokens_per_min is not None:
+            self._tokens = Bucket(TOKENS, limit.tokens_per_min / 60, limit.tokens_per_min)
+
+    @property
+    def rejected(self) -> int:
+        """Requests refused, in Redis and by the local share."""
+        return self._refused + self.local.rejected
+
+    @property
+    def up(self) -> bool:
+        """Whether decisions are being made in Redis."""
+        return self._rates.up
+
+    async def check(self, tenant: str, tokens: float = 0) -> None:
+        """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``."""
+        buckets = []
+        if self._requests is not None:
+            buckets.append((self._key(tenant, self._requests), self._requests, 1.0))
+        if self._tokens is not None and tokens > 0:
+            buckets.append((self._key(tenant, self._tokens), self._tokens, float(tokens)))
+        if not buckets:
+            return  # a tokens-only limit, and no tokens to count
+        if self._rates.usable():
+            try:
+                wait = await self._rates.admit(buckets)
+            except StoreError:
+                pass  # decided locally, below
+            else:
+                self.decided["redis"] += 1
+                if wait > 0:
+                    self._refused += 1
+                    raise RateLimited(
+                        f"tenant {tenant!r} is over its rate limit",
+                        retry_after_s=float(max(1, math.ceil(wait))),
+                    )
+                return
+        self.decided["local"] += 1
+        self.local.check(tenant, tokens)
+
+    async def charge(self, tenant: str, tokens: float) -> None:
+        """Settle a request's real token use against the estimate ``check`` took (the
+        difference; negative refunds), where decisions are being made now."""
+        if self._tokens is None or tokens == 0:
+            return
+        if self._rates.usable():
+            try:
+                await self._rates.charge(self._key(tenant, self._tokens), self._tokens, tokens)
+                return
+            except StoreError:
+                pass
+        self.local.charge(tenant, tokens)
+
+    def figures(self) -> RateLimitFigures:
+        return RateLimitFigures(self.route, self.up, dict(self.decided))
+
+    def _key(self, tenant: str, bucket: Bucket) -> str:
+        return bucket_key(self._rates.prefix, self.route, tenant, bucket.kind)
+
+    def __repr__(self) -> str:
+        where = "redis" if self.up else "local"
+        counts = " ".join(f"{store}={n}" for store, n in self.decided.items())
+        return f"<SharedRateLimiter {self.route} {where} {counts} rejected={self.rejected}>"
+
+
+def shared_limiter(
+    registry: Registry, route: str, limit: RateLimit, url: str, clock: Clock
+) -> SharedRateLimiter:
+    """The route's limiter on the gateway's rate-limit Redis at ``url``, both kept across
+    reloads while the limit and the URL are unchanged."""
+    rates = registry.get(RATE_LIMIT_REDIS, "", url, lambda: RedisRates.from_url(url, clock=clock))
+    return registry.get(
+        SHARED_RATE_LIMITERS,
+        route,
+        (limit, url),
+        lambda: SharedRateLimiter(route, limit, rates, clock=clock),
+    )
