@@ -1,85 +1,25 @@
 """The admin listener's endpoints: health, readiness, metrics, the effective policy, reload
-and cache purge.
-
-With a token configured (``admin.token`` or ``GATEWAY_ADMIN_TOKEN``), every endpoint but
-``/healthz``, ``/readyz`` and ``/metrics`` needs ``Authorization: Bearer <token>``; a missing,
-wrong or malformed one is a 401.  With none, the mutating endpoints answer only on a
-loopback-bound admin port.  A token still equal to the shipped example Secret's
-placeholder is refused at start."""
+and cache purge; who may call which is ``admin_access``'s."""
 
 from __future__ import annotations
 
-import hmac
 import json
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.admin_access import guarded, shown
 from gateway.cache.embedding.learned import in_force
 from gateway.cache.state import CACHE_STATE, CacheState
-from gateway.errors import GatewayError, PolicyError, Problem, StoreError, Unauthorized
+from gateway.errors import PolicyError, StoreError
 from gateway.policy.show import to_data
 from gateway.resilience.gpu import GPU_CONTROL
 from gateway.snapshot import Operated
-from gateway.wire import error_body, error_headers
-
-AdminHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-PLACEHOLDER_TOKEN = "REPLACE-with-a-long-random-token"
-"""``admin-token`` in ``deploy/k8s/secret.yaml``: a token nobody replaced is no secret."""
-
-
-def check_admin_token(token: str | None) -> None:
-    """Refuse to start with the example Secret's placeholder as the admin token."""
-    if token is not None and token.strip() == PLACEHOLDER_TOKEN:
-        raise PolicyError(
-            [
-                Problem(
-                    "GATEWAY_ADMIN_TOKEN",
-                    "admin.token",
-                    None,
-                    "the admin token is still the placeholder of deploy/k8s/secret.yaml; "
-                    "set a long random one (openssl rand -hex 32)",
-                )
-            ]
-        )
-
-
-def error_response(exc: GatewayError) -> web.Response:
-    """A gateway error as an aiohttp response, in the data plane's OpenAI shape."""
-    return web.Response(
-        status=exc.status,
-        body=error_body(exc),
-        headers=dict([*error_headers(exc), *exc.extra_headers]),
-    )
 
 
 def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
     """The admin app's routes, bound to ``gateway``."""
-
-    def guarded(handler: AdminHandler) -> AdminHandler:
-        async def run(request: web.Request) -> web.StreamResponse:
-            try:
-                _authorize(request, gateway.admin_token(), loopback)
-            except GatewayError as exc:
-                return error_response(exc)
-            return await handler(request)
-
-        return run
-
-    def shown(handler: AdminHandler) -> AdminHandler:
-        """Open without a token configured; with one, it is needed."""
-
-        async def run(request: web.Request) -> web.StreamResponse:
-            token = gateway.admin_token()
-            if token is not None:
-                try:
-                    _authorize(request, token, loopback)
-                except GatewayError as exc:
-                    return error_response(exc)
-            return await handler(request)
-
-        return run
+    token = gateway.admin_token
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -98,7 +38,7 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
     async def policy(_: web.Request) -> web.Response:
         snap = gateway.snapshot
         control = gateway.registry.peek(GPU_CONTROL)
-        shown = {
+        data = {
             "generation": snap.generation,
             "hash": snap.digest,
             "policy": to_data(snap.policy),
@@ -109,7 +49,7 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
                 if route.cache is not None and route.cache.semantic.method == "embedding"
             },
         }
-        return web.json_response(shown, dumps=lambda d: json.dumps(d, indent=2))
+        return web.json_response(data, dumps=lambda d: json.dumps(d, indent=2))
 
     async def reload(_: web.Request) -> web.Response:
         try:
@@ -152,9 +92,9 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
-        web.get("/policy", shown(policy)),
-        web.post("/reload", guarded(reload)),
-        web.post("/cache/purge", guarded(cache_purge)),
+        web.get("/policy", shown(policy, token, loopback)),
+        web.post("/reload", guarded(reload, token, loopback)),
+        web.post("/cache/purge", guarded(cache_purge, token, loopback)),
     ]
 
 
@@ -195,19 +135,3 @@ async def _purge_filters(request: web.Request, state: CacheState) -> dict[str, s
         else:
             raise ValueError("`tenant` must be a string or an object of header: value")
     return filters
-
-
-def _authorize(request: web.Request, token: str | None, loopback: bool) -> None:
-    if token is None:
-        if not loopback:
-            raise Unauthorized(
-                "no admin token is configured, so mutating admin endpoints "
-                "answer only on a loopback-bound admin port"
-            )
-        return
-    given = request.headers.get("Authorization", "")
-    scheme, _, credential = given.strip().partition(" ")
-    expected = token.encode("utf-8", "surrogateescape")
-    offered = credential.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(offered, expected):
-        raise Unauthorized("missing or wrong admin bearer token")

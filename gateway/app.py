@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gateway import stages
-from gateway.admin import admin_routes, check_admin_token
+from gateway.admin import admin_routes
+from gateway.admin_access import check_admin_token, is_loopback
 from gateway.cache.embedding_seam import TierFactory
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.edge import Edge
@@ -219,7 +220,7 @@ class Gateway:
         data_url = _url(await server.listen(host, port))
         self._server = server
         admin = web.AppRunner(
-            self.admin_app(loopback=_is_loopback(admin_host)),
+            self.admin_app(loopback=is_loopback(admin_host)),
             access_log=None,
             shutdown_timeout=ADMIN_SHUTDOWN_S,
         )
@@ -298,6 +299,3 @@ def _url(bound: tuple[str, int]) -> str:
     host = bound[0]
     return f"http://[{host}]:{bound[1]}" if ":" in host else f"http://{host}:{bound[1]}"
 
-
-def _is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")

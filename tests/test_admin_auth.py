@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.admin import PLACEHOLDER_TOKEN
+from gateway.admin_access import PLACEHOLDER_TOKEN
 from gateway.app import Gateway
 from gateway.errors import PolicyError
 from gateway.policy.watch import PolicySource

@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 5. the pipeline's order, and the edge that runs it
     ("stages", "edge"),
     # 6. the admin port and the app that owns everything
-    ("admin", "app"),
+    ("admin", "admin_access", "app"),
     # 7. what drives the app: the command line, the demo, and the fakes for tests
     ("cli", "__main__", "demo", "testing", "harness"),
 )
