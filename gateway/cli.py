@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -330,9 +329,9 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.app import Gateway
     from gateway.policy.load import zero_config_policy
     from gateway.policy.watch import PolicySource
+    from gateway.serve import ServeOptions, serve
 
     try:
         source = (
@@ -345,39 +344,8 @@ def _serve(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 1
-
-    async def serve() -> int:
-        gateway = Gateway(source, access_log=args.access_log)
-        try:
-            data_url, admin_url = await gateway.start(
-                args.host, args.port, args.admin_host, args.admin_port
-            )
-        except PolicyError as exc:
-            for problem in exc.problems:
-                print(f"error: {problem}", file=sys.stderr)
-            await gateway.shutdown(0)
-            return 1
-        print(f"gateway listening on {data_url} (admin {admin_url})", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, gateway)
-        await stop.wait()
-        grace = gateway.snapshot.policy.server.shutdown_grace_s
-        log.info("SIGTERM: draining for up to %.0f s", grace)
-        await gateway.shutdown(grace)
-        log.info("stopped")
-        return 0
-
-    return int(_run(serve()))
-
-
-def _reload_on_signal(gateway: Any) -> None:
-    try:
-        gateway.reload(force=True)
-    except PolicyError:
-        pass  # logged and counted by the gateway
+    options = ServeOptions(args.host, args.port, args.admin_host, args.admin_port, args.access_log)
+    return int(_run(serve(options, source)))
 
 
 def _run(coro: Any) -> Any:
