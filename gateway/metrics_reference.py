@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics import MetricWrapperBase
 
+from gateway.merged_metrics import SupervisorMetrics, supervisor_names
 from gateway.metrics import Metrics
 
 SUFFIXES = {"counter": "_total", "info": "_info"}
@@ -35,6 +36,10 @@ defaults to its match), `backend` the backend's name.
 A counter is exposed with `_total` (and its `_created` time); a histogram `x` as
 `x_bucket{le}`, `x_sum` and `x_count`. A dashboard over these names:
 [deploy/grafana/gateway.json](../deploy/grafana/gateway.json).
+
+With `gateway serve --workers N` the supervisor's admin port serves one view across the
+workers, the same names merged (counters and histograms summed, each gauge by its own rule:
+[observability.md](observability.md#workers)), plus the supervisor's own, last below.
 """
 
 SECTIONS = (
@@ -49,6 +54,10 @@ SECTIONS = (
 )
 """Each table: its title, the name prefix of its families (the last takes the rest), an
 introduction."""
+SUPERVISOR = (
+    "The supervisor",
+    "Only with `gateway serve --workers N`, on the supervisor's admin port.",
+)
 
 NOTES = {
     "gateway_requests": "Status 499 when the client left before its answer was complete "
@@ -100,7 +109,7 @@ class Family:
     help: str
 
 
-def families(metrics: Metrics | None = None) -> list[Family]:
+def families(metrics: Metrics | SupervisorMetrics | None = None) -> list[Family]:
     """Every family of ``metrics`` (a fresh ``Metrics`` by default), in registration order."""
     metrics = metrics if metrics is not None else Metrics()
     declared = {
@@ -135,13 +144,24 @@ def reference_markdown(metrics: Metrics | None = None) -> str:
         lines += [f"## {title}", ""]
         if intro:
             lines += [intro, ""]
-        lines += ["| metric | type | labels | meaning |", "|---|---|---|---|"]
-        for f in group:
-            meaning = " ".join(filter(None, (f.help.strip(), NOTES.get(f.name, ""))))
-            labels = ", ".join(f.labels)
-            lines.append(f"| `{f.exposed}` | {f.type} | {labels} | {_cell(meaning)} |")
-        lines.append("")
+        lines += [*_table(group), ""]
+    title, intro = SUPERVISOR
+    lines += [f"## {title}", "", intro, "", *_table(supervisor_families()), ""]
     return "\n".join(lines)
+
+
+def supervisor_families() -> list[Family]:
+    """The families only the supervisor of ``--workers N`` has."""
+    only = set(supervisor_names())
+    return [f for f in families(SupervisorMetrics()) if f.name in only]
+
+
+def _table(group: list[Family]) -> list[str]:
+    lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for f in group:
+        meaning = " ".join(filter(None, (f.help.strip(), NOTES.get(f.name, ""))))
+        lines.append(f"| `{f.exposed}` | {f.type} | {', '.join(f.labels)} | {_cell(meaning)} |")
+    return lines
 
 
 def _cell(text: str) -> str:

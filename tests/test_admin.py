@@ -9,6 +9,7 @@ import logging
 import httpx
 from aiohttp import web
 
+from gateway.merged_metrics import supervisor_names
 from gateway.metrics import Metrics, names
 from tests.helpers import until, write_policy
 from tests.upstreams import Recorder
@@ -219,3 +220,9 @@ def test_metric_names_are_the_public_contract():
         "python_gc_objects_uncollectable",
         "python_info",
     ]
+
+
+def test_the_supervisors_own_metric_names_are_public_contract_too():
+    """``gateway serve --workers N``: the supervisor's admin port adds these to the workers'
+    merged names."""
+    assert supervisor_names() == ["gateway_worker_restarts", "gateway_workers"]

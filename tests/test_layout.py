@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "collectors",
         "metrics",
         "metrics_reference",
+        "merged_metrics",
         "loop_lag",
         "state",
         "wire",

@@ -9,7 +9,7 @@ from pathlib import Path
 from gateway.cli import main
 from gateway.harness import Pipeline
 from gateway.metrics import Metrics, names
-from gateway.metrics_reference import NOTES, families, reference_markdown
+from gateway.metrics_reference import NOTES, families, reference_markdown, supervisor_families
 from gateway.testing import json_reply
 from tests.helpers import chat
 
@@ -34,6 +34,15 @@ def test_the_page_has_every_family_and_notes_only_families_that_exist():
         assert f"| `{family.exposed}` | {family.type} | {', '.join(family.labels)} |" in page
         assert family.help.strip(), family.name
     assert set(NOTES) <= {f.name for f in every}
+
+
+def test_the_page_ends_with_the_supervisors_own_families():
+    page = reference_markdown()
+    shown = supervisor_families()
+    assert [f.exposed for f in shown] == ["gateway_workers", "gateway_worker_restarts_total"]
+    table = page[page.index("## The supervisor") :]
+    for family in shown:
+        assert f"| `{family.exposed}` | {family.type} |  |" in table
 
 
 def test_counters_are_shown_by_their_exposed_name():
