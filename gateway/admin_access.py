@@ -1,5 +1,5 @@
-"""Who may call the admin port's endpoints: the rules, apart from the endpoints, so that an
-admin app may apply them without importing the request pipeline.
+"""Who may call the admin port's endpoints, for the gateway's admin app and the supervisor's
+(``gateway serve --workers N``) alike.
 
 With a token configured (``admin.token`` or ``GATEWAY_ADMIN_TOKEN``), every endpoint but
 ``/healthz``, ``/readyz`` and ``/metrics`` needs ``Authorization: Bearer <token>``; a missing,

@@ -212,24 +212,33 @@ class Gateway:
         *,
         watch_interval_s: float = 0.0,
         warmup: bool = True,
+        reuse_port: bool = False,
+        admin_socket: str | None = None,
     ) -> tuple[str, str]:
-        """Listen on both ports; returns (data URL, admin URL) with the bound ports."""
+        """Listen on both ports; returns (data URL, admin URL) with the bound ports.  A
+        worker of ``gateway serve --workers N`` shares the data port (``reuse_port``) and
+        serves its admin app on a Unix socket only its supervisor reaches
+        (``admin_socket``)."""
         admin_host = admin_host or host
         check_admin_token(self.admin_token())
         server = HttpServer(Edge(self).handle, self._limits, self.metrics)
-        data_url = _url(await server.listen(host, port))
+        data_url = _url(await server.listen(host, port, reuse_port=reuse_port))
         self._server = server
         admin = web.AppRunner(
-            self.admin_app(loopback=is_loopback(admin_host)),
+            self.admin_app(loopback=admin_socket is not None or is_loopback(admin_host)),
             access_log=None,
             shutdown_timeout=ADMIN_SHUTDOWN_S,
         )
         await admin.setup()
-        site = web.TCPSite(admin, admin_host, admin_port, backlog=128, reuse_address=True)
-        await site.start()
+        if admin_socket is not None:
+            await web.UnixSite(admin, admin_socket).start()
+            admin_url = f"unix:{admin_socket}"
+        else:
+            site = web.TCPSite(admin, admin_host, admin_port, backlog=128, reuse_address=True)
+            await site.start()
+            sock = site._server.sockets[0]  # type: ignore[union-attr]
+            admin_url = _url(sock.getsockname())
         self._runners.append(admin)
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        admin_url = _url(sock.getsockname())
         self.begin()
         if self.source.watchable:
             self._spawn(self._watch(watch_interval_s))
@@ -298,4 +307,3 @@ class Gateway:
 def _url(bound: tuple[str, int]) -> str:
     host = bound[0]
     return f"http://[{host}]:{bound[1]}" if ":" in host else f"http://{host}:{bound[1]}"
-

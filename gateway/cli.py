@@ -1,6 +1,7 @@
 """The ``gateway`` command: the only place that parses argv.
 
 gateway serve --policy PATH | --upstream URL [--host --port --admin-host --admin-port]
+              [--workers N|auto]
 gateway check PATH...      validate policies; non-zero exit naming file, key path, line
 gateway schema [--markdown] the policy's JSON Schema (or its reference page)
 gateway metrics [--markdown] every metric family as JSON (or docs/metrics.md)
@@ -35,9 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    several = getattr(args, "worker", None) or getattr(args, "workers", 1) > 1
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s"
+        + ("[%(process)d]" if several else "")
+        + ": %(message)s",
     )
     result: int = args.run(args)
     return result
@@ -62,6 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--access-log", action="store_true", help="one JSON line per request on stderr"
     )
+    serve.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        help="worker processes sharing the data port (SO_REUSEPORT) under one supervisor "
+        "that serves the admin port; auto: the CPUs the container may use (default: 1)",
+    )
+    serve.add_argument("--worker", metavar="SOCKET", help=argparse.SUPPRESS)  # a supervisor's
     serve.set_defaults(run=_serve)
 
     check = sub.add_parser("check", help="validate policy files or directories")
@@ -328,6 +340,15 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers(text: str) -> int:
+    from gateway.workers.cpus import parse_workers
+
+    try:
+        return parse_workers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from gateway.policy.load import zero_config_policy
     from gateway.policy.watch import PolicySource
@@ -344,7 +365,18 @@ def _serve(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 1
-    options = ServeOptions(args.host, args.port, args.admin_host, args.admin_port, args.access_log)
+    source_args = ("--policy", args.policy) if args.policy else ("--upstream", args.upstream)
+    worker_args = ("--log-level", args.log_level, "serve", *source_args, "--host", args.host)
+    options = ServeOptions(
+        args.host,
+        args.port,
+        args.admin_host,
+        args.admin_port,
+        args.access_log,
+        args.workers,
+        (*worker_args, *(("--access-log",) if args.access_log else ())),
+        args.worker,
+    )
     return int(_run(serve(options, source)))
 
 

@@ -25,9 +25,12 @@
         ├── PolicyError             a policy is invalid (carries every problem found)
         ├── StoreError              a shared store failed (the request goes on: a cache
         │                               miss, a rate limit decided locally)
-        └── TelemetryError          a telemetry source failed (its signals become unknown)
+        ├── TelemetryError          a telemetry source failed (its signals become unknown)
+        └── WorkerError             a worker process did not start, or did not answer its
+                                        supervisor (``gateway serve --workers N``)
 
-Foreign exceptions (httptools, redis, pynvml, yaml, aiohttp's for the telemetry scrapes)
+Foreign exceptions (httptools, redis, pynvml, yaml, aiohttp's for the telemetry scrapes
+and the supervisor's calls to its workers)
 are translated into these once, at the boundary that meets them, with ``raise ... from
 exc``.  Only the edge (and the admin port) maps them to HTTP; an ``InternalError`` that
 escaped to the edge would be a bug, answered as a 500 and logged with its traceback.
@@ -214,6 +217,10 @@ class StoreError(InternalError):
 
 class TelemetryError(InternalError):
     """A telemetry source could not be read; its signals become unknown and it is counted."""
+
+
+class WorkerError(InternalError):
+    """A worker process did not start listening, or did not answer its supervisor."""
 
 
 class BatchSplitError(UpstreamError):

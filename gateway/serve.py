@@ -1,10 +1,14 @@
-"""``gateway serve`` as a process: one gateway until SIGTERM, reloading on SIGHUP.  ``cli``
-parses the command line into ``ServeOptions``."""
+"""``gateway serve`` as a process: one gateway until SIGTERM, reloading on SIGHUP; the same
+as a worker of a supervisor (``--worker``: the data port shared, the admin app on the
+supervisor's socket, and an exit once the supervisor is gone); or, with ``--workers N``,
+that supervisor (``workers.supervisor``).  ``cli`` parses the command line into
+``ServeOptions``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -25,34 +29,65 @@ class ServeOptions:
     admin_host: str | None = None
     admin_port: int = 9090
     access_log: bool = False
+    workers: int = 1
+    worker_args: tuple[str, ...] = ()
+    """A worker's ``gateway`` arguments but ``--port`` and ``--worker`` (with ``workers``)."""
+    worker_socket: str | None = None
+    """``--worker``: this process is a supervisor's worker, its admin app on this socket."""
 
 
 async def serve(options: ServeOptions, source: PolicySource) -> int:
     """Serve until SIGTERM (or SIGINT); the exit status."""
+    if options.workers > 1 and options.worker_socket is None:
+        from gateway.workers.supervisor import Plan, supervise
+
+        plan = Plan(
+            options.workers,
+            options.worker_args,
+            options.host,
+            options.port,
+            options.admin_host or options.host,
+            options.admin_port,
+        )
+        return await supervise(plan, source)
     from gateway.app import Gateway
 
     gateway = Gateway(source, access_log=options.access_log)
     try:
         data_url, admin_url = await gateway.start(
-            options.host, options.port, options.admin_host, options.admin_port
+            options.host,
+            options.port,
+            options.admin_host,
+            options.admin_port,
+            reuse_port=options.worker_socket is not None,
+            admin_socket=options.worker_socket,
         )
     except PolicyError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
         await gateway.shutdown(0)
         return 1
-    print(f"gateway listening on {data_url} (admin {admin_url})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, gateway)
+    if options.worker_socket is not None:
+        loop.add_reader(sys.stdin.fileno(), _on_supervisor_pipe, loop, stop)
+    print(f"gateway listening on {data_url} (admin {admin_url})", flush=True)
     await stop.wait()
     grace = gateway.snapshot.policy.server.shutdown_grace_s
     log.info("SIGTERM: draining for up to %.0f s", grace)
     await gateway.shutdown(grace)
     log.info("stopped")
     return 0
+
+
+def _on_supervisor_pipe(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """The supervisor's end of stdin closed: it is gone, so drain and exit as on SIGTERM."""
+    if not os.read(sys.stdin.fileno(), 4096):
+        loop.remove_reader(sys.stdin.fileno())
+        stop.set()
 
 
 def _reload_on_signal(gateway: Any) -> None:

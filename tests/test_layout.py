@@ -36,8 +36,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cache", "coalesce", "batching", "resilience", "pool"),
     # 5. the pipeline's order, and the edge that runs it
     ("stages", "edge"),
-    # 6. the admin port and the app that owns everything
-    ("admin", "admin_access", "app"),
+    # 6. the admin port, the app that owns everything, and the supervisor of its workers
+    ("admin", "admin_access", "app", "workers"),
     # 7. what drives the app: the command line, the demo, and the fakes for tests
     ("cli", "__main__", "serve", "demo", "testing", "harness"),
 )

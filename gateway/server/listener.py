@@ -59,10 +59,19 @@ class HttpServer:
         self._emptied: asyncio.Event | None = None
         metrics.connections.states = self.states
 
-    async def listen(self, host: str, port: int, *, backlog: int = 1024) -> tuple[str, int]:
-        """Start accepting on ``host``:``port``; the address bound (port 0 picks one)."""
+    async def listen(
+        self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False
+    ) -> tuple[str, int]:
+        """Start accepting on ``host``:``port``; the address bound (port 0 picks one).  With
+        ``reuse_port`` the socket shares the port with other processes' (``SO_REUSEPORT``:
+        the workers of ``gateway serve --workers N``; the kernel spreads connections)."""
         listener = await self.loop.create_server(
-            lambda: ClientConnection(self), host, port, backlog=backlog, reuse_address=True
+            lambda: ClientConnection(self),
+            host,
+            port,
+            backlog=backlog,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
         )
         self._listeners.append(listener)
         bound = listener.sockets[0].getsockname()
