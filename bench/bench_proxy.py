@@ -1,7 +1,7 @@
 """Proxy overhead: the backend reached directly, through nginx and through the gateway.
 
     python -m bench.bench_proxy [--duration 5] [--rounds 3] [--baseline DIR ...]
-                                [--tracing-ratio 0.1]
+                                [--tracing-ratio 0.1] [--workers N]
 
 Measures, in one run on one machine: p50/p99 latency at 1 connection (added latency is
 the difference to direct), requests/s at saturation with 32 connections, the first byte of
@@ -13,6 +13,10 @@ DIR <commit>``), so that a change is measured against what it replaced in the sa
 ``--tracing-ratio R`` adds a path too: this gateway with ``tracing: {sample_ratio: R}``
 (the ``otel`` extra) and ``OTEL_TRACES_EXPORTER=none``, so spans are made, batched and
 dropped, and its cost against the untraced gateway is the gateway's, not a collector's.
+``--workers N`` (N > 1) adds two paths, ``gateway serve --workers N`` and nginx with
+``worker_processes N`` (``reuseport``), and wrk runs N threads for every path's throughput;
+their targets: N workers at least 1.5x one process, at least 0.30x nginx with as many
+workers, and at most 100 MB of RSS per worker.
 Writes docs/benchmarks.md.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -30,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import workers as many
 from bench.common import (
     ROOT,
     free_port,
@@ -46,7 +52,7 @@ from bench.common import (
 BODY = '{"model":"bench","messages":[{"role":"user","content":"hello there"}],"temperature":0}'
 STREAM_BODY = BODY[:-1] + ',"stream":true}'
 NGINX_CONF = """
-worker_processes 1;
+worker_processes {workers};
 daemon off;
 pid {tmp}/nginx.pid;
 error_log stderr error;
@@ -60,7 +66,7 @@ http {{
   scgi_temp_path {tmp}/scgi;
   upstream backend {{ server 127.0.0.1:{backend}; keepalive 64; }}
   server {{
-    listen 127.0.0.1:{port};
+    listen 127.0.0.1:{port}{listen};
     location / {{
       proxy_pass http://backend;
       proxy_http_version 1.1;
@@ -216,7 +222,7 @@ def _matches(where: str, needle: str) -> bool:
 
 
 def gateway_command(
-    backend_port: int, port: int, admin_port: int, policy: Path | None = None
+    backend_port: int, port: int, admin_port: int, policy: Path | None = None, workers: int = 1
 ) -> list[str]:
     source = (
         ["--policy", str(policy)] if policy else ["--upstream", f"http://127.0.0.1:{backend_port}"]
@@ -231,7 +237,23 @@ def gateway_command(
         str(port),
         "--admin-port",
         str(admin_port),
+        *(["--workers", str(workers)] if workers > 1 else []),
     ]
+
+
+def start_nginx(
+    tmp: Path, backend_port: int, port: int, workers: int = 1
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """nginx in a directory of its own under ``tmp`` (its pid file and temp paths)."""
+    home = tmp if workers == 1 else tmp / f"nginx-{workers}"
+    for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
+        (home / d).mkdir(parents=True)
+    conf = home / "nginx.conf"
+    listen = "" if workers == 1 else " reuseport"
+    conf.write_text(
+        NGINX_CONF.format(tmp=home, backend=backend_port, port=port, workers=workers, listen=listen)
+    )
+    return process(["nginx", "-c", str(conf), "-p", str(home)], port)
 
 
 def traced_policy(tmp: Path, backend_port: int, ratio: float | None) -> Path | None:
@@ -271,6 +293,7 @@ def run(
     rounds: int,
     baselines: list[Path] | None = None,
     tracing: float | None = None,
+    workers: int = 1,
 ) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     script = tmp / "post.lua"
@@ -283,21 +306,32 @@ def run(
     breakdown: list[tuple[str, float]] = []
     first_bytes: dict[str, float] = {}
     rss = float("nan")
+    rss_workers: tuple[float, float, list[float]] = (float("nan"), float("nan"), [])
     with process(python("-m", "bench.backend", str(backend_port)), backend_port):
         targets = [("direct", backend_port, None)]
-        nginx = None
+        nginx: contextlib.AbstractContextManager[subprocess.Popen[bytes]] | None = None
+        befores: list[contextlib.AbstractContextManager[subprocess.Popen[bytes]]] = []
         if have("nginx"):
-            for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
-                (tmp / d).mkdir()
-            conf = tmp / "nginx.conf"
-            conf.write_text(NGINX_CONF.format(tmp=tmp, backend=backend_port, port=nginx_port))
-            nginx = process(["nginx", "-c", str(conf), "-p", str(tmp)], nginx_port)
+            nginx = start_nginx(tmp, backend_port, nginx_port)
             nginx.__enter__()
             targets.append(("nginx", nginx_port, None))
+        if workers > 1 and have("nginx"):
+            nginx_many_port = free_port()
+            nginx_many = start_nginx(tmp, backend_port, nginx_many_port, workers)
+            nginx_many.__enter__()
+            befores.append(nginx_many)
+            targets.append((many.nginx_label(workers), nginx_many_port, None))
+        if workers > 1:
+            many_port, many_admin = free_port(), free_port()
+            supervised = process(
+                gateway_command(backend_port, many_port, many_admin, workers=workers), many_port
+            )
+            supervisor = supervised.__enter__()
+            befores.append(supervised)
+            wait_port(many_admin)
         gateway = process(gateway_command(backend_port, gateway_port, admin_port), gateway_port)
         gw_proc = gateway.__enter__()
         wait_port(admin_port)
-        befores = []
         for baseline in baselines or []:
             before_port, before_admin = free_port(), free_port()
             before = process(
@@ -326,6 +360,8 @@ def run(
             wait_port(traced_admin)
             targets.append((traced_label(tracing), traced_port, None))
         targets.append(("gateway", gateway_port, gw_proc.pid))
+        if workers > 1:
+            targets.append((many.gateway_label(workers), many_port, None))
         try:
             runs: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
             for _, port, _ in targets:
@@ -335,12 +371,16 @@ def run(
                 for name, port, _ in targets:
                     url = f"http://127.0.0.1:{port}/v1/chat/completions"
                     one = wrk(url, connections=1, duration_s=duration, script=script)
-                    sat = wrk(url, connections=32, duration_s=duration, script=script)
+                    sat = wrk(
+                        url, connections=32, duration_s=duration, script=script, threads=workers
+                    )
                     runs.setdefault(name, []).append((one, sat))
             for name, port, pid in targets:
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
                 if pid is not None:
                     rss = rss_mb(pid)
+                if name == many.gateway_label(workers):
+                    rss_workers = many.rss_per_worker(supervisor.pid)
                 fb = asyncio.run(first_byte_ms(port, 300))
                 if pid is not None:
                     loader = subprocess.Popen(
@@ -367,8 +407,8 @@ def run(
                 )
         finally:
             gateway.__exit__(None, None, None)
-            for before in befores:
-                before.__exit__(None, None, None)
+            for started in befores:
+                started.__exit__(None, None, None)
             if nginx is not None:
                 nginx.__exit__(None, None, None)
         counted = {"gateway": instructions_per_request(ROOT, backend_port, tmp)}
@@ -380,7 +420,7 @@ def run(
             counted[traced_label(tracing)] = instructions_per_request(
                 ROOT, backend_port, tmp, tracing=tracing
             )
-    return report(rows, rss, duration, rounds, breakdown, counted, tracing)
+    return report(rows, rss, duration, rounds, breakdown, counted, tracing, workers, rss_workers)
 
 
 def report(
@@ -391,6 +431,8 @@ def report(
     breakdown: list[tuple[str, float]],
     counted: dict[str, float],
     tracing: float | None = None,
+    workers: int = 1,
+    rss_workers: tuple[float, float, list[float]] = (float("nan"), float("nan"), []),
 ) -> str:
     by = dict(rows)
     d, g = by["direct"], by["gateway"]
@@ -399,6 +441,8 @@ def report(
     command += "".join(f" --baseline DIR{i + 1}" for i in range(len(befores)))
     if tracing is not None:
         command += f" --tracing-ratio {tracing:g}"
+    if workers > 1:
+        command += f" --workers {workers}"
     lines = [
         "## Proxy overhead (issues 2, 11 and 13)",
         "",
@@ -414,6 +458,13 @@ def report(
             + " the gateway of another checkout (`git worktree add DIR <commit>`), measured "
             "in the same rounds."
             if befores
+            else ""
+        )
+        + (
+            f" `{many.gateway_label(workers)}` (a supervisor and {workers} processes sharing "
+            f"the port) and `{many.nginx_label(workers)}` (`listen ... reuseport`) are measured "
+            f"in the same rounds, and wrk runs {workers} threads for every path's throughput."
+            if workers > 1
             else ""
         ),
         "",
@@ -463,6 +514,8 @@ def report(
             f"| added p50 not above the gateway {commit} | {added_p50:.3f} ms against "
             f"{before_p50:.3f} ms | {verdict(added_p50 <= before_p50 + 0.01)} |",
         ]
+    if workers > 1:
+        lines += many.target_lines(by, workers, rss_workers, verdict)
     if tracing is not None:
         t = by[traced_label(tracing)]
         lines += [
@@ -526,11 +579,19 @@ def main() -> None:
         default=None,
         help="also run this gateway with tracing.sample_ratio at this ratio (spans dropped)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="also run `gateway serve --workers N` and nginx with worker_processes N",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     if args.tracing_ratio is not None and importlib.util.find_spec("opentelemetry") is None:
         parser.error("--tracing-ratio needs the otel extra: pip install -e '.[otel]'")
-    table = run(args.duration, args.rounds, args.baseline, args.tracing_ratio)
+    table = run(args.duration, args.rounds, args.baseline, args.tracing_ratio, args.workers)
     print(table)
     if not args.no_write:
         update_section("proxy", table)
