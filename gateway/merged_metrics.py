@@ -66,10 +66,12 @@ GAUGES: dict[str, Rule] = {
     "gateway_gpu_power_ratio": "max",
     "gateway_gpu_thermal_throttling": "max",
     "gateway_kv_cache_usage_ratio": "max",
+    "gateway_gpu_slowdown_temperature_celsius": "max",
     # the lowest: the worker worst off
     "gateway_pool_active_endpoints": "min",
     "gateway_batch_limit": "min",
     "gateway_cache_store_up": "min",
+    "gateway_rate_limit_store_up": "min",
     "gateway_throttle_signal_seen": "min",
     "process_start_time_seconds": "min",
     # 0 closed, 1 open, 2 half-open: open if any worker's is, else half-open if any is
