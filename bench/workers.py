@@ -4,6 +4,8 @@ their target lines."""
 
 from __future__ import annotations
 
+import os
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,52 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def cpu_s(pids: list[int]) -> float:
+    """User and system CPU seconds the processes ``pids`` have used (from /proc)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (every core; softirq included)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Cores a path's gateway processes and the whole machine use during its saturation
+    runs (a median over the rounds)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+        self._start: tuple[list[int], float, float, float] | None = None
+
+    def begin(self, pids: list[int]) -> None:
+        self._start = (pids, cpu_s(pids), machine_busy_s(), os.times().elapsed)
+
+    def end(self, name: str) -> None:
+        if self._start is None:
+            return
+        pids, own, busy, at = self._start
+        elapsed = os.times().elapsed - at
+        sample = ((cpu_s(pids) - own) / elapsed, (machine_busy_s() - busy) / elapsed)
+        self.samples.setdefault(name, []).append(sample)
+        self._start = None
+
+    def cores(self, name: str) -> tuple[float, float]:
+        """(the gateway's cores, the machine's busy cores) for ``name``."""
+        got = self.samples.get(name) or [(float("nan"), float("nan"))]
+        return statistics.median(g for g, _ in got), statistics.median(m for _, m in got)
+
+
 def rss_per_worker(supervisor_pid: int) -> tuple[float, float, list[float]]:
     """(every process's RSS summed / the workers, the supervisor's, each worker's) in MB."""
     own = rss_mb(supervisor_pid)
@@ -42,6 +90,7 @@ def target_lines(
     workers: int,
     rss: tuple[float, float, list[float]],
     met: Callable[[bool], str],
+    meter: CpuMeter | None = None,
 ) -> list[str]:
     """The three targets of ``--workers N`` against the same run's other paths."""
     many, one = by[gateway_label(workers)], by["gateway"]
@@ -70,4 +119,20 @@ def target_lines(
         f"the supervisor's {own:.0f} MB and the workers' ({shown} MB) over {len(each)} | "
         f"{met(per <= RSS_MB)} |"
     )
+    if meter is not None:
+        one_g, one_m = meter.cores("gateway")
+        many_g, many_m = meter.cores(gateway_label(workers))
+        cores = os.cpu_count() or 0
+        lines += [
+            "",
+            f"Where the cores went at saturation (CPU time over the wrk run, median of the "
+            f"rounds; the machine has {cores}): one gateway process used {one_g:.2f} cores "
+            f"while the machine was busy {one_m:.2f}; `--workers {workers}` used "
+            f"{many_g:.2f} (supervisor and workers) while it was busy {many_m:.2f}. The rest is "
+            "wrk, the backend and the kernel's loopback, which share the same cores: the "
+            f"workers can only scale as far as {many_g:.2f} / {one_g:.2f} = "
+            f"{many_g / one_g:.2f}x the cores of one process, and they reached {scale:.2f}x "
+            "its requests. On a machine whose other cores carry the clients and the model "
+            "server, that ceiling is the worker count.",
+        ]
     return lines
