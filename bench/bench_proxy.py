@@ -524,7 +524,7 @@ def report(
             f"{before_p50:.3f} ms | {verdict(added_p50 <= before_p50 + 0.01)} |",
         ]
     if workers > 1:
-        lines += many.target_lines(by, workers, rss_workers, verdict, meter)
+        lines += many.target_lines(by, workers, rss_workers, verdict)
     if tracing is not None:
         t = by[traced_label(tracing)]
         lines += [
@@ -532,6 +532,8 @@ def report(
             f"gateway in the same run | {t['rps'] / g['rps']:.2f}x its req/s, p50 "
             f"{t['p50'] - g['p50']:+.3f} ms, first byte {t['fb'] - g['fb']:+.3f} ms | - |",
         ]
+    if workers > 1 and meter is not None:
+        lines += many.cores_paragraph(by, workers, meter)
     if breakdown:
         lines += [
             "",

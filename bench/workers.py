@@ -90,7 +90,6 @@ def target_lines(
     workers: int,
     rss: tuple[float, float, list[float]],
     met: Callable[[bool], str],
-    meter: CpuMeter | None = None,
 ) -> list[str]:
     """The three targets of ``--workers N`` against the same run's other paths."""
     many, one = by[gateway_label(workers)], by["gateway"]
@@ -119,20 +118,24 @@ def target_lines(
         f"the supervisor's {own:.0f} MB and the workers' ({shown} MB) over {len(each)} | "
         f"{met(per <= RSS_MB)} |"
     )
-    if meter is not None:
-        one_g, one_m = meter.cores("gateway")
-        many_g, many_m = meter.cores(gateway_label(workers))
-        cores = os.cpu_count() or 0
-        lines += [
-            "",
-            f"Where the cores went at saturation (CPU time over the wrk run, median of the "
-            f"rounds; the machine has {cores}): one gateway process used {one_g:.2f} cores "
-            f"while the machine was busy {one_m:.2f}; `--workers {workers}` used "
-            f"{many_g:.2f} (supervisor and workers) while it was busy {many_m:.2f}. The rest is "
-            "wrk, the backend and the kernel's loopback, which share the same cores: the "
-            f"workers can only scale as far as {many_g:.2f} / {one_g:.2f} = "
-            f"{many_g / one_g:.2f}x the cores of one process, and they reached {scale:.2f}x "
-            "its requests. On a machine whose other cores carry the clients and the model "
-            "server, that ceiling is the worker count.",
-        ]
     return lines
+
+
+def cores_paragraph(by: dict[str, dict[str, Any]], workers: int, meter: CpuMeter) -> list[str]:
+    """Where the cores went: the ceiling the machine put on the workers' scaling."""
+    scale = by[gateway_label(workers)]["rps"] / by["gateway"]["rps"]
+    one_g, one_m = meter.cores("gateway")
+    many_g, many_m = meter.cores(gateway_label(workers))
+    cores = os.cpu_count() or 0
+    return [
+        "",
+        f"Where the cores went at saturation (CPU time over the wrk run, median of the "
+        f"rounds; the machine has {cores}): one gateway process used {one_g:.2f} cores "
+        f"while the machine was busy {one_m:.2f}; `--workers {workers}` used "
+        f"{many_g:.2f} (supervisor and workers) while it was busy {many_m:.2f}. The rest is "
+        "wrk, the backend and the kernel's loopback, which share the same cores: the "
+        f"workers can only scale as far as {many_g:.2f} / {one_g:.2f} = "
+        f"{many_g / one_g:.2f}x the cores of one process, and they reached {scale:.2f}x "
+        "its requests. On a machine whose other cores carry the clients and the model "
+        "server, that ceiling is the worker count.",
+    ]
