@@ -221,6 +221,21 @@ async def test_a_reload_changes_the_sample_ratio_without_a_restart(tmp_path, exp
         assert len(server_spans(finished(gw.gateway, exporter))) == 1  # none added
 
 
+async def test_a_root_request_is_traced_at_the_ratio_drawn_once_before_the_sdk(pipeline, exporter):
+    """At 0.25, a quarter of 400 root requests are traced (not a sixteenth: the edge's draw
+    and the sampler's do not both apply), each sampled one with its backend's traceparent,
+    an unsampled one with none."""
+    gw = await pipeline(
+        policy(ratio=0.25), lambda sent: json_reply(answer()), span_exporter=exporter
+    )
+    for _ in range(400):
+        await gw.post("/v1/chat/completions", CHAT)
+    traced = len(server_spans(finished(gw.gateway, exporter)))
+    assert 60 <= traced <= 140  # binomial(400, 0.25): mean 100, sd 8.7
+    sent = [r.header("traceparent") for r in gw.transport.to("main")]
+    assert sum(tp is not None for tp in sent) == traced
+
+
 def test_the_sampler_reads_the_ratio_it_has_now():
     pytest.importorskip("opentelemetry.sdk")
     from gateway.tracing.otel import RatioSampler
