@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.pool.forecast import DAY_MIN, RateHistory, RouteRate
+from gateway.pool.forecast import DAY_MIN, WEEK_MIN, RateHistory, RouteRate
 from gateway.pool.shared import SharedHistory
 from gateway.pool.stage import HISTORIES, SHARED_HISTORIES
 from gateway.testing import FakeClock
@@ -139,3 +139,19 @@ async def test_a_redis_cache_store_makes_a_prewarm_routes_history_the_fleets(
     assert (
         gw.metric("gateway_desired_endpoints", backend="main") == 7
     )  # ceil((600 + 3) / 2 / 60 * 1.2 / 1.0)
+
+
+async def test_a_flooded_hash_is_not_read_and_the_replica_forecasts_from_its_own(
+    client: Any,
+) -> None:
+    """A hash holding more fields than a week of minutes is not this gateway's writing: it is
+    not read whole every minute; the replica says so and uses its own history."""
+    clock = FakeClock(wall_start=MONDAY * 60.0)
+    await client.hset("gw:rate:r", mapping={f"junk{i}": 1 for i in range(WEEK_MIN + 2000)})
+    shared = replica(client, clock)
+    shared.rate.history.record(42)
+    clock.advance(60)
+    assert not await shared.sync()
+    assert shared.errors == 1
+    assert shared.rate.counts() == ([42], MONDAY)
+    assert await client.hget("gw:rate:r", str(MONDAY)) == b"42"  # its minute still went

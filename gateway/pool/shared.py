@@ -6,7 +6,8 @@ counts in one Redis hash, ``<prefix>rate:<route>``: a field per wall-clock minut
 epoch, its value the requests of that minute summed over the replicas (``HINCRBY``).  Once
 a minute (and at start) each replica, in one pipeline, adds the counts of the minutes it
 finished since its last flush, deletes the fields that fell out of the history (a week),
-and reads the hash back (``HGETALL``: at most 10,080 fields); the forecast and the best
+and reads the hash back (``HGETALL``, only while it holds no more fields than a history
+can: a hash flooded by someone else is not read whole every minute); the forecast and the best
 minute then come from the fleet's counts (``RouteRate.use_fleet``).  Both scale with the
 fleet, so the desired endpoints, their ratio, do not double-count.
 
@@ -106,14 +107,20 @@ class SharedHistory:
                 if self._stale:
                     pipe.hdel(self.key, *self._stale)
                 pipe.expire(self.key, (self._max_minutes + 60) * MINUTE_S)
-                pipe.hgetall(self.key)
-                raw = (await pipe.execute())[-1]
+                pipe.hlen(self.key)
+                fields = (await pipe.execute())[-1]
+                self._flushed = max(self._flushed, last)
+                if fields > self._max_minutes + MAX_STALE_FIELDS:
+                    return self._failed(
+                        f"hash {self.key} has {fields} fields, more than a history holds: not "
+                        "read (it is not this gateway's writing; delete it)"
+                    )
+                raw = await self._client.hgetall(self.key)
         except TimeoutError:
             self._flushed = max(self._flushed, last)  # it may have run: never count twice
             return self._failed("timed out")
         except (RedisError, OSError) as exc:
             return self._failed(f"{type(exc).__name__}: {exc}")
-        self._flushed = max(self._flushed, last)
         fleet, self._stale = parse(raw, last - self._max_minutes + 1, last)
         if fleet:
             start = min(fleet)
