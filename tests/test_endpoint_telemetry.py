@@ -11,7 +11,7 @@ import httpx
 from aiohttp import web
 
 from gateway.metrics import Metrics
-from gateway.policy.model import Backend, Saturation, TelemetrySource
+from gateway.policy.model import Backend, Saturation, TelemetrySource, ThrottleRule, When
 from gateway.testing import FakeClock
 from gateway.transport import load
 from gateway.transport.endpoints import EndpointSet
@@ -176,3 +176,46 @@ def test_telemetry_url_placeholders_and_saturation_are_checked() -> None:
         "saturation: {kv_cache_usage: 1.5}}\nroutes: [{backend: main}]"
     )
     assert any("backends.main.saturation" in p for p in found), found
+
+
+async def test_a_metrics_endpoint_that_never_answers_costs_one_interval(serve_app) -> None:
+    """An exporter that accepts and hangs: its endpoint's figures go unknown after one
+    telemetry interval (the rule that fired on them clears: fail open), the scrape loop goes
+    on, and requests still answer."""
+    import asyncio
+
+    hang = asyncio.Event()
+    celsius = {"a": 95.0, "b": 40.0}
+
+    async def gpu(_: web.Request) -> web.Response:
+        if hang.is_set():
+            await asyncio.sleep(30)
+        return web.Response(text=f'DCGM_FI_DEV_GPU_TEMP{{gpu="0"}} {celsius["a"]}\n')
+
+    async def handle(_: web.Request) -> web.Response:
+        return web.json_response({"served_by": "a"})
+
+    app = web.Application()
+    app.router.add_get("/gpu", gpu)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    urls = [await serve_app(app), await serve_app(hot("b", celsius))]
+    backend = Backend(
+        "m",
+        endpoints=tuple(urls),
+        telemetry=TelemetrySource(
+            source="prometheus", url="http://{host}:{port}/gpu", interval_ms=100
+        ),
+    )
+    rule = ThrottleRule("hot", "m", When("gpu_temperature_c", above=85, clear_below=80))
+    endpoints = EndpointSet(backend, Metrics(), rng=random.Random(2))
+    endpoints.rules = (rule,)
+    endpoints.watch_load()
+    try:
+        await until(lambda: endpoints.endpoints[0].throttled == {"hot"})
+        hang.set()
+        hung = endpoints.endpoints[0]
+        await until(lambda: not hung.signals and not hung.throttled, timeout_s=3)  # fail open
+        assert endpoints.endpoints[1].signals == {"gpu_temperature_c": 40.0}  # still read
+        assert (await served_by(endpoints, backend))[0] == 200
+    finally:
+        await endpoints.aclose()

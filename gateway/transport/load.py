@@ -99,20 +99,23 @@ def score(endpoint: Endpoint) -> float:
 
 
 async def scrape(endpoint: Endpoint, backend: Backend) -> None:
-    """Read one endpoint's figures (none when every scrape of it fails)."""
+    """Read one endpoint's figures (none when every scrape of it fails).  Each scrape has one
+    ``telemetry.interval_ms``: a server that accepts and never answers costs one round its
+    figures, not the backend's whole ``timeout_s`` of stale ones."""
     t = backend.telemetry
     texts = []
     for url in scrape_urls(endpoint.url, backend):
         pool, path = endpoint.pool_to(url)
         try:
-            reply = await pool.send(backend, "GET", path, [], b"", streaming=False)
-            if reply.close is not None:
-                await reply.close()
+            async with asyncio.timeout(t.interval_ms / 1000):
+                reply = await pool.send(backend, "GET", path, [], b"", streaming=False)
+                if reply.close is not None:
+                    await reply.close()
             if reply.status != 200 or reply.body is None:
                 raise ValueError(f"status {reply.status}")
             texts.append(reply.body.decode("utf-8", "replace"))
-        except (UpstreamError, ValueError) as exc:
-            log.debug("load of %s at %s: %s", endpoint.url, url, exc)
+        except (UpstreamError, ValueError, TimeoutError) as exc:
+            log.debug("load of %s at %s: %r", endpoint.url, url, exc)
     series = [s for text in texts for s in parse_exposition(text)]
     read = read_series(series, Selector(t.select, t.gpu, t.gpu_instance)).signals
     signals = {}
