@@ -57,6 +57,7 @@ GAUGES: dict[str, Rule] = {
     "python_info": "max",
     "process_max_fds": "max",
     "gateway_endpoint_state": "max",
+    "gateway_endpoint_signal": "max",
     "gateway_throttle_active": "max",
     "gateway_throttle_threshold": "max",
     "gateway_telemetry_age_seconds": "max",

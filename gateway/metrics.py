@@ -85,9 +85,15 @@ class Metrics:
         )
         self.endpoint_state = Gauge(
             "gateway_endpoint_state",
-            "1 for an endpoint's current state (active, standby, warming, ejected), 0 for "
-            "the others.",
+            "1 for an endpoint's current state (active, standby, warming, ejected, "
+            "throttled), 0 for the others.",
             ["backend", "endpoint", "state"],
+            registry=r,
+        )
+        self.endpoint_signal = Gauge(
+            "gateway_endpoint_signal",
+            "An endpoint's own telemetry (kv_aware or a {host}/{port} telemetry.url).",
+            ["backend", "endpoint", "signal"],
             registry=r,
         )
         self.pool_active_endpoints = Gauge(

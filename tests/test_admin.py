@@ -175,6 +175,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_desired_endpoints",
         "gateway_endpoint_inflight",
         "gateway_endpoint_requests",
+        "gateway_endpoint_signal",
         "gateway_endpoint_state",
         "gateway_event_loop_lag_seconds",
         "gateway_fallbacks",

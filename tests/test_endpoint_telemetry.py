@@ -99,6 +99,14 @@ async def test_a_hot_instance_is_out_of_rotation_until_it_cools(
 
     async with httpx.AsyncClient() as client:
         await until(lambda: state(urls[2]) == 1.0)
+        shown = metric(
+            text(),
+            "gateway_endpoint_signal",
+            backend="main",
+            endpoint=urls[2],
+            signal="gpu_temperature_c",
+        )
+        assert shown == 91.0  # each endpoint's own reading, as a series of its own
         served = [(await client.get(gw.url + "/x")).json()["served_by"] for _ in range(30)]
         assert "c" not in served and set(served) == {"a", "b"}  # the backend stays up
 
@@ -207,7 +215,8 @@ async def test_a_metrics_endpoint_that_never_answers_costs_one_interval(serve_ap
         ),
     )
     rule = ThrottleRule("hot", "m", When("gpu_temperature_c", above=85, clear_below=80))
-    endpoints = EndpointSet(backend, Metrics(), rng=random.Random(2))
+    metrics = Metrics()
+    endpoints = EndpointSet(backend, metrics, rng=random.Random(2))
     endpoints.rules = (rule,)
     endpoints.watch_load()
     try:
@@ -215,6 +224,7 @@ async def test_a_metrics_endpoint_that_never_answers_costs_one_interval(serve_ap
         hang.set()
         hung = endpoints.endpoints[0]
         await until(lambda: not hung.signals and not hung.throttled, timeout_s=3)  # fail open
+        await until(lambda: f'endpoint="{urls[0]}",signal=' not in metrics.exposition().decode())
         assert endpoints.endpoints[1].signals == {"gpu_temperature_c": 40.0}  # still read
         assert (await served_by(endpoints, backend))[0] == 200
     finally:

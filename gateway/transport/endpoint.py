@@ -37,6 +37,8 @@ class Endpoint:
         # read at scrape time: no per-request cost
         metrics.endpoint_inflight.labels(pool.name, self.url).set_function(lambda: pool.inflight)
         self._state = metrics.endpoint_state
+        self._signal = metrics.endpoint_signal
+        self._shown_signals: set[str] = set()
         self._name = pool.name
         self.show_state("active")
 
@@ -65,12 +67,22 @@ class Endpoint:
     def pools(self) -> list[BackendPool]:
         return [self.pool, *self._side.values()]
 
+    def show_signals(self) -> None:
+        """Publish this endpoint's signals; drop the series of those it no longer has."""
+        for name, value in self.signals.items():
+            self._signal.labels(self._name, self.url, name).set(value)
+        for name in self._shown_signals - self.signals.keys():
+            with contextlib.suppress(KeyError):
+                self._signal.remove(self._name, self.url, name)
+        self._shown_signals = set(self.signals)
+
     def forget(self, metrics: Metrics) -> None:
         """Drop this endpoint's metric series (it left the backend: bounded cardinality)."""
         for family, labels in (
             (metrics.endpoint_inflight, ()),
             *((metrics.endpoint_requests, (o,)) for o in self._counted),
             *((metrics.endpoint_state, (s,)) for s in STATES),
+            *((metrics.endpoint_signal, (s,)) for s in self._shown_signals),
         ):
             with contextlib.suppress(KeyError):
                 family.remove(self._name, self.url, *labels)

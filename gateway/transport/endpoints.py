@@ -199,6 +199,7 @@ class EndpointSet:
     def _judged(self) -> None:
         self.scraped_at = self._clock.now()
         for e in self.endpoints:
+            e.show_signals()
             if load.judge(e, self.rules):
                 e.show_state(e.state())
 
