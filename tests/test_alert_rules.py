@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.metrics import Metrics, names
+from gateway.merged_metrics import SupervisorMetrics
+from gateway.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "gateway-rules.yml"
@@ -73,12 +74,11 @@ def _series_names(expr: str) -> set[str]:
 
 def _exported_series() -> set[str]:
     """Every series name the gateway exposes (``names``, suffixed by each family's type),
-    and Prometheus' own ``up``."""
+    the supervisor's own with ``--workers`` too, and Prometheus' own ``up``."""
     metrics = Metrics()
-    types = {family.name: family.type for family in metrics.registry.collect()}
-    return {"up"} | {
-        name + suffix for name in names(metrics) for suffix in SUFFIXES.get(types[name], ("",))
-    }
+    families = [*metrics.registry.collect(), *SupervisorMetrics().registry.collect()]
+    types = {family.name: family.type for family in families}
+    return {"up"} | {name + suffix for name in types for suffix in SUFFIXES.get(types[name], ("",))}
 
 
 def _heading_anchors(markdown: str) -> set[str]:
