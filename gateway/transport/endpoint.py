@@ -40,7 +40,7 @@ class Endpoint:
         self._signal = metrics.endpoint_signal
         self._shown_signals: set[str] = set()
         self._name = pool.name
-        self.show_state("active")
+        self.show_state()
 
     @property
     def inflight(self) -> int:
@@ -93,7 +93,9 @@ class Endpoint:
             counter = self._counted[outcome] = self._requests.labels(self._name, self.url, outcome)
         counter.inc()
 
-    def show_state(self, state: str) -> None:
+    def show_state(self) -> None:
+        """Publish ``state()``: ejected, throttled, else its role in the pool sizing."""
+        state = self.state()
         for name in STATES:
             self._state.labels(self._name, self.url, name).set(1 if name == state else 0)
 

@@ -142,7 +142,7 @@ class EndpointSet:
             if e.ejected_until and now >= e.ejected_until:
                 e.ejected_until = 0.0
                 e.failures = 0
-                e.show_state(e.state())
+                e.show_state()
             if not e.ejected_until:
                 out.append(e)
         self._show_active(len(out))
@@ -201,7 +201,7 @@ class EndpointSet:
         for e in self.endpoints:
             e.show_signals()
             if load.judge(e, self.rules):
-                e.show_state(e.state())
+                e.show_state()
 
     def follow(self, resolver: Resolver) -> None:
         """Keep the endpoints on what the backend's ``discovery`` name resolves to."""
@@ -284,7 +284,7 @@ class EndpointSet:
         if len(self.endpoints) > 1 and endpoint.failures >= self.eject_after:
             endpoint.ejected_until = self._clock.now() + self.eject_s
             endpoint.ejections += 1
-            endpoint.show_state("ejected")
+            endpoint.show_state()
             self.healthy()
 
     async def send(

@@ -47,7 +47,7 @@ class Member(Protocol):
     @property
     def inflight(self) -> int: ...
 
-    def show_state(self, state: str) -> None: ...
+    def show_state(self) -> None: ...
 
 
 M = TypeVar("M", bound=Member)
@@ -78,7 +78,7 @@ class Sizing:
             if not m.role:
                 m.role = ACTIVE if i < self.pool.core else STANDBY
                 m.last_used = self.clock.now()
-                m.show_state(m.role)
+                m.show_state()
 
     def wanted(self) -> int:
         """The endpoints the backend's forecast calls for (0: no forecast)."""
@@ -93,7 +93,7 @@ class Sizing:
             idle = now - m.last_used >= self.pool.idle_timeout_s
             if m.role == ACTIVE and i >= self.pool.core and idle and m.inflight == 0:
                 m.role = STANDBY
-                m.show_state(STANDBY)
+                m.show_state()
                 self.demotions += 1
             if m.role == ACTIVE:
                 out.append(m)
@@ -112,7 +112,7 @@ class Sizing:
         if standby is None:
             return
         standby.role = WARMING
-        standby.show_state(WARMING)
+        standby.show_state()
         task = asyncio.get_running_loop().create_task(self._warm(standby))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -123,7 +123,7 @@ class Sizing:
             return  # it left meanwhile
         member.role = ACTIVE if ok else STANDBY
         member.last_used = self.clock.now()
-        member.show_state(member.role)
+        member.show_state()
         if ok:
             self.promotions += 1
             log.info("backend %s: %s brought into rotation", self.backend.name, member.url)
