@@ -189,6 +189,26 @@ async def test_a_caller_that_did_not_sample_is_followed_and_its_traceparent_pass
     assert gw.transport.to("main")[0].header("traceparent") == incoming
 
 
+@pytest.mark.parametrize(
+    "header",
+    ["garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01", "ff-zz-yy-01", "00-" + "a" * 999],
+)
+async def test_a_broken_traceparent_is_a_new_root_and_the_request_answers(
+    pipeline, exporter, header
+):
+    """A caller's malformed or all-zero traceparent is ignored (a root: at ratio 1, a trace
+    of its own), never an error; the backend gets the gateway's traceparent, not it."""
+    gw = await pipeline(policy(), lambda sent: json_reply(answer()), span_exporter=exporter)
+    r = await gw.post("/v1/chat/completions", CHAT, headers={"traceparent": header})
+
+    assert r.status_code == 200
+    [server] = server_spans(finished(gw.gateway, exporter))
+    assert server.parent is None
+    sent = gw.transport.to("main")[0].header("traceparent")
+    assert sent is not None and sent != header
+    assert sent.split("-")[1] == format(server.context.trace_id, "032x")
+
+
 async def test_sample_ratio_0_makes_no_spans_and_no_tracer(pipeline, exporter):
     gw = await pipeline(policy(ratio=0), lambda sent: json_reply(answer()), span_exporter=exporter)
     await gw.post("/v1/chat/completions", CHAT)
