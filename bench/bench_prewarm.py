@@ -11,8 +11,10 @@ replayed live: the trough's rate until the onset, then the peak's, open-loop (Po
 arrivals), for ``--peak-s`` seconds.
 
 Three ``gateway sim`` instances of 2 slots each, each paying ``--cold-start-ms`` on its
-first call (``--cold-start-ms``), behind one backend with ``pool: {core: 1, max: 3}`` and a
-``warmup`` request: the core instance is warmed at start; the other two are standby.  Two
+first call (``--cold-start-ms``), behind one backend with ``pool: {core: 1, max: 3,
+scale_up_inflight: 6}`` and a ``warmup`` request: the core instance is warmed at start; the
+other two are standby (6 in flight, not the default 4, so that a Poisson burst of the
+trough does not happen to bring one in early: a run then shows luck, not anticipation).  Two
 runs on fresh instances, in one run of this script:
 
 * **without pre-warming**: the standby instances are brought in by the load once the peak
@@ -120,7 +122,7 @@ def one_run(tmp: Path, redis_url: str, prewarm: bool, cold_ms: float, peak_s: fl
             route["prewarm"] = {"horizon_s": 600, "headroom": 1.2}
         backend = {
             "endpoints": urls,
-            "pool": {"core": 1, "max": 3, "idle_timeout_s": 3600, "scale_up_inflight": 4},
+            "pool": {"core": 1, "max": 3, "idle_timeout_s": 3600, "scale_up_inflight": 6},
             "warmup": [{"path": "/v1/chat/completions", "body": BODY}],
             "timeout_s": 60,
         }
