@@ -153,6 +153,21 @@ async def test_embeddings_honour_dimensions_and_base64_encoding(
     assert np.allclose(decoded, as_floats)
 
 
+async def test_embeddings_refuse_sizes_that_would_outgrow_memory_and_keep_serving(
+    sim: SimServer, http: aiohttp.ClientSession
+) -> None:
+    """A hostile ``dimensions`` (a fuzzer's 10**9 once made the sim allocate 24 GB) or
+    more inputs times dimensions than one answer may hold are a 400, not an OOM kill."""
+    for extra in [{"dimensions": 10**9}, {"dimensions": 0}, {"dimensions": 3.5}]:
+        status, body, _ = await post(http, sim, "/v1/embeddings", {"input": "a", **extra})
+        assert status == 400 and "dimensions" in body["error"]["message"]
+    many = {"input": ["x"] * 1024, "dimensions": 16384}
+    status, body, _ = await post(http, sim, "/v1/embeddings", many)
+    assert status == 400 and "fewer inputs" in body["error"]["message"]
+    (vector,) = await embed(http, sim, "a", dimensions=16384)
+    assert len(vector) == 16384
+
+
 async def test_chat_answer_derives_from_the_prompt_and_honours_max_tokens(
     sim: SimServer, http: aiohttp.ClientSession
 ) -> None:

@@ -181,7 +181,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     body = await req.read_body(request)
     model = req.model_of(body, config.model_names[0])
     items = req.input_items(body.get("input"), "input")
-    dimensions = req.dimensions_of(body, config.dimensions)
+    dimensions = req.dimensions_of(body, config.dimensions, len(items))
     encoding_format = req.encoding_format_of(body)
     if fault := engine.fault(len(items)):
         return _fault_response(fault)

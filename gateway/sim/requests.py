@@ -16,6 +16,12 @@ from gateway.sim.outputs import count_tokens
 
 ENCODING_FORMATS = ("float", "base64")
 MAX_TOP_LOGPROBS = 20
+MAX_DIMENSIONS = 16384
+"""Wider than any embedding model served today (text-embedding-3-large: 3072)."""
+MAX_OUTPUT_FLOATS = 1 << 23
+"""Items times dimensions one embeddings answer may hold (32 MiB of float32): a request
+for more is refused, so no body under the server's size limit can make the sim build an
+answer larger than its memory."""
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:
@@ -107,10 +113,17 @@ def item_tokens(item: tuple[str, list[int] | None]) -> int:
     return len(tokens) if tokens is not None else count_tokens(text)
 
 
-def dimensions_of(body: dict[str, Any], default: int) -> int:
+def dimensions_of(body: dict[str, Any], default: int, items: int = 1) -> int:
+    """The embedding size asked for, within ``MAX_DIMENSIONS`` and, over ``items``
+    inputs, within ``MAX_OUTPUT_FLOATS``."""
     value = body.get("dimensions", default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadRequest("'dimensions' must be a positive integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIMENSIONS:
+        raise BadRequest(f"'dimensions' must be an integer in 1..{MAX_DIMENSIONS}")
+    if value * items > MAX_OUTPUT_FLOATS:
+        raise BadRequest(
+            f"{items} inputs of {value} dimensions exceed the {MAX_OUTPUT_FLOATS} values "
+            "one answer may hold; send fewer inputs per request"
+        )
     return value
 
 
