@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from tests.helpers import CHAT, send_raw, write_policy
+from tests.helpers import CHAT, parse_responses, send_raw, write_policy
 from tests.upstreams import Recorder
 
 
@@ -207,6 +207,38 @@ async def test_pipelined_requests_are_answered_in_order(v1_only):
         "/v1/models",
     ]
     assert answers[2].json()["choices"][0]["message"]["content"] == "echo: hello there"
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+async def test_nothing_after_a_request_that_closes_is_parsed_or_answered(
+    serve_app, start_gateway, tmp_path, version
+):
+    """RFC 9112 9.6: after ``Connection: close`` (or an HTTP/1.0 request without keep-alive)
+    the server processes no further request.  What the client sends after it, well formed
+    or not, while its answer is still on the way, is read and discarded: the one answer is
+    the last, and no "400" answers a request that was never processed."""
+    recorder = Recorder()
+    url = await serve_app(recorder.app())
+    policy = (
+        f"backends: {{main: {{url: '{url}'}}}}\nroutes: [{{match: {{path: '/*'}}, backend: main}}]"
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, policy))
+    last = get("/slow")
+    if version == "1.0":
+        last = last.replace(b"HTTP/1.1", b"HTTP/1.0").replace(b"Connection: close\r\n", b"")
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(last)
+    await asyncio.wait_for(recorder.arrived.wait(), 5)
+    writer.write(get("/v1/models?never") + b"\x00 not HTTP at all\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.05)  # read by the gateway while the answer is held
+    recorder.release.set()
+    raw = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert [a.status for a in parse_responses(raw)] == [200]
+    assert raw.count(b"HTTP/1.1 ") == 1  # llhttp would stop reading at the close: count
+    assert [s.path_qs for s in recorder.seen] == ["/slow"]
 
 
 async def test_a_bad_request_after_a_good_one_is_answered_after_it_then_closed(v1_only):

@@ -17,7 +17,10 @@ this module does what a parser does not.
   gateway answers in HTTP/1.1, so the body is read on by a fresh parser, primed with the
   head's own validated framing (its Content-Length, or chunked).
 - **Pipelining**: a request parsed while another is answered waits for its turn
-  (``turns``), and reading pauses; at most ``MAX_PIPELINED`` wait.
+  (``turns``), and reading pauses; at most ``MAX_PIPELINED`` wait.  Nothing after a
+  request that closes the connection (``Connection: close``, HTTP/1.0) is parsed or
+  answered (RFC 9112 9.6): it is read and discarded, so a client that pipelined past
+  its own close is not told "400" for requests that were never processed.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class ClientConnection(Turns):
         self._framing: bytes | None = None
         self._continuing = False
         self._upgrade_skipped = False
+        self._read_last = False  # a request that closes the connection was read whole
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -65,7 +69,7 @@ class ClientConnection(Turns):
         self._clock.arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering or self.closed:
+        if self._lingering or self.closed or self._read_last:
             return
         self._last_read = self._loop.time()
         try:
@@ -74,7 +78,8 @@ class ClientConnection(Turns):
             self._declined_upgrade(data[exc.args[0] :])
             return
         except httptools.HttpParserError as exc:
-            self._refuse(self._parse_error(exc))
+            if not self._read_last:  # else: bytes after the last request, discarded
+                self._refuse(self._parse_error(exc))
             return
         if self._state == HEAD:
             self._head_fed += len(data)
@@ -177,6 +182,7 @@ class ClientConnection(Turns):
     def _complete(self, request: Request) -> None:
         self._incoming = None
         self._state = WAIT
+        self._read_last = not request.keep_alive
         request.body = (
             request._chunks[0] if len(request._chunks) == 1 else b"".join(request._chunks)
         )
