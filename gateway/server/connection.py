@@ -20,7 +20,9 @@ this module does what a parser does not.
   (``turns``), and reading pauses; at most ``MAX_PIPELINED`` wait.  Nothing after a
   request that closes the connection (``Connection: close``, HTTP/1.0) is parsed or
   answered (RFC 9112 9.6): it is read and discarded, so a client that pipelined past
-  its own close is not told "400" for requests that were never processed.
+  its own close is not told "400" for requests that were never processed, and the close
+  then lingers, so that the bytes still on their way draw no reset that could cost the
+  client its answer.
 """
 
 from __future__ import annotations
@@ -69,7 +71,10 @@ class ClientConnection(Turns):
         self._clock.arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering or self.closed or self._read_last:
+        if self._lingering or self.closed:
+            return
+        if self._read_last:
+            self.discarded = True  # past the last request: the close lingers (turns)
             return
         self._last_read = self._loop.time()
         try:
@@ -78,7 +83,9 @@ class ClientConnection(Turns):
             self._declined_upgrade(data[exc.args[0] :])
             return
         except httptools.HttpParserError as exc:
-            if not self._read_last:  # else: bytes after the last request, discarded
+            if self._read_last:  # bytes after the last request: discarded
+                self.discarded = True
+            else:
                 self._refuse(self._parse_error(exc))
             return
         if self._state == HEAD:

@@ -78,6 +78,7 @@ class Turns(asyncio.Protocol, ABC):
         self._queue: deque[Request | GatewayError] = deque()
         self._reading_paused = False
         self._lingering = False
+        self.discarded = False  # input past the last request was thrown away
         self._accepted = self._loop.time()
         self._head_started = self._accepted
         self._last_read = self._accepted
@@ -154,7 +155,10 @@ class Turns(asyncio.Protocol, ABC):
         if self.closed:
             return
         if request._close_delimited or (not request._keep and not self._queue):
-            self.close()
+            if self.discarded:
+                self._linger()  # the client is still sending: no reset over its answer
+            else:
+                self.close()
             return
         if self._queue:
             if self.server.cutting:
