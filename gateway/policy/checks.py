@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import ipaddress
 
-from gateway.policy.model import Backend, RetryBudget, Route, Server, ThrottleRule, Tracing
+from gateway.policy.model import (
+    Backend,
+    RetryBudget,
+    Route,
+    Semantic,
+    Server,
+    ThrottleRule,
+    Tracing,
+)
 
 Found = list[tuple[str, str]]
 MAX_ENDPOINTS = 64
@@ -193,6 +201,47 @@ def check_backend(b: Backend) -> Found:
     return found
 
 
+def check_judge(semantic: Semantic) -> Found:
+    """``cache.semantic.judge``: sizes and rates that bound it, and a verifier score to
+    judge by (checked only when it is on)."""
+    judge = semantic.judge
+    if not judge.enabled:
+        return []
+    found: Found = []
+
+    def bad(key: str, message: str) -> None:
+        found.append((f"cache.semantic.judge.{key}" if key else "cache.semantic.judge", message))
+
+    if semantic.method != "embedding":
+        bad("enabled", "the judge needs `method: embedding` (it judges embedding misses)")
+    elif semantic.verifier == "rules":
+        bad("enabled", "the judge needs `verifier: learned` (its score marks the grey zone)")
+    elif semantic.embedder is not None and semantic.min_score is None:
+        bad(
+            "enabled",
+            "the judge needs the learned verifier, which runs with an `embedder` only "
+            "when `cache.semantic.min_score` is set",
+        )
+    if not 0 <= judge.min_score <= 1:
+        bad("min_score", "must be in [0, 1]")
+    elif semantic.min_score is not None and judge.min_score >= semantic.min_score:
+        bad(
+            "min_score",
+            f"must be below cache.semantic.min_score ({semantic.min_score:g}): the grey zone "
+            "lies between them, so nothing would be judged",
+        )
+    if judge.rate_per_s <= 0:
+        bad("rate_per_s", "must be greater than 0")
+    for key in ("burst", "max_pending", "max_aliases"):
+        if getattr(judge, key) < 1:
+            bad(key, "must be at least 1")
+    if judge.timeout_ms <= 0:
+        bad("timeout_ms", "must be greater than 0")
+    if judge.model is not None and not judge.model.strip():
+        bad("model", "must name a model (or leave it out: the request's model is used)")
+    return found
+
+
 def check_route(route: Route, backends: dict[str, Backend]) -> Found:
     """One route (its name and backend are the loader's, which sees them all)."""
     found: Found = []
@@ -237,6 +286,7 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             bad("cache.semantic.embedder", f"unknown backend {semantic.embedder!r}")
         if semantic.embedder_model is not None and semantic.embedder is None:
             bad("cache.semantic.embedder_model", "only applies with `embedder`")
+        found.extend(check_judge(semantic))
     if route.rate_limit is not None:
         limit = route.rate_limit
         if limit.requests_per_s is None and limit.tokens_per_min is None:

@@ -25,6 +25,7 @@ from gateway.policy.metadata import doc
 from gateway.policy.route import (
     Adaptive,
     Batch,
+    Judge,
     Match,
     Prewarm,
     Quality,
@@ -44,6 +45,7 @@ __all__ = [
     "CacheStore",
     "CircuitBreaker",
     "Discovery",
+    "Judge",
     "Match",
     "Metrics",
     "ModelPool",

@@ -18,6 +18,12 @@ DEFAULT_MAX_FALSE_HIT_RATE = 0.01
 DEFAULT_PREWARM_HORIZON_S = 600.0
 DEFAULT_PREWARM_HEADROOM = 1.2
 DEFAULT_RATE_LIMIT_REPLICAS = 1
+DEFAULT_JUDGE_MIN_SCORE = 0.5
+DEFAULT_JUDGE_RATE_PER_S = 1.0
+DEFAULT_JUDGE_BURST = 5
+DEFAULT_JUDGE_MAX_PENDING = 64
+DEFAULT_JUDGE_TIMEOUT_MS = 5000.0
+DEFAULT_JUDGE_MAX_ALIASES = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +39,45 @@ class Match:
     )
     model: str | None = field(
         default=None, metadata=doc("Glob on the body's `model` (OpenAI endpoints only).")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Judge:
+    """The backend as judge (opt-in): after a grey-zone embedding miss, the route's own
+    backend is asked, off the request path, whether the two questions ask the same thing;
+    a yes makes the new question an alias of the cached answer (docs/caching.md)."""
+
+    enabled: bool = field(default=False, metadata=doc("Ask the backend (off by default)."))
+    min_score: float = field(
+        default=DEFAULT_JUDGE_MIN_SCORE,
+        metadata=doc(
+            "The grey zone's floor: a candidate the learned verifier refused with a score "
+            "at least this (and no hard difference) is judged; below it, never."
+        ),
+    )
+    rate_per_s: float = field(
+        default=DEFAULT_JUDGE_RATE_PER_S,
+        metadata=doc("Judge calls per second at most, per route and process (token bucket)."),
+    )
+    burst: int = field(
+        default=DEFAULT_JUDGE_BURST, metadata=doc("Calls the bucket holds (its size).")
+    )
+    max_pending: int = field(
+        default=DEFAULT_JUDGE_MAX_PENDING,
+        metadata=doc("Pairs waiting to be judged at most; a pair past it is dropped, counted."),
+    )
+    timeout_ms: float = field(
+        default=DEFAULT_JUDGE_TIMEOUT_MS,
+        metadata=doc("Longest a judge call may take; past it the pair counts as an error."),
+    )
+    model: str | None = field(
+        default=None,
+        metadata=doc("The `model` the judge call names (default: the one the request named)."),
+    )
+    max_aliases: int = field(
+        default=DEFAULT_JUDGE_MAX_ALIASES,
+        metadata=doc("Aliases kept per route and process, least recently used first out."),
     )
 
 
@@ -97,6 +142,10 @@ class Semantic:
             "Embedding: the `model` sent to the `embedder` backend (servers hosting several "
             "models need it; TEI and single-model vLLM do not)."
         ),
+    )
+    judge: Judge = field(
+        default_factory=Judge,
+        metadata=doc("Embedding, learned verifier: the backend as judge of grey-zone misses."),
     )
 
 
