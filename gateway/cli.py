@@ -10,6 +10,7 @@ gateway cache-eval PAIRS.tsv... [--embedding] [--plot F.png] [--json]
                            precision / recall / false hits per cache tier, and curves
 gateway cache-eval --calibrate PAIRS.tsv [--max-false-hit-rate R]
                            the learned verifier's operating point for your own pairs
+gateway cache-eval --judge PAIRS.tsv [--judge-url URL]  the backend as judge, measured
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ def _parser() -> argparse.ArgumentParser:
     cache_eval.add_argument(
         "--plot", metavar="FILE.png", help="draw the precision-recall curves (needs matplotlib)"
     )
+    cache_eval.add_argument(
+        "--judge", action="store_true", help="the backend as judge's grey zone on PAIRS.tsv"
+    )
+    cache_eval.add_argument("--judge-url", help="--judge: ask this OpenAI-compatible server")
+    cache_eval.add_argument("--judge-model", help="--judge: the model to name (default: none)")
+    cache_eval.add_argument("--judge-limit", type=int, help="--judge: ask at most N pairs")
+    cache_eval.add_argument("--judge-header", action="append", default=[], help="--judge: header")
     cache_eval.set_defaults(run=_cache_eval)
 
     from gateway.sim.config import SimConfig
@@ -206,7 +214,7 @@ def _cache_eval(args: argparse.Namespace) -> int:
         print("error: give PAIRS.tsv files, or --calibrate PAIRS.tsv", file=sys.stderr)
         return 2
     embed = None
-    if args.embedding or args.calibrate or args.plot:
+    if args.embedding or args.calibrate or args.plot or args.judge:
         from gateway.cache.embedding import available
 
         ok, reason = available()
@@ -216,6 +224,21 @@ def _cache_eval(args: argparse.Namespace) -> int:
         embed = local_embed()
     if args.calibrate:
         return _calibrate(args.calibrate, embed, args.max_false_hit_rate, args.json)
+    if args.judge:
+        from gateway.cache.judge_eval import evaluate_judge, format_judge
+
+        headers = [tuple(h.split(":", 1)) for h in args.judge_header if ":" in h]
+        for path in args.pairs:
+            report = evaluate_judge(
+                path,
+                local_embed(),
+                url=args.judge_url,
+                model=args.judge_model,
+                headers=[(k.strip(), v.strip()) for k, v in headers],
+                limit=args.judge_limit,
+            )
+            print(format_judge(report))
+        return 0
     reports = []
     for path in args.pairs:
         try:

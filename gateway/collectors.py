@@ -36,11 +36,14 @@ class ConnectionCollector:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingFigures:
-    """One route's embedding tier at scrape time: vectors held, shared-index events."""
+    """One route's embedding tier at scrape time: vectors held, shared-index events, and
+    with a judge its verdicts and the aliases it holds."""
 
     route: str
     entries: int
     shared: Mapping[str, int] | None = None
+    judged: Mapping[str, int] | None = None
+    aliases: int = 0
 
 
 class EmbeddingCollector:
@@ -63,12 +66,32 @@ class EmbeddingCollector:
             "publish_error, read_error.",
             labels=["route", "event"],
         )
+        judged = CounterMetricFamily(
+            "gateway_cache_judge",
+            "Grey-zone embedding misses handed to a route's judge (the backend asked whether "
+            "two questions are the same), by verdict: yes (an alias was filed), no, error "
+            "(failed or timed out), dropped (the queue was full), rate_limited (over the "
+            "rate budget).",
+            labels=["route", "verdict"],
+        )
+        aliases = GaugeMetricFamily(
+            "gateway_cache_judge_aliases",
+            "Paraphrases a route's judge confirmed, held as aliases of cached entries in "
+            "this process.",
+            labels=["route"],
+        )
         for tier in self.tiers():
             entries.add_metric([tier.route], tier.entries)
             for event, count in sorted((tier.shared or {}).items()):
                 shared.add_metric([tier.route, event], count)
+            if tier.judged is not None:
+                for verdict, count in tier.judged.items():
+                    judged.add_metric([tier.route, verdict], count)
+                aliases.add_metric([tier.route], tier.aliases)
         yield entries
         yield shared
+        yield judged
+        yield aliases
 
 
 @dataclass(frozen=True, slots=True)

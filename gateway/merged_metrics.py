@@ -44,6 +44,7 @@ GAUGES: dict[str, Rule] = {
     "process_resident_memory_bytes": "sum",
     "process_virtual_memory_bytes": "sum",
     "process_open_fds": "sum",
+    "gateway_cache_judge_aliases": "sum",  # each process holds its own
     # one store's figures: each worker's with memory, the shared one's with Redis
     "gateway_cache_entries": "store",
     "gateway_cache_bytes": "store",

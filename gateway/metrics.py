@@ -147,7 +147,7 @@ class Metrics:
         self.cache_lookups = Counter(
             "gateway_cache_lookups",
             "Cache lookups by route, result (hit, miss, bypass) and "
-            "match (exact, simhash, embedding, none).",
+            "match (exact, simhash, embedding, judged, none).",
             ["route", "result", "match"],
             registry=r,
         )

@@ -80,6 +80,9 @@ NOTES = {
     "1200 B, Redis 2400 B).",
     "gateway_cache_store_up": "See [caching](caching.md#stores).",
     "gateway_cache_embedding_shared": "See [caching](caching.md#the-embedding-index-with-redis).",
+    "gateway_cache_judge": "Only routes with `cache.semantic.judge.enabled`; a hit through "
+    'an alias has `match="judged"` in `gateway_cache_lookups_total` '
+    "([caching](caching.md#the-backend-as-judge)).",
     "gateway_batch_splits": "`5xx` because MLServer and KServe answer 500 to a malformed "
     "row; at most 2 ceil(log2 n) extra calls a batch.",
     "gateway_gpu_memory_used_ratio": "Meaningless for vLLM, which pre-allocates ~90%: watch "

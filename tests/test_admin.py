@@ -164,6 +164,8 @@ def test_metric_names_are_the_public_contract():
         "gateway_cache_embedding_entries",
         "gateway_cache_embedding_shared",
         "gateway_cache_entries",
+        "gateway_cache_judge",
+        "gateway_cache_judge_aliases",
         "gateway_cache_lookup_seconds",
         "gateway_cache_lookups",
         "gateway_cache_store_errors",

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache import embedding
+from gateway.cache.embedding.judge import VERDICTS
 from gateway.cache.embedding_seam import (
     EMBEDDING,
     EmbeddingContext,
@@ -135,6 +136,8 @@ class CacheStage:
                 name,
                 len(tier),
                 tier.shared.counts if tier.shared is not None else None,
+                {v: tier.judge.counts[v] for v in VERDICTS} if tier.judge is not None else None,
+                len(tier.judge) if tier.judge is not None else 0,
             )
             for name, rules in self._routes.items()
             if isinstance(tier := rules.embedding, embedding.EmbeddingTier)
@@ -165,10 +168,11 @@ class CacheStage:
                 route.name, self._state.store, policy, runtime.transport, runtime.clock
             )
             embedder = policy.backend(semantic.embedder) if semantic.embedder else None
+            judge = policy.backend(route.backend) if semantic.judge.enabled else None
             tier = runtime.registry.get(
                 EMBEDDING_TIERS,
                 route.name,
-                (semantic, policy.cache, embedder),
+                (semantic, policy.cache, embedder, judge),
                 lambda: build_tier(semantic, context, self._embedding_tiers),
             )
         return RouteRules(route, rule, cache, tier, runtime)
@@ -257,7 +261,7 @@ class CacheStage:
             if key.context is not None:
                 hit = await rules.cache.lookup(key, exact=False)
                 if hit is None and rules.embedding is not None and key.prompt is not None:
-                    hit = await self._embedding_lookup(rules, rules.embedding, key)
+                    hit = await self._embedding_lookup(rules, rules.embedding, key, call)
         ended = time.perf_counter()
         rules.lookup_seconds.observe(ended - started)
         if call.record is not None:
@@ -265,11 +269,16 @@ class CacheStage:
         return hit, key
 
     async def _embedding_lookup(
-        self, rules: RouteRules, tier: EmbeddingLookup, key: RequestKey
+        self, rules: RouteRules, tier: EmbeddingLookup, key: RequestKey, call: Call
     ) -> Hit | None:
-        assert key.prompt is not None
+        assert key.prompt is not None and call.json is not None
         try:
-            hit = await tier.lookup(key, key.prompt)
+            if isinstance(tier, embedding.EmbeddingTier):  # the judge names the asked model
+                model = call.json.get("model")
+                asked = model if isinstance(model, str) else None
+                hit = await tier.lookup(key, key.prompt, model=asked)
+            else:
+                hit = await tier.lookup(key, key.prompt)
         except Exception:
             log.exception("route %s: embedding tier lookup failed (a miss)", rules.name)
             return None

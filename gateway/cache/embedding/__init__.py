@@ -7,6 +7,7 @@ learned.py  the learned verifier (the default): hard differences, then a calibra
 local.py    the local model (the ``embedding`` extra): MiniLM int8 ONNX on onnxruntime
 backend.py  a policy backend's /v1/embeddings instead of the local model
 shared.py   SharedIndex: with the Redis store, every replica's index entries in one stream
+judge.py    BackendJudge (opt-in): the route's backend confirms grey-zone misses as aliases
 
 This package imports without the extra (numpy only); ``available()`` says whether the
 local model can run, and ``from_semantic`` builds a route's tier from its policy and an
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from gateway.cache.embedding import learned, local
 from gateway.cache.embedding.backend import BackendEmbedder
+from gateway.cache.embedding.judge import BackendJudge
 from gateway.cache.embedding.local import MODEL_NAME, LocalEmbedder, LocalModel
 from gateway.cache.embedding.shared import SharedIndex
 from gateway.cache.embedding.tier import (
@@ -47,6 +49,7 @@ __all__ = [
     "EMBEDDING",
     "RULES_THRESHOLD",
     "BackendEmbedder",
+    "BackendJudge",
     "Embed",
     "EmbeddingContext",
     "EmbeddingTier",
@@ -88,6 +91,9 @@ def from_semantic(semantic: Semantic, context: EmbeddingContext) -> EmbeddingTie
     identity: the local model's name, or the backend's name, ``model_version`` and
     ``embedder_model``.
 
+    With ``judge.enabled`` (and the learned verifier) the tier's judge asks the route's own
+    backend.
+
     Raises
     ``ImportError`` naming the install command when the local model is needed but the
     extra is missing, ``KeyError`` for an unknown ``embedder`` backend.
@@ -105,7 +111,19 @@ def from_semantic(semantic: Semantic, context: EmbeddingContext) -> EmbeddingTie
         embed = embedder
         identity = f"local:{MODEL_NAME}"
     verifier = learned.verifier_for(semantic) if learned.uses_learned(semantic) else rules
-    tier = EmbeddingTier(context.store, embed, threshold=semantic.threshold, verifier=verifier)
+    judge = None
+    if semantic.judge.enabled and verifier is not rules:
+        route = next(r for r in context.policy.routes if r.name == context.route)
+        judge = BackendJudge(
+            semantic.judge,
+            context.transport,
+            context.policy.backend(route.backend),
+            clock=context.clock,
+            route=context.route,
+        )
+    tier = EmbeddingTier(
+        context.store, embed, threshold=semantic.threshold, verifier=verifier, judge=judge
+    )
     if isinstance(context.store, RedisStore):
         tier.share(context.store, context.route, identity, context.clock)
     return tier

@@ -211,14 +211,18 @@ class LearnedVerifier:
         self.min_score = min_score
 
     def __call__(self, first: str, second: str, cosine: float) -> Verdict:
+        return self.assess(first, second, cosine)[0]
+
+    def assess(self, first: str, second: str, cosine: float) -> tuple[Verdict, float]:
+        """The verdict and the score it was given by (-1 for a hard difference): the
+        judge's grey zone is read from the score of a refused pair."""
         a, b = normalize(first), normalize(second)
         found = verdicts(a, b)
         reason = hard_difference(a, b, found)
         if reason:
-            return Verdict(False, reason)
-        if self.model.raw_score(features(a, b, cosine, found)) >= self.min_score:
-            return guard.PASS
-        return Verdict(False, SCORE)
+            return Verdict(False, reason), -1.0
+        score = self.model.raw_score(features(a, b, cosine, found))
+        return (guard.PASS if score >= self.min_score else Verdict(False, SCORE)), score
 
     def __repr__(self) -> str:
         return f"<LearnedVerifier min_score={self.min_score:.3f}>"
@@ -236,9 +240,11 @@ def uses_learned(semantic: Semantic) -> bool:
 def in_force(semantic: Semantic) -> dict[str, object]:
     """The operating point a route's ``cache.semantic`` runs at, as ``GET /policy`` shows
     it: from ``min_score`` when set (with the shipped calibration's figures there), else
-    from the error budget."""
+    from the error budget; and the judge's settings, with the grey zone it judges."""
     if not uses_learned(semantic):
         why = "policy" if semantic.verifier == "rules" else "embedder without min_score"
+        if semantic.judge.enabled:  # refused at load; shown here for a policy made in code
+            return {"verifier": "rules", "why": why, "judge": {"enabled": False, "why": why}}
         return {"verifier": "rules", "why": why}
     model = shipped()
     wanted = semantic.min_score
@@ -248,12 +254,25 @@ def in_force(semantic: Semantic) -> dict[str, object]:
     else:
         point = model.operating_point(semantic.max_false_hit_rate)
         chosen = {"from": "max_false_hit_rate", "min_score": point.min_score}
+    judge = semantic.judge
     return {
         "verifier": "learned",
         "max_false_hit_rate": semantic.max_false_hit_rate,
         **chosen,
         "calibration": model.source,
         "calibrated": point.as_dict(),
+        "judge": {
+            "enabled": True,
+            "grey_zone": [judge.min_score, chosen["min_score"]],
+            "rate_per_s": judge.rate_per_s,
+            "burst": judge.burst,
+            "max_pending": judge.max_pending,
+            "timeout_ms": judge.timeout_ms,
+            "model": judge.model or "the request's",
+            "max_aliases": judge.max_aliases,
+        }
+        if judge.enabled
+        else {"enabled": False},
     }
 
 

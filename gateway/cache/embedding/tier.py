@@ -13,6 +13,11 @@ includes the tenant scope), and returns the first candidate that
    point of the route's error budget), or the rules (``verify``: the near-duplicate
    guard, or its checks over reworded question frames).
 
+With a judge (``judge.py``, opt-in), a lookup first asks whether the message is an alias
+the judge confirmed for this context (no embedding needed), and a miss whose best refused
+candidate scored in the grey zone (no hard difference, a score >= the judge's floor) hands
+that pair to the judge, off the request path.
+
 The index is held in this process (one ``VectorIndex`` per context), bounded by
 ``max_entries`` across contexts, least recently used first out.  Over the Redis store it is
 shared (``share``, ``shared.py``): what any replica indexes reaches every replica's index
@@ -32,19 +37,23 @@ from typing import Any
 import numpy as np
 
 from gateway.cache.embedding.index import VectorIndex
+from gateway.cache.embedding.judge import BackendJudge, Pair
+from gateway.cache.embedding.learned import SCORE, LearnedVerifier
 from gateway.cache.embedding.shared import SharedIndex
 from gateway.cache.embedding.verify import verify
 from gateway.cache.guard import Verdict
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores.base import CacheStore
 from gateway.cache.stores.redis import RedisStore
-from gateway.cache.tiers import Hit
+from gateway.cache.tiers import Hit, prompt_form
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import GatewayError, StoreError
 
 log = logging.getLogger("gateway.cache")
 
 EMBEDDING = "embedding"
+JUDGED = "judged"
+"""The match of a hit through an alias the judge confirmed."""
 DEFAULT_THRESHOLD = 0.80
 """Cosine similarity a candidate needs before the learned verifier scores it: below it,
 the development pairs the verifier would accept are too few to matter (docs/caching.md),
@@ -84,6 +93,7 @@ class EmbeddingTier:
         max_candidates: int = MAX_CANDIDATES,
         name: str = "",
         verifier: Verifier = rules,
+        judge: BackendJudge | None = None,
     ) -> None:
         if threshold is None:
             threshold = RULES_THRESHOLD if verifier is rules else DEFAULT_THRESHOLD
@@ -94,6 +104,7 @@ class EmbeddingTier:
             raise ValueError("max_entries and max_candidates must be >= 1")
         self.store = store
         self.verifier = verifier
+        self.judge = judge if isinstance(verifier, LearnedVerifier) else None
         self.threshold = threshold
         self.max_entries = max_entries
         self.max_candidates = max_candidates
@@ -124,8 +135,13 @@ class EmbeddingTier:
         )
         return self.shared
 
-    async def lookup(self, key: RequestKey, text: str) -> Hit | None:
-        """A verified cached answer to a paraphrase of ``text`` in ``key``'s context."""
+    async def lookup(self, key: RequestKey, text: str, *, model: str | None = None) -> Hit | None:
+        """A verified cached answer to a paraphrase of ``text`` in ``key``'s context
+        (``model``: the one the request named, for the judge)."""
+        if self.judge is not None and key.context is not None and len(self.judge):
+            hit = await self._aliased(key, text)
+            if hit is not None:
+                return hit
         vector: np.ndarray | None = None
         embedded = False
         if self.shared is not None and key.context is not None:
@@ -143,6 +159,7 @@ class EmbeddingTier:
         if vector is None or vector.shape[0] != index.dims:
             self.results["miss"] += 1
             return None
+        grey: tuple[float, Pair] | None = None
         for entry_key, similarity in index.search(vector, self.threshold, self.max_candidates):
             try:
                 entry = await self.store.get(entry_key)
@@ -157,7 +174,28 @@ class EmbeddingTier:
             if entry.scope != key.scope or entry.context != key.context or entry.prompt is None:
                 self.rejections["scope"] += 1
                 continue
-            verdict = self.verifier(entry.prompt, text, similarity)
+            if self.judge is None:
+                verdict = self.verifier(entry.prompt, text, similarity)
+            else:
+                assert isinstance(self.verifier, LearnedVerifier) and key.context is not None
+                verdict, score = self.verifier.assess(entry.prompt, text, similarity)
+                if (
+                    verdict.reason == SCORE
+                    and score >= self.judge.settings.min_score
+                    and (grey is None or score > grey[0])
+                ):
+                    pair = Pair(
+                        key.context,
+                        key.scope,
+                        text,
+                        prompt_form(text),
+                        entry.prompt,
+                        entry_key,
+                        entry.created_at,
+                        similarity,
+                        model,
+                    )
+                    grey = (score, pair)
             if not verdict.ok:
                 self.rejections[verdict.reason] += 1
                 continue
@@ -166,7 +204,36 @@ class EmbeddingTier:
             self.results[EMBEDDING] += 1
             return Hit(entry, EMBEDDING, similarity, entry_key)
         self.results["miss"] += 1
+        if grey is not None and self.judge is not None:
+            self.results[f"judge_{self.judge.submit(grey[1])}"] += 1
         return None
+
+    async def _aliased(self, key: RequestKey, text: str) -> Hit | None:
+        """The entry a judge's alias names for ``text``, while it is still the entry that
+        was judged, of this tenant and context."""
+        assert self.judge is not None and key.context is not None
+        form = prompt_form(text)
+        alias = self.judge.alias(key.context, form)
+        if alias is None:
+            return None
+        try:
+            entry = await self.store.get(alias.entry_key)
+        except StoreError as exc:
+            log.debug("embedding tier (%s): store failed: %s", self.name, exc)
+            self.results["store_error"] += 1
+            return None
+        if (
+            entry is None
+            or entry.created_at != alias.created_at
+            or entry.scope != key.scope
+            or entry.scope != alias.scope
+            or entry.context != key.context
+        ):
+            self.judge.drop(key.context, form)
+            self.results["alias_stale"] += 1
+            return None
+        self.results[JUDGED] += 1
+        return Hit(entry, JUDGED, alias.similarity, alias.entry_key)
 
     async def add(self, key: RequestKey, text: str, entry_key: str) -> None:
         """Index ``text``, the final user message of the entry stored under ``entry_key``."""
@@ -211,9 +278,11 @@ class EmbeddingTier:
             self.results["evicted"] += 1
 
     def forget(self, entry_key: str) -> bool:
-        """Drop ``entry_key`` from the index (e.g. after a purge); False if not indexed."""
+        """Drop ``entry_key`` from the index and the judge's aliases (e.g. after a purge);
+        False if it was in neither."""
+        aliases = self.judge.forget(entry_key) if self.judge is not None else 0
         if entry_key not in self._lru:
-            return False
+            return aliases > 0
         self._forget(entry_key)
         return True
 
@@ -222,8 +291,15 @@ class EmbeddingTier:
         self._indexes.clear()
         self._lru.clear()
 
+    def drain(self) -> None:
+        """Shutdown has begun: the judge takes no more pairs."""
+        if self.judge is not None:
+            self.judge.drain()
+
     async def aclose(self) -> None:
-        """Stop reading the shared stream (when a reload replaces the tier)."""
+        """Stop reading the shared stream and judging (when a reload replaces the tier)."""
+        if self.judge is not None:
+            await self.judge.aclose()
         if self.shared is not None:
             await self.shared.aclose()
 
@@ -280,6 +356,7 @@ class EmbeddingTier:
             f"verifier={_verifier_name(self.verifier)} "
             f"entries={len(self)}/{self.max_entries} contexts={self.contexts} "
             f"rejected={rejected}{' ' + results if results else ''}"
+            f"{' judge=' + str(len(self.judge)) + '_aliases' if self.judge is not None else ''}"
             f"{' shared=' + self.shared.last_id if self.shared is not None else ''}>"
         )
 
