@@ -415,3 +415,69 @@ async def test_cache_eval_judge_asks_a_served_model_about_the_grey_zone(serve_ap
     tier = re.search(r"defaults .*: precision ([\d.]+), recall ([\d.]+)", report)
     assert judged is not None and tier is not None, report
     assert float(judged[2]) > float(tier[2]) and float(judged[1]) == 1.0
+
+
+# --- mode: inline ---------------------------------------------------------------------------
+
+
+async def test_inline_a_yes_answers_the_paraphrase_from_the_cache_at_once(judged):
+    """The call the judge saves: the paraphrase's first ask waits for one short judge call
+    and is answered with the stored answer, never generated."""
+    gw = await judged({"mode": "inline"})
+    stored = await gw.post(ASKED)
+    first = await gw.post(PARAPHRASE)
+    assert first.headers["X-Gateway-Cache"] == "hit"
+    assert first.headers["X-Gateway-Cache-Match"] == "judged"
+    assert first.json()["id"] == stored.json()["id"]
+    assert len(gw.backend.judged) == 1 and gw.backend.answers == 1
+    again = await gw.post(PARAPHRASE, ALICE, NO_STORE)  # now an alias: no second call
+    assert again.headers["X-Gateway-Cache-Match"] == "judged"
+    assert len(gw.backend.judged) == 1
+    assert gw.tier.judge.pending == 0 and gw.tier.results["judge_inline_True"] == 1
+    text = await gw.metrics()
+    assert metric(text, "gateway_cache_judge_total", route="chat", verdict="yes") == 1
+
+
+async def test_inline_a_no_is_generated_and_never_asked_again(judged):
+    gw = await judged({"mode": "inline"})
+    gw.backend.verdict = "NO"
+    stored = await gw.post(ASKED)
+    first = await gw.post(PARAPHRASE, ALICE, NO_STORE)
+    assert first.headers["X-Gateway-Cache"] == "miss"
+    assert first.json()["id"] != stored.json()["id"]
+    again = await gw.post(PARAPHRASE, ALICE, NO_STORE)
+    assert again.headers["X-Gateway-Cache"] == "miss"
+    assert len(gw.backend.judged) == 1 and gw.backend.answers == 3
+
+
+async def test_inline_a_judge_slower_than_its_timeout_or_failing_costs_only_the_wait(judged):
+    gw = await judged({"mode": "inline", "timeout_ms": 100})
+    gw.backend.verdict = "hang"
+    await gw.post(ASKED)
+    slow = await gw.post(PARAPHRASE, ALICE, NO_STORE)
+    assert slow.headers["X-Gateway-Cache"] == "miss" and gw.backend.answers == 2
+    gw.backend.verdict = "fail"
+    failed = await gw.post(OTHERS[0], ALICE, NO_STORE)
+    assert failed.headers["X-Gateway-Cache"] == "miss" and gw.backend.answers == 3
+    assert gw.tier.judge.counts["error"] == 2 and gw.tier.judge.pending == 0
+    gw.backend.release.set()
+
+
+async def test_inline_the_rate_budget_bounds_the_calls_and_an_unjudged_miss_is_generated(judged):
+    gw = await judged({"mode": "inline", "rate_per_s": 0.5, "burst": 1})
+    gw.backend.verdict = "NO"
+    await gw.post(ASKED)
+    for text in OTHERS[:3]:
+        assert (await gw.post(text, ALICE, NO_STORE)).headers["X-Gateway-Cache"] == "miss"
+    assert len(gw.backend.judged) == 1 and gw.tier.judge.counts["rate_limited"] == 2
+    gw.clock.advance(2.0)
+    await gw.post(OTHERS[3], ALICE, NO_STORE)
+    assert len(gw.backend.judged) == 2
+
+
+async def test_inline_another_tenant_is_never_answered_by_a_judged_entry(judged):
+    gw = await judged({"mode": "inline"})
+    stored = await gw.post(ASKED, ALICE)
+    bobs = await gw.post(PARAPHRASE, BOB)
+    assert bobs.headers["X-Gateway-Cache"] == "miss" and bobs.json()["id"] != stored.json()["id"]
+    assert gw.backend.judged == []  # Alice's entry is no candidate for Bob at all

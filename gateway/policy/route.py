@@ -45,10 +45,19 @@ class Match:
 @dataclass(frozen=True, slots=True)
 class Judge:
     """The backend as judge (opt-in): after a grey-zone embedding miss, the route's own
-    backend is asked, off the request path, whether the two questions ask the same thing;
-    a yes makes the new question an alias of the cached answer (docs/caching.md)."""
+    backend is asked whether the two questions ask the same thing; a yes makes the new
+    question an alias of the cached answer, and ``inline`` serves it (docs/caching.md)."""
 
     enabled: bool = field(default=False, metadata=doc("Ask the backend (off by default)."))
+    mode: Literal["background", "inline"] = field(
+        default="background",
+        metadata=doc(
+            "`background`: judged after the miss, off the request path; a yes serves the "
+            "paraphrase's later repeats. `inline`: the miss waits for the verdict (at most "
+            "`timeout_ms`, within the same budget) and a yes is answered from the cache at "
+            "once: one short judge call instead of a whole generation."
+        ),
+    )
     min_score: float = field(
         default=DEFAULT_JUDGE_MIN_SCORE,
         metadata=doc(

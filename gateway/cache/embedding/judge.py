@@ -4,7 +4,9 @@ The embedding tier refuses a candidate whose learned score is below the route's
 ``min_score``.  Between that score and ``judge.min_score`` lies the *grey zone*: pairs the
 verifier cannot call.  With ``cache.semantic.judge.enabled`` the tier hands the best
 grey-zone candidate of a miss (a ``Pair``: the context, the asked message, the candidate's
-stored message and entry) to the route's ``BackendJudge``, which, off the request path:
+stored message and entry) to the route's ``BackendJudge``, which, off the request path
+(``mode: background``; ``mode: inline`` asks the same way, on the request's time, see
+``decide``):
 
 * keeps at most ``max_pending`` pairs waiting (one past it is dropped, counted) and sends
   at most ``rate_per_s`` calls a second, ``burst`` at once (a token bucket on the gateway's
@@ -184,11 +186,8 @@ class BackendJudge:
         if self._queue.full():
             self.counts["dropped"] += 1
             return "dropped"
-        self._bucket.refill(self._clock.now())
-        if self._bucket.level < 1.0:
-            self.counts["rate_limited"] += 1
+        if not self._spend():
             return "rate_limited"
-        self._bucket.level -= 1.0
         self._queue.put_nowait(pair)
         self._pending.add(key)
         if self._task is None or self._task.done():
@@ -196,6 +195,41 @@ class BackendJudge:
                 self._run(), name=f"judge {self.route}"
             )
         return "queued"
+
+    async def decide(self, pair: Pair) -> bool | None:
+        """``mode: inline``: the verdict on ``pair`` now, on the request's time.  None when
+        there is none to be had: the pair is being judged already, ``max_pending`` pairs
+        are, the rate budget is spent (each counted as in ``submit``), or the call failed
+        or took longer than ``timeout_ms``.  A known verdict is given at once."""
+        if self._closed:
+            return None
+        key = pair.key
+        known = self._verdicts.get(key)
+        if known is not None:
+            if known:
+                self._file(pair)
+            return known
+        if key in self._pending:
+            return None
+        if len(self._pending) >= self.settings.max_pending:
+            self.counts["dropped"] += 1
+            return None
+        if not self._spend():
+            return None
+        self._pending.add(key)
+        try:
+            return await self._judge(pair)
+        finally:
+            self._pending.discard(key)
+
+    def _spend(self) -> bool:
+        """One call's worth of the rate budget, if there is one (else counted)."""
+        self._bucket.refill(self._clock.now())
+        if self._bucket.level < 1.0:
+            self.counts["rate_limited"] += 1
+            return False
+        self._bucket.level -= 1.0
+        return True
 
     def alias(self, context: str, form: str) -> Alias | None:
         """The alias filed for ``form`` in ``context``, if any."""
@@ -259,7 +293,8 @@ class BackendJudge:
             finally:
                 self._pending.discard(pair.key)
 
-    async def _judge(self, pair: Pair) -> None:
+    async def _judge(self, pair: Pair) -> bool | None:
+        """The verdict on ``pair`` (None: none came), counted, remembered, a yes filed."""
         timeout_s = self.settings.timeout_ms / 1000.0
         try:
             same = await asyncio.wait_for(self.ask(pair.cached, pair.asked, pair.model), timeout_s)
@@ -267,11 +302,11 @@ class BackendJudge:
             self.counts["error"] += 1
             level = logging.DEBUG if self.counts["error"] > 1 else logging.WARNING
             log.log(level, "judge (%s): no verdict: %s", self.route, exc or type(exc).__name__)
-            return
+            return None
         except Exception:
             self.counts["error"] += 1
             log.exception("judge (%s): the call failed", self.route)
-            return
+            return None
         self.counts["yes" if same else "no"] += 1
         self._verdicts[pair.key] = same
         self._verdicts.move_to_end(pair.key)
@@ -279,6 +314,7 @@ class BackendJudge:
             self._verdicts.popitem(last=False)
         if same:
             self._file(pair)
+        return same
 
     def _file(self, pair: Pair) -> None:
         key = (pair.context, pair.form)

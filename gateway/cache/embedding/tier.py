@@ -16,7 +16,8 @@ includes the tenant scope), and returns the first candidate that
 With a judge (``judge.py``, opt-in), a lookup first asks whether the message is an alias
 the judge confirmed for this context (no embedding needed), and a miss whose best refused
 candidate scored in the grey zone (no hard difference, a score >= the judge's floor) hands
-that pair to the judge, off the request path.
+that pair to the judge, off the request path (``mode: background``), or asks it then and
+there and, on a yes, answers from that candidate (``mode: inline``).
 
 The index is held in this process (one ``VectorIndex`` per context), bounded by
 ``max_entries`` across contexts, least recently used first out.  Over the Redis store it is
@@ -41,6 +42,7 @@ from gateway.cache.embedding.judge import BackendJudge, Pair
 from gateway.cache.embedding.learned import SCORE, LearnedVerifier
 from gateway.cache.embedding.shared import SharedIndex
 from gateway.cache.embedding.verify import verify
+from gateway.cache.entry import CachedResponse
 from gateway.cache.guard import Verdict
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores.base import CacheStore
@@ -159,7 +161,7 @@ class EmbeddingTier:
         if vector is None or vector.shape[0] != index.dims:
             self.results["miss"] += 1
             return None
-        grey: tuple[float, Pair] | None = None
+        grey: tuple[float, Pair, CachedResponse] | None = None
         for entry_key, similarity in index.search(vector, self.threshold, self.max_candidates):
             try:
                 entry = await self.store.get(entry_key)
@@ -195,7 +197,7 @@ class EmbeddingTier:
                         similarity,
                         model,
                     )
-                    grey = (score, pair)
+                    grey = (score, pair, entry)
             if not verdict.ok:
                 self.rejections[verdict.reason] += 1
                 continue
@@ -203,9 +205,17 @@ class EmbeddingTier:
                 self._lru.move_to_end(entry_key)
             self.results[EMBEDDING] += 1
             return Hit(entry, EMBEDDING, similarity, entry_key)
-        self.results["miss"] += 1
         if grey is not None and self.judge is not None:
-            self.results[f"judge_{self.judge.submit(grey[1])}"] += 1
+            _, pair, entry = grey
+            if self.judge.settings.mode == "inline":
+                same = await self.judge.decide(pair)
+                self.results[f"judge_inline_{'none' if same is None else same}"] += 1
+                if same:
+                    self.results[JUDGED] += 1
+                    return Hit(entry, JUDGED, pair.similarity, pair.entry_key)
+            else:
+                self.results[f"judge_{self.judge.submit(pair)}"] += 1
+        self.results["miss"] += 1
         return None
 
     async def _aliased(self, key: RequestKey, text: str) -> Hit | None:
