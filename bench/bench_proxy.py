@@ -26,6 +26,8 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import json
+import math
 import os
 import shutil
 import statistics
@@ -51,6 +53,20 @@ from bench.common import (
 
 BODY = '{"model":"bench","messages":[{"role":"user","content":"hello there"}],"temperature":0}'
 STREAM_BODY = BODY[:-1] + ',"stream":true}'
+CONVERSATION = json.dumps(
+    {
+        "model": "bench",
+        "messages": [
+            {
+                "role": "user" if i % 2 == 0 else "assistant",
+                "content": "Tell me more about the history of Rome and its emperors, please. " * 5,
+            }
+            for i in range(60)
+        ],
+        "temperature": 0,
+    }
+)
+"""A 60-turn conversation of about 21 KB: what a chat client sends once a talk is long."""
 NGINX_CONF = """
 worker_processes {workers};
 daemon off;
@@ -138,16 +154,21 @@ for _ in range(n):
 
 
 def instructions_per_request(
-    cwd: Path, backend_port: int, tmp: Path, n: int = 1000, tracing: float | None = None
+    cwd: Path,
+    backend_port: int,
+    tmp: Path,
+    n: int = 1000,
+    tracing: float | None = None,
+    body: str = BODY,
 ) -> float:
-    """User-space instructions the gateway in checkout ``cwd`` executes per small chat
-    request, counted by callgrind over ``n`` requests on one connection after a warm-up:
-    a figure that, unlike time, the machine's other load does not move.  NaN without
-    valgrind."""
+    """User-space instructions the gateway in checkout ``cwd`` executes per chat request
+    with ``body``, counted by callgrind over ``n`` requests on one connection after a
+    warm-up: a figure that, unlike time, the machine's other load does not move.  NaN
+    without valgrind."""
     if not have("valgrind") or not have("callgrind_control"):
         return float("nan")
     client = tmp / "client.py"
-    client.write_text(CLIENT % BODY.encode())
+    client.write_text(CLIENT % body.encode())
     port, admin = free_port(), free_port()
     out = tmp / f"callgrind.{port}"
     args = [
@@ -417,18 +438,25 @@ def run(
                 started.__exit__(None, None, None)
             if nginx is not None:
                 nginx.__exit__(None, None, None)
-        counted = {"gateway": instructions_per_request(ROOT, backend_port, tmp)}
-        for baseline in baselines or []:
-            counted[baseline_label(baseline)] = instructions_per_request(
-                baseline, backend_port, tmp
+        counted: dict[str, tuple[float, float]] = {}
+        checkouts = [("gateway", ROOT), *((baseline_label(b), b) for b in baselines or [])]
+        for name, checkout in checkouts:
+            counted[name] = (
+                instructions_per_request(checkout, backend_port, tmp),
+                instructions_per_request(checkout, backend_port, tmp, n=300, body=CONVERSATION),
             )
         if tracing is not None:
-            counted[traced_label(tracing)] = instructions_per_request(
-                ROOT, backend_port, tmp, tracing=tracing
+            counted[traced_label(tracing)] = (
+                instructions_per_request(ROOT, backend_port, tmp, tracing=tracing),
+                float("nan"),
             )
     return report(
         rows, rss, duration, rounds, breakdown, counted, tracing, workers, rss_workers, meter
     )
+
+
+def _thousands(count: float) -> str:
+    return "-" if math.isnan(count) else f"{count / 1000:,.0f}k"
 
 
 def report(
@@ -437,7 +465,7 @@ def report(
     duration: int,
     rounds: int,
     breakdown: list[tuple[str, float]],
-    counted: dict[str, float],
+    counted: dict[str, tuple[float, float]],
     tracing: float | None = None,
     workers: int = 1,
     rss_workers: tuple[float, float, list[float]] = (float("nan"), float("nan"), []),
@@ -547,14 +575,17 @@ def report(
     if counted:
         lines += [
             "",
-            "User-space instructions per small chat request (callgrind, 1000 requests on one "
-            "connection after 200 to warm up; unlike time, the machine's other load does not "
-            "move this figure):",
+            "User-space instructions per chat request (callgrind, on one connection after 200 "
+            "requests to warm up: 1000 of the small chat body, 300 of a 60-turn conversation "
+            "of 21 KB; unlike time, the machine's other load does not move this figure):",
             "",
-            "| gateway | instructions per request |",
-            "|---|---|",
+            "| gateway | small chat body | 21 KB conversation |",
+            "|---|---|---|",
         ]
-        lines += [f"| {name} | {count / 1000:.0f}k |" for name, count in counted.items()]
+        lines += [
+            f"| {name} | {_thousands(small)} | {_thousands(long_)} |"
+            for name, (small, long_) in counted.items()
+        ]
     if "nginx" in by and ratio < 0.30:
         per_request_us = 1e6 / g["rps"]
         needed_us = 1e6 / (0.30 * by["nginx"]["rps"])

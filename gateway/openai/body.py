@@ -24,7 +24,24 @@ from gateway.errors import BadRequest, BodyTooLarge, UnsupportedEncoding
 
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 20
-_LONG_NUMBER = re.compile(rb"\d{%d}|[eE][+-]?\d{3}" % (MAX_INT_DIGITS + 1))
+_SHAPES = bytes(
+    0x30
+    if 0x30 <= b <= 0x39
+    else 0x65
+    if b in b"eE"
+    else 0x2B
+    if b in b"+-"
+    else 0x5B
+    if b in b"[{"
+    else b
+    if b in b"\\u"
+    else 0x20
+    for b in range(256)
+)
+"""What the screens look for, in one pass over the body: every digit to ``0``, ``e``/``E``
+to ``e``, ``+``/``-`` to ``+``, ``[``/``{`` to ``[``, ``\\`` and ``u`` as they are, all
+else to a space."""
+_LONG_RUN = b"0" * (MAX_INT_DIGITS + 1)
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKETS = re.compile(rb"[\[\]{}]")
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -54,9 +71,10 @@ def decode(body: bytes, encoding: str, limit: int) -> bytes:
 
 def loads(body: bytes) -> Any:
     """``body`` parsed as strict JSON; ``BadRequest`` for anything else."""
-    if _depth_over(body):
+    shapes = body.translate(_SHAPES)
+    if shapes.count(b"[") > MAX_DEPTH and _depth_over(body):
         raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")
-    decoder = _BOUNDED if _LONG_NUMBER.search(body) else _STRICT
+    decoder = _BOUNDED if _long_number(shapes) else _STRICT
     try:
         # json.loads(body, **hooks) would build a decoder per call; these are built once
         data = decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
@@ -64,7 +82,7 @@ def loads(body: bytes) -> Any:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     except (ValueError, RecursionError) as exc:  # the hooks' refusals, a digit limit
         raise BadRequest(f"request body is not acceptable JSON: {exc}") from exc
-    if b"\\u" in body:
+    if b"\\u" in shapes:
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -72,9 +90,17 @@ def loads(body: bytes) -> Any:
     return data
 
 
+def _long_number(shapes: bytes) -> bool:
+    """Whether the body (as ``_SHAPES``) holds a run of more than ``MAX_INT_DIGITS`` digits
+    or an exponent of three digits or more (anywhere, strings included: a screen).  The
+    regular expression ``\\d{21}|[eE][+-]?\\d{3}`` says the same, but the regex engine tries
+    it at every byte (0.8 ms on a 20 KB conversation, 17 times the JSON parse); substring
+    searches run at memory speed, and both need three digits in a row."""
+    return b"000" in shapes and (_LONG_RUN in shapes or b"e000" in shapes or b"e+000" in shapes)
+
+
 def _depth_over(body: bytes) -> bool:
-    if body.count(b"[") + body.count(b"{") <= MAX_DEPTH:
-        return False
+    """Whether ``body`` nests past ``MAX_DEPTH`` (brackets inside strings do not count)."""
     depth = 0
     for bracket in _BRACKETS.findall(_STRING.sub(b'""', body)):
         if bracket in b"[{":
