@@ -71,7 +71,7 @@ class EmbeddingCollector:
             "Grey-zone embedding misses handed to a route's judge (the backend asked whether "
             "two questions are the same), by verdict: yes (an alias was filed), no, error "
             "(failed or timed out), dropped (the queue was full), rate_limited (over the "
-            "rate budget).",
+            "rate budget), paused (within 10 s of an error).",
             labels=["route", "verdict"],
         )
         aliases = GaugeMetricFamily(

@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 
 from gateway.cache.embedding import local
-from gateway.cache.embedding.judge import MAX_TOKENS, SYSTEM_PROMPT, parse
+from gateway.cache.embedding.judge import MAX_TOKENS, PAUSE_AFTER_ERROR_S, SYSTEM_PROMPT, parse
 from gateway.cache.evaluate import read_pairs
 from gateway.cache.stage import EMBEDDING_TIERS
 from gateway.policy.load import parse_policy_text
@@ -273,6 +273,10 @@ async def test_judge_errors_and_timeouts_leave_requests_untouched(judged, failur
     assert reply.json()["id"] not in ("judge", stored.json()["id"])
     await until(lambda: gw.tier.judge.counts["error"] == 1)
     await gw.settled()
+    paused = await gw.post(PARAPHRASE, ALICE, NO_STORE)  # a failing judge rests a while
+    assert paused.headers["X-Gateway-Cache"] == "miss" and gw.tier.judge.counts["paused"] == 1
+    assert len(gw.backend.judged) == 1
+    gw.clock.advance(PAUSE_AFTER_ERROR_S)
     again = await gw.post(PARAPHRASE, ALICE, NO_STORE)  # an error is no verdict: asked again
     assert again.headers["X-Gateway-Cache"] == "miss"
     await until(lambda: gw.tier.judge.counts["error"] == 2)
@@ -451,15 +455,23 @@ async def test_inline_a_no_is_generated_and_never_asked_again(judged):
 
 
 async def test_inline_a_judge_slower_than_its_timeout_or_failing_costs_only_the_wait(judged):
+    """And once, not per miss: after a call without a verdict the judge rests for
+    ``PAUSE_AFTER_ERROR_S``, so the misses meanwhile do not wait at all."""
     gw = await judged({"mode": "inline", "timeout_ms": 100})
     gw.backend.verdict = "hang"
     await gw.post(ASKED)
     slow = await gw.post(PARAPHRASE, ALICE, NO_STORE)
     assert slow.headers["X-Gateway-Cache"] == "miss" and gw.backend.answers == 2
+    for text in OTHERS[:2]:  # paused: not put to the judge
+        assert (await gw.post(text, ALICE, NO_STORE)).headers["X-Gateway-Cache"] == "miss"
+    assert len(gw.backend.judged) == 1 and gw.tier.judge.counts["paused"] == 2
+    gw.clock.advance(PAUSE_AFTER_ERROR_S)
     gw.backend.verdict = "fail"
-    failed = await gw.post(OTHERS[0], ALICE, NO_STORE)
-    assert failed.headers["X-Gateway-Cache"] == "miss" and gw.backend.answers == 3
+    failed = await gw.post(OTHERS[2], ALICE, NO_STORE)
+    assert failed.headers["X-Gateway-Cache"] == "miss" and gw.backend.answers == 5
     assert gw.tier.judge.counts["error"] == 2 and gw.tier.judge.pending == 0
+    text = await gw.metrics()
+    assert metric(text, "gateway_cache_judge_total", route="chat", verdict="paused") == 2
     gw.backend.release.set()
 
 

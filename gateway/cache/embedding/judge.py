@@ -21,9 +21,10 @@ stored message and entry) to the route's ``BackendJudge``, which, off the reques
   the same is aliased again at once when it misses again (its entry expired and came back).
 
 An error or a timeout is counted and remembered for nothing (the pair may be asked again,
-within the budget).  Pairs with a hard difference (numbers, negations, quoted spans, code,
-word order, "my"/"your") never reach the judge: the tier does not hand them over.  The
-aliases and verdicts live in this process, like the memory store's entries.
+within the budget), and pauses the judge for ``PAUSE_AFTER_ERROR_S``.  Pairs with a hard
+difference (numbers, negations, quoted spans, code, word order, "my"/"your") never reach
+the judge: the tier does not hand them over.  The aliases and verdicts live in this
+process, like the memory store's entries.
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ MAX_TOKENS = 5
 """Room for "YES" or "NO" under any tokenizer, and nothing more."""
 MAX_VERDICTS = 50_000
 """Pairs whose verdict is remembered, least recently asked first out."""
-VERDICTS = ("yes", "no", "error", "dropped", "rate_limited")
+VERDICTS = ("yes", "no", "error", "dropped", "rate_limited", "paused")
 """What became of a pair handed to the judge (``gateway_cache_judge_total{verdict}``)."""
+PAUSE_AFTER_ERROR_S = 10.0
+"""After a call that brought no verdict (the backend failing, hanging past ``timeout_ms``),
+no pair is put to the judge for this long: a backend that is down costs the judged misses
+of one call in ten seconds, not ``rate_per_s`` of them (``paused``)."""
 SYSTEM_PROMPT = (
     "You decide whether two questions ask for the same thing, so that one answer would "
     "fully and correctly serve both. Questions that differ in a number, a name, a place, a "
@@ -163,6 +168,7 @@ class BackendJudge:
         self._by_entry: dict[str, set[tuple[str, str]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._paused_until = float("-inf")
 
     def __len__(self) -> int:
         return len(self._aliases)
@@ -174,7 +180,7 @@ class BackendJudge:
 
     def submit(self, pair: Pair) -> str:
         """Hand ``pair`` over: "queued", "known" (judged or waiting already; a known yes is
-        aliased again), "dropped", "rate_limited" or "closed"."""
+        aliased again), "dropped", "rate_limited", "paused" or "closed"."""
         if self._closed:
             return "closed"
         key = pair.key
@@ -186,8 +192,9 @@ class BackendJudge:
         if self._queue.full():
             self.counts["dropped"] += 1
             return "dropped"
-        if not self._spend():
-            return "rate_limited"
+        refused = self._spend()
+        if refused is not None:
+            return refused
         self._queue.put_nowait(pair)
         self._pending.add(key)
         if self._task is None or self._task.done():
@@ -214,7 +221,7 @@ class BackendJudge:
         if len(self._pending) >= self.settings.max_pending:
             self.counts["dropped"] += 1
             return None
-        if not self._spend():
+        if self._spend() is not None:
             return None
         self._pending.add(key)
         try:
@@ -222,14 +229,19 @@ class BackendJudge:
         finally:
             self._pending.discard(key)
 
-    def _spend(self) -> bool:
-        """One call's worth of the rate budget, if there is one (else counted)."""
-        self._bucket.refill(self._clock.now())
+    def _spend(self) -> str | None:
+        """One call's worth of the rate budget: None when spent, else why not ("paused"
+        after an error, or "rate_limited"), counted."""
+        now = self._clock.now()
+        if now < self._paused_until:
+            self.counts["paused"] += 1
+            return "paused"
+        self._bucket.refill(now)
         if self._bucket.level < 1.0:
             self.counts["rate_limited"] += 1
-            return False
+            return "rate_limited"
         self._bucket.level -= 1.0
-        return True
+        return None
 
     def alias(self, context: str, form: str) -> Alias | None:
         """The alias filed for ``form`` in ``context``, if any."""
@@ -299,12 +311,12 @@ class BackendJudge:
         try:
             same = await asyncio.wait_for(self.ask(pair.cached, pair.asked, pair.model), timeout_s)
         except (GatewayError, OSError, ValueError, TimeoutError) as exc:
-            self.counts["error"] += 1
+            self._failed()
             level = logging.DEBUG if self.counts["error"] > 1 else logging.WARNING
             log.log(level, "judge (%s): no verdict: %s", self.route, exc or type(exc).__name__)
             return None
         except Exception:
-            self.counts["error"] += 1
+            self._failed()
             log.exception("judge (%s): the call failed", self.route)
             return None
         self.counts["yes" if same else "no"] += 1
@@ -315,6 +327,10 @@ class BackendJudge:
         if same:
             self._file(pair)
         return same
+
+    def _failed(self) -> None:
+        self.counts["error"] += 1
+        self._paused_until = self._clock.now() + PAUSE_AFTER_ERROR_S
 
     def _file(self, pair: Pair) -> None:
         key = (pair.context, pair.form)
