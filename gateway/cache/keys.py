@@ -241,8 +241,18 @@ def _dumps_canon(value: Any) -> str:
 
 
 def _canon(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
+    """``value`` with every integral float an int (``1.0`` keys as ``1``).  Dispatched on
+    the exact type first: a parsed body holds only JSON's types, and a long conversation
+    is hundreds of calls."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is dict:
+        return {k: _canon(v) for k, v in value.items()}
+    if kind is list:
+        return [_canon(v) for v in value]
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
     if isinstance(value, dict):
         return {k: _canon(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
