@@ -241,22 +241,18 @@ def _dumps_canon(value: Any) -> str:
 
 
 def _canon(value: Any) -> Any:
-    """``value`` with every integral float an int (``1.0`` keys as ``1``).  Dispatched on
-    the exact type first: a parsed body holds only JSON's types, and a long conversation
-    is hundreds of calls."""
+    """``value`` with every integral float an int (``1.0`` keys as ``1``).  The leaves most
+    calls see (strings, ints) return on their exact type first: a long conversation is
+    hundreds of calls."""
     kind = type(value)
     if kind is str or kind is int or kind is bool or value is None:
         return value
-    if kind is dict:
-        return {k: _canon(v) for k, v in value.items()}
-    if kind is list:
-        return [_canon(v) for v in value]
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else value
     if isinstance(value, dict):
         return {k: _canon(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_canon(v) for v in value]
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
     return value
 
 

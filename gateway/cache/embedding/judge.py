@@ -184,10 +184,7 @@ class BackendJudge:
         if self._closed:
             return "closed"
         key = pair.key
-        known = self._verdicts.get(key)
-        if known is not None or key in self._pending:
-            if known:
-                self._file(pair)
+        if self._recall(pair) is not None or key in self._pending:
             return "known"
         if self._queue.full():
             self.counts["dropped"] += 1
@@ -211,10 +208,8 @@ class BackendJudge:
         if self._closed:
             return None
         key = pair.key
-        known = self._verdicts.get(key)
+        known = self._recall(pair)
         if known is not None:
-            if known:
-                self._file(pair)
             return known
         if key in self._pending:
             return None
@@ -228,6 +223,13 @@ class BackendJudge:
             return await self._judge(pair)
         finally:
             self._pending.discard(key)
+
+    def _recall(self, pair: Pair) -> bool | None:
+        """The verdict already given on ``pair``, if any; a known yes is aliased again."""
+        known = self._verdicts.get(pair.key)
+        if known:
+            self._file(pair)
+        return known
 
     def _spend(self) -> str | None:
         """One call's worth of the rate budget: None when spent, else why not ("paused"
