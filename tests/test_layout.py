@@ -15,6 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "errors",
         "clock",
+        "lazy",
         "tenant",
         "collectors",
         "metrics",

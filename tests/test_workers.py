@@ -320,19 +320,28 @@ async def test_ready_only_once_every_worker_is_ready(serve_app, supervisor, tmp_
     assert re.fullmatch(r"worker [01] is not ready \(warming up\)", waiting.json()["reason"])
 
 
-async def test_metrics_are_one_view_across_the_workers(serve_app, supervisor):
-    """Counters summed over the workers, each family once, the supervisor's own series and
-    the workers' process figures added up."""
+async def two_workers_answered(
+    serve_app: Any, supervisor: StartSupervisor, count: int
+) -> tuple[Supervised, str, list[dict[str, Any]]]:
+    """``--workers 2`` in front of a recorder, once it has answered ``count`` chat
+    requests (each on a new connection): the gateway, its ``/metrics`` and ``/workers``."""
     async with asyncio.timeout(LIMIT_S):
         url = await serve_app(Recorder().app())
         gw = await supervisor("--upstream", url, "--workers", "2")
         fresh = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=5, limits=fresh) as client:
             await wait_ready(client, gw)
-            for _ in range(24):
+            for _ in range(count):
                 answer = await client.post(gw.url + "/v1/chat/completions", json=CHAT)
                 assert answer.status_code == 200
             text = (await client.get(gw.admin_url + "/metrics")).text
+            return gw, text, await workers(client, gw)
+
+
+async def test_metrics_are_one_view_across_the_workers(serve_app, supervisor):
+    """Counters summed over the workers, each family once, the supervisor's own series and
+    the workers' process figures added up."""
+    _, text, _ = await two_workers_answered(serve_app, supervisor, 24)
     answered = [
         v for labels, v in samples(text, "gateway_requests_total") if labels["status"] == "200"
     ]
@@ -343,6 +352,22 @@ async def test_metrics_are_one_view_across_the_workers(serve_app, supervisor):
     assert samples(text, "gateway_policy_generation") == [({}, 1.0)]
     ((_, memory),) = samples(text, "process_resident_memory_bytes")
     assert memory > 3 * 10 * 2**20  # three processes: the supervisor and two workers
+
+
+def mapped(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+async def test_a_pass_through_gateway_loads_no_numpy(serve_app, supervisor):
+    """numpy (some 15 MB a process, with its BLAS) serves only the cache's SimHash and
+    embedding tiers: neither the supervisor nor a worker of a policy without a caching
+    route maps it, even after answering, so RSS per worker stays what it measures."""
+    gw, _, listed = await two_workers_answered(serve_app, supervisor, 4)
+    pids = [gw.proc.pid, *(w["pid"] for w in listed)]
+    assert len(pids) == 3
+    for pid in pids:
+        assert "numpy" not in mapped(pid), pid
 
 
 async def test_a_worker_that_cannot_start_is_retried_ever_later_until_it_can(

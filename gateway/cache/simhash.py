@@ -23,8 +23,6 @@ import hashlib
 import itertools
 from functools import lru_cache
 
-import numpy as np
-
 from gateway.cache.guard import typo_key
 from gateway.cache.normalize import Normalized, normalize
 
@@ -58,6 +56,8 @@ def fingerprint(text: str | Normalized) -> int:
     feats = features(norm)
     if not feats:
         return 0
+    import numpy as np  # here: a gateway without a caching route never loads it
+
     votes = np.frombuffer(b"".join(map(_feature_bits, feats)), dtype=np.uint8)
     ones = np.bincount(votes, minlength=BITS)
     # ones[i] features have bit i set; the fingerprint's bit i is set on a strict majority

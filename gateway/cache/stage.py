@@ -140,7 +140,7 @@ class CacheStage:
                 len(tier.judge) if tier.judge is not None else 0,
             )
             for name, rules in self._routes.items()
-            if isinstance(tier := rules.embedding, embedding.EmbeddingTier)
+            if (tier := rules.embedding) is not None and isinstance(tier, embedding.EmbeddingTier)
         ]
 
     def _rules(

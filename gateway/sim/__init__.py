@@ -15,9 +15,31 @@ latency, CUDA OOM) switch on at run time through ``POST /sim/config``.
     server.py      the aiohttp app, control endpoints, start_sim / run_sim
 """
 
-from gateway.sim.config import SimConfig
-from gateway.sim.gpu import GpuModel, GpuState, call_cost_ms
-from gateway.sim.server import SimServer, build_app, run_sim, start_sim
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.lazy import exports
+
+if TYPE_CHECKING:
+    from gateway.sim.config import SimConfig
+    from gateway.sim.gpu import GpuModel, GpuState, call_cost_ms
+    from gateway.sim.server import SimServer, build_app, run_sim, start_sim
+
+_HOMES = {  # each name loads its module on first use (gateway/lazy.py)
+    "SimConfig": "config",
+    "GpuModel": "gpu",
+    "GpuState": "gpu",
+    "call_cost_ms": "gpu",
+    "SimServer": "server",
+    "build_app": "server",
+    "run_sim": "server",
+    "start_sim": "server",
+}
+
+
+__getattr__ = exports(__name__, _HOMES)
+
 
 __all__ = [
     "GpuModel",

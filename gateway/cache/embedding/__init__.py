@@ -20,28 +20,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.cache.embedding import learned, local
-from gateway.cache.embedding.backend import BackendEmbedder
-from gateway.cache.embedding.judge import BackendJudge
-from gateway.cache.embedding.local import MODEL_NAME, LocalEmbedder, LocalModel
-from gateway.cache.embedding.shared import SharedIndex
-from gateway.cache.embedding.tier import (
-    DEFAULT_MAX_ENTRIES,
-    DEFAULT_THRESHOLD,
-    EMBEDDING,
-    RULES_THRESHOLD,
-    Embed,
-    EmbeddingTier,
-    rules,
-)
-from gateway.cache.embedding.verify import verify
-from gateway.cache.stores.redis import RedisStore
+from gateway.lazy import exports
 
 if TYPE_CHECKING:
+    from gateway.cache.embedding.backend import BackendEmbedder
+    from gateway.cache.embedding.judge import BackendJudge
+    from gateway.cache.embedding.local import LocalEmbedder, LocalModel
+    from gateway.cache.embedding.shared import SharedIndex
+    from gateway.cache.embedding.tier import (
+        DEFAULT_MAX_ENTRIES,
+        DEFAULT_THRESHOLD,
+        EMBEDDING,
+        RULES_THRESHOLD,
+        Embed,
+        EmbeddingTier,
+    )
+    from gateway.cache.embedding.verify import verify
     from gateway.cache.stores.memory import MemoryStore
+    from gateway.cache.stores.redis import RedisStore
     from gateway.clock import Clock
     from gateway.policy.model import Policy, Semantic
     from gateway.transport.upstream import Transport
+
+_HOMES = {  # each name loads its module on first use (gateway/lazy.py)
+    "BackendEmbedder": "backend",
+    "BackendJudge": "judge",
+    "LocalEmbedder": "local",
+    "LocalModel": "local",
+    "SharedIndex": "shared",
+    "DEFAULT_MAX_ENTRIES": "tier",
+    "DEFAULT_THRESHOLD": "tier",
+    "EMBEDDING": "tier",
+    "RULES_THRESHOLD": "tier",
+    "Embed": "tier",
+    "EmbeddingTier": "tier",
+    "verify": "verify",
+}
+
+
+__getattr__ = exports(__name__, _HOMES)
+
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
@@ -82,6 +100,8 @@ def available(embedder: str | None = None) -> tuple[bool, str]:
     """
     if embedder:
         return True, f"embeddings from backend {embedder!r} (/v1/embeddings)"
+    from gateway.cache.embedding import local
+
     return local.available()
 
 
@@ -98,6 +118,13 @@ def from_semantic(semantic: Semantic, context: EmbeddingContext) -> EmbeddingTie
     ``ImportError`` naming the install command when the local model is needed but the
     extra is missing, ``KeyError`` for an unknown ``embedder`` backend.
     """
+    from gateway.cache.embedding import learned, local
+    from gateway.cache.embedding.backend import BackendEmbedder
+    from gateway.cache.embedding.judge import BackendJudge
+    from gateway.cache.embedding.local import MODEL_NAME
+    from gateway.cache.embedding.tier import EmbeddingTier, rules
+    from gateway.cache.stores.redis import RedisStore
+
     if semantic.embedder:
         backend = context.policy.backend(semantic.embedder)
         embed: Embed = BackendEmbedder(context.transport, backend, model=semantic.embedder_model)
