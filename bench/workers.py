@@ -44,6 +44,21 @@ def cpu_s(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def preemptions(pids: list[int]) -> int:
+    """Times the processes ``pids`` were taken off a core they still wanted (involuntary
+    context switches, from /proc)."""
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
 def machine_busy_s() -> float:
     """CPU seconds the whole machine has been busy (every core; softirq included)."""
     user, nice, system, _idle, _iowait, irq, softirq, steal = (
@@ -54,28 +69,38 @@ def machine_busy_s() -> float:
 
 class CpuMeter:
     """Cores a path's gateway processes and the whole machine use during its saturation
-    runs (a median over the rounds)."""
+    runs, and how often the gateway's processes were preempted (each a median over the
+    rounds)."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, list[tuple[float, float]]] = {}
-        self._start: tuple[list[int], float, float, float] | None = None
+        self.samples: dict[str, list[tuple[float, float, float]]] = {}
+        self._start: tuple[list[int], float, float, int, float] | None = None
 
     def begin(self, pids: list[int]) -> None:
-        self._start = (pids, cpu_s(pids), machine_busy_s(), os.times().elapsed)
+        self._start = (pids, cpu_s(pids), machine_busy_s(), preemptions(pids), os.times().elapsed)
 
     def end(self, name: str) -> None:
         if self._start is None:
             return
-        pids, own, busy, at = self._start
+        pids, own, busy, taken, at = self._start
         elapsed = os.times().elapsed - at
-        sample = ((cpu_s(pids) - own) / elapsed, (machine_busy_s() - busy) / elapsed)
+        sample = (
+            (cpu_s(pids) - own) / elapsed,
+            (machine_busy_s() - busy) / elapsed,
+            (preemptions(pids) - taken) / elapsed,
+        )
         self.samples.setdefault(name, []).append(sample)
         self._start = None
 
     def cores(self, name: str) -> tuple[float, float]:
         """(the gateway's cores, the machine's busy cores) for ``name``."""
-        got = self.samples.get(name) or [(float("nan"), float("nan"))]
-        return statistics.median(g for g, _ in got), statistics.median(m for _, m in got)
+        got = self.samples.get(name) or [(float("nan"), float("nan"), float("nan"))]
+        return statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
+
+    def preempted_per_s(self, name: str) -> float:
+        """How many times a second the gateway's processes were preempted for ``name``."""
+        got = self.samples.get(name) or [(float("nan"), float("nan"), float("nan"))]
+        return statistics.median(g[2] for g in got)
 
 
 def rss_per_worker(supervisor_pid: int) -> tuple[float, float, list[float]]:
@@ -138,4 +163,29 @@ def cores_paragraph(by: dict[str, dict[str, Any]], workers: int, meter: CpuMeter
         f"{many_g / one_g:.2f}x the cores of one process, and they reached {scale:.2f}x "
         "its requests. On a machine whose other cores carry the clients and the model "
         "server, that ceiling is the worker count.",
+        "",
+        *_preemption_lines(by, workers, meter),
+    ]
+
+
+def _preemption_lines(by: dict[str, dict[str, Any]], workers: int, meter: CpuMeter) -> list[str]:
+    """Why the workers reach less than that ceiling: each request costs more CPU once
+    the processes outnumber the cores."""
+    many_name = gateway_label(workers)
+    one_rps, many_rps = by["gateway"]["rps"], by[many_name]["rps"]
+    one_us = meter.cores("gateway")[0] / one_rps * 1e6
+    many_us = meter.cores(many_name)[0] / many_rps * 1e6
+    one_pre = meter.preempted_per_s("gateway") / one_rps
+    many_pre = meter.preempted_per_s(many_name) / many_rps
+    return [
+        f"Why they reach less than that ceiling: a request cost the gateway {one_us:.0f} us "
+        f"of CPU with one process and {many_us:.0f} us with {workers} workers, and the "
+        f"processes were preempted {one_pre:.2f} times per request against {many_pre:.2f} "
+        "(involuntary context switches, /proc/PID/status). One busy process always has "
+        f"another event ready and keeps its core; {workers} workers, wrk's threads and the "
+        "backend are more runnable threads than cores, so each wake-up of the client or "
+        "the backend takes a core from a worker in the middle of its work, and the worker "
+        "pays the switch and its cold caches again. That cost comes from sharing the "
+        "cores, which a 2-core machine running the client and the backend too cannot "
+        "avoid; a machine with a core for each worker is what would measure without it.",
     ]
