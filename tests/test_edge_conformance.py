@@ -297,6 +297,35 @@ async def test_http_1_0_is_served_and_closed(v1_only):
     assert answer.status == 200 and answer.json()["object"] == "list"
 
 
+@pytest.mark.parametrize(
+    "connection",
+    [
+        [b"Connection: close", b"Connection: keep-alive"],
+        [b"Connection: keep-alive, close"],
+        [b"Connection: Keep-Alive", b"Connection: upgrade, CLOSE"],
+    ],
+)
+async def test_close_wins_over_keep_alive_in_http_1_0(v1_only, connection):
+    """llhttp keeps an HTTP/1.0 connection open when ``keep-alive`` is among its options even
+    beside ``close`` (found by the client fuzzer); the gateway closes (RFC 9112 9.6), says
+    so, and answers nothing the client sends after it."""
+    recorder, gw = v1_only
+    head = b"GET /v1/models HTTP/1.0\r\nHost: gw\r\n" + b"\r\n".join(connection) + b"\r\n\r\n"
+    answers = await send_raw(gw.url, head + get("/v1/models"))
+    assert [a.status for a in answers] == [200]
+    assert answers[0].headers["connection"] == "close"
+    assert len(recorder.seen) == 1
+
+
+async def test_http_1_0_keep_alive_is_kept(v1_only):
+    recorder, gw = v1_only
+    alive = b"GET /v1/models HTTP/1.0\r\nHost: gw\r\nConnection: keep-alive\r\n\r\n"
+    answers = await send_raw(gw.url, alive + get("/v1/models"))
+    assert [a.status for a in answers] == [200, 200]
+    assert answers[0].headers["connection"] == "keep-alive"
+    assert len(recorder.seen) == 2
+
+
 async def test_a_flood_of_pipelined_requests_is_capped(v1_only):
     """Hundreds of tiny pipelined requests in one write: the first ones are answered in
     order, then a 400 once more than ``MAX_PIPELINED`` wait, and the connection closes."""

@@ -18,7 +18,8 @@ this module does what a parser does not.
   head's own validated framing (its Content-Length, or chunked).
 - **Pipelining**: a request parsed while another is answered waits for its turn
   (``turns``), and reading pauses; at most ``MAX_PIPELINED`` wait.  Nothing after a
-  request that closes the connection (``Connection: close``, HTTP/1.0) is parsed or
+  request that closes the connection (``Connection: close``, even beside ``keep-alive``;
+  HTTP/1.0 without ``keep-alive``) is parsed or
   answered (RFC 9112 9.6): it is read and discarded, so a client that pipelined past
   its own close is not told "400" for requests that were never processed, and the close
   then lingers, so that the bytes still on their way draw no reset that could cost the
@@ -102,6 +103,10 @@ class ClientConnection(Turns):
     def on_message_begin(self) -> None:
         if self._continuing:
             return
+        if self._read_last:
+            # A request after one that closes, in the same read: llhttp parses on when it
+            # took the connection for kept alive (HTTP/1.0 with close beside keep-alive).
+            raise _PastTheLast
         self._limits = self.server.limits()
         self._state = HEAD
         self._head_started = self._loop.time() if self.requests else self._accepted
@@ -177,7 +182,12 @@ class ClientConnection(Turns):
             self._headers,
             self._limits,
         )
-        request = Request(self, head, self._headers, parser.should_keep_alive(), self.peer)
+        keep_alive = parser.should_keep_alive()
+        if keep_alive and head.version == "1.0" and _says_close(self._headers):
+            # llhttp keeps an HTTP/1.0 connection open when "keep-alive" is among its
+            # Connection options, even beside "close"; RFC 9112 9.6: close wins.
+            keep_alive = False
+        request = Request(self, head, self._headers, keep_alive, self.peer)
         self._framing = head.framing
         if head.framing is not None and head.expect:
             if self._active is None and not self._queue:
@@ -286,3 +296,16 @@ class ClientConnection(Turns):
             what = "request head" if phase == "head" else "request body"
             limit = limits.header_timeout_s if phase == "head" else limits.body_timeout_s
             self._refuse(RequestTimeout(f"the {what} did not arrive within {limit:g} s"))
+
+
+class _PastTheLast(Exception):
+    """Raised to stop llhttp at a request after the last one: discarded (data_received)."""
+
+
+def _says_close(headers: list[tuple[str, str]]) -> bool:
+    """Whether any Connection header line lists the ``close`` option."""
+    return any(
+        key.lower() == "connection"
+        and any(option.strip().lower() == "close" for option in value.split(","))
+        for key, value in headers
+    )
