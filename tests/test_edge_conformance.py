@@ -317,6 +317,24 @@ async def test_close_wins_over_keep_alive_in_http_1_0(v1_only, connection):
     assert len(recorder.seen) == 1
 
 
+async def test_transfer_encoding_in_http_1_0_is_refused_and_closed(v1_only):
+    """RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (a 1.0
+    peer in between may have kept part of the body); as nginx does, a 400 and the close,
+    and nothing sent after it reaches the backend."""
+    recorder, gw = v1_only
+    body = b'{"model": "m", "messages": []}'
+    head = (
+        b"POST /v1/chat/completions HTTP/1.0\r\nHost: gw\r\nConnection: keep-alive\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    answers = await send_raw(gw.url, head + chunked + get("/v1/models"))
+    assert [a.status for a in answers] == [400]
+    assert "HTTP/1.0" in answers[0].json()["error"]["message"]
+    assert answers[0].headers["connection"] == "close"
+    assert recorder.seen == []
+
+
 async def test_http_1_0_keep_alive_is_kept(v1_only):
     recorder, gw = v1_only
     alive = b"GET /v1/models HTTP/1.0\r\nHost: gw\r\nConnection: keep-alive\r\n\r\n"

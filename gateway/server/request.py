@@ -89,6 +89,12 @@ def read_head(
                 raise MalformedRequest("more than one Authorization header")
             seen_auth = True
         elif lower == "transfer-encoding":
+            if version == "1.0":
+                # RFC 9112 6.1: its framing is faulty (a 1.0 peer may have kept part of
+                # the body); nginx refuses it the same way.
+                raise MalformedRequest(
+                    "Transfer-Encoding is not HTTP/1.0; send Content-Length, or use HTTP/1.1"
+                )
             if chunked or value.strip().lower() != "chunked":
                 raise MalformedRequest(f"Transfer-Encoding {value!r} is not served")
             chunked = True
