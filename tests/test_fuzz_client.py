@@ -147,7 +147,14 @@ async def test_no_mutated_request_gets_a_gateway_5xx_or_another_requests_answer(
 ):
     recorder = Recorder()
     url = await serve_app(recorder.app())
-    policy = f"backends: {{main: {{url: '{url}'}}}}\nroutes: [{{match: {{path: '/v1/*'}}, backend: main}}]"
+    # A mutated byte can make a valid, larger Content-Length ("Content-Length:978"): the
+    # gateway rightly waits for the promised body, so its timeouts are kept well below the
+    # client's 10 s read, and such a case ends in a 408.
+    policy = (
+        f"backends: {{main: {{url: '{url}'}}}}\n"
+        "routes: [{match: {path: '/v1/*'}, backend: main}]\n"
+        "server: {body_timeout_s: 2, header_timeout_s: 2}"
+    )
     gw = await start_gateway(policy=write_policy(tmp_path, policy))
     rng = random.Random(SEED)
     with caplog.at_level(logging.ERROR):
