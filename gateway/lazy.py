@@ -6,6 +6,10 @@ builds its flags from ``gateway.sim.config`` in every gateway process, and the c
 imports the embedding package whether a route uses it or not.  With
 ``__getattr__ = exports(__name__, {...})`` each name is imported from its module when first
 asked for, and kept.
+
+A name that is also a submodule's (``verify`` in ``verify.py``) cannot be lazy: importing
+the submodule sets the package's attribute to the module, so such a name is imported
+eagerly, as before.
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway.cache.embedding.verify import verify  # the name of its module too: not lazy
 from gateway.lazy import exports
 
 if TYPE_CHECKING:
     from gateway.cache.embedding.backend import BackendEmbedder
     from gateway.cache.embedding.judge import BackendJudge
-    from gateway.cache.embedding.local import LocalEmbedder, LocalModel
+    from gateway.cache.embedding.local import MODEL_NAME, LocalEmbedder, LocalModel
     from gateway.cache.embedding.shared import SharedIndex
     from gateway.cache.embedding.tier import (
         DEFAULT_MAX_ENTRIES,
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
         RULES_THRESHOLD,
         Embed,
         EmbeddingTier,
+        rules,
     )
-    from gateway.cache.embedding.verify import verify
     from gateway.cache.stores.memory import MemoryStore
     from gateway.cache.stores.redis import RedisStore
     from gateway.clock import Clock
@@ -47,6 +48,7 @@ _HOMES = {  # each name loads its module on first use (gateway/lazy.py)
     "BackendJudge": "judge",
     "LocalEmbedder": "local",
     "LocalModel": "local",
+    "MODEL_NAME": "local",
     "SharedIndex": "shared",
     "DEFAULT_MAX_ENTRIES": "tier",
     "DEFAULT_THRESHOLD": "tier",
@@ -54,7 +56,7 @@ _HOMES = {  # each name loads its module on first use (gateway/lazy.py)
     "RULES_THRESHOLD": "tier",
     "Embed": "tier",
     "EmbeddingTier": "tier",
-    "verify": "verify",
+    "rules": "tier",
 }
 
 
@@ -65,6 +67,7 @@ __all__ = [
     "DEFAULT_MAX_ENTRIES",
     "DEFAULT_THRESHOLD",
     "EMBEDDING",
+    "MODEL_NAME",
     "RULES_THRESHOLD",
     "BackendEmbedder",
     "BackendJudge",
@@ -76,6 +79,7 @@ __all__ = [
     "SharedIndex",
     "available",
     "from_semantic",
+    "rules",
     "verify",
 ]
 
