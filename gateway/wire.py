@@ -26,6 +26,11 @@ _date_second = 0
 _date_text = ""
 
 
+def connection_options(value: str) -> set[str]:
+    """The options one Connection header line lists, lower-cased (RFC 9110 7.6.1)."""
+    return {option.strip().lower() for option in value.split(",")}
+
+
 def error_body(exc: GatewayError) -> bytes:
     """``{"error": {"message", "type", "code", "param"}}``."""
     return json.dumps(

@@ -37,6 +37,7 @@ from gateway.errors import BodyTooLarge, GatewayError, MalformedRequest, Overloa
 from gateway.server.clock import Deadline
 from gateway.server.request import Request, read_head
 from gateway.server.turns import BODY, CONTINUE, HEAD, WAIT, Host, Turns
+from gateway.wire import connection_options
 
 log = logging.getLogger("gateway.server.listener")
 
@@ -305,7 +306,6 @@ class _PastTheLast(Exception):
 def _says_close(headers: list[tuple[str, str]]) -> bool:
     """Whether any Connection header line lists the ``close`` option."""
     return any(
-        key.lower() == "connection"
-        and any(option.strip().lower() == "close" for option in value.split(","))
+        key.lower() == "connection" and "close" in connection_options(value)
         for key, value in headers
     )

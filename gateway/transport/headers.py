@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gateway.wire import connection_options
+
 SSE_TYPE = "text/event-stream"
 
 # RFC 9110 7.6.1 plus the de-facto ones proxies strip (nginx, Envoy).
@@ -42,7 +44,7 @@ def strip(pairs: Iterable[tuple[str, str]], owned: frozenset[str]) -> list[tuple
         drop = _DROPS[owned] = HOP_BY_HOP | owned
     for key, value in pairs:
         if key.lower() == "connection":
-            drop = drop | {token.strip().lower() for token in value.split(",")}
+            drop = drop | connection_options(value)
     return [(k, v) for k, v in pairs if k.lower() not in drop]
 
 
