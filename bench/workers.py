@@ -94,13 +94,15 @@ class CpuMeter:
 
     def cores(self, name: str) -> tuple[float, float]:
         """(the gateway's cores, the machine's busy cores) for ``name``."""
-        got = self.samples.get(name) or [(float("nan"), float("nan"), float("nan"))]
-        return statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
+        return self._median(name, 0), self._median(name, 1)
 
     def preempted_per_s(self, name: str) -> float:
         """How many times a second the gateway's processes were preempted for ``name``."""
-        got = self.samples.get(name) or [(float("nan"), float("nan"), float("nan"))]
-        return statistics.median(g[2] for g in got)
+        return self._median(name, 2)
+
+    def _median(self, name: str, figure: int) -> float:
+        got = self.samples.get(name)
+        return statistics.median(s[figure] for s in got) if got else float("nan")
 
 
 def rss_per_worker(supervisor_pid: int) -> tuple[float, float, list[float]]:
@@ -186,6 +188,7 @@ def _preemption_lines(by: dict[str, dict[str, Any]], workers: int, meter: CpuMet
         "backend are more runnable threads than cores, so each wake-up of the client or "
         "the backend takes a core from a worker in the middle of its work, and the worker "
         "pays the switch and its cold caches again. That cost comes from sharing the "
-        "cores, which a 2-core machine running the client and the backend too cannot "
-        "avoid; a machine with a core for each worker is what would measure without it.",
+        f"cores, which a {os.cpu_count()}-core machine running the client and the backend "
+        "too cannot avoid; a machine with a core for each worker is what would measure "
+        "without it.",
     ]
