@@ -34,6 +34,7 @@ from gateway.runtime import Runtime
 from gateway.server.listener import HttpServer
 from gateway.snapshot import Snapshot
 from gateway.state import Registry
+from gateway.tenant import NamedTenants
 from gateway.transport.backends import Upstreams
 from gateway.transport.discovery import Resolver
 from gateway.transport.forward import Forward
@@ -116,8 +117,21 @@ class Gateway:
             self.begin()
         self.metrics.set_policy(self._generation, loaded.digest, policy.metrics.const_labels)
         trusted = TrustedProxies(policy.server.trusted_proxies)
+        named = policy.tenants
+        tenants = (
+            NamedTenants(named.by_digest(), required=named.required)
+            if named.keys or named.required
+            else None
+        )
         return Snapshot(
-            policy, loaded.digest, self._generation, Router(policy), handler, trusted, tracer
+            policy,
+            loaded.digest,
+            self._generation,
+            Router(policy),
+            handler,
+            trusted,
+            tracer,
+            tenants,
         )
 
     def _tracer_for(self, settings: Tracing) -> Tracer | None:

@@ -8,9 +8,10 @@ What the edge decides about a request, before any stage sees it:
   under the body cap) and validated strictly (``openai.body``); every other path's body
   goes upstream byte for byte, ``Content-Encoding`` and all;
 - the route, on exactly the path that is forwarded (``target.normalise`` made it so);
-- the tenant: its scope and rate-limit key come from the headers as received
-  (``Call.received``, read by ``tenant``), before hop-by-hop stripping, so no header can
-  move a request into another tenant's scope;
+- the tenant: a named tenant (``tenants:``) from its key's hash, or a 401 when keys are
+  required and this one is not listed; its scope and rate-limit key come from the headers
+  as received (``Call.received``, read by ``tenant``), before hop-by-hop stripping, so no
+  header can move a request into another tenant's scope;
 - what the backend is told of the client (``forwarding``).
 """
 
@@ -132,6 +133,7 @@ class Edge:
         path = request.path
         body = request.body
         raw = request.headers
+        tenant = snap.tenants.identify(raw) if snap.tenants is not None else ""
         data = None
         owned = REQUEST_OWNED
         if path in OPENAI_JSON_PATHS and request.method == "POST":
@@ -161,6 +163,7 @@ class Edge:
             route=route,
             backend=route.backend,
             started=started,
+            tenant=tenant,
             received=tuple(raw),
             client=client,
             record=Record(trace=trace)

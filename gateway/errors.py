@@ -10,6 +10,7 @@
     │   │   ├── NoRoute             404 no route matches
     │   │   ├── BodyTooLarge        413 body over the limit
     │   │   ├── Unauthorized        401 admin token missing or wrong
+    │   │   │   └── UnknownTenant   401 ``tenants.required`` and the key is not listed
     │   │   └── RateLimited         429 a tenant is over its rate
     │   ├── Overloaded              503 the gateway sheds load (queue full, queue timeout,
     │   │   │                           throttle, shutdown, request bodies over their buffer)
@@ -136,6 +137,12 @@ class Unauthorized(RequestError):
     status = 401
     type = "authentication_error"
     code = "invalid_admin_token"
+
+
+class UnknownTenant(Unauthorized):
+    """A request's API key is not a listed tenant's (``tenants.required``)."""
+
+    code = "invalid_api_key"
 
 
 class RateLimited(RequestError):

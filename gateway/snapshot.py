@@ -11,6 +11,7 @@ from gateway.pipeline import Handler
 from gateway.policy.model import Policy
 from gateway.routing import Router
 from gateway.state import Registry
+from gateway.tenant import NamedTenants
 from gateway.transport.forwarding import TrustedProxies
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class Snapshot:
     trusted: TrustedProxies
     tracer: Tracer | None = None
     """Traces requests while the policy's ``tracing.sample_ratio`` is above 0."""
+    tenants: NamedTenants | None = None
+    """The policy's named tenants, when it names any (``tenants:``)."""
 
 
 class Live(Protocol):

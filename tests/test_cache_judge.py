@@ -245,20 +245,29 @@ async def test_a_pair_with_a_hard_difference_is_never_judged(judged, cached, ask
     assert gw.backend.judged == [] and gw.tier.judge.pending == 0
 
 
-async def test_another_tenant_never_gets_the_alias(judged):
+@pytest.mark.parametrize(
+    ("alice", "bob"),
+    [
+        (ALICE, BOB),
+        ({"X-Api-Key": "alice"}, {"X-Api-Key": "bob"}),
+        ({"api-key": "alice"}, {"api-key": "bob"}),
+    ],
+    ids=["authorization", "x-api-key", "api-key"],
+)
+async def test_another_tenant_never_gets_the_alias(judged, alice, bob):
     gw = await judged()
-    stored = await gw.post(ASKED, ALICE)
-    await gw.post(PARAPHRASE, ALICE, NO_STORE)
+    stored = await gw.post(ASKED, alice)
+    await gw.post(PARAPHRASE, alice, NO_STORE)
     await gw.settled()
-    assert (await gw.post(PARAPHRASE, ALICE)).headers["X-Gateway-Cache-Match"] == "judged"
-    bobs = await gw.post(PARAPHRASE, BOB, NO_STORE)
+    assert (await gw.post(PARAPHRASE, alice)).headers["X-Gateway-Cache-Match"] == "judged"
+    bobs = await gw.post(PARAPHRASE, bob, NO_STORE)
     assert bobs.headers["X-Gateway-Cache"] == "miss" and bobs.json()["id"] != stored.json()["id"]
     gw.backend.verdict = "NO"
-    own = await gw.post(ASKED, BOB)  # Bob's own answer: his pair is his own to judge
-    await gw.post(PARAPHRASE, BOB, NO_STORE)
+    own = await gw.post(ASKED, bob)  # Bob's own answer: his pair is his own to judge
+    await gw.post(PARAPHRASE, bob, NO_STORE)
     await gw.settled()
     assert len(gw.backend.judged) == 2
-    later = await gw.post(PARAPHRASE, BOB, NO_STORE)
+    later = await gw.post(PARAPHRASE, bob, NO_STORE)
     assert later.headers["X-Gateway-Cache"] == "miss"
     assert later.json()["id"] not in (stored.json()["id"], own.json()["id"])
 

@@ -8,9 +8,11 @@ batcher and its learnt limit.  Callers are grouped by the adapter's compat key a
 tenant (the policy's ``cache.scope_headers``), route, backend, path and query: requests of
 different tenants or parameters never share a call.
 
-A merged call is a copy of one member's call (same tenant, so the same credentials) with the
-merged body, sent through the rest of the pipeline (admission, breakers, fallback and the
-forward), where it counts as one upstream call.  Its answer is read whole and split; each
+A merged call is a copy of one member's call with the merged body and exactly the headers
+every member sent alike (so the same credentials, which the scope already requires; a
+header its members differ in, such as a request id, is left out), sent through the rest
+of the pipeline (admission, breakers, fallback and the forward), where it counts as one
+upstream call.  Its answer is read whole and split; each
 caller gets its own share as a whole JSON body with the upstream's headers, or the upstream's
 own answer where it was not split (an error for that caller alone, or for the whole call).
 
@@ -171,7 +173,8 @@ async def send(merged: _Merged) -> tuple[int, Headers, bytes]:
         if record is not None:
             record.batch = (len(merged.items), item.queued, went)
             trace = trace or record.trace
-    reply = await first.call_next(merged_call(first.call, merged.body, trace))
+    shared = shared_headers([item.call.headers for item in merged.items])
+    reply = await first.call_next(merged_call(first.call, merged.body, trace, shared))
     try:
         if reply.body is not None:
             raw = reply.body
@@ -186,11 +189,25 @@ async def send(merged: _Merged) -> tuple[int, Headers, bytes]:
     return reply.status, reply.headers, raw
 
 
-def merged_call(template: Call, body: Any, trace: object | None = None) -> Call:
-    """A copy of a member's call carrying ``body``, asking for an uncompressed answer; its
-    upstream call belongs to ``trace``, a traced member's (``Record.trace``), if any."""
+def shared_headers(members: Sequence[Headers]) -> Headers:
+    """The header lines every member's call carries alike (name case-insensitively, value
+    exactly), in the first member's order."""
+    first, rest = members[0], members[1:]
+    if not rest:
+        return first
+    others = [{(k.lower(), v) for k, v in headers} for headers in rest]
+    return tuple((k, v) for k, v in first if all((k.lower(), v) in o for o in others))
+
+
+def merged_call(
+    template: Call, body: Any, trace: object | None = None, headers: Headers | None = None
+) -> Call:
+    """A copy of a member's call carrying ``body`` and ``headers`` (default: the
+    template's), asking for an uncompressed answer; its upstream call belongs to ``trace``,
+    a traced member's (``Record.trace``), if any."""
     encoded = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    headers = tuple((k, v) for k, v in template.headers if k.lower() != "accept-encoding")
+    given = template.headers if headers is None else headers
+    headers = tuple((k, v) for k, v in given if k.lower() != "accept-encoding")
     return dataclasses.replace(
         template,
         body=encoded,

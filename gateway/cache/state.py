@@ -47,16 +47,21 @@ class CacheState:
         return self.settings.store
 
     def tenant_scope(self, tenant: str | Mapping[str, str]) -> str:
-        """The scope hash of a tenant named by its raw scope header value (one scope
-        header) or by a mapping of scope header to value; ``ValueError`` if ambiguous."""
+        """The scope hash of a tenant named by a mapping of scope header to value (the
+        headers it sends, those it does not left out), or by one raw value: that of the only
+        scope header, else of ``Authorization`` (a client that sends no other credential);
+        ``ValueError`` if ambiguous."""
         names = self.settings.scope_headers
         if isinstance(tenant, str):
-            if len(names) != 1:
-                raise ValueError(
-                    f"the scope has {len(names)} headers ({', '.join(names) or 'none'}): "
-                    "give the tenant as an object of header: value, or give `scope`"
-                )
-            return scope_hash([(names[0], tenant)], names)
+            lowered = [n.lower() for n in names]
+            if len(names) == 1:
+                return scope_hash([(names[0], tenant)], names)
+            if "authorization" in lowered:
+                return scope_hash([("authorization", tenant)], names)
+            raise ValueError(
+                f"the scope has {len(names)} headers ({', '.join(names) or 'none'}): "
+                "give the tenant as an object of header: value, or give `scope`"
+            )
         unknown = {k.lower() for k in tenant} - {n.lower() for n in names}
         if unknown:
             raise ValueError(f"not scope headers: {', '.join(sorted(unknown))}")

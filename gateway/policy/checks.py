@@ -8,10 +8,12 @@ import ipaddress
 
 from gateway.policy.model import (
     Backend,
+    RateLimit,
     RetryBudget,
     Route,
     Semantic,
     Server,
+    Tenants,
     ThrottleRule,
     Tracing,
 )
@@ -44,6 +46,45 @@ def check_server(server: Server) -> Found:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             found.append((f"trusted_proxies[{i}]", f"{cidr!r} is not an IP address or CIDR"))
+    return found
+
+
+def check_tenants(tenants: Tenants) -> Found:
+    """``tenants``: each key a sha256 in hex, listed once, its tenant's limit given once."""
+    found: Found = []
+    if tenants.required and not tenants.keys:
+        found.append(("keys", "`required: true` with no keys would refuse every request"))
+    names: dict[str, str] = {}
+    limits: dict[str, RateLimit] = {}
+    for i, key in enumerate(tenants.keys):
+        digest = key.sha256.strip().lower()
+        if not key.name:
+            found.append((f"keys[{i}].name", "must not be empty"))
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            found.append((f"keys[{i}].sha256", "must be a sha256 in hex (64 characters)"))
+        elif digest in names and names[digest] != key.name:
+            found.append((f"keys[{i}].sha256", f"is also tenant {names[digest]!r}'s key"))
+        names.setdefault(digest, key.name)
+        if key.rate_limit is not None:
+            found.extend((f"keys[{i}].{k}", m) for k, m in check_rate_limit(key.rate_limit))
+            if limits.setdefault(key.name, key.rate_limit) != key.rate_limit:
+                found.append(
+                    (f"keys[{i}].rate_limit", f"differs from another of {key.name!r}'s keys")
+                )
+    return found
+
+
+def check_rate_limit(limit: RateLimit) -> Found:
+    """A ``rate_limit``: a rate given, every figure positive."""
+    found: Found = []
+    if limit.requests_per_s is None and limit.tokens_per_min is None:
+        found.append(("rate_limit", "set requests_per_s and/or tokens_per_min"))
+    for key in ("requests_per_s", "tokens_per_min", "burst"):
+        value = getattr(limit, key)
+        if value is not None and value <= 0:
+            found.append((f"rate_limit.{key}", "must be greater than 0"))
+    if limit.replicas < 1:
+        found.append(("rate_limit.replicas", "must be at least 1"))
     return found
 
 
@@ -288,13 +329,5 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             bad("cache.semantic.embedder_model", "only applies with `embedder`")
         found.extend(check_judge(semantic))
     if route.rate_limit is not None:
-        limit = route.rate_limit
-        if limit.requests_per_s is None and limit.tokens_per_min is None:
-            bad("rate_limit", "set requests_per_s and/or tokens_per_min")
-        for key in ("requests_per_s", "tokens_per_min", "burst"):
-            value = getattr(limit, key)
-            if value is not None and value <= 0:
-                bad(f"rate_limit.{key}", "must be greater than 0")
-        if limit.replicas < 1:
-            bad("rate_limit.replicas", "must be at least 1")
+        found.extend(check_rate_limit(route.rate_limit))
     return found

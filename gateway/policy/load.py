@@ -23,6 +23,7 @@ from gateway.policy.checks import (
     check_retry_budget,
     check_route,
     check_server,
+    check_tenants,
     check_throttle,
     check_tracing,
     warn_throttle,
@@ -31,7 +32,13 @@ from gateway.policy.convert import Found, convert, join
 from gateway.policy.model import Backend, Match, Policy, Route, ThrottleRule, glob_regex
 
 POLICY_SUFFIXES = (".yaml", ".yml")
-_SINGLETONS = ("server", "admin", "metrics", "cache", "retry_budget", "tracing")
+_SINGLETONS = ("server", "admin", "metrics", "cache", "retry_budget", "tracing", "tenants")
+_SINGLETON_CHECKS: dict[str, Any] = {
+    "server": check_server,
+    "retry_budget": check_retry_budget,
+    "tracing": check_tracing,
+    "tenants": check_tenants,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,15 +197,10 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
             message = f"rule {rule.name!r} is defined twice for backend {rule.backend!r}"
             _report([("name", message)], part, path, problems)
         seen.add((rule.name, rule.backend))
-    server_part = next((p for p in parts if "server" in p.keys), None)
-    if server_part is not None:
-        _report(check_server(singles["server"]), server_part, "server", problems)
-    budget_part = next((p for p in parts if "retry_budget" in p.keys), None)
-    if budget_part is not None:
-        _report(check_retry_budget(singles["retry_budget"]), budget_part, "retry_budget", problems)
-    tracing_part = next((p for p in parts if "tracing" in p.keys), None)
-    if tracing_part is not None:
-        _report(check_tracing(singles["tracing"]), tracing_part, "tracing", problems)
+    for key, check in _SINGLETON_CHECKS.items():
+        setter = next((p for p in parts if key in p.keys), None)
+        if setter is not None:
+            _report(check(singles[key]), setter, key, problems)
     return Policy(
         backends=tuple(backends.values()),
         routes=tuple(named),

@@ -35,7 +35,9 @@ from gateway.policy.route import (
     Semantic,
     glob_regex,
 )
+from gateway.policy.tenants import TenantKey, Tenants
 from gateway.policy.throttle import ThrottleLimit, ThrottleRule, When
+from gateway.tenant import CREDENTIAL_HEADERS
 
 __all__ = [
     "Adaptive",
@@ -61,6 +63,8 @@ __all__ = [
     "Semantic",
     "Server",
     "TelemetrySource",
+    "TenantKey",
+    "Tenants",
     "ThrottleLimit",
     "ThrottleRule",
     "Tracing",
@@ -100,10 +104,11 @@ class CacheStore:
         default=DEFAULT_CACHE_MAX_BYTES, metadata=doc("Memory store bound (LRU by bytes).")
     )
     scope_headers: tuple[str, ...] = field(
-        default=("authorization",),
+        default=CREDENTIAL_HEADERS,
         metadata=doc(
-            "Request headers hashed into every key: the tenant scope. No entry is "
-            "ever served across scopes."
+            "Request headers hashed into every key: the tenant scope. No entry is ever "
+            "served, no flight shared and no batch merged across scopes. The default is "
+            "every header that carries a credential."
         ),
     )
 
@@ -264,6 +269,9 @@ class Policy:
     )
     tracing: Tracing = field(
         default_factory=Tracing, metadata=doc("Request traces (OpenTelemetry).")
+    )
+    tenants: Tenants = field(
+        default_factory=Tenants, metadata=doc("Named tenants: API keys with names and limits.")
     )
 
     def backend(self, name: str) -> Backend:

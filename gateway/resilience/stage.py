@@ -3,9 +3,8 @@ a backend (its calls are already batched and coalesced, so each counts once).
 
 For each call:
 
-1. A route's per-tenant ``rate_limit``: past it, 429 with ``Retry-After``; counted in this
-   process (``rate_limit.py``) or, with ``store: redis``, across every replica
-   (``rate_shared.py``).
+1. The rate limits (``rates.py``): a route's per-tenant ``rate_limit`` and a named tenant's
+   own; past one, 429 with ``Retry-After``.
 2. The candidates: the call's backend, then the route's ``fallback`` backends in order.
 3. For each candidate, its guard (``guard.py``): the throttle's decision over the
    backend's telemetry (``reroute`` moves on; ``shed`` refuses all but high priority;
@@ -40,12 +39,10 @@ from gateway.errors import (
     CircuitOpen,
     GatewayError,
     Overloaded,
-    RateLimited,
     UpstreamError,
     UpstreamTimeout,
 )
 from gateway.metrics import Metrics
-from gateway.openai.usage import from_body
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Quality
 from gateway.resilience.admission import Priority
@@ -53,18 +50,16 @@ from gateway.resilience.breaker import Outcome
 from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
-from gateway.resilience.rate_limit import RateLimiter
-from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
+from gateway.resilience.rates import RateLimits, build_rate_limits
 from gateway.resilience.retry_budget import RetryAllowance
 from gateway.state import Kind
-from gateway.tenant import rate_key
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
 
 GUARDS: Kind[BackendGuard] = Kind("guard")
-RATE_LIMITERS: Kind[RateLimiter] = Kind("rate_limit")
 RETRY_BUDGET: Kind[RetryAllowance] = Kind("retry_budget")
+
 FALLBACK_HEADER = "X-Gateway-Fallback"
 PRIORITY_HEADER = "X-Priority"
 FALLBACK_REASONS = (
@@ -83,8 +78,6 @@ RETRY_REASONS = frozenset(
 )
 """Moves that are retries: the backend was called and failed; they spend the retry budget."""
 DEFAULT_RETRY_AFTER_S = 1.0
-CHARS_PER_TOKEN = 4
-"""Rough prompt size for a tokens-per-minute limit before the answer's ``usage`` settles it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,21 +97,18 @@ class Resilience:
         guards: Mapping[str, BackendGuard],
         control: GpuControl,
         budget: RetryAllowance,
-        limiters: Mapping[str, RateLimiter | SharedRateLimiter],
+        rates: RateLimits,
         metrics: Metrics,
     ) -> None:
         self._guards = guards
         self._control = control
         self._budget = budget
-        self._limiters = limiters
+        self._rates = rates
         self._metrics = metrics
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         route = call.route
-        limiter = self._limiters.get(route.name)
-        tenant, estimate = "", 0
-        if limiter is not None:
-            tenant, estimate = await self._check_rate(limiter, call)
+        admitted = await self._rates.admit(call) if self._rates else None
         self._budget.record_request()
         fallback = tuple(b for b in route.fallback if b != call.backend)
         if not fallback and call.backend not in self._guards:
@@ -126,12 +116,8 @@ class Resilience:
             served = self._served(call, reply, 0, None)
         else:
             served = await self._serve(call, call_next, (call.backend, *fallback))
-        if limiter is not None and limiter.limit.tokens_per_min and served.body is not None:
-            used = from_body(served.body)
-            if used is not None and isinstance(limiter, SharedRateLimiter):
-                await limiter.charge(tenant, sum(used) - estimate)
-            elif used is not None:
-                limiter.charge(tenant, sum(used) - estimate)
+        if admitted is not None:
+            await self._rates.settle(admitted, served)
         return served
 
     async def _serve(self, call: Call, call_next: Handler, candidates: tuple[str, ...]) -> Reply:
@@ -232,26 +218,8 @@ class Resilience:
             extra.append(("Retry-After", str(max(1, round(retry_s)))))
         return reply.with_headers(extra) if extra else reply
 
-    async def _check_rate(
-        self, limiter: RateLimiter | SharedRateLimiter, call: Call
-    ) -> tuple[str, int]:
-        tenant = tenant_of(call)
-        estimate = estimate_tokens(call) if limiter.limit.tokens_per_min else 0
-        try:
-            if isinstance(limiter, SharedRateLimiter):
-                await limiter.check(tenant, estimate)
-            else:
-                limiter.check(tenant, estimate)
-        except RateLimited:
-            self._metrics.rate_limited.labels(call.route.name).inc()
-            raise
-        return tenant, estimate
-
     def __repr__(self) -> str:
-        return (
-            f"<Resilience guards={sorted(self._guards)} limiters={sorted(self._limiters)} "
-            f"{self._budget!r}>"
-        )
+        return f"<Resilience guards={sorted(self._guards)} {self._rates!r} {self._budget!r}>"
 
 
 def _judge(reply: Reply, quality: Quality, strip: bool) -> Reply | Moved:
@@ -330,23 +298,6 @@ def priority_of(call: Call) -> Priority:
     return Priority.parse(call.route.priority)
 
 
-def tenant_of(call: Call) -> str:
-    """Who a rate limit counts: the call's tenant if a stage set it, else a hash of its
-    canonical ``Authorization`` as the client sent it (never kept in clear), else the
-    client's address."""
-    if call.tenant:
-        return call.tenant
-    return rate_key(call.received, call.client)
-
-
-def estimate_tokens(call: Call) -> int:
-    """Tokens a request will likely use: its size in rough tokens plus its answer limit."""
-    data = call.json or {}
-    answer = data.get("max_completion_tokens") or data.get("max_tokens") or 0
-    answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else 0
-    return len(call.body) // CHARS_PER_TOKEN + answer
-
-
 def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The stage for ``policy`` (none when it uses none of it), with telemetry wired."""
     registry, metrics, clock = runtime.registry, runtime.metrics, runtime.clock
@@ -367,29 +318,18 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         guards[b.name] = guard
     fleet = getattr(runtime.transport, "endpoint_set", None)  # the real transport's
     control = wire_gpu(policy, registry, metrics, clock, guards, fleet)
-    limiters: dict[str, RateLimiter | SharedRateLimiter] = {}
-    shared: list[SharedRateLimiter] = []
-    for route in policy.routes:
-        limit = route.rate_limit
-        if limit is not None and limit.store == "redis":
-            url = policy.cache.redis_url  # whichever store the cache uses
-            shared.append(shared_limiter(registry, route.name, limit, url, clock))
-            limiters[route.name] = shared[-1]
-        elif limit is not None:
-            limiters[route.name] = registry.get(
-                RATE_LIMITERS,
-                route.name,
-                limit,
-                functools.partial(RateLimiter, limit, clock=clock),
-            )
-    metrics.rate_limits.routes = lambda: [s.figures() for s in shared]
-    if not (guards or limiters or any(r.fallback for r in policy.routes)):
+    rates = build_rate_limits(policy, registry, clock, metrics)
+    if not (guards or rates or any(r.fallback for r in policy.routes)):
         return []
     settings = policy.retry_budget
     budget = registry.get(
         RETRY_BUDGET, "", settings, functools.partial(RetryAllowance, settings, clock=clock)
     )
     stage = Resilience(
-        guards=guards, control=control, budget=budget, limiters=limiters, metrics=metrics
+        guards=guards,
+        control=control,
+        budget=budget,
+        rates=rates,
+        metrics=metrics,
     )
     return [stage]

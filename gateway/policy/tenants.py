@@ -1,0 +1,60 @@
+"""The policy's named tenants: API keys, by their sha256, each with a name and its limits.
+
+Without ``tenants:`` a tenant is whatever credential a request carries (``tenant.py``).  With
+it, a request whose key hashes to a listed ``sha256`` is that tenant: counted by its name in
+every rate limit, and held to its own ``rate_limit`` over all routes.  With
+``required: true`` only listed keys are served: any other request is a 401 at the edge,
+before the cache (LiteLLM's virtual keys take the same stance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.policy.metadata import doc
+from gateway.policy.route import RateLimit
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKey:
+    """One API key of a named tenant (a tenant rotating keys lists each under its name)."""
+
+    name: str = field(metadata=doc("The tenant's name: what its rate limits count."))
+    sha256: str = field(
+        metadata=doc(
+            'The sha256 of the key, in hex (`printf %s "$KEY" | sha256sum`): the key as '
+            "sent after `Bearer ` in `Authorization`, or the whole `api-key` / `x-api-key` "
+            "value. From a Secret through `${ENV}`.",
+            secret=True,
+            env=True,
+        )
+    )
+    rate_limit: RateLimit | None = field(
+        default=None,
+        metadata=doc(
+            "The tenant's own limit over all routes (a route's `rate_limit` applies too). "
+            "Give it on one of the tenant's keys, or the same on each."
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Tenants:
+    """Named tenants: who a request is, from the key it sends."""
+
+    required: bool = field(
+        default=False,
+        metadata=doc(
+            "Serve only requests whose key is listed: any other (an unknown key, or none) "
+            "is answered 401 before anything else runs."
+        ),
+    )
+    keys: tuple[TenantKey, ...] = field(default=(), metadata=doc("The tenants' keys."))
+
+    def by_digest(self) -> dict[str, str]:
+        """Each listed key's sha256 (lower case) and its tenant's name."""
+        return {key.sha256.strip().lower(): key.name for key in self.keys}
+
+    def limits(self) -> dict[str, RateLimit]:
+        """Each tenant's own rate limit, by name."""
+        return {key.name: key.rate_limit for key in self.keys if key.rate_limit is not None}

@@ -1,0 +1,186 @@
+"""The rate limits of one policy generation, as the resilience stage applies them: each
+route's per-tenant ``rate_limit`` (with its addresses' new-credential budgets,
+``credentials``), and each named tenant's own limit (``tenants.keys[].rate_limit``).
+
+A call is admitted only when every limit it counts against can pay for it (429 with
+``Retry-After`` past one); model tokens are estimated up front and settled against the
+answer's ``usage``.  Each limit counts in this process (``rate_limit.py``) or, with
+``store: redis``, across every replica (``rate_shared.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.clock import Clock
+from gateway.errors import RateLimited
+from gateway.metrics import Metrics
+from gateway.openai.usage import from_body
+from gateway.pipeline import Call, Reply
+from gateway.policy.model import Policy, RateLimit
+from gateway.resilience.credentials import (
+    TENANT_PREFIX,
+    ProvenCredentials,
+    RateKey,
+    newcomer_limit,
+    rate_key_of,
+)
+from gateway.resilience.rate_limit import RateLimiter
+from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
+from gateway.state import Kind, Registry
+
+RATE_LIMITERS: Kind[RateLimiter] = Kind("rate_limit")
+PROVEN: Kind[ProvenCredentials] = Kind("proven_credentials")
+CHARS_PER_TOKEN = 4
+"""Rough prompt size for a tokens-per-minute limit before the answer's ``usage`` settles it."""
+NEWCOMERS_SUFFIX = ":newcomers"
+
+Limiter = RateLimiter | SharedRateLimiter
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One limit: its tenants' buckets, and its addresses' new-credential buckets (none for
+    a named tenant's own limit: a named tenant is never new)."""
+
+    own: Limiter
+    newcomers: Limiter | None = None
+
+    @property
+    def tokens(self) -> bool:
+        return bool(self.own.limit.tokens_per_min)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A call the limits admitted: who they counted, and the tokens it was estimated at."""
+
+    key: RateKey
+    limits: tuple[Limit, ...]
+    estimate: int
+
+
+class RateLimits:
+    """Every rate limit of a policy generation."""
+
+    def __init__(
+        self,
+        routes: Mapping[str, Limit],
+        tenants: Mapping[str, Limit],
+        proven: ProvenCredentials,
+        metrics: Metrics,
+    ) -> None:
+        self._routes = routes
+        self._tenants = tenants
+        self._proven = proven
+        self._metrics = metrics
+
+    def __bool__(self) -> bool:
+        return bool(self._routes or self._tenants)
+
+    async def admit(self, call: Call) -> Admitted | None:
+        """Count ``call`` against every limit it is under, or raise ``RateLimited``; None
+        when it is under none."""
+        limits = self._limits_of(call)
+        if not limits:
+            return None
+        key = rate_key_of(call, self._proven)
+        estimate = estimate_tokens(call) if any(lim.tokens for lim in limits) else 0
+        try:
+            for limit in limits:
+                tokens = estimate if limit.tokens else 0
+                if key.newcomer is not None and limit.newcomers is not None:
+                    await _check(limit.newcomers, key.newcomer, tokens)
+                await _check(limit.own, key.key, tokens)
+        except RateLimited:
+            self._metrics.rate_limited.labels(call.route.name).inc()
+            raise
+        return Admitted(key, limits, estimate)
+
+    async def settle(self, admitted: Admitted, served: Reply) -> None:
+        """After the answer: a success proves a new credential, and the token limits'
+        estimate is settled against the answer's ``usage``."""
+        key = admitted.key
+        key.settle(served.status, self._proven)
+        if served.body is None or not any(lim.tokens for lim in admitted.limits):
+            return
+        used = from_body(served.body)
+        if used is None:
+            return
+        difference = sum(used) - admitted.estimate
+        for limit in admitted.limits:
+            if not limit.tokens:
+                continue
+            await _charge(limit.own, key.key, difference)
+            if key.newcomer is not None and limit.newcomers is not None:
+                await _charge(limit.newcomers, key.newcomer, difference)
+
+    def _limits_of(self, call: Call) -> tuple[Limit, ...]:
+        route = self._routes.get(call.route.name)
+        tenant = self._tenants.get(call.tenant) if call.tenant else None
+        return tuple(limit for limit in (route, tenant) if limit is not None)
+
+    def __repr__(self) -> str:
+        return (
+            f"<RateLimits routes={sorted(self._routes)} tenants={sorted(self._tenants)} "
+            f"{self._proven!r}>"
+        )
+
+
+def estimate_tokens(call: Call) -> int:
+    """Tokens a request will likely use: its size in rough tokens plus its answer limit."""
+    data = call.json or {}
+    answer = data.get("max_completion_tokens") or data.get("max_tokens") or 0
+    answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else 0
+    return len(call.body) // CHARS_PER_TOKEN + answer
+
+
+def build_rate_limits(
+    policy: Policy, registry: Registry, clock: Clock, metrics: Metrics
+) -> RateLimits:
+    """The limits of ``policy``, their buckets kept across reloads while unchanged."""
+    shared: list[SharedRateLimiter] = []
+
+    def limiter(name: str, limit: RateLimit, *, reported: bool = True) -> Limiter:
+        if limit.store == "redis":
+            url = policy.cache.redis_url  # whichever store the cache uses
+            made = shared_limiter(registry, name, limit, url, clock)
+            if reported:
+                shared.append(made)
+            return made
+        return registry.get(
+            RATE_LIMITERS, name, limit, functools.partial(RateLimiter, limit, clock=clock)
+        )
+
+    def with_newcomers(name: str, limit: RateLimit) -> Limit:
+        newcomers = limiter(name + NEWCOMERS_SUFFIX, newcomer_limit(limit), reported=False)
+        return Limit(limiter(name, limit), newcomers)
+
+    routes = {
+        route.name: with_newcomers(route.name, route.rate_limit)
+        for route in policy.routes
+        if route.rate_limit is not None
+    }
+    tenants = {
+        name: Limit(limiter(TENANT_PREFIX + name, limit))
+        for name, limit in policy.tenants.limits().items()
+    }
+    metrics.rate_limits.routes = lambda: [s.figures() for s in shared]
+    proven = registry.get(PROVEN, "", None, ProvenCredentials) if routes else ProvenCredentials(0)
+    return RateLimits(routes, tenants, proven, metrics)
+
+
+async def _check(limiter: Limiter, key: str, tokens: float) -> None:
+    if isinstance(limiter, SharedRateLimiter):
+        await limiter.check(key, tokens)
+    else:
+        limiter.check(key, tokens)
+
+
+async def _charge(limiter: Limiter, key: str, tokens: float) -> None:
+    if isinstance(limiter, SharedRateLimiter):
+        await limiter.charge(key, tokens)
+    else:
+        limiter.charge(key, tokens)
