@@ -166,6 +166,12 @@ class Metrics:
         self.cache_bytes = Gauge(
             "gateway_cache_bytes", "Bytes held by the cache store.", registry=r
         )
+        self.cache_not_stored = Counter(
+            "gateway_cache_not_stored",
+            "Answers not stored because the backend's Cache-Control or Vary said so, by reason.",
+            ["route", "reason"],
+            registry=r,
+        )
         self.cache_store_errors = Counter(
             "gateway_cache_store_errors",
             "Cache store operations that failed (answered as misses).",
@@ -405,9 +411,8 @@ class Metrics:
 
     def exposition(self) -> bytes:
         """The text format of every series, constant labels added."""
-        if not self.const_labels:
-            return generate_latest(self.registry)
-        return generate_latest(Labelled(self.registry, dict(self.const_labels)))
+        labelled = self.const_labels and Labelled(self.registry, dict(self.const_labels))
+        return generate_latest(labelled or self.registry)
 
 
 def names(metrics: Metrics) -> Iterable[str]:

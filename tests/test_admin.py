@@ -168,6 +168,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_cache_judge_aliases",
         "gateway_cache_lookup_seconds",
         "gateway_cache_lookups",
+        "gateway_cache_not_stored",
         "gateway_cache_store_errors",
         "gateway_cache_store_transitions",
         "gateway_cache_store_up",

@@ -15,9 +15,10 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gateway.cache.control import STORE_ANY, LearnedVary, Storable, storable
 from gateway.cache.embedding_seam import EmbeddingLookup
 from gateway.cache.items import CachedItem, ItemPlan, assemble, fresh_items, missing
 from gateway.cache.items import upstream_body as items_body
@@ -54,16 +55,38 @@ class RouteRules:
         cache: ResponseCache,
         embedding: EmbeddingLookup | None,
         runtime: Runtime,
+        vary: LearnedVary,
     ) -> None:
         self.name = route.name
         self.ttl_s = rule.ttl_s
         self.allow_sampled = rule.allow_sampled
+        self.ignore_backend = rule.ignore_backend_cache_control
         self.near = rule.semantic.method != "off"
         self.cache = cache
         self.embedding = embedding
+        self.vary = vary
         self._lookups = runtime.metrics.cache_lookups
+        self._not_stored = runtime.metrics.cache_not_stored
         self._children: dict[tuple[str, str], Any] = {}
         self.lookup_seconds = runtime.metrics.cache_lookup_seconds.labels(route.name)
+
+    def storable(self, reply: Reply) -> Storable | None:
+        """What the backend's answer allows (``control.storable``; anything, where the
+        route ignores it), the headers it varies on learned; None when it is not to be
+        stored (counted by reason)."""
+        if self.ignore_backend:
+            return STORE_ANY
+        rule = storable(reply.headers)
+        if rule.ok and not self.vary.learn(rule.vary):
+            rule = Storable(False, "vary_too_wide")
+        if not rule.ok:
+            self._not_stored.labels(self.name, rule.reason).inc()
+            return None
+        return rule
+
+    def ttl_for(self, rule: Storable) -> float:
+        """The route's ``ttl_s``, capped by the answer's ``max-age``."""
+        return self.ttl_s if rule.max_age_s is None else min(self.ttl_s, rule.max_age_s)
 
     def count(self, call: Call, result: str, match: str) -> None:
         """Count one lookup's result in the metrics, and tell it the access log (when the
@@ -89,10 +112,13 @@ class ItemCache:
         call: Call,
         call_next: Handler,
         plan: ItemPlan,
+        plan_for: Callable[[str], ItemPlan | None],
         scope: str,
         no_cache: bool,
         no_store: bool,
     ) -> Reply:
+        """Answer ``call`` item by item; ``plan_for(vary)`` plans it again under the headers
+        its answer turned out to vary on (``control``)."""
         total = len(plan.keys)
         if no_cache:
             cached: list[CachedItem | None] = [None] * total
@@ -113,8 +139,12 @@ class ItemCache:
         store = not no_store
         if len(positions) == total:
             reply = (await call_next(call)).with_headers(headers)
-            if store and self._mergeable(call, reply):
-                reply = await self._store_items_later(rules, call, scope, plan, positions, reply)
+            rule = rules.storable(reply) if store and self._mergeable(call, reply) else None
+            stored = self._stored_plan(rules, call, plan_for, rule)
+            if rule is not None and stored is not None:
+                reply = await self._store_items_later(
+                    rules, call, scope, stored, positions, reply, rules.ttl_for(rule)
+                )
             return reply
         sub = items_body(call.json or {}, plan, positions)
         sub_call = dataclasses.replace(
@@ -138,12 +168,27 @@ class ItemCache:
             await reply.close()
         if merged is None:  # the missing items' answer cannot be merged: ask for all of them
             return (await call_next(call)).with_headers(headers)
-        if store:
-            await self._put_items(rules, call, scope, plan, fresh)
+        rule = rules.storable(reply) if store else None
+        stored = self._stored_plan(rules, call, plan_for, rule)
+        if rule is not None and stored is not None:
+            await self._put_items(rules, call, scope, stored, fresh, rules.ttl_for(rule))
         answer = json.dumps(merged, separators=(",", ":")).encode()
         kept = tuple((k, v) for k, v in reply.headers if k.lower() != "content-type")
         out_headers = (*kept, ("Content-Type", JSON_TYPE), *headers)
         return Reply(200, out_headers, body=answer, backend=reply.backend or call.backend)
+
+    @staticmethod
+    def _stored_plan(
+        rules: RouteRules,
+        call: Call,
+        plan_for: Callable[[str], ItemPlan | None],
+        rule: Storable | None,
+    ) -> ItemPlan | None:
+        """The plan the answer's items are stored under: keyed by the headers it varies on
+        as learned now (``rules.storable`` may just have learned more)."""
+        if rule is None:
+            return None
+        return plan_for(rules.vary.key(call.received))
 
     def _items_hit(self, call: Call, cached: Sequence[CachedItem | None]) -> Reply:
         answer = assemble(call.json or {}, cached, {})
@@ -176,6 +221,7 @@ class ItemCache:
         plan: ItemPlan,
         positions: tuple[int, ...],
         reply: Reply,
+        ttl_s: float,
     ) -> Reply:
         """Store every item of a whole upstream answer: now for a body, once streamed
         otherwise (the reply returned then tees its stream)."""
@@ -186,7 +232,7 @@ class ItemCache:
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 log.warning("route %s: embeddings answer not stored: %s", rules.name, exc)
                 return
-            await self._put_items(rules, call, scope, plan, fresh)
+            await self._put_items(rules, call, scope, plan, fresh, ttl_s)
 
         if reply.body is not None:
             await put(None, reply.body)
@@ -201,11 +247,12 @@ class ItemCache:
         scope: str,
         plan: ItemPlan,
         fresh: dict[int, CachedItem],
+        ttl_s: float,
     ) -> None:
         await rules.cache.put_items(
             plan,
             fresh,
-            rules.ttl_s,
+            ttl_s,
             scope=scope,
             backend=call.backend,
             model_version=self._versions.get(call.backend, ""),

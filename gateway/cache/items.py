@@ -38,7 +38,15 @@ class CachedItem:
 
 
 def plan_items(
-    body: Mapping[str, Any], *, scope: str, route: str, backend: str, model_version: str, path: str
+    body: Mapping[str, Any],
+    *,
+    scope: str,
+    route: str,
+    backend: str,
+    model_version: str,
+    path: str,
+    query: str = "",
+    vary: str = "",
 ) -> ItemPlan | None:
     """Split an embeddings body into items; None when ``input`` is not a list shape that
     can be split (then the request goes through whole)."""
@@ -55,6 +63,8 @@ def plan_items(
             backend=backend,
             model_version=model_version,
             path=path,
+            query=query,
+            vary=vary,
         )
         for item in inputs
     )

@@ -1,7 +1,9 @@
 """Which requests may be cached, and the keys they are cached under.
 
 A key is a sha256 over the tenant scope, route, backend, the backend's ``model_version``,
-the endpoint path and the canonical JSON of every body field that can change the answer.
+the endpoint path, the query string (its parameters in name order), the request's values of
+the headers the backend's answers vary on (``control.vary_key``) and the canonical JSON of
+every body field that can change the answer.
 Canonical means sorted keys, no whitespace, integral floats written as integers
 (``temperature: 0.0`` is ``0``).  Left out, because they never change the answer:
 
@@ -32,7 +34,6 @@ from typing import Any
 
 from gateway.cache.guard import signature
 
-DEFAULT_SCOPE_HEADERS = ("authorization",)
 IGNORED_FIELDS = frozenset(
     {
         "stream",
@@ -119,13 +120,15 @@ def request_key(
     backend: str,
     model_version: str,
     path: str,
+    query: str = "",
+    vary: str = "",
     near: bool = True,
 ) -> RequestKey:
     """The exact key of ``body``, and its context key and prompt when near-dup applies
     (and ``near`` asks for them; ``with_context`` adds them later, for a caller that tries
     the exact tier first and pays for the rest only on a miss)."""
     canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
-    prefix = (scope, route, backend, model_version, path)
+    prefix = _prefix(scope, route, backend, model_version, path, query, vary)
     prompt = _near_prompt(body, path)
     if prompt is None:
         return RequestKey(scope, _digest("exact", *prefix, _dumps_canon(canon)))
@@ -145,6 +148,8 @@ def with_context(
     backend: str,
     model_version: str,
     path: str,
+    query: str = "",
+    vary: str = "",
 ) -> RequestKey:
     """``key`` (from ``request_key(..., near=False)`` for the same arguments) with its
     context key and prompt added when near-dup applies."""
@@ -154,8 +159,30 @@ def with_context(
     blanked = key.blanked
     if blanked is None:  # a key built by hand
         blanked = _dumps_blanked(_canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS}))
-    context = _context((key.scope, route, backend, model_version, path), blanked, prompt)
+    prefix = _prefix(key.scope, route, backend, model_version, path, query, vary)
+    context = _context(prefix, blanked, prompt)
     return RequestKey(key.scope, key.exact, context, prompt, blanked)
+
+
+def _prefix(
+    scope: str, route: str, backend: str, model_version: str, path: str, query: str, vary: str
+) -> tuple[str, ...]:
+    """What every key of a request is made under; the query and the varied headers only
+    when there are any, so that keys without them are those made before they counted."""
+    prefix: tuple[str, ...] = (scope, route, backend, model_version, path)
+    if query:
+        prefix += ("?" + normalise_query(query),)
+    if vary:
+        prefix += ("vary:" + vary,)
+    return prefix
+
+
+def normalise_query(query: str) -> str:
+    """A query string with its parameters in name order (the values of one name keep
+    their order: it may matter)."""
+    if "&" not in query:
+        return query
+    return "&".join(sorted(query.split("&"), key=lambda part: part.partition("=")[0]))
 
 
 def _near_prompt(body: Mapping[str, Any], path: str) -> str | None:
@@ -189,11 +216,21 @@ def _unblank(blanked: str, canon: dict[str, Any]) -> str:
 
 
 def item_key(
-    params: str, item: Any, *, scope: str, route: str, backend: str, model_version: str, path: str
+    params: str,
+    item: Any,
+    *,
+    scope: str,
+    route: str,
+    backend: str,
+    model_version: str,
+    path: str,
+    query: str = "",
+    vary: str = "",
 ) -> str:
     """The key of one input of a batched request (``/v1/embeddings``): ``params`` is the
     canonical JSON of the body without its ``input``."""
-    return _digest("item", scope, route, backend, model_version, path, params, _dumps(item))
+    prefix = _prefix(scope, route, backend, model_version, path, query, vary)
+    return _digest("item", *prefix, params, _dumps(item))
 
 
 def canonical_json(body: Mapping[str, Any], *, drop: Iterable[str] = ()) -> str:

@@ -5,7 +5,12 @@ it costs the backend nothing.  For each call on a caching route:
 
 * not cacheable (``keys.cacheability``: sampled, ``n`` > 1, remote media; or not an OpenAI
   JSON body): passed on, ``X-Gateway-Cache: bypass``;
-* ``Cache-Control: no-cache`` skips the lookup (``bypass``), ``no-store`` skips the write;
+* a request's ``Cache-Control: no-cache`` skips the lookup (``bypass``), ``no-store`` the
+  write; the backend's answer is stored only as its own ``Cache-Control`` and ``Vary``
+  allow (``control``: not ``no-store``, ``private``, ``no-cache`` or ``Vary: *``; its
+  ``max-age`` caps the lifetime; the values of the headers it varies on join the key),
+  unless the route sets ``ignore_backend_cache_control``;
+* every key holds the query string, its parameters in name order;
 * lookup: the exact tier, then SimHash (``semantic.method`` ``simhash`` or ``embedding``),
   then the embedding tier (``embedding_seam``); a hit answers with the stored answer in the
   shape asked for (SSE or JSON) and ``X-Gateway-Cache: hit``, ``-Match``, ``-Similarity``,
@@ -29,6 +34,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache import embedding
+from gateway.cache.control import asked_not_to
 from gateway.cache.embedding.judge import VERDICTS
 from gateway.cache.embedding_seam import (
     EMBEDDING,
@@ -39,7 +45,7 @@ from gateway.cache.embedding_seam import (
 )
 from gateway.cache.entry import CachedResponse, select_headers
 from gateway.cache.item_stage import ItemCache, RouteRules
-from gateway.cache.items import plan_items
+from gateway.cache.items import ItemPlan, plan_items
 from gateway.cache.keys import RequestKey, cacheability, request_key, with_context
 from gateway.cache.replies import (
     BYPASS,
@@ -175,7 +181,7 @@ class CacheStage:
                 (semantic, policy.cache, embedder, judge),
                 lambda: build_tier(semantic, context, self._embedding_tiers),
             )
-        return RouteRules(route, rule, cache, tier, runtime)
+        return RouteRules(route, rule, cache, tier, runtime, self._state.vary(route.name))
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         rules = self._routes.get(call.route.name)
@@ -184,26 +190,35 @@ class CacheStage:
         body = call.json
         if body is None or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok:
             return await self._pass(rules, call, call_next)
-        no_cache, no_store = _cache_control(call.header("cache-control"))
+        no_cache, no_store = asked_not_to(call.header("cache-control"))
         scope = call.scope
+        vary = rules.vary.key(call.received)
         if call.path.endswith("/embeddings"):
-            plan = plan_items(
-                body,
-                scope=scope,
-                route=call.route.name,
-                backend=call.backend,
-                model_version=self._versions.get(call.backend, ""),
-                path=call.path,
-            )
+
+            def plan_for(vary: str) -> ItemPlan | None:
+                return plan_items(
+                    body,
+                    scope=scope,
+                    route=call.route.name,
+                    backend=call.backend,
+                    model_version=self._versions.get(call.backend, ""),
+                    path=call.path,
+                    query=call.query,
+                    vary=vary,
+                )
+
+            plan = plan_for(vary)
             if plan is not None:
-                return await self._items(rules, call, call_next, plan, scope, no_cache, no_store)
-        key = self._key(call, scope, call.backend, near=False)
+                return await self._items(
+                    rules, call, call_next, plan, plan_for, scope, no_cache, no_store
+                )
+        key = self._key(call, scope, call.backend, vary, near=False)
         result = BYPASS
         if no_cache:
             rules.count(call, BYPASS, NONE)
-            key = self._with_context(rules, call, key)
+            key = self._with_context(rules, call, key, vary)
         else:
-            hit, key = await self._lookup(rules, call, key)
+            hit, key = await self._lookup(rules, call, key, vary)
             if hit is not None:
                 reply = self._answer(rules, call, hit)
                 if reply is not None:
@@ -213,7 +228,10 @@ class CacheStage:
         reply = (await call_next(call)).with_headers(((CACHE_HEADER, result),))
         if no_store or reply.status != 200 or content_encoded(reply.headers):
             return reply
-        return await self._store(rules, call, scope, key, reply)
+        rule = rules.storable(reply)
+        if rule is None:
+            return reply
+        return await self._store(rules, call, scope, key, vary, reply, rules.ttl_for(rule))
 
     # -- whole answers ------------------------------------------------------------------------
     async def _pass(self, rules: RouteRules, call: Call, call_next: Handler) -> Reply:
@@ -221,7 +239,7 @@ class CacheStage:
         reply = await call_next(call)
         return reply.with_headers(((CACHE_HEADER, BYPASS),))
 
-    def _key(self, call: Call, scope: str, backend: str, *, near: bool) -> RequestKey:
+    def _key(self, call: Call, scope: str, backend: str, vary: str, *, near: bool) -> RequestKey:
         assert call.json is not None
         return request_key(
             call.json,
@@ -230,10 +248,14 @@ class CacheStage:
             backend=backend,
             model_version=self._versions.get(backend, ""),
             path=call.path,
+            query=call.query,
+            vary=vary,
             near=near,
         )
 
-    def _with_context(self, rules: RouteRules, call: Call, key: RequestKey) -> RequestKey:
+    def _with_context(
+        self, rules: RouteRules, call: Call, key: RequestKey, vary: str
+    ) -> RequestKey:
         """``key`` with its context, where the route's near tiers need one (to look up or
         to file an answer under)."""
         if not rules.near:
@@ -246,10 +268,12 @@ class CacheStage:
             backend=call.backend,
             model_version=self._versions.get(call.backend, ""),
             path=call.path,
+            query=call.query,
+            vary=vary,
         )
 
     async def _lookup(
-        self, rules: RouteRules, call: Call, key: RequestKey
+        self, rules: RouteRules, call: Call, key: RequestKey, vary: str
     ) -> tuple[Hit | None, RequestKey]:
         """The hit for ``key`` and the key completed with its context.  The exact tier is
         tried first with the cheaper exact-only key; the context (the normalised prompt's
@@ -257,7 +281,7 @@ class CacheStage:
         started = time.perf_counter()
         hit = await rules.cache.lookup(key, near=False)
         if hit is None:
-            key = self._with_context(rules, call, key)
+            key = self._with_context(rules, call, key, vary)
             if key.context is not None:
                 hit = await rules.cache.lookup(key, exact=False)
                 if hit is None and rules.embedding is not None and key.prompt is not None:
@@ -314,11 +338,21 @@ class CacheStage:
         return hit_reply(hit.entry, body, content_type, headers)
 
     async def _store(
-        self, rules: RouteRules, call: Call, scope: str, key: RequestKey, reply: Reply
+        self,
+        rules: RouteRules,
+        call: Call,
+        scope: str,
+        key: RequestKey,
+        vary: str,
+        reply: Reply,
+        ttl_s: float,
     ) -> Reply:
         backend = reply.backend or call.backend
-        if backend != call.backend:  # a fallback answered: file it under its own key
-            key = self._key(call, scope, backend, near=key.context is not None)
+        learned = rules.vary.key(call.received)
+        if backend != call.backend or learned != vary:
+            # A fallback answered (filed under its own key), or the answer named headers
+            # it varies on that the lookup's key did not have yet.
+            key = self._key(call, scope, backend, learned, near=key.context is not None)
         stored_headers = select_headers(reply.headers)
 
         async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
@@ -333,7 +367,7 @@ class CacheStage:
                 call.route.name,
                 scope,
             )
-            await self._put(rules, key, entry)
+            await self._put(rules, key, entry, ttl_s)
 
         events = is_event_stream(reply.headers)
         if reply.body is not None and not events:
@@ -346,8 +380,10 @@ class CacheStage:
             return reply.replace(stream=Tee(reply.stream, events=events, on_complete=put))
         return reply
 
-    async def _put(self, rules: RouteRules, key: RequestKey, entry: CachedResponse) -> None:
-        stored = await rules.cache.put(key, entry, rules.ttl_s)
+    async def _put(
+        self, rules: RouteRules, key: RequestKey, entry: CachedResponse, ttl_s: float
+    ) -> None:
+        stored = await rules.cache.put(key, entry, ttl_s)
         if stored and rules.embedding is not None and key.prompt is not None:
             try:
                 await rules.embedding.add(key, key.prompt, key.exact)
@@ -367,14 +403,6 @@ class CacheStage:
 
     def __repr__(self) -> str:
         return f"<CacheStage routes={sorted(self._routes)} {self._state!r}>"
-
-
-def _cache_control(value: str | None) -> tuple[bool, bool]:
-    """(no-cache, no-store) from a request's ``Cache-Control``."""
-    if not value:
-        return False, False
-    directives = {part.split("=", 1)[0].strip().lower() for part in value.split(",")}
-    return "no-cache" in directives, "no-store" in directives
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
+from gateway.cache.control import LearnedVary
 from gateway.cache.stores import MemoryStore, RedisStore, StoreStats
 from gateway.clock import Clock
 from gateway.policy.model import CacheStore as CacheStoreSettings
@@ -41,6 +42,7 @@ class CacheState:
         else:
             self.store = MemoryStore(settings.max_bytes, clock=clock)
         self._sweeper: asyncio.Task[None] | None = None
+        self._vary: dict[str, LearnedVary] = {}
 
     @property
     def kind(self) -> str:
@@ -66,6 +68,14 @@ class CacheState:
         if unknown:
             raise ValueError(f"not scope headers: {', '.join(sorted(unknown))}")
         return scope_hash(tenant.items(), names)
+
+    def vary(self, route: str) -> LearnedVary:
+        """The headers ``route``'s answers vary on, as learned so far (kept across reloads
+        with the store, whose entries were keyed by them)."""
+        learned = self._vary.get(route)
+        if learned is None:
+            learned = self._vary[route] = LearnedVary(self.settings.scope_headers)
+        return learned
 
     def stats(self) -> StoreStats:
         stats: StoreStats = self.store.stats()

@@ -174,6 +174,16 @@ class RouteCache:
             "reproducible."
         ),
     )
+    ignore_backend_cache_control: bool = field(
+        default=False,
+        metadata=doc(
+            "Store answers whatever the backend's `Cache-Control` and `Vary` say. Off (the "
+            "default): `no-store`, `private`, `no-cache`, `max-age=0` and `Vary: *` answers "
+            "are not stored, `s-maxage`/`max-age` cap `ttl_s`, and the values of the "
+            "request headers an answer varies on join its key. Only for a backend known "
+            "to send wrong cache headers."
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
