@@ -4,8 +4,9 @@
 With a token configured (``admin.token`` or ``GATEWAY_ADMIN_TOKEN``), every endpoint but
 ``/healthz``, ``/readyz`` and ``/metrics`` needs ``Authorization: Bearer <token>``; a missing,
 wrong or malformed one is a 401.  With none, the mutating endpoints answer only on a
-loopback-bound admin port.  A token still equal to the shipped example Secret's
-placeholder is refused at start."""
+loopback-bound admin port.  An empty token (``admin.token: ""``, or a variable set to
+nothing) and one still equal to the shipped example Secret's placeholder are refused at
+start, and an empty one never authenticates."""
 
 from __future__ import annotations
 
@@ -29,19 +30,24 @@ def is_loopback(host: str) -> bool:
 
 
 def check_admin_token(token: str | None) -> None:
-    """Refuse to start with the example Secret's placeholder as the admin token."""
-    if token is not None and token.strip() == PLACEHOLDER_TOKEN:
-        raise PolicyError(
-            [
-                Problem(
-                    "GATEWAY_ADMIN_TOKEN",
-                    "admin.token",
-                    None,
-                    "the admin token is still the placeholder of deploy/k8s/secret.yaml; "
-                    "set a long random one (openssl rand -hex 32)",
-                )
-            ]
+    """Refuse to start with an empty admin token (it would match an empty ``Bearer``), or
+    with the example Secret's placeholder."""
+    if token is None:
+        return
+    if not token.strip():
+        reason = (
+            "the admin token is empty (admin.token, or the variable it names, set to "
+            "nothing); set a long random one (openssl rand -hex 32), or none for a "
+            "loopback-only admin port"
         )
+    elif token.strip() == PLACEHOLDER_TOKEN:
+        reason = (
+            "the admin token is still the placeholder of deploy/k8s/secret.yaml; "
+            "set a long random one (openssl rand -hex 32)"
+        )
+    else:
+        return
+    raise PolicyError([Problem("GATEWAY_ADMIN_TOKEN", "admin.token", None, reason)])
 
 
 def error_response(exc: GatewayError) -> web.Response:
@@ -91,7 +97,8 @@ def _authorize(request: web.Request, token: str | None, loopback: bool) -> None:
         return
     given = request.headers.get("Authorization", "")
     scheme, _, credential = given.strip().partition(" ")
-    expected = token.encode("utf-8", "surrogateescape")
+    expected = token.strip().encode("utf-8", "surrogateescape")
     offered = credential.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(offered, expected):
+    # An empty token never authenticates, whatever reached here (a reload, a supervisor).
+    if scheme.lower() != "bearer" or not expected or not hmac.compare_digest(offered, expected):
         raise Unauthorized("missing or wrong admin bearer token")

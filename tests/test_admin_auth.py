@@ -133,3 +133,56 @@ async def test_gateway_serve_exits_with_the_reason_on_the_placeholder(serve_app,
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1
     assert b"placeholder of deploy/k8s/secret.yaml" in err
+
+
+@pytest.mark.parametrize(
+    ("token", "env"),
+    [('""', {}), ('"   "', {}), ('"${EMPTY_ADMIN_TOKEN}"', {"EMPTY_ADMIN_TOKEN": ""})],
+    ids=["empty", "blank", "variable set to nothing"],
+)
+async def test_an_empty_admin_token_is_refused_at_start(
+    serve_app, tmp_path, monkeypatch, token, env
+):
+    """Else ``Authorization: Bearer`` with nothing after it would match it."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    url = await serve_app(Recorder().app())
+    policy = write_policy(
+        tmp_path,
+        f'backends: {{main: {{url: "{url}"}}}}\nroutes: [{{backend: main}}]\n'
+        f"admin: {{token: {token}}}\n",
+    )
+    with pytest.raises(PolicyError, match=r"admin\.token: is empty"):
+        Gateway(PolicySource(policy))
+
+
+def test_gateway_check_refuses_an_empty_token_but_not_one_from_an_unset_variable(tmp_path):
+    from gateway.cli import main
+
+    empty = write_policy(tmp_path, 'backends: {m: {url: "http://m"}}\nadmin: {token: ""}\n')
+    assert main(["check", str(empty)]) == 1
+    unset = write_policy(
+        tmp_path,
+        'backends: {m: {url: "http://m"}}\nadmin: {token: "${NOT_SET_HERE_XYZ}"}\n',
+        name="unset.yaml",
+    )
+    assert main(["check", str(unset)]) == 0  # a warning: the Secret is not on this machine
+
+
+@pytest.mark.parametrize("given", ["Bearer", "bearer", ""])
+async def test_an_empty_token_never_authenticates(serve_app, given):
+    """Whatever reaches the admin app with an empty token (it is refused at start): no
+    credential matches it."""
+    from aiohttp import web
+
+    from gateway.admin_access import guarded
+
+    async def secret(request: web.Request) -> web.Response:
+        return web.Response(text="secret")
+
+    app = web.Application()
+    app.router.add_post("/reload", guarded(secret, lambda: "", loopback=False))
+    url = await serve_app(app)
+    async with httpx.AsyncClient() as client:
+        r = await client.post(url + "/reload", headers={"Authorization": given})
+    assert r.status_code == 401

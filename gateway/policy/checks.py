@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 
 from gateway.policy.model import (
+    Admin,
     Backend,
     RateLimit,
     RetryBudget,
@@ -47,6 +48,14 @@ def check_server(server: Server) -> Found:
         except ValueError:
             found.append((f"trusted_proxies[{i}]", f"{cidr!r} is not an IP address or CIDR"))
     return found
+
+
+def check_admin(admin: Admin) -> Found:
+    """``admin``: a token, if given, is not empty (an empty one would match an empty
+    ``Authorization: Bearer``); leave it out for loopback-only mutating endpoints."""
+    if admin.token is not None and not admin.token.strip():
+        return [("token", "is empty; give a long random token, or none (loopback only)")]
+    return []
 
 
 def check_tenants(tenants: Tenants) -> Found:

@@ -19,6 +19,7 @@ import yaml
 
 from gateway.errors import PolicyError, Problem
 from gateway.policy.checks import (
+    check_admin,
     check_backend,
     check_retry_budget,
     check_route,
@@ -35,6 +36,7 @@ POLICY_SUFFIXES = (".yaml", ".yml")
 _SINGLETONS = ("server", "admin", "metrics", "cache", "retry_budget", "tracing", "tenants")
 _SINGLETON_CHECKS: dict[str, Any] = {
     "server": check_server,
+    "admin": check_admin,
     "retry_budget": check_retry_budget,
     "tracing": check_tracing,
     "tenants": check_tenants,
@@ -57,6 +59,8 @@ class _Part:
     policy: Policy | None
     lines: dict[str, int]
     keys: frozenset[str]
+    unset: frozenset[str] = frozenset()
+    """Key paths whose ``${NAME}`` was unset (``lenient_env``): not checked further."""
 
 
 def policy_files(path: Path) -> list[Path]:
@@ -145,7 +149,8 @@ def _parse_part(
         Problem(source, p.path, _line_of(lines, p.path), p.message) for p in found.warnings
     )
     keys = frozenset(data) if isinstance(data, dict) else frozenset()
-    return _Part(source, policy if not found else None, lines, keys)
+    unset = frozenset(p.path for p in found.warnings)
+    return _Part(source, policy if not found else None, lines, keys, unset)
 
 
 def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem]) -> Policy:
@@ -212,7 +217,8 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
 def _report(found: list[tuple[str, str]], part: _Part, path: str, problems: list[Problem]) -> None:
     for key, message in found:
         p = join(path, key) if key else path
-        problems.append(Problem(part.source, p, _line_of(part.lines, p), message))
+        if p not in part.unset:
+            problems.append(Problem(part.source, p, _line_of(part.lines, p), message))
 
 
 def _name_routes(
