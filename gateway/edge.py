@@ -141,7 +141,7 @@ class Edge:
             if encoding is not None:
                 body = openai_body.decode(body, encoding, policy.server.max_body_bytes)
                 owned = _DECODED_OWNED
-            data = openai_body.parse(path, body)
+            data = openai_body.parse(path, body, policy.server.max_json_values)
         model = data.get("model") if data is not None else None
         route = snap.router.route(path, model)
         headers = strip(raw, owned)

@@ -1,7 +1,9 @@
 """Bounded fuzzing of the client side of the data plane: mutated request heads (framing
 headers doubled, folded, misspelt or contradicting, bare line ends, stray bytes, other
-versions, upgrades, ``Expect``, ``Connection: close``) and mutated OpenAI bodies, each
-followed on the same connection by a well-formed request.  Whatever arrives:
+versions, upgrades, ``Expect``, ``Connection: close``) and mutated OpenAI bodies (wide
+JSON past ``max_json_values`` among them), chunked bodies cut into tiny chunks with
+extensions and trailers (some forbidden in a trailer), each followed on the same
+connection by a well-formed request.  Whatever arrives:
 
 - the gateway itself answers nothing 5xx but its documented 505 for an HTTP version it does
   not serve (every other 5xx must be the backend's, relayed);
@@ -68,6 +70,17 @@ LINES = [
     b"TRACE /v1/models HTTP/1.1",
 ]
 JSON_VALUES = [None, True, 0, -1, 1e308, 2**70, "", "x" * 40, [], {}, [1], {"a": 1}, [[[]]]]
+MAX_JSON_VALUES = 1000  # the fuzzed gateway's server.max_json_values
+WIDE = [{}] * (MAX_JSON_VALUES + 1)
+TRAILERS = [
+    b"X-Checksum: abc",
+    b"Authorization: Bearer evil",
+    b"Content-Length: 5",
+    b"Host: evil",
+    b"Set-Cookie: a=b",
+    b"X-Long: " + b"a" * 2000,
+]
+EXTENSIONS = [b"", b"", b";name=value", b";" + b"e" * 300, b';q="quoted"']
 
 
 def mutated_body(rng: random.Random) -> bytes:
@@ -75,6 +88,8 @@ def mutated_body(rng: random.Random) -> bytes:
     for key in rng.sample(["model", "messages", "stream", "n", "max_tokens", "temperature"], 2):
         if rng.random() < 0.5:
             data[key] = rng.choice(JSON_VALUES)
+    if rng.random() < 0.1:
+        data["metadata"] = WIDE
     raw = json.dumps(data).encode()
     if rng.random() < 0.2:
         i = rng.randrange(len(raw))
@@ -93,13 +108,24 @@ def case(rng: random.Random) -> bytes:
     for _ in range(rng.randint(0, 3)):
         lines.insert(rng.randint(1, len(lines)), rng.choice(HEADERS))
     if any(line.lower().startswith(b"transfer-encoding") for line in lines) and rng.random() < 0.7:
-        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        body = chunked(body, rng)
     end = rng.choice([b"\r\n"] * 8 + [b"\n", b"\r"])
     raw = end.join(lines) + end + end + body
     if rng.random() < 0.2:
         i = rng.randrange(len(raw))
         raw = raw[:i] + bytes([rng.randrange(256)]) + raw[i + 1 :]
     return raw
+
+
+def chunked(body: bytes, rng: random.Random) -> bytes:
+    """``body`` in chunks of one size (tiny ones often), with extensions and trailers."""
+    size = rng.choice([max(len(body), 1), max(len(body), 1), 1, 2, 3, 64])
+    parts = [
+        b"%x%s\r\n%s\r\n" % (len(body[i : i + size]), rng.choice(EXTENSIONS), body[i : i + size])
+        for i in range(0, len(body), size)
+    ]
+    trailers = b"".join(t + b"\r\n" for t in rng.sample(TRAILERS, rng.choice([0, 0, 1, 2])))
+    return b"".join(parts) + b"0\r\n" + trailers + b"\r\n"
 
 
 def heads(data: bytes) -> list[tuple[int, bytes]]:
@@ -153,7 +179,7 @@ async def test_no_mutated_request_gets_a_gateway_5xx_or_another_requests_answer(
     policy = (
         f"backends: {{main: {{url: '{url}'}}}}\n"
         "routes: [{match: {path: '/v1/*'}, backend: main}]\n"
-        "server: {body_timeout_s: 2, header_timeout_s: 2}"
+        f"server: {{body_timeout_s: 2, header_timeout_s: 2, max_json_values: {MAX_JSON_VALUES}}}"
     )
     gw = await start_gateway(policy=write_policy(tmp_path, policy))
     rng = random.Random(SEED)

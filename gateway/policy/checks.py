@@ -37,9 +37,18 @@ def check_server(server: Server) -> Found:
         "max_header_count",
         "max_connections",
         "max_buffered_body_bytes",
+        "body_deadline_s",
+        "max_json_values",
     ):
         if getattr(server, key) <= 0:
             found.append((key, "must be greater than 0"))
+    if server.min_body_rate_bytes_s < 0:
+        found.append(("min_body_rate_bytes_s", "must not be negative"))
+    for i, method in enumerate(server.allowed_methods):
+        if not method or not method.isascii() or not method.isalpha() or not method.isupper():
+            found.append((f"allowed_methods[{i}]", f"{method!r} is not an upper-case method"))
+        elif method in ("CONNECT", "TRACE"):
+            found.append((f"allowed_methods[{i}]", f"{method} is never served"))
     if server.shutdown_grace_s < 0:
         found.append(("shutdown_grace_s", "must not be negative"))
     for i, cidr in enumerate(server.trusted_proxies):

@@ -76,6 +76,10 @@ __all__ = [
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_BODY_DEADLINE_S = 300.0
+DEFAULT_MIN_BODY_RATE_BYTES_S = 1024
+DEFAULT_MAX_JSON_VALUES = 500_000
+DEFAULT_ALLOWED_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
 DEFAULT_CLIENT_SEND_TIMEOUT_S = 60.0
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
@@ -157,7 +161,40 @@ class Server:
     )
     body_timeout_s: float = field(
         default=DEFAULT_BODY_TIMEOUT_S,
-        metadata=doc("Longest silence inside a request body; then 408 and close."),
+        metadata=doc(
+            "Longest a request body may fall behind `min_body_rate_bytes_s` (with the rate "
+            "at 0: the longest silence inside a body); then 408 and close."
+        ),
+    )
+    min_body_rate_bytes_s: int = field(
+        default=DEFAULT_MIN_BODY_RATE_BYTES_S,
+        metadata=doc(
+            "Slowest a request body may arrive once it has used up `body_timeout_s` of "
+            "slack; a body that trickles in slower is a 408 (Kestrel's minimum data rate). "
+            "0: only silence counts."
+        ),
+    )
+    body_deadline_s: float = field(
+        default=DEFAULT_BODY_DEADLINE_S,
+        metadata=doc(
+            "Longest a whole request body may take, from the end of its head; then 408 "
+            "(Envoy's `request_timeout` for the body)."
+        ),
+    )
+    max_json_values: int = field(
+        default=DEFAULT_MAX_JSON_VALUES,
+        metadata=doc(
+            "Most JSON values (elements, members, containers) in an OpenAI request body; "
+            "past it a 400 before it is parsed. The default holds any real request "
+            "(an embeddings call of 300,000 tokens as token arrays is about 300,000)."
+        ),
+    )
+    allowed_methods: tuple[str, ...] = field(
+        default=DEFAULT_ALLOWED_METHODS,
+        metadata=doc(
+            "Request methods the gateway forwards; any other is a 405 with `Allow` "
+            "(CONNECT and TRACE are never served)."
+        ),
     )
     keepalive_timeout_s: float = field(
         default=DEFAULT_KEEPALIVE_TIMEOUT_S,

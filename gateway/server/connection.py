@@ -3,11 +3,18 @@ this module does what a parser does not.
 
 - **Limits** (``server:`` in the policy, read afresh for each request): the whole head within
   ``header_timeout_s`` and ``max_header_bytes`` (431; 414 for the target alone) and
-  ``max_header_count`` lines; at most ``body_timeout_s`` of silence inside a body and
-  ``max_body_bytes`` of it (413); every body's bytes counted against the server's shared
-  ``max_buffered_body_bytes`` (503); an idle keep-alive connection closed after
+  ``max_header_count`` lines; a body at ``min_body_rate_bytes_s`` at least, once it has
+  fallen ``body_timeout_s`` behind that pace (a pace, not only silence: a body trickling a
+  byte every few seconds is cut), whole within ``body_deadline_s``, and ``max_body_bytes``
+  of it (413), kept in one buffer however small its pieces; every body's bytes counted
+  against the server's shared ``max_buffered_body_bytes`` (503, after the server has cut
+  the stalled uploads holding more than their share); the chunk framing of a body
+  (extensions) bounded; an idle keep-alive connection closed after
   ``keepalive_timeout_s``; an answer the client leaves unread for ``client_send_timeout_s``
   cut.  One timer per connection, moved lazily.
+- **Trailers** of a chunked body are never headers: they are dropped, bounded like a head
+  (431 past ``max_header_bytes``), and a field that may not be a trailer (framing, routing,
+  credentials, request modifiers: RFC 9110 6.5.1) is a 400.
 - **What llhttp admits but a proxy must not serve**: versions other than 1.0 and 1.1 (505),
   CONNECT and TRACE (405), a ``Transfer-Encoding`` other than ``chunked``, a second Host or
   Authorization, an HTTP/1.1 request without Host, an ``Expect`` other than
@@ -33,7 +40,14 @@ import logging
 
 import httptools
 
-from gateway.errors import BodyTooLarge, GatewayError, MalformedRequest, Overloaded, RequestTimeout
+from gateway.errors import (
+    BodyTooLarge,
+    GatewayError,
+    MalformedRequest,
+    Overloaded,
+    RequestTimeout,
+)
+from gateway.server.body import BodyReading
 from gateway.server.clock import Deadline
 from gateway.server.request import Request, read_head
 from gateway.server.turns import BODY, CONTINUE, HEAD, WAIT, Host, Turns
@@ -60,6 +74,7 @@ class ClientConnection(Turns):
         self._continuing = False
         self._upgrade_skipped = False
         self._read_last = False  # a request that closes the connection was read whole
+        self._body: BodyReading | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -94,6 +109,11 @@ class ClientConnection(Turns):
             self._head_fed += len(data)
             if self._head_fed > self._limits.max_header_bytes:
                 self._refuse(self._head_too_large())
+                return
+        elif self._state == BODY and self._body is not None and self._body.chunked:
+            payload = self._incoming._reserved if self._incoming is not None else 0
+            if self._body.framing_overflows(len(data), payload, self._limits):
+                self._refuse(MalformedRequest("the request body's chunk framing is too long"))
                 return
         self._clock.arm()
 
@@ -133,6 +153,10 @@ class ClientConnection(Turns):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._continuing:
             return
+        if self._state == BODY:
+            assert self._body is not None
+            self._body.trailer(name, value, self._limits)
+            return
         self._head_size += len(name) + len(value) + 4
         if self._head_size > self._limits.max_header_bytes:
             raise self._head_too_large()
@@ -146,23 +170,32 @@ class ClientConnection(Turns):
             return
         self._incoming = self._request()
         self._state = BODY
+        chunked = self._framing is not None and self._framing.startswith(b"Transfer")
+        self._body = BodyReading(self._loop.time(), self._limits, chunked=chunked)
+
+    def on_chunk_header(self) -> None:
+        if self._body is not None:
+            self._body.chunks += 1
 
     def on_body(self, body: bytes) -> None:
         request = self._incoming
         assert request is not None
-        if request._reserved + len(body) > self._limits.max_body_bytes:
+        size = len(body)
+        if request._reserved + size > self._limits.max_body_bytes:
             raise BodyTooLarge(
                 f"request body exceeds the limit of {self._limits.max_body_bytes} bytes"
             )
-        if not self.server.reserve(len(body)):
+        if not self.server.reserve(size, self):
             raise Overloaded(
                 "the gateway holds as many request bodies as it may "
                 "(server.max_buffered_body_bytes); retry shortly",
                 retry_after_s=1.0,
                 reason="body_buffer_full",
             )
-        request._reserved += len(body)
-        request._chunks.append(body)
+        request._reserved += size
+        request.add_body(body)
+        if self._body is not None:
+            self._body.arrived(size, self._last_read, self._limits)
 
     def on_message_complete(self) -> None:
         request = self._incoming
@@ -201,10 +234,7 @@ class ClientConnection(Turns):
         self._incoming = None
         self._state = WAIT
         self._read_last = not request.keep_alive
-        request.body = (
-            request._chunks[0] if len(request._chunks) == 1 else b"".join(request._chunks)
-        )
-        request._chunks = []
+        request.body_complete()
         if self._active is None and not self._queue:
             self._dispatch(request)
         elif len(self._queue) >= MAX_PIPELINED:
@@ -238,6 +268,32 @@ class ClientConnection(Turns):
         else:
             self._clock.arm()
 
+    # -- bodies ----------------------------------------------------------------------------------
+    def body_stall_s(self) -> float:
+        """How far the body being read has fallen behind its pace (0: on pace, or no body
+        being read): what the server cuts first when request bodies crowd its buffer."""
+        if self._state != BODY or self._incoming is None or self._body is None:
+            return 0.0
+        return self._body.stall_s(self._loop.time(), self._last_read, self._limits)
+
+    def head_stall_s(self) -> float:
+        """How long a head has been arriving, or a new connection has sent nothing (0:
+        neither)."""
+        if self._state == HEAD:
+            return self._loop.time() - self._head_started
+        if self._state == WAIT and self.requests == 0:
+            return self._loop.time() - self._accepted
+        return 0.0
+
+    def held_bytes(self) -> int:
+        """The body bytes of the request being read, held in the shared buffer."""
+        return self._incoming._reserved if self._incoming is not None else 0
+
+    def cut_stalled(self, reason: str) -> None:
+        """The server needs the room this connection holds: its stalled request is a 408."""
+        self.server.timed_out("body" if self._state == BODY else "head")
+        self._refuse(RequestTimeout(reason))
+
     # -- refusals ------------------------------------------------------------------------------
     def _parse_error(self, exc: httptools.HttpParserError) -> GatewayError:
         cause = exc.__context__
@@ -270,8 +326,8 @@ class ClientConnection(Turns):
             return None
         if self._state == HEAD:
             return self._head_started + limits.header_timeout_s, "head"
-        if self._state == BODY:
-            return self._last_read + limits.body_timeout_s, "body"
+        if self._state == BODY and self._body is not None:
+            return self._body.deadline(self._last_read, limits)
         if self._active is None and not self._queue:
             if self.requests == 0:
                 return self._accepted + limits.header_timeout_s, "head"
@@ -284,8 +340,13 @@ class ClientConnection(Turns):
         if phase == "linger":
             self.close()
             return
-        self.server.timed_out(phase)
         limits = self._limits
+        if phase == "body_whole":
+            self.server.timed_out("body")
+            whole = limits.body_deadline_s
+            self._refuse(RequestTimeout(f"the request body took longer than {whole:g} s"))
+            return
+        self.server.timed_out(phase)
         if phase == "send":
             log.warning(
                 "cut an answer to %s: unread for %g s", self.peer, limits.client_send_timeout_s
@@ -293,6 +354,13 @@ class ClientConnection(Turns):
             self.close(abort=True)
         elif phase == "idle" or (phase == "head" and self._state == WAIT):
             self.close()
+        elif phase == "body" and limits.min_body_rate_bytes_s > 0:
+            self._refuse(
+                RequestTimeout(
+                    f"the request body fell {limits.body_timeout_s:g} s behind the slowest "
+                    f"pace served ({limits.min_body_rate_bytes_s} bytes/s)"
+                )
+            )
         else:
             what = "request head" if phase == "head" else "request body"
             limit = limits.header_timeout_s if phase == "head" else limits.body_timeout_s

@@ -35,6 +35,9 @@ log = logging.getLogger("gateway.server.listener")
 Handler = Callable[[Request], Awaitable[None]]
 INTERRUPT_S = 0.5
 """After the grace: how long the requests cut short have to write their last word."""
+STALL_S = 1.0
+"""How far behind (a body's pace, a head's arrival) a connection is before the server may
+cut it to make room for others."""
 
 
 class HttpServer:
@@ -83,12 +86,13 @@ class HttpServer:
         if self.draining:
             return False
         if len(self._connections) >= self.limits().max_connections:
-            if not self._idle:
+            if self._idle:
+                oldest = next(iter(self._idle))
+                del self._idle[oldest]
+                oldest.close()
+            elif not self._cut_most_stalled():
                 self._refused.inc()
                 return False
-            oldest = next(iter(self._idle))
-            del self._idle[oldest]
-            oldest.close()
         self._connections.add(conn)
         return True
 
@@ -116,13 +120,39 @@ class HttpServer:
         """A request refused before the edge saw it: counted like any answer, routeless."""
         self._metrics.count_request("", "", status)
 
+    def _cut_most_stalled(self) -> bool:
+        """Close the connection most stalled (a head, or a body behind its pace), if one
+        is stalled ``STALL_S`` or more, to make room for a new one."""
+        worst, stall = None, STALL_S
+        for conn in self._connections:
+            behind = max(conn.head_stall_s(), conn.body_stall_s())
+            if behind >= stall and not conn.closing:
+                worst, stall = conn, behind
+        if worst is None:
+            return False
+        worst.cut_stalled("the request arrived too slowly while others waited for a connection")
+        return True
+
     # -- request bodies --------------------------------------------------------------------------
-    def reserve(self, size: int) -> bool:
-        """Hold ``size`` more body bytes, if the shared budget allows."""
-        if self.body_bytes + size > self.limits().max_buffered_body_bytes:
+    def reserve(self, size: int, conn: Turns) -> bool:
+        """Hold ``size`` more body bytes for ``conn``, if the shared budget allows (after
+        cutting stalled uploads that hold more than their share)."""
+        limit = self.limits().max_buffered_body_bytes
+        if self.body_bytes + size > limit and not self._make_room(size, conn, limit):
             return False
         self.body_bytes += size
         return True
+
+    def _make_room(self, size: int, requester: Turns, limit: int) -> bool:
+        holders = [c for c in self._connections if c is not requester and c.held_bytes()]
+        fair = limit / (len(holders) + 1)
+        stalled = [c for c in holders if c.held_bytes() > fair and c.body_stall_s() >= STALL_S]
+        stalled.sort(key=lambda c: c.body_stall_s(), reverse=True)
+        for conn in stalled:
+            conn.cut_stalled("the request body arrived too slowly for the buffer room it held")
+            if self.body_bytes + size <= limit:
+                return True
+        return False
 
     def release(self, size: int) -> None:
         self.body_bytes -= size

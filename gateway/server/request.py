@@ -7,6 +7,7 @@ The request writes through its connection, which it knows only as a ``Wire``.
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from gateway.errors import BodyTooLarge, MalformedRequest, Overloaded
@@ -16,8 +17,13 @@ from gateway.wire import http_date, response_head
 
 _VERSIONS = frozenset({"1.1", "1.0"})
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
-_ALLOW = ("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
 NO_BODY_STATUS = frozenset({204, 304})
+_HOST = re.compile(
+    r"(?:\[[0-9A-Fa-f:.]+\]"  # IP-literal (IPv6, no zone)
+    r"|(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{2})*)"  # IPv4 or reg-name
+    r"(?::[0-9]*)?"
+)
+"""RFC 9112 3.2: ``Host = uri-host [ ":" port ]`` (RFC 3986's host and port)."""
 
 
 class Wire(Protocol):
@@ -70,9 +76,9 @@ def read_head(
     without a body."""
     if version not in _VERSIONS:
         raise MalformedRequest(f"HTTP/{version} is not served; use HTTP/1.1", 505)
-    if method in _REFUSED_METHODS:
+    if method in _REFUSED_METHODS or method not in limits.allowed_methods:
         error = MalformedRequest(f"{method} is not served by the gateway", 405)
-        error.extra_headers = (_ALLOW,)
+        error.extra_headers = (("Allow", ", ".join(limits.allowed_methods)),)
         raise error
     path, query = normalise(target)
     host: str | None = None
@@ -84,6 +90,8 @@ def read_head(
             if host is not None:
                 raise MalformedRequest("more than one Host header")
             host = value.strip()
+            if _HOST.fullmatch(host) is None:
+                raise MalformedRequest(f"Host {host[:100]!r} is not a host and port")
         elif lower == "authorization":
             if seen_auth:
                 raise MalformedRequest("more than one Authorization header")
@@ -132,8 +140,8 @@ class Request:
     """
 
     __slots__ = (
+        "_buffer",
         "_chunked",
-        "_chunks",
         "_close_delimited",
         "_conn",
         "_expect",
@@ -178,7 +186,7 @@ class Request:
         self.sent = 0
         self.interrupted = False
         self._close_delimited = False
-        self._chunks: list[bytes] = []
+        self._buffer: bytearray | None = None
         self._reserved = 0
         self._expect = False
         self._keep = keep_alive
@@ -192,6 +200,24 @@ class Request:
             if key.lower() == name:
                 return value
         return None
+
+    def add_body(self, data: bytes) -> None:
+        """Keep a piece of the body as it arrives: in one growing buffer from the second
+        piece on, so that a body sent in tiny pieces costs its size, not an object per
+        piece (a 2-byte chunk kept as bytes costs 35 bytes)."""
+        if self._buffer is not None:
+            self._buffer += data
+        elif not self.body:
+            self.body = data
+        else:
+            self._buffer = bytearray(self.body)
+            self._buffer += data
+
+    def body_complete(self) -> None:
+        """The body is whole: ``body`` is its bytes."""
+        if self._buffer is not None:
+            self.body = bytes(self._buffer)
+            self._buffer = None
 
     # -- answering ---------------------------------------------------------------------------
     def _framing(self, status: int, length: int | None) -> str:

@@ -49,7 +49,7 @@ class Host(Protocol):
 
     def busy(self, conn: Turns) -> None: ...
 
-    def reserve(self, size: int) -> bool: ...
+    def reserve(self, size: int, conn: Turns) -> bool: ...
 
     def release(self, size: int) -> None: ...
 
@@ -95,6 +95,22 @@ class Turns(asyncio.Protocol, ABC):
     @abstractmethod
     def _expired(self, phase: str) -> None:
         """Answer a deadline that passed in ``phase``."""
+
+    @abstractmethod
+    def body_stall_s(self) -> float:
+        """How far the body being read is behind its pace (0: none, or on pace)."""
+
+    @abstractmethod
+    def head_stall_s(self) -> float:
+        """How long the head being read has been arriving (0: none is)."""
+
+    @abstractmethod
+    def held_bytes(self) -> int:
+        """The body bytes of the request being read, in the server's shared buffer."""
+
+    @abstractmethod
+    def cut_stalled(self, reason: str) -> None:
+        """Refuse the request being read with a 408: the server needs its room."""
 
     @property
     def draining(self) -> bool:

@@ -5,9 +5,10 @@ Node.js), strictly: ``Content-Length`` is digits only and given once, never with
 ``Transfer-Encoding``; chunk sizes are hex digits; obsolete line folding, whitespace before a
 colon, bare LF, and NUL or CR in a value are errors.  On top of llhttp this module refuses
 what a proxy must not relay: a status outside 100-599, a version other than 1.0 and 1.1, a
-``Transfer-Encoding`` that is anything but ``chunked``, a head over ``MAX_HEAD_BYTES``, and an
-upgrade nobody asked for.  Each is a ``BadUpstreamResponse`` (502), and that connection is
-closed, never pooled.
+``Transfer-Encoding`` that is anything but ``chunked``, a head over ``MAX_HEAD_BYTES``,
+trailers over as much, and an upgrade nobody asked for.  Each is a ``BadUpstreamResponse``
+(502, or a cut stream once its head is gone), and that connection is closed, never pooled.
+Trailer fields are never headers: they are read, bounded and dropped.
 
 A connection is reusable only after a clean exchange: the whole answer read, keep-alive
 agreed, not a 5xx (servers often close after an error without saying so), and not one byte
@@ -33,6 +34,9 @@ from gateway.errors import BadUpstreamResponse, UpstreamError, UpstreamTimeout, 
 HIGH_WATER_BYTES = 256 * 1024
 LOW_WATER_BYTES = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024
+CHUNK_OVERHEAD_BYTES = 256
+"""Framing bytes a chunk may take: llhttp bounds no extension, and httptools holds a trailer
+field whole before handing it over, so a chunked body's framing is bounded here."""
 
 _IDLE, _HEAD, _BODY, _DONE = range(4)
 _VERSIONS = frozenset({"1.0", "1.1"})
@@ -76,6 +80,11 @@ class Connection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0  # bytes fed while the head is incomplete (bounds the memory)
         self._head_size = 0  # the header lines parsed (bounds the head)
+        self._trailer_size = 0  # the trailer lines parsed (bounded like the head, dropped)
+        self._chunked = False
+        self._chunk_count = 0
+        self._body_wire = 0  # bytes fed while a chunked body is read
+        self._body_total = 0  # its payload bytes
         self._keep_alive = False
         self._until_close = False
         self._no_body = False
@@ -122,6 +131,11 @@ class Connection(asyncio.Protocol):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._bad(f"response head larger than {MAX_HEAD_BYTES} bytes")
+        elif self._state == _BODY and self._chunked:
+            self._body_wire += len(data)
+            allowed = 2 * MAX_HEAD_BYTES + (self._chunk_count + 1) * CHUNK_OVERHEAD_BYTES
+            if self._body_wire - self._body_total > allowed:
+                self._bad("its chunk framing or trailers are far larger than its chunks")
 
     def eof_received(self) -> bool:
         self._eof = True
@@ -160,6 +174,12 @@ class Connection(asyncio.Protocol):
             raise self._error_for("a control character in the reason phrase")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._state == _BODY:
+            # A trailer field (after a chunked body): bounded like a head, never a header.
+            self._trailer_size += len(name) + len(value) + 4
+            if self._trailer_size > MAX_HEAD_BYTES:
+                raise self._error_for(f"response trailers larger than {MAX_HEAD_BYTES} bytes")
+            return
         self._head_size += len(name) + len(value) + 4
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
@@ -204,16 +224,21 @@ class Connection(asyncio.Protocol):
             self._resolve_head(Head(status, self._headers, length))
             self._finish()
             return
+        self._chunked = chunked
         self._until_close = length is None and not chunked
         if self._until_close:
             self._keep_alive = False
         self._resolve_head(Head(status, self._headers, None if chunked else length))
+
+    def on_chunk_header(self) -> None:
+        self._chunk_count += 1
 
     def on_body(self, body: bytes) -> None:
         if self._state != _BODY:  # a body after an answer that has none (HEAD)
             raise _AfterAnswer
         self._chunks.append(body)
         self._buffered += len(body)
+        self._body_total += len(body)
         if self._buffered > HIGH_WATER_BYTES and not self._paused and self.transport:
             self._paused = True
             self.transport.pause_reading()
@@ -242,6 +267,9 @@ class Connection(asyncio.Protocol):
         self._headers = []
         self._head_bytes = 0
         self._head_size = 0
+        self._trailer_size = 0
+        self._chunked = False
+        self._chunk_count = self._body_wire = self._body_total = 0
         self._keep_alive = False
         self._until_close = False
         self._chunks.clear()
