@@ -10,6 +10,7 @@ import pytest
 from gateway.cache.entry import CachedResponse, dumps, loads, select_headers
 from gateway.openai.sse import (
     StreamRecorder,
+    event_data,
     events_to_json,
     json_to_events,
     parse_sse,
@@ -81,9 +82,15 @@ TEXT_ANSWER: dict[str, Any] = {
 }
 
 
+def payloads(events: tuple[str, ...]) -> list[str]:
+    """The data of stored event blocks, ``[DONE]`` left out."""
+    return [d for e in events if (d := event_data(e)) is not None and d != "[DONE]"]
+
+
 def test_chat_answer_replays_as_chunked_stream() -> None:
     events = json_to_events(CHAT_ANSWER)
-    chunks = [json.loads(e) for e in events]
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [json.loads(e) for e in payloads(events)]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]]
@@ -105,7 +112,7 @@ def test_json_to_stream_and_back_is_lossless(answer: dict[str, Any]) -> None:
 
 def test_stream_without_usage_when_not_requested() -> None:
     events = json_to_events(CHAT_ANSWER, include_usage=False)
-    assert all(json.loads(e)["choices"] for e in events)
+    assert all(json.loads(e)["choices"] for e in payloads(events))
     wire = render_sse(json_to_events(CHAT_ANSWER), include_usage=False)
     assert b'"usage"' not in wire and wire.endswith(b"data: [DONE]\n\n")
 
@@ -150,7 +157,7 @@ def test_parse_sse_handles_crlf_comments_and_multiline_data() -> None:
 
 def test_stream_assembly_merges_tool_call_argument_deltas() -> None:
     events = json_to_events(TOOL_ANSWER, chunk_chars=4)
-    deltas = [json.loads(e)["choices"][0]["delta"] for e in events]
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in payloads(events)]
     assert sum(1 for d in deltas if "tool_calls" in d) > 3
     assert events_to_json(events)["choices"][0]["message"]["tool_calls"][0]["function"] == {
         "name": "weather",

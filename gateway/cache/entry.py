@@ -1,7 +1,9 @@
 """``CachedResponse``: one stored answer, and its compact serialised form.
 
 An answer is kept either as a JSON ``body`` or as the ``events`` of a completed SSE stream
-(the ``data:`` payloads, ``[DONE]`` excluded); ``replay`` converts between the two.  The
+(each event block as sent, ``[DONE]`` included: ``openai.sse``); ``replies`` converts
+between the two.  Entries written before events were kept as sent hold the ``data:``
+payloads only, without ``[DONE]``; they are read as the blocks those payloads make.  The
 serialised form (``dumps``/``loads``) is what Redis holds and what the memory store counts
 as an entry's bytes: a magic tag, a JSON header, then the payload, zlib-compressed when that
 pays.
@@ -14,6 +16,8 @@ import struct
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from gateway.openai.sse import stored_blocks
 
 STORED_HEADERS = ("content-type", "openai-model", "openai-processing-ms")
 COMPRESS_FROM_BYTES = 1024
@@ -80,6 +84,7 @@ def dumps(entry: CachedResponse) -> bytes:
         "f": entry.fingerprint,
         "n": entry.prompt_form,
         "e": entry.events is not None,
+        "v": 1,  # events as sent (``openai.sse``), not data payloads
     }
     header = json.dumps(head, separators=(",", ":")).encode()
     if entry.events is not None:
@@ -108,6 +113,8 @@ def loads(data: bytes) -> CachedResponse:
         if flags & _ZLIB:
             payload = zlib.decompress(payload)
         events = tuple(json.loads(payload)) if head["e"] else None
+        if events is not None and not head.get("v"):
+            events = stored_blocks(events)
         return CachedResponse(
             status=head["s"],
             headers=tuple((str(k), str(v)) for k, v in head["h"]),

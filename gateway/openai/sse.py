@@ -1,12 +1,18 @@
 """Streams as stored events, and conversion between stored JSON answers and SSE streams.
 
+A stream is stored as its events exactly as sent: each event block's text, every field
+(``event:``, ``id:``, several ``data:`` lines, comments) and line ending as they came, the
+closing ``[DONE]`` included, so a replay is byte for byte the stream that was recorded
+(``render_sse``), except for usage-only chunks a client did not ask for.
+
 A hit must answer in the shape the client asked for, whatever shape was stored: a JSON
 answer is replayed to a streaming client as OpenAI chunks (role delta, content in several
 deltas, finish_reason, an optional usage chunk, ``[DONE]``); a stored stream is assembled
-into one JSON answer for a non-streaming client.  Both ``chat.completion`` and
-``text_completion`` shapes are handled.  ``StreamRecorder`` watches a stream pass through
-and yields its events only if it completed normally: a stream cut off before ``[DONE]``, with
-an error event, or without a finish_reason for every choice, is never stored.
+into one JSON answer for a non-streaming client from its events' data.  Both
+``chat.completion`` and ``text_completion`` shapes are handled.  ``StreamRecorder`` watches
+a stream pass through and yields its events only if it completed normally: a stream cut off
+before ``[DONE]``, with an error event, or without a finish_reason for every choice, is
+never stored.
 """
 
 from __future__ import annotations
@@ -16,25 +22,43 @@ import re
 from typing import Any
 
 DONE = "[DONE]"
+DONE_EVENT = f"data: {DONE}\n\n"
 DEFAULT_CHUNK_CHARS = 24
 DEFAULT_MAX_STREAM_BYTES = 4 * 1024 * 1024
 _PIECE = re.compile(r"\s*\S+\s*|\s+")
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)")
+
+
+def split_events(text: str) -> list[str]:
+    """The complete event blocks of a stream's text, each as sent: its lines and the blank
+    line that ends it, line endings kept (a block not yet ended is left out)."""
+    blocks: list[str] = []
+    start = 0
+    for line in _LINE.finditer(text):
+        if line.end() - line.start() <= 2 and line.group().strip("\r\n") == "":
+            if line.start() > start:  # a blank line ends a block with lines in it
+                blocks.append(text[start : line.end()])
+            start = line.end()
+    return blocks
+
+
+def event_data(block: str) -> str | None:
+    """An event block's data: its ``data:`` lines joined by line feeds (one leading space
+    of each value dropped), None for a block without data (a comment, a bare ``id:``)."""
+    lines: list[str] = []
+    for line in block.splitlines():
+        if line.startswith("data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(" ") else value)
+        elif line == "data":
+            lines.append("")
+    return "\n".join(lines) if lines else None
 
 
 def parse_sse(data: bytes | str) -> list[str]:
     """The ``data`` payloads of the complete events in ``data`` (multi-line data joined)."""
     text = data.decode("utf-8") if isinstance(data, bytes) else data
-    events: list[str] = []
-    lines: list[str] = []
-    for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
-        if not line:
-            if lines:
-                events.append("\n".join(lines))
-                lines = []
-        elif line.startswith("data:"):
-            value = line[5:]
-            lines.append(value[1:] if value.startswith(" ") else value)
-    return events
+    return [d for block in split_events(text) if (d := event_data(block)) is not None]
 
 
 class StreamRecorder:
@@ -54,18 +78,21 @@ class StreamRecorder:
             self._buffer.clear()
 
     def result(self) -> tuple[str, ...] | None:
-        """The stored form of the stream, or None if it must not be stored."""
+        """The stored form of the stream (its event blocks as sent, ``[DONE]`` last), or
+        None if it must not be stored."""
         if self.overflowed:
             return None
         try:
-            events = parse_sse(bytes(self._buffer))
+            blocks = split_events(bytes(self._buffer).decode("utf-8"))
         except UnicodeDecodeError:
             return None
-        if not events or events[-1] != DONE or DONE in events[:-1]:
+        data = [d for block in blocks if (d := event_data(block)) is not None]
+        if not data or data[-1] != DONE or DONE in data[:-1]:
             return None
-        body = events[:-1]
+        if event_data(blocks[-1]) != DONE:
+            return None  # something after [DONE]
         finished: dict[int, bool] = {}
-        for payload in body:
+        for payload in data[:-1]:
             try:
                 chunk = json.loads(payload)
             except json.JSONDecodeError:
@@ -77,22 +104,23 @@ class StreamRecorder:
                 finished[index] = finished.get(index, False) or bool(choice.get("finish_reason"))
         if not finished or not all(finished.values()):
             return None
-        return tuple(body)
+        return tuple(blocks)
 
     def __repr__(self) -> str:
         return f"<StreamRecorder bytes={len(self._buffer)} overflowed={self.overflowed}>"
 
 
 def render_sse(events: tuple[str, ...] | list[str], *, include_usage: bool = True) -> bytes:
-    """Stored events as SSE bytes ending in ``[DONE]``; usage-only chunks dropped unless
-    ``include_usage`` (the client's ``stream_options.include_usage``)."""
-    out = []
-    for payload in events:
-        if not include_usage and _usage_only(payload):
-            continue
-        out.append(f"data: {payload}\n\n")
-    out.append(f"data: {DONE}\n\n")
-    return "".join(out).encode()
+    """Stored event blocks as the stream's bytes, as recorded; usage-only chunks dropped
+    unless ``include_usage`` (the client's ``stream_options.include_usage``)."""
+    if include_usage:
+        return "".join(events).encode()
+    return "".join(e for e in events if not _usage_only(event_data(e))).encode()
+
+
+def stored_blocks(payloads: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Data payloads (the stored form before events were kept as sent) as event blocks."""
+    return (*(f"data: {p}\n\n" for p in payloads if p != DONE), DONE_EVENT)
 
 
 def json_to_events(
@@ -128,7 +156,7 @@ def json_to_events(
             )
     if include_usage and answer.get("usage") is not None:
         events.append(_dumps({**base, "choices": [], "usage": answer["usage"]}))
-    return tuple(events)
+    return stored_blocks(events)
 
 
 def _chat_choice(choice: dict[str, Any], index: int, chunk_chars: int, emit: Any) -> None:
@@ -162,7 +190,8 @@ def _chat_choice(choice: dict[str, Any], index: int, chunk_chars: int, emit: Any
 
 def events_to_json(events: tuple[str, ...] | list[str]) -> dict[str, Any]:
     """Assemble stored stream events into the JSON answer a non-streaming call would get."""
-    chunks = [json.loads(e) for e in events if e != DONE]
+    data = (event_data(e) for e in events)
+    chunks = [json.loads(d) for d in data if d is not None and d != DONE]
     if not chunks:
         raise ValueError("no events to assemble")
     first = chunks[0]
@@ -248,8 +277,8 @@ def _pieces(text: str, chunk_chars: int) -> list[str]:
     return pieces
 
 
-def _usage_only(payload: str) -> bool:
-    if '"usage"' not in payload:
+def _usage_only(payload: str | None) -> bool:
+    if payload is None or '"usage"' not in payload:
         return False
     try:
         chunk = json.loads(payload)
