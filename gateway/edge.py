@@ -95,7 +95,7 @@ class Edge:
         gw.inflight_requests += 1
         try:
             try:
-                call = self._to_call(request, snap, request_id, started, trace)
+                call = await self._to_call(request, snap, request_id, started, trace)
                 reply = await snap.handler(call)
             except GatewayError as exc:
                 status = exc.status
@@ -126,7 +126,7 @@ class Edge:
             if trace is not None:
                 trace.end(call, reply, status or CLIENT_CLOSED, tokens)
 
-    def _to_call(
+    async def _to_call(
         self, request: Request, snap: Any, request_id: str, started: float, trace: Trace | None
     ) -> Call:
         policy = snap.policy
@@ -141,7 +141,12 @@ class Edge:
             if encoding is not None:
                 body = openai_body.decode(body, encoding, policy.server.max_body_bytes)
                 owned = _DECODED_OWNED
-            data = openai_body.parse(path, body, policy.server.max_json_values)
+            limit = policy.server.max_json_values
+            if len(body) < openai_body.YIELD_FROM_BYTES:
+                data = openai_body.parse(path, body, limit)
+            else:  # passes of tens of milliseconds each: the loop runs between them
+                await asyncio.sleep(0)
+                data = await openai_body.parse_yielding(path, body, limit)
         model = data.get("model") if data is not None else None
         route = snap.router.route(path, model)
         headers = strip(raw, owned)

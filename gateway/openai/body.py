@@ -22,9 +22,11 @@ coding is a 415.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 from gateway.errors import BadRequest, BodyTooLarge, UnsupportedEncoding
@@ -32,6 +34,8 @@ from gateway.errors import BadRequest, BodyTooLarge, UnsupportedEncoding
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 20
 DEFAULT_MAX_VALUES = 500_000
+YIELD_FROM_BYTES = 1024 * 1024
+"""Bodies this large are parsed in passes with the event loop run between them."""
 MEMBER_WEIGHT = 4
 """An object member counts as this many values: a fresh key costs about four values'
 parse (measured: 1.2 us a member against 40-100 ns a value)."""
@@ -83,38 +87,75 @@ def decode(body: bytes, encoding: str, limit: int) -> bytes:
 def loads(body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> Any:
     """``body`` parsed as strict JSON of at most ``max_values`` values (an object member
     counting ``MEMBER_WEIGHT``); ``BadRequest`` for anything else."""
-    encoding = json.detect_encoding(body)
-    if encoding != "utf-8":
-        raise BadRequest(f"a JSON body must be UTF-8 (RFC 8259), not {encoding}")
-    shapes = body.translate(_SHAPES)
-    nests = shapes.count(b"[") > MAX_DEPTH
-    if nests or _values(shapes) > max_values:
-        structure = _structure(body)  # counted again without the strings' text
-        if _values(structure) > max_values:
-            raise BadRequest(
-                f"the JSON body holds more than {max_values} values (server.max_json_values)"
-            )
-        if nests and _depth_over(structure):
-            raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")
-    decoder = _BOUNDED if _long_number(shapes) else _STRICT
-    collecting = gc.isenabled()
-    gc.disable()  # a body of many containers would set the collector off again and again
-    try:
-        # json.loads(body, **hooks) would build a decoder per call; these are built once
-        data = decoder.decode(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    except (ValueError, RecursionError) as exc:  # the hooks' refusals, a digit limit
-        raise BadRequest(f"request body is not acceptable JSON: {exc}") from exc
-    finally:
-        if collecting:
-            gc.enable()
-    if b"\\u" in shapes:
+    steps = _Loading(body, max_values)
+    for _ in steps:
+        pass
+    return steps.value
+
+
+async def loads_yielding(body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> Any:
+    """``loads``, letting the event loop run between its passes over a body of
+    ``YIELD_FROM_BYTES`` or more: each pass over 16 MiB takes tens of milliseconds, and
+    back to back they would hold every other request that long."""
+    steps = _Loading(body, max_values)
+    if len(body) < YIELD_FROM_BYTES:
+        for _ in steps:
+            pass
+    else:
+        for _ in steps:
+            await asyncio.sleep(0)
+    return steps.value
+
+
+class _Loading:
+    """``loads`` as passes over the body, each yielded after: the screens, the structure
+    without strings, the parse, the surrogate check.  ``value`` is the parsed body."""
+
+    def __init__(self, body: bytes, max_values: int) -> None:
+        self.body = body
+        self.max_values = max_values
+        self.value: Any = None
+
+    def __iter__(self) -> Iterator[None]:
+        body, max_values = self.body, self.max_values
+        encoding = json.detect_encoding(body)
+        if encoding != "utf-8":
+            raise BadRequest(f"a JSON body must be UTF-8 (RFC 8259), not {encoding}")
+        shapes = body.translate(_SHAPES)
+        nests = shapes.count(b"[") > MAX_DEPTH
+        if nests or _values(shapes) > max_values:
+            yield
+            structure = _structure(body)  # counted again without the strings' text
+            yield
+            if _values(structure) > max_values:
+                raise BadRequest(
+                    f"the JSON body holds more than {max_values} values "
+                    "(server.max_json_values)"
+                )
+            if nests and _depth_over(structure):
+                raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")
+        decoder = _BOUNDED if _long_number(shapes) else _STRICT
+        yield
+        collecting = gc.isenabled()
+        gc.disable()  # a body of many containers would set the collector off again and again
         try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise BadRequest("request body has a lone surrogate escape (\\ud800-\\udfff)") from exc
-    return data
+            # json.loads(body, **hooks) would build a decoder per call; these are built once
+            self.value = decoder.decode(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # the hooks' refusals, a digit limit
+            raise BadRequest(f"request body is not acceptable JSON: {exc}") from exc
+        finally:
+            if collecting:
+                gc.enable()
+        if b"\\u" in shapes:
+            yield
+            try:
+                json.dumps(self.value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise BadRequest(
+                    "request body has a lone surrogate escape (\\ud800-\\udfff)"
+                ) from exc
 
 
 def _long_number(shapes: bytes) -> bool:
@@ -190,7 +231,20 @@ def parse(path: str, body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> dict[
     """The body as a JSON object, checked for what routing, caching and batching rely on."""
     if not body:
         raise BadRequest("request body is empty; this endpoint expects a JSON object")
-    data = loads(body, max_values)
+    return checked(path, loads(body, max_values))
+
+
+async def parse_yielding(
+    path: str, body: bytes, max_values: int = DEFAULT_MAX_VALUES
+) -> dict[str, Any]:
+    """``parse``, letting the event loop run between its passes over a large body."""
+    if not body:
+        raise BadRequest("request body is empty; this endpoint expects a JSON object")
+    return checked(path, await loads_yielding(body, max_values))
+
+
+def checked(path: str, data: Any) -> dict[str, Any]:
+    """``data`` if it is the object ``path`` expects, else ``BadRequest``."""
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     model = data.get("model")

@@ -21,8 +21,9 @@ from gateway.errors import MalformedRequest
 from gateway.policy.model import Server as Limits
 
 CHUNK_OVERHEAD_BYTES = 256
-"""Framing bytes a chunk may take (its size line, extensions and line ends); a chunk's own
-framing is a few bytes."""
+"""Framing bytes a body piece may take (a chunk's size line, extensions and line ends); a
+chunk's own framing is a few bytes.  Pieces are llhttp's: a chunk split between two reads
+is two, which only allows a little more."""
 FORBIDDEN_TRAILERS = frozenset(
     {
         "transfer-encoding",
@@ -56,7 +57,7 @@ FORBIDDEN_TRAILERS = frozenset(
 class BodyReading:
     """A body being read: when it began, its slack, its framing's size."""
 
-    __slots__ = ("chunked", "chunks", "credit_at", "credit_s", "started", "trailer_bytes", "wire")
+    __slots__ = ("chunked", "credit_at", "credit_s", "pieces", "started", "trailer_bytes", "wire")
 
     def __init__(self, now: float, limits: Limits, *, chunked: bool) -> None:
         self.started = now
@@ -64,7 +65,7 @@ class BodyReading:
         self.credit_at = now
         self.chunked = chunked
         self.wire = 0  # bytes fed while it is read (chunked only)
-        self.chunks = 0
+        self.pieces = 0
         self.trailer_bytes = 0
 
     def arrived(self, size: int, now: float, limits: Limits) -> None:
@@ -94,7 +95,7 @@ class BodyReading:
         """Whether, ``fed`` more bytes in, the chunk framing takes far more than its chunks
         need (the head's and the trailers' bytes are allowed for)."""
         self.wire += fed
-        allowed = 2 * limits.max_header_bytes + (self.chunks + 1) * CHUNK_OVERHEAD_BYTES
+        allowed = 2 * limits.max_header_bytes + (self.pieces + 1) * CHUNK_OVERHEAD_BYTES
         return self.wire - payload > allowed
 
     def trailer(self, name: bytes, value: bytes, limits: Limits) -> None:
@@ -109,4 +110,4 @@ class BodyReading:
             raise MalformedRequest(f"{field} may not be sent in a trailer")
 
     def __repr__(self) -> str:
-        return f"<BodyReading slack={self.credit_s:.1f}s chunks={self.chunks}>"
+        return f"<BodyReading slack={self.credit_s:.1f}s pieces={self.pieces}>"

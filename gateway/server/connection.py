@@ -75,6 +75,7 @@ class ClientConnection(Turns):
         self._upgrade_skipped = False
         self._read_last = False  # a request that closes the connection was read whole
         self._body: BodyReading | None = None
+        self._pieces: list[bytes] = []  # body bytes parsed in this read, not yet settled
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -100,11 +101,18 @@ class ClientConnection(Turns):
             self._declined_upgrade(data[exc.args[0] :])
             return
         except httptools.HttpParserError as exc:
+            self._pieces.clear()
             if self._read_last:  # bytes after the last request: discarded
                 self.discarded = True
             else:
                 self._refuse(self._parse_error(exc))
             return
+        if self._pieces:
+            try:
+                self._settle_body()
+            except GatewayError as exc:
+                self._refuse(exc)
+                return
         if self._state == HEAD:
             self._head_fed += len(data)
             if self._head_fed > self._limits.max_header_bytes:
@@ -173,18 +181,33 @@ class ClientConnection(Turns):
         chunked = self._framing is not None and self._framing.startswith(b"Transfer")
         self._body = BodyReading(self._loop.time(), self._limits, chunked=chunked)
 
-    def on_chunk_header(self) -> None:
-        if self._body is not None:
-            self._body.chunks += 1
-
     def on_body(self, body: bytes) -> None:
+        # Only kept here: a read of tiny chunks makes tens of thousands of these calls, so
+        # the limits, the buffer and the pace are settled once per read (``_settle_body``).
+        self._pieces.append(body)
+
+    def on_message_complete(self) -> None:
         request = self._incoming
         assert request is not None
-        size = len(body)
-        if request._reserved + size > self._limits.max_body_bytes:
-            raise BodyTooLarge(
-                f"request body exceeds the limit of {self._limits.max_body_bytes} bytes"
-            )
+        self._settle_body()
+        if self._parser.should_upgrade():
+            self._upgrade_skipped = True  # llhttp skipped the body: see _declined_upgrade
+            return
+        self._complete(request)
+
+    def _settle_body(self) -> None:
+        """Count the body bytes this read brought against the limits (raised when past
+        one), keep them, and credit the body's pace."""
+        pieces = self._pieces
+        if not pieces:
+            return
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        count = len(pieces)
+        pieces.clear()
+        request, limits, size = self._incoming, self._limits, len(data)
+        assert request is not None and self._body is not None
+        if request._reserved + size > limits.max_body_bytes:
+            raise BodyTooLarge(f"request body exceeds the limit of {limits.max_body_bytes} bytes")
         if not self.server.reserve(size, self):
             raise Overloaded(
                 "the gateway holds as many request bodies as it may "
@@ -193,17 +216,9 @@ class ClientConnection(Turns):
                 reason="body_buffer_full",
             )
         request._reserved += size
-        request.add_body(body)
-        if self._body is not None:
-            self._body.arrived(size, self._last_read, self._limits)
-
-    def on_message_complete(self) -> None:
-        request = self._incoming
-        assert request is not None
-        if self._parser.should_upgrade():
-            self._upgrade_skipped = True  # llhttp skipped the body: see _declined_upgrade
-            return
-        self._complete(request)
+        request.add_body(data)
+        self._body.pieces += count
+        self._body.arrived(size, self._last_read, limits)
 
     # -- requests ----------------------------------------------------------------------------
     def _request(self) -> Request:
