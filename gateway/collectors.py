@@ -1,5 +1,5 @@
 """The gateway's collectors that read their figures at scrape time: client connections by
-state, the embedding tiers' indexes, the shared rate limits, the process itself
+state, the embedding tiers' indexes, the shared rate limits, the shared Redis, the process itself
 (prometheus_client's own), and the view that adds the policy's constant labels."""
 
 from __future__ import annotations
@@ -133,6 +133,60 @@ class RateLimitCollector:
                 decisions.add_metric([figures.route, store], count)
         yield up
         yield decisions
+
+
+@dataclass(frozen=True, slots=True)
+class RedisFigures:
+    """The gateway's Redis at scrape time: its mode, whether it is taken for up, how often
+    it went down or up, and the commands that failed their callers, by reason."""
+
+    mode: str
+    up: bool
+    transitions: int
+    failures: Mapping[str, int]
+
+
+class RedisCollector:
+    """The shared Redis's figures, read at scrape time (``links`` is set by whoever opens
+    the gateway's Redis; none while nothing uses it).  Registers itself on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.links: Callable[[], Iterable[RedisFigures]] = tuple
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "gateway_redis_up",
+            "1 while the Redis the gateway shares state through (`redis:`) is taken for up; "
+            "0 while it is taken for down, by evidence (several commands in a row, or most "
+            "of the last second's, could not reach it): the cache answers misses and "
+            "`store: redis` limits are decided by each process's local share.",
+            labels=["mode"],
+        )
+        transitions = CounterMetricFamily(
+            "gateway_redis_transitions",
+            "The shared Redis going down or up again, by `to`.",
+            labels=["mode", "to"],
+        )
+        failures = CounterMetricFamily(
+            "gateway_redis_command_failures",
+            "Redis commands that failed their caller (each a cache miss, a local rate-limit "
+            "decision or a skipped history sync), by reason: budget (answered too late for "
+            "it), unreached (connection refused or lost, timed out, cluster down), answered "
+            "(an error Redis answered with), down (not sent: Redis is taken for down).",
+            labels=["mode", "reason"],
+        )
+        for figures in self.links():
+            up.add_metric([figures.mode], 1 if figures.up else 0)
+            # transitions alternate down, up, down, ... from up
+            downs = (figures.transitions + 1) // 2
+            transitions.add_metric([figures.mode, "down"], downs)
+            transitions.add_metric([figures.mode, "up"], figures.transitions - downs)
+            for reason, count in figures.failures.items():
+                failures.add_metric([figures.mode, reason], count)
+        yield up
+        yield transitions
+        yield failures
 
 
 def register_process_collectors(registry: CollectorRegistry) -> None:

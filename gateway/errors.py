@@ -25,7 +25,8 @@
     └── InternalError               handled inside the gateway, never rendered to a client
         ├── PolicyError             a policy is invalid (carries every problem found)
         ├── StoreError              a shared store failed (the request goes on: a cache
-        │                               miss, a rate limit decided locally)
+        │   │                           miss, a rate limit decided locally)
+        │   └── StoreTimeout        ... past its budget or timed out: the command may have run
         ├── TelemetryError          a telemetry source failed (its signals become unknown)
         └── WorkerError             a worker process did not start, or did not answer its
                                         supervisor (``gateway serve --workers N``)
@@ -220,6 +221,10 @@ class UpstreamTimeout(UpstreamError):
 class StoreError(InternalError):
     """A shared store failed: the cache's (callers treat it as a miss and count it) or the
     rate limits' Redis (the process decides over its local share)."""
+
+
+class StoreTimeout(StoreError):
+    """A shared store's command ran past its budget or timed out: it may still have run."""
 
 
 class TelemetryError(InternalError):

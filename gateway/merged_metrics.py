@@ -74,6 +74,7 @@ GAUGES: dict[str, Rule] = {
     "gateway_batch_limit": "min",
     "gateway_cache_store_up": "min",
     "gateway_rate_limit_store_up": "min",
+    "gateway_redis_up": "min",
     "gateway_throttle_signal_seen": "min",
     "process_start_time_seconds": "min",
     # 0 closed, 1 open, 2 half-open: open if any worker's is, else half-open if any is

@@ -21,6 +21,7 @@ from gateway.collectors import (
     EmbeddingFigures,
     Labelled,
     RateLimitCollector,
+    RedisCollector,
     register_process_collectors,
 )
 
@@ -334,6 +335,7 @@ class Metrics:
             registry=r,
         )
         self.rate_limits = RateLimitCollector(registry=r)
+        self.redis = RedisCollector(registry=r)
         # -- the client side of the data plane (issue 11) --
         self.client_timeouts = Counter(
             "gateway_client_timeouts",

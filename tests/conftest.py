@@ -19,6 +19,9 @@ from gateway.policy.watch import PolicySource
 from tests.upstreams import Answer, RawBackend, RawExchange
 
 ServeApp = Callable[[web.Application], Awaitable[str]]
+pytest_plugins = ("tests.redis_server", "tests.redis_cluster")
+"""``redis_cluster`` (one per session, so never imported into a test module), and what
+``redis_target`` asks for wherever it is used."""
 
 
 @pytest.fixture

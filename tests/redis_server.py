@@ -15,7 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -31,12 +31,23 @@ def free_port() -> int:
 class RedisServer:
     """A throwaway redis-server process on a fixed port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, args: Sequence[str] = ()) -> None:
         if REDIS_BINARY is None:
             raise RuntimeError("no redis-server binary")
         self.port = port or free_port()
-        self._dir = tempfile.mkdtemp(prefix="gw-redis-")
+        self.args = tuple(args)
+        """More options (``--cluster-enabled yes``, ``--replicaof ...``); a first argument
+        that is a file is the config file, as for ``redis-server FILE --sentinel``."""
+        self.dir = tempfile.mkdtemp(prefix="gw-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None
 
     @property
     def url(self) -> str:
@@ -44,9 +55,11 @@ class RedisServer:
 
     def start(self) -> None:
         assert REDIS_BINARY is not None
+        config = [self.args[0]] if self.args and not self.args[0].startswith("--") else []
         self._proc = subprocess.Popen(
             [
                 REDIS_BINARY,
+                *config,
                 "--port",
                 str(self.port),
                 "--bind",
@@ -56,7 +69,8 @@ class RedisServer:
                 "--appendonly",
                 "no",
                 "--dir",
-                self._dir,
+                self.dir,
+                *self.args[len(config) :],
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -79,7 +93,7 @@ class RedisServer:
 
     def close(self) -> None:
         self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def __repr__(self) -> str:
         state = "running" if self._proc is not None else "stopped"

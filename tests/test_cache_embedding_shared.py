@@ -2,8 +2,9 @@
 on its next lookup (still verified, never across tenants); a replica skips its own entries
 and other embedders' vectors; the stream is bounded; a purge that deletes it, Redis's clock
 going back, or Redis going down and coming back (empty) do not stop the sharing, and never
-raise.  Two "replicas" are two tiers over two ``RedisStore`` clients of one real
-redis-server; the embedder is the deterministic stand-in of ``test_cache_embedding``."""
+raise.  Two "replicas" are two tiers over two ``RedisStore`` clients of one real Redis (a
+``redis-server``, and a three-master Redis Cluster); the embedder is the deterministic
+stand-in of ``test_cache_embedding``."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from gateway.cache.embedding.shared import READ_COUNT, RECHECK_S
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores import RedisStore
 from gateway.errors import StoreError
+from gateway.policy.model import Redis
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeClock
+from tests.redis_cluster import admin_client
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
 
 from .test_cache_embedding import THRESHOLD, WordsEmbedder, key_for
@@ -38,13 +41,13 @@ class Replica:
     """One gateway replica's cache for a route: its own Redis client, store, tiers."""
 
     def __init__(
-        self, url: str, prefix: str, *, embedder: str = "words", dims: int = 256, **kw: Any
+        self, redis: Redis, prefix: str, *, embedder: str = "words", dims: int = 256, **kw: Any
     ) -> None:
         self.clock = FakeClock()
         self.prefix = prefix
         # A generous budget, as in the store's own tests: a full GC of this test process
         # (about 50 ms) must not time a command out and mark Redis down mid-test.
-        self.store = RedisStore.from_url(url, prefix=prefix, clock=self.clock, budget_s=0.5)
+        self.store = RedisStore.connect(redis, prefix=prefix, clock=self.clock, budget_s=0.5)
         self.cache = ResponseCache(self.store, clock=self.clock)
         self.embed = WordsEmbedder(dims)
         kw.setdefault("threshold", THRESHOLD)
@@ -79,22 +82,28 @@ class Replica:
 
 
 @pytest.fixture
-async def replicas(redis_url: str) -> AsyncIterator[Any]:  # noqa: F811
+async def admin(redis_target: Redis) -> AsyncIterator[Any]:
+    """A client of the test's own, to look at and tamper with the streams."""
+    made = admin_client(redis_target)
+    yield made
+    await made.aclose()
+
+
+@pytest.fixture
+async def replicas(redis_target: Redis, admin: Any) -> AsyncIterator[Any]:
     """``await replicas(**options)`` makes a replica; all share one fresh key prefix."""
     prefix = f"gwt-{secrets.token_hex(4)}:"
     made: list[Replica] = []
 
     async def make(**options: Any) -> Replica:
-        made.append(Replica(redis_url, prefix, **options))
+        made.append(Replica(redis_target, prefix, **options))
         return made[-1]
 
     yield make
     for replica in made:
         await replica.close()
-    client = aioredis.Redis.from_url(redis_url)
-    async for name in client.scan_iter(match=prefix + "*"):
-        await client.delete(name)
-    await client.aclose()
+    async for name in admin.scan_iter(match=prefix + "*"):
+        await admin.delete(name)
 
 
 async def test_an_entry_one_replica_indexed_is_found_by_anothers_next_lookup(
@@ -162,9 +171,9 @@ async def test_vectors_of_another_embedder_or_other_dimensions_are_ignored(
     assert b.tier.add_vector("ctx", "k", np.ones(128, dtype=np.float32)) is False
 
 
-async def test_malformed_stream_entries_are_skipped(replicas: Any, redis_url: str) -> None:  # noqa: F811
+async def test_malformed_stream_entries_are_skipped(replicas: Any, admin: Any) -> None:
     b = await replicas()
-    client = aioredis.Redis.from_url(redis_url)
+    client = admin
     name = b.prefix + b.shared.stream
     head = b"elsewhere\x1fwords\x1fctx\x1fk\x00"
     for data in (
@@ -177,21 +186,16 @@ async def test_malformed_stream_entries_are_skipped(replicas: Any, redis_url: st
     ):
         await client.xadd(name, {"i": data})
     await client.xadd(name, {"other": b"field"})
-    await client.aclose()
     await b.shared.sync()
     assert b.shared.counts["malformed"] == 7 and len(b.tier) == 0
 
 
-async def test_the_stream_is_trimmed_to_about_max_entries(
-    replicas: Any,
-    redis_url: str,  # noqa: F811
-) -> None:
+async def test_the_stream_is_trimmed_to_about_max_entries(replicas: Any, admin: Any) -> None:
     a = await replicas(max_entries=50)
     for i in range(400):
         await a.tier.add(key_for(f"question {i}"), f"question {i}", f"k{i}")
-    client = aioredis.Redis.from_url(redis_url)
+    client = admin
     length = await client.xlen(a.prefix + a.shared.stream)
-    await client.aclose()
     assert 50 <= length <= 150  # MAXLEN ~ trims whole nodes (100 entries by default)
     b = await replicas(max_entries=50)
     await b.shared.sync()
@@ -234,8 +238,7 @@ async def test_after_a_purge_of_everything_new_entries_are_still_shared(
 
 
 async def test_a_tenant_purge_deletes_that_tenants_vectors_from_the_stream(
-    replicas: Any,
-    redis_url: str,  # noqa: F811
+    replicas: Any, admin: Any
 ) -> None:
     """A filtered purge leaves no record of a purged entry in Redis: a cold replica indexes
     only the other tenant's, and a warm one reads on without taking it for a restart."""
@@ -245,7 +248,7 @@ async def test_a_tenant_purge_deletes_that_tenants_vectors_from_the_stream(
     await a.cached("How do I learn Python?", scope="tenant-a")
     await a.cached("How do I bake bread?", scope="tenant-a")  # the stream's newest record
     await b.shared.sync()
-    client = aioredis.Redis.from_url(redis_url)
+    client = admin
     name = a.prefix + a.shared.stream
     assert await client.xlen(name) == 3
     assert await a.store.purge(scope="tenant-a") == 2
@@ -253,7 +256,6 @@ async def test_a_tenant_purge_deletes_that_tenants_vectors_from_the_stream(
     assert [vector_stream.entry_key(f) for _, f in records] == [
         key_for("How do I learn Python?", scope="tenant-b").exact.encode()
     ]
-    await client.aclose()
     cold = await replicas()
     await cold.shared.sync()
     assert len(cold.tier) == 1 and cold.shared.counts["indexed"] == 1
@@ -267,15 +269,14 @@ async def test_a_tenant_purge_deletes_that_tenants_vectors_from_the_stream(
 
 
 async def test_a_purge_that_failed_pruning_vectors_is_finished_by_its_retry(
-    replicas: Any,
-    redis_url: str,  # noqa: F811
+    replicas: Any, admin: Any
 ) -> None:
     """The vectors go first and the purge-index members last, so the sets still name what
     a failed purge left to do."""
     a = await replicas()
     await a.cached("How do I learn Python?", scope="tenant-a")
     await a.cached("How do I bake bread?", scope="tenant-a")
-    client = aioredis.Redis.from_url(redis_url)
+    client = admin
     broken = a.prefix + "v:broken"
     await client.set(broken, b"not a stream")  # XRANGE on it fails: WRONGTYPE
     await client.sadd(a.prefix + vector_stream.STREAMS, broken)
@@ -286,12 +287,10 @@ async def test_a_purge_that_failed_pruning_vectors_is_finished_by_its_retry(
     assert await client.xlen(a.prefix + a.shared.stream) == 0
     for text in ("How do I learn Python?", "How do I bake bread?"):
         assert await a.store.get(key_for(text, scope="tenant-a").exact) is None
-    await client.aclose()
 
 
 async def test_a_stream_restarted_below_the_last_id_read_is_read_from_the_start(
-    replicas: Any,
-    redis_url: str,  # noqa: F811
+    replicas: Any, admin: Any
 ) -> None:
     """Redis's clock behind (a failover, a restored server): the new stream's ids are below
     the last one read.  A reader finds out within ``RECHECK_S``; a publisher at once."""
@@ -300,7 +299,7 @@ async def test_a_stream_restarted_below_the_last_id_read_is_read_from_the_start(
     await b.shared.sync()
     await a.store.purge()
     stored = await a.cached("How do I bake bread?")  # indexed by A, published, then moved
-    client = aioredis.Redis.from_url(redis_url)
+    client = admin
     name = a.prefix + a.shared.stream
     ((_, fields),) = await client.xrange(name)
     await client.delete(name)
@@ -323,15 +322,14 @@ async def test_a_stream_restarted_below_the_last_id_read_is_read_from_the_start(
     await client.delete(name)
     await a.cached("How do I tie a tie?")
     assert a.shared.counts["restarts"] == 1 and a.shared.last_id == "0-0"
-    await client.aclose()
 
 
 async def test_redis_down_leaves_the_local_index_working_and_sharing_resumes(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
     prefix = "gwt-down:"
-    a = Replica(redis_server.url, prefix)
-    b = Replica(redis_server.url, prefix)
+    a = Replica(Redis(url=redis_server.url), prefix)
+    b = Replica(Redis(url=redis_server.url), prefix)
     try:
         await a.cached("How do I learn Python?")
         assert await b.ask("How can I learn Python?") is not None

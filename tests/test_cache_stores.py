@@ -1,4 +1,5 @@
-"""The cache store contract, run against the memory store and a real redis-server."""
+"""The cache store contract, run against the memory store and a real Redis: one
+``redis-server``, and a three-master Redis Cluster."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.crc import key_slot
 
 from gateway.cache import CachedResponse, ResponseCache, request_key, scope_hash
 from gateway.cache.entry import dumps
@@ -19,13 +21,15 @@ from gateway.cache.evaluate import read_pairs
 from gateway.cache.items import CachedItem, plan_items
 from gateway.cache.simhash import fingerprint
 from gateway.cache.stores import MemoryStore, RedisStore
-from gateway.cache.stores.health import DOWN_AFTER
 from gateway.cache.stores.memory import ENTRY_OVERHEAD_BYTES as MEMORY_OVERHEAD
 from gateway.cache.stores.redis_counts import ENTRY_OVERHEAD_BYTES as REDIS_OVERHEAD
 from gateway.cache.stores.redis_counts import SWEEP_BATCH
 from gateway.errors import StoreError
+from gateway.policy.redis import Redis
+from gateway.redis.health import DOWN_AFTER
 from gateway.testing import FakeClock, FlakyStore
 from tests.helpers import until
+from tests.redis_cluster import admin_client, settings_for
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
 
 PAIRS = Path(__file__).parent.parent / "gateway" / "data" / "adversarial_pairs.tsv"
@@ -72,7 +76,7 @@ class Harness:
         return sum(len(dumps(entry)) + overhead for entry in entries)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "standalone", "cluster"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     clock = FakeClock()
     if request.param == "memory":
@@ -80,12 +84,10 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         yield Harness(store, ResponseCache(store, clock=clock), clock)
         await store.close()
         return
-    url = request.getfixturevalue("redis_url")
+    settings = settings_for(request, request.param)
     prefix = f"t{uuid.uuid4().hex[:8]}:"
-    store = RedisStore.from_url(url, prefix=prefix, clock=clock, budget_s=0.5)
-    import redis.asyncio as aioredis
-
-    admin = aioredis.Redis.from_url(url)
+    store = RedisStore.connect(settings, prefix=prefix, clock=clock, budget_s=0.5)
+    admin = admin_client(settings)
     try:
         yield Harness(store, ResponseCache(store, clock=clock), clock, admin, prefix)
     finally:
@@ -544,17 +546,21 @@ async def test_late_replies_never_mark_redis_down(redis_url: str) -> None:  # no
             await store.close()
 
 
-async def test_redis_ttl_and_index_keys_use_plain_commands(redis_url: str) -> None:  # noqa: F811
-    import redis.asyncio as aioredis
-
-    store = RedisStore.from_url(redis_url, prefix="plain:", budget_s=0.5)
-    admin = aioredis.Redis.from_url(redis_url)
+async def test_redis_ttl_and_index_keys_use_plain_commands(redis_target: Redis) -> None:
+    """The layout of ``stores/redis.py``, the same in every mode; a context's band buckets
+    share one hash tag, so a near-duplicate lookup reads one Cluster master."""
+    store = RedisStore.connect(redis_target, prefix="plain:", budget_s=0.5)
+    admin = admin_client(redis_target)
     cache = ResponseCache(store)
     try:
-        await cache.put(key_for(chat("Why is the sky blue?")), answer("x"), 30)
+        key = key_for(chat("Why is the sky blue?"))
+        await cache.put(key, answer("x"), 30)
         names = sorted([n.decode() async for n in admin.scan_iter(match="plain:*")])
         kinds = sorted({n.split(":")[1] for n in names})
         assert kinds == ["b", "bytes", "e", "i", "n", "sz"] and len(names) == 1 + 4 + 3 + 3
+        buckets = [n for n in names if n.startswith("plain:b:")]
+        assert all(n.startswith(f"plain:b:{{{key.context}}}:") for n in buckets)
+        assert len({key_slot(n.encode()) for n in buckets}) == 1
         for name in names:
             if name in ("plain:n", "plain:sz", "plain:bytes"):
                 assert await admin.pttl(name) == -1  # counts: never a volatile-* eviction
@@ -567,11 +573,11 @@ async def test_redis_ttl_and_index_keys_use_plain_commands(redis_url: str) -> No
 
 
 async def test_redis_purge_of_everything_keeps_to_its_own_prefix_even_with_glob_characters(
-    redis_url: str,  # noqa: F811
+    redis_target: Redis,
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    globbed = RedisStore.from_url(redis_url, prefix=f"g*{tag}:", budget_s=0.5)
-    neighbour = RedisStore.from_url(redis_url, prefix=f"gX{tag}:", budget_s=0.5)
+    globbed = RedisStore.connect(redis_target, prefix=f"g*{tag}:", budget_s=0.5)
+    neighbour = RedisStore.connect(redis_target, prefix=f"gX{tag}:", budget_s=0.5)
     key = key_for(chat("Why is the sky blue?"))
     try:
         await ResponseCache(globbed).put(key, answer("x"), 30)
@@ -586,12 +592,14 @@ async def test_redis_purge_of_everything_keeps_to_its_own_prefix_even_with_glob_
 
 
 @pytest.fixture
-async def replicas(redis_url: str) -> AsyncIterator[tuple[RedisStore, RedisStore, FakeClock]]:  # noqa: F811
+async def replicas(
+    redis_target: Redis,
+) -> AsyncIterator[tuple[RedisStore, RedisStore, FakeClock]]:
     """Two gateways' stores on one Redis prefix, sharing a clock."""
     clock = FakeClock()
     prefix = f"t{uuid.uuid4().hex[:8]}:"
-    first = RedisStore.from_url(redis_url, prefix=prefix, clock=clock, budget_s=0.5)
-    second = RedisStore.from_url(redis_url, prefix=prefix, clock=clock, budget_s=0.5)
+    first = RedisStore.connect(redis_target, prefix=prefix, clock=clock, budget_s=0.5)
+    second = RedisStore.connect(redis_target, prefix=prefix, clock=clock, budget_s=0.5)
     try:
         yield first, second, clock
     finally:
@@ -652,13 +660,11 @@ async def test_redis_a_purge_racing_a_sweep_subtracts_each_entry_once(
 
 
 async def test_redis_a_purge_leaves_a_key_another_sweep_has_taken_to_that_sweep(
-    redis_url: str,  # noqa: F811
+    redis_target: Redis,
 ) -> None:
-    import redis.asyncio as aioredis
-
     prefix = f"t{uuid.uuid4().hex[:8]}:"
-    store = RedisStore.from_url(redis_url, prefix=prefix, clock=FakeClock(), budget_s=0.5)
-    other = aioredis.Redis.from_url(redis_url)  # another replica, halfway through a sweep
+    store = RedisStore.connect(redis_target, prefix=prefix, clock=FakeClock(), budget_s=0.5)
+    other = admin_client(redis_target)  # another replica, halfway through a sweep
     try:
         await store.set_many([("a", answer("x")), ("b", answer("x" * 50))], 60)
         assert [key for key, _ in await other.zpopmin(prefix + "n", 1)] == [b"a"]
@@ -676,12 +682,12 @@ async def test_redis_a_purge_leaves_a_key_another_sweep_has_taken_to_that_sweep(
 
 
 async def test_redis_stats_answer_at_once_and_refresh_in_the_background(
-    redis_url: str,  # noqa: F811
+    redis_target: Redis,
 ) -> None:
     """``stats()`` never waits on Redis: it starts a refresh when the counts are stale."""
     clock = FakeClock()
-    store = RedisStore.from_url(
-        redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:", clock=clock, count_refresh_s=10
+    store = RedisStore.connect(
+        redis_target, prefix=f"t{uuid.uuid4().hex[:8]}:", clock=clock, count_refresh_s=10
     )
     try:
         await store.set_many([("a", answer("x")), ("b", answer("x"))], 60)
@@ -703,11 +709,9 @@ async def test_redis_stats_answer_at_once_and_refresh_in_the_background(
 async def test_redis_counts_survive_an_outage_and_read_zero_after_a_flush(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
-    import redis.asyncio as aioredis
-
     clock = FakeClock()
     store = RedisStore.from_url(redis_server.url, clock=clock, budget_s=0.5)
-    admin = aioredis.Redis.from_url(redis_server.url)
+    admin = admin_client(Redis(url=redis_server.url))
     try:
         await store.set_many([("a", answer("x")), ("b", answer("x"))], 60)
         assert (await store.refresh_counts()).entries == 2

@@ -1,7 +1,8 @@
 """The fleet's rate history in a real Redis (``gateway/pool/shared.py``): replicas sum their
 counts into one hash per route and forecast from the sum; Redis down costs nothing but the
 fleet's view (counts owed are sent later, the forecast falls back to the replica's own);
-garbage in the hash is ignored and the history stays bounded."""
+garbage in the hash is ignored and the history stays bounded.  Against one ``redis-server``
+and a three-master Redis Cluster (``redis_target``)."""
 
 from __future__ import annotations
 
@@ -9,36 +10,51 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
+from gateway.policy.model import Redis
 from gateway.pool.forecast import DAY_MIN, WEEK_MIN, RateHistory, RouteRate
 from gateway.pool.shared import SharedHistory
 from gateway.pool.stage import HISTORIES, SHARED_HISTORIES
+from gateway.redis import RedisLink
 from gateway.testing import FakeClock
 from tests.backends import Model, post
 from tests.helpers import policy
-from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
+from tests.redis_cluster import admin_client, policy_section
+from tests.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.test_forecast import MONDAY, series
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Any]:  # noqa: F811
-    made = aioredis.Redis.from_url(redis_url)
-    await made.delete("gw:rate:chat", "gw:rate:r")
+async def client(redis_target: Redis) -> AsyncIterator[Any]:
+    """A client of the test's own, to look at and seed the hashes."""
+    made = admin_client(redis_target)
+    for name in ("gw:rate:chat", "gw:rate:r"):
+        await made.delete(name)
     yield made
-    await made.delete("gw:rate:chat", "gw:rate:r")
+    for name in ("gw:rate:chat", "gw:rate:r"):
+        await made.delete(name)
     await made.aclose()
 
 
-def replica(client: Any, clock: FakeClock, route: str = "r") -> SharedHistory:
-    return SharedHistory(route, RouteRate(RateHistory(clock)), client, clock=clock)
+@pytest.fixture
+async def link(redis_target: Redis) -> AsyncIterator[RedisLink]:
+    """The replicas' link to Redis (each gateway has one; sharing it changes nothing here)."""
+    made = RedisLink.connect(redis_target)
+    yield made
+    await made.aclose()
 
 
-async def test_two_replicas_forecast_from_the_sum_of_their_counts(client: Any) -> None:
+def replica(link: RedisLink, clock: FakeClock, route: str = "r") -> SharedHistory:
+    return SharedHistory(route, RouteRate(RateHistory(clock)), link, clock=clock)
+
+
+async def test_two_replicas_forecast_from_the_sum_of_their_counts(
+    client: Any, link: RedisLink
+) -> None:
     clock = FakeClock(wall_start=MONDAY * 60.0)
-    a, b = replica(client, clock), replica(client, clock)
+    a, b = replica(link, clock), replica(link, clock)
     a.rate.history.record(30)
     b.rate.history.record(90)
     clock.advance(60)
@@ -52,7 +68,9 @@ async def test_two_replicas_forecast_from_the_sum_of_their_counts(client: Any) -
     assert await client.hget("gw:rate:r", str(MONDAY)) == b"120"
 
 
-async def test_a_seeded_week_reaches_a_new_replicas_seasonal_forecast(client: Any) -> None:
+async def test_a_seeded_week_reaches_a_new_replicas_seasonal_forecast(
+    client: Any, link: RedisLink
+) -> None:
     """What the other replicas recorded is the new one's history at once: a replica that
     just started forecasts the morning climb it never saw (Holt-Winters, not the naive
     last-hour mean)."""
@@ -60,14 +78,16 @@ async def test_a_seeded_week_reaches_a_new_replicas_seasonal_forecast(client: An
     now = MONDAY + len(counts)
     await client.hset("gw:rate:r", mapping={str(MONDAY + i): int(n) for i, n in enumerate(counts)})
     clock = FakeClock(wall_start=now * 60.0)
-    fresh = replica(client, clock)
+    fresh = replica(link, clock)
     assert await fresh.sync()
     predicted = fresh.rate.forecast(3600)
     assert predicted.method == "holt-winters"
     assert predicted.requests_per_s > sum(counts[-60:]) / 3600
 
 
-async def test_garbage_in_the_hash_is_ignored_and_old_minutes_are_deleted(client: Any) -> None:
+async def test_garbage_in_the_hash_is_ignored_and_old_minutes_are_deleted(
+    client: Any, link: RedisLink
+) -> None:
     clock = FakeClock(wall_start=(MONDAY + 8 * DAY_MIN) * 60.0)
     now = MONDAY + 8 * DAY_MIN
     await client.hset(
@@ -81,7 +101,7 @@ async def test_garbage_in_the_hash_is_ignored_and_old_minutes_are_deleted(client
             str(MONDAY): 9,  # more than a week old
         },
     )
-    shared = replica(client, clock)
+    shared = replica(link, clock)
     clock.advance(1)
     assert await shared.sync()
     assert shared.rate.counts() == ([6, 0, 0], now - 3)
@@ -92,9 +112,10 @@ async def test_garbage_in_the_hash_is_ignored_and_old_minutes_are_deleted(client
 async def test_redis_down_costs_only_the_fleets_view(redis_server: RedisServer) -> None:  # noqa: F811
     """Counts of minutes finished while Redis was down are sent when it is back; meanwhile,
     once the fleet's counts are stale, the replica forecasts from its own."""
-    client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.5)
+    link = RedisLink.connect(Redis(url=redis_server.url))
+    client = link.client
     clock = FakeClock(wall_start=MONDAY * 60.0)
-    shared = replica(client, clock)
+    shared = replica(link, clock)
     try:
         shared.rate.history.record(60)
         clock.advance(60)
@@ -112,20 +133,19 @@ async def test_redis_down_costs_only_the_fleets_view(redis_server: RedisServer) 
         assert await shared.sync()
         assert await client.hget("gw:rate:r", str(MONDAY + 1)) == b"120"
     finally:
-        await client.aclose()
+        await link.aclose()
 
 
 async def test_a_redis_cache_store_makes_a_prewarm_routes_history_the_fleets(
-    pipeline: Any,
-    client: Any,
-    redis_url: str,  # noqa: F811
+    pipeline: Any, client: Any, redis_target: Redis
 ) -> None:
     clock = FakeClock(wall_start=MONDAY * 60.0)
     data = policy(
         {"main": {"endpoints": ["http://a", "http://b"]}},
         {"prewarm": {"horizon_s": 600, "endpoint_rps": 1.0}},
     )
-    data["cache"] = {"store": "redis", "redis_url": redis_url}
+    data["cache"] = {"store": "redis"}
+    data["redis"] = policy_section(redis_target)
     gw = await pipeline(data, {"main": Model("main")}, clock=clock)
     await client.hset("gw:rate:chat", str(MONDAY - 1), 600)  # another replica's minute
     for i in range(3):
@@ -142,13 +162,13 @@ async def test_a_redis_cache_store_makes_a_prewarm_routes_history_the_fleets(
 
 
 async def test_a_flooded_hash_is_not_read_and_the_replica_forecasts_from_its_own(
-    client: Any,
+    client: Any, link: RedisLink
 ) -> None:
     """A hash holding more fields than a week of minutes is not this gateway's writing: it is
     not read whole every minute; the replica says so and uses its own history."""
     clock = FakeClock(wall_start=MONDAY * 60.0)
     await client.hset("gw:rate:r", mapping={f"junk{i}": 1 for i in range(WEEK_MIN + 2000)})
-    shared = replica(client, clock)
+    shared = replica(link, clock)
     shared.rate.history.record(42)
     clock.advance(60)
     assert not await shared.sync()

@@ -27,8 +27,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "data",
     ),
     # 1. the policy model, telemetry, the OpenAI wire format, the pipeline's types, routing,
-    #    request traces, and the simulated model server (which stands on its own)
-    ("policy", "telemetry", "openai", "pipeline", "routing", "tracing", "sim"),
+    #    request traces, the simulated model server (which stands on its own), and the one
+    #    Redis layer every user of shared state goes through
+    ("policy", "telemetry", "openai", "pipeline", "routing", "tracing", "sim", "redis"),
     # 2. the two edges of the data plane: the server clients talk to, the transport to backends
     ("server", "transport"),
     # 3. what a request and the stages share at run time

@@ -2,7 +2,8 @@
 ``rate_shared.py``): the GCRA script keeps the memory limiter's limit, burst and debt, one key
 per tenant, route and limit kind, on Redis's own clock; two gateways share one count; and a
 Redis that is down, slow or failing makes each process enforce its local share, never fail a
-request, and is probed again in the background.
+request, and is probed again in the background.  The script and the sharing run against one
+``redis-server`` and a three-master Redis Cluster (``redis_target``).
 
 The script's decisions are pinned with explicit times (``now_us``); the tests that use
 Redis's own clock assert counts only."""
@@ -21,13 +22,16 @@ import redis.asyncio as aioredis
 
 from gateway.errors import RateLimited, StoreError
 from gateway.harness import Pipeline
-from gateway.policy.model import RateLimit
+from gateway.policy.model import RateLimit, Redis
+from gateway.redis import REDIS_LINK
+from gateway.redis.health import DOWN_AFTER
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
 from gateway.resilience.rate_shared import RATE_LIMIT_REDIS, SharedRateLimiter, local_share
 from gateway.testing import FakeClock
 from tests.backends import Model, post
 from tests.helpers import policy, until
+from tests.redis_cluster import admin_client, policy_section
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.redis
@@ -37,16 +41,17 @@ URL = "http://main.test"
 
 
 @pytest.fixture
-async def rates(redis_url: str) -> AsyncIterator[RedisRates]:  # noqa: F811
-    made = RedisRates.from_url(redis_url, budget_s=1.0, prefix=f"gw:rl:test-{uuid.uuid4().hex}:")
+async def rates(redis_target: Redis) -> AsyncIterator[RedisRates]:
+    prefix = f"gw:rl:test-{uuid.uuid4().hex}:"
+    made = RedisRates.connect(redis_target, budget_s=1.0, prefix=prefix)
     yield made
     await made.aclose()
 
 
 @pytest.fixture
-async def admin(redis_url: str) -> AsyncIterator[Any]:  # noqa: F811
+async def admin(redis_target: Redis) -> AsyncIterator[Any]:
     """A client of the test's own, to look at and tamper with the keys."""
-    made = aioredis.Redis.from_url(redis_url)
+    made = admin_client(redis_target)
     yield made
     await made.aclose()
 
@@ -183,16 +188,19 @@ async def test_a_flushed_script_is_loaded_again(rates: RedisRates, admin: Any):
 async def test_redis_down_is_left_alone_for_retry_s_then_probed_in_the_background(
     redis_server: RedisServer,  # noqa: F811
 ):
+    """Down by evidence (``DOWN_AFTER`` commands in a row that could not reach it), as the
+    cache store's Redis: one health machine, the Redis layer's."""
     clock = FakeClock()
     rates = RedisRates.from_url(redis_server.url, clock=clock, budget_s=1.0, retry_s=1.0)
     one = [(bucket_key(rates.prefix, "chat", "acme", REQUESTS), Bucket(REQUESTS, 1, 5), 1.0)]
     try:
         assert await rates.admit(one) == 0.0
         redis_server.stop()
-        with pytest.raises(StoreError):
-            await rates.admit(one)
+        for _ in range(DOWN_AFTER):
+            with pytest.raises(StoreError):
+                await rates.admit(one)
         assert not rates.up and not rates.usable()
-        assert repr(rates).endswith("down retry_in=1.0s errors=1>")
+        assert "down retry_in=1.0s errors=3 " in repr(rates)
         redis_server.start()
         assert not rates.usable()  # not before retry_s: no probe yet
         clock.advance(1.0)
@@ -205,7 +213,8 @@ async def test_redis_down_is_left_alone_for_retry_s_then_probed_in_the_backgroun
 
 async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # noqa: F811
     """A paused Redis (``CLIENT PAUSE``) answers late: past the budget each caller goes on
-    without it, and the third late answer in a row takes Redis for down."""
+    without it; the commands left to run on time out on their own (0.2 s), and those
+    timeouts take Redis for down."""
     clock = FakeClock()
     rates = RedisRates.from_url(redis_url, clock=clock, budget_s=0.025)
     admin = aioredis.Redis.from_url(redis_url)
@@ -215,13 +224,12 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
     try:
         assert await rates.admit(one) == 0.0
         await admin.client_pause(300, all=True)
-        for _ in range(2):
-            with pytest.raises(StoreError, match="over its budget"):
+        for _ in range(DOWN_AFTER):
+            with pytest.raises(StoreError, match="budget"):
                 await rates.admit(one)
-        assert rates.up and rates.usable()
-        with pytest.raises(StoreError, match="over its budget"):
-            await rates.admit(one)
-        assert not rates.up and not rates.usable()
+        assert rates.up and rates.usable()  # late is not down
+        await until(lambda: not rates.up)
+        assert not rates.usable()
     finally:
         await admin.client_unpause()
         await admin.aclose()
@@ -229,18 +237,20 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
 
 
 async def test_an_error_redis_answers_with_makes_the_decision_local(
-    redis_url: str,  # noqa: F811
-    admin: Any,
+    redis_target: Redis, admin: Any
 ):
-    """A key of the wrong type (WRONGTYPE) is a RedisError like any other: local share."""
-    rates = RedisRates.from_url(redis_url, clock=FakeClock(), budget_s=1.0)
+    """A key of the wrong type (WRONGTYPE) fails that decision (made by the local share),
+    but Redis answered: it is up, and the next tenant is decided in Redis."""
+    rates = RedisRates.connect(redis_target, clock=FakeClock(), budget_s=1.0)
     tenant = uuid.uuid4().hex
     limiter = SharedRateLimiter("chat", RateLimit(requests_per_s=1, burst=1), rates)
     wrong = bucket_key(rates.prefix, "chat", tenant, REQUESTS)
     try:
         await admin.hset(wrong, "x", 1)
         await limiter.check(tenant)
-        assert limiter.decided == {"redis": 0, "local": 1} and not limiter.up
+        assert limiter.decided == {"redis": 0, "local": 1} and limiter.up
+        await limiter.check(uuid.uuid4().hex)
+        assert limiter.decided == {"redis": 1, "local": 1}
     finally:
         await admin.delete(wrong)
         await rates.aclose()
@@ -282,13 +292,15 @@ async def test_while_redis_is_down_the_local_share_applies_and_nothing_fails(
 # -- through the gateway -----------------------------------------------------------------
 
 
-def shared_policy(redis: str, limit: dict[str, Any]) -> dict[str, Any]:
+def shared_policy(redis: str | Redis, limit: dict[str, Any]) -> dict[str, Any]:
     route = {"rate_limit": {"store": "redis", **limit}}
-    return policy({"main": {"url": URL}}, route, cache={"redis_url": redis})
+    if isinstance(redis, str):
+        return policy({"main": {"url": URL}}, route, cache={"redis_url": redis})
+    return policy({"main": {"url": URL}}, route, redis=policy_section(redis))
 
 
-async def test_two_gateways_share_one_count_per_tenant(pipeline: Any, redis_url: str):  # noqa: F811
-    shared = shared_policy(redis_url, {"requests_per_s": 0.01, "burst": 3})
+async def test_two_gateways_share_one_count_per_tenant(pipeline: Any, redis_target: Redis):
+    shared = shared_policy(redis_target, {"requests_per_s": 0.01, "burst": 3})
     a = patient(await pipeline(shared, Model("main")))
     b = patient(await pipeline(shared, Model("main")))
     alice = {"Authorization": f"Bearer {uuid.uuid4().hex}"}
@@ -305,10 +317,10 @@ async def test_two_gateways_share_one_count_per_tenant(pipeline: Any, redis_url:
 
 
 async def test_tokens_per_minute_settle_on_the_answers_usage_through_redis(
-    pipeline: Any,
-    redis_url: str,  # noqa: F811
+    pipeline: Any, redis_target: Redis
 ):
-    gw = patient(await pipeline(shared_policy(redis_url, {"tokens_per_min": 300}), Model("main")))
+    limit = {"tokens_per_min": 300}
+    gw = patient(await pipeline(shared_policy(redis_target, limit), Model("main")))
     tenant = {"Authorization": f"Bearer {uuid.uuid4().hex}"}
     # Each call is estimated at body/4 + max_tokens = about 120 tokens; usage says 14.
     statuses = [(await post(gw, max_tokens=100, headers=tenant)).status_code for _ in range(6)]
@@ -349,4 +361,6 @@ async def test_a_memory_route_never_talks_to_redis(pipeline: Any):
     gw = await pipeline(memory, Model("main"))
     assert [(await post(gw)).status_code for _ in range(2)] == [200, 429]
     assert gw.gateway.registry.peek(RATE_LIMIT_REDIS) is None
+    assert gw.gateway.registry.peek(REDIS_LINK) is None
     assert gw.metric("gateway_rate_limit_store_up", route="chat") is None
+    assert gw.metric("gateway_redis_up", mode="standalone") is None

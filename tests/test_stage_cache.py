@@ -1,5 +1,6 @@
 """The cache stage's contract, through a running gateway in front of the simulated GPU,
-run against both stores: memory and a real redis-server.
+run against both stores: memory and a real Redis (one redis-server, and a three-master
+Redis Cluster).
 
 Time is injected (``FakeClock``); Redis expiry is brought forward by shortening the keys'
 TTLs, never by sleeping.  The sim gives every answer a fresh id, so a cached answer is told
@@ -18,12 +19,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.openai.sse import parse_sse
+from gateway.policy.model import Redis
 from gateway.sim import SimConfig, SimServer, start_sim
 from gateway.testing import FakeClock
+from tests.redis_cluster import admin_client, policy_section, settings_for
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
 
 CHAT = "/v1/chat/completions"
@@ -40,6 +42,7 @@ backends:
   odd: {{url: "{odd}"}}
 admin: {{token: {token}}}
 cache: {cache}
+redis: {redis}
 routes:
   - name: chat-spare
     match: {{path: {chat}, model: spare-model}}
@@ -218,26 +221,26 @@ def chat_body(text: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-async def clear_redis(url: str) -> Any:
-    client = aioredis.Redis.from_url(url)
+async def clear_redis(redis: Redis) -> Any:
+    client = admin_client(redis)
     async for name in client.scan_iter(match=PREFIX + "*"):
         await client.delete(name)
     return client
 
 
 async def make_env(
-    store: str, redis: str | None, start_gateway: Any, serve_app: Any, tmp_path: Path
+    store: str, redis: Redis | None, start_gateway: Any, serve_app: Any, tmp_path: Path
 ) -> Env:
     sim = await start_sim(SimConfig(port=0, base_ms=1.0, per_item_ms=0.0, token_ms=0.0))
     odd = Odd()
     odd_url = await serve_app(odd.app())
-    cache = "{store: memory}" if redis is None else f'{{store: redis, redis_url: "{redis}"}}'
     args = {
         "sim": sim.url,
         "odd": odd_url,
         "version": "gpu@1",
         "token": TOKEN,
-        "cache": cache,
+        "cache": "{store: memory}" if redis is None else "{store: redis}",
+        "redis": json.dumps(policy_section(redis) if redis is not None else {}),
         "ttl": TTL_S,
         "chat": CHAT,
         "embeddings": EMBEDDINGS,
@@ -272,12 +275,13 @@ async def close_env(env: Env) -> None:
         await env.redis.aclose()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "standalone", "cluster"])
 async def env(
     request: pytest.FixtureRequest, start_gateway: Any, serve_app: Any, tmp_path: Path
 ) -> AsyncIterator[Env]:
-    redis = request.getfixturevalue("redis_url") if request.param == "redis" else None
-    environment = await make_env(request.param, redis, start_gateway, serve_app, tmp_path)
+    redis = None if request.param == "memory" else settings_for(request, request.param)
+    store = "memory" if redis is None else "redis"
+    environment = await make_env(store, redis, start_gateway, serve_app, tmp_path)
     yield environment
     await close_env(environment)
 
@@ -607,7 +611,7 @@ async def test_redis_killed_mid_test_answers_every_request_then_recovers(
     serve_app: Any,
     tmp_path: Path,
 ) -> None:
-    env = await make_env("redis", redis_server.url, start_gateway, serve_app, tmp_path)
+    env = await make_env("redis", Redis(url=redis_server.url), start_gateway, serve_app, tmp_path)
     try:
         stored = await env.chat("Survive a Redis outage?")
         assert (await env.chat("Survive a Redis outage?")).cache == "hit"
@@ -624,7 +628,7 @@ async def test_redis_killed_mid_test_answers_every_request_then_recovers(
         purge_status, _ = await env.purge()
         assert purge_status == 503
         redis_server.start()  # back, empty (a flush): misses until filled again
-        env.redis = aioredis.Redis.from_url(redis_server.url)
+        env.redis = admin_client(Redis(url=redis_server.url))
         env.clock.advance(60)  # past the store's retry interval
         for _ in range(200):
             first = await env.chat("After the outage?")
@@ -646,7 +650,7 @@ async def test_a_flushed_redis_is_a_miss(
     serve_app: Any,
     tmp_path: Path,
 ) -> None:
-    env = await make_env("redis", redis_url, start_gateway, serve_app, tmp_path)
+    env = await make_env("redis", Redis(url=redis_url), start_gateway, serve_app, tmp_path)
     try:
         stored = await env.chat("Flush me?")
         async for name in env.redis.scan_iter(match=PREFIX + "*"):

@@ -67,6 +67,7 @@ from gateway.errors import StoreError
 from gateway.metrics import EmbeddingFigures
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Route, RouteCache
+from gateway.redis import shared_link
 from gateway.state import Kind
 from gateway.transport.headers import is_event_stream
 
@@ -99,11 +100,14 @@ def build(
         else:
             log.warning("cache store: down (requests are answered as misses until it is back)")
 
+    link = None
+    if policy.cache.store == "redis":
+        link = shared_link(runtime.registry, policy.redis, runtime.clock, metrics)
     state = runtime.registry.get(
         CACHE_STATE,
         "",
-        policy.cache,
-        lambda: CacheState(policy.cache, runtime.clock, on_health=moved),
+        (policy.cache, policy.redis if link is not None else None),
+        lambda: CacheState(policy.cache, runtime.clock, on_health=moved, link=link),
     )
     metrics.cache_store_up.set(1 if getattr(state.store, "available", True) else 0)
     metrics.cache_entries.set_function(lambda: float(state.stats().entries or 0))

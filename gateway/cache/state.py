@@ -1,10 +1,11 @@
 """The cache's long-lived state: the one store every caching route shares.
 
 ``CacheState`` holds the store the policy's ``cache:`` block names (memory LRU bounded by
-``max_bytes``, or Redis at ``redis_url``), the tenant scope rule, and a background sweep of
-expired memory entries.  It lives in the runtime registry as ``CACHE_STATE``
-with the ``cache:`` block as its settings, so reloads keep it, and its entries, until that
-block changes.  The admin's ``POST /cache/purge`` finds it there.
+``max_bytes``, or Redis over the gateway's ``RedisLink``, ``redis:``), the tenant scope
+rule, and a background sweep of expired memory entries.  It lives in the runtime registry
+as ``CACHE_STATE`` with the ``cache:`` block (and, for Redis, the ``redis:`` section) as its
+settings, so reloads keep it, and its entries, until those change.  The admin's
+``POST /cache/purge`` finds it there.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gateway.cache.control import LearnedVary
 from gateway.cache.stores import MemoryStore, RedisStore, StoreStats
 from gateway.clock import Clock
 from gateway.policy.model import CacheStore as CacheStoreSettings
+from gateway.redis import RedisLink
 from gateway.state import Kind
 from gateway.tenant import scope_hash
 
@@ -34,11 +36,14 @@ class CacheState:
         settings: CacheStoreSettings,
         clock: Clock,
         on_health: Callable[[bool], None] | None = None,
+        link: RedisLink | None = None,
     ) -> None:
         self.settings = settings
         self.store: MemoryStore | RedisStore
         if settings.store == "redis":
-            self.store = RedisStore.from_url(settings.redis_url, clock=clock, on_health=on_health)
+            if link is None:
+                raise ValueError("the redis cache store needs the gateway's RedisLink")
+            self.store = RedisStore(link, on_health=on_health)
         else:
             self.store = MemoryStore(settings.max_bytes, clock=clock)
         self._sweeper: asyncio.Task[None] | None = None

@@ -129,8 +129,7 @@ class _Loading:
             yield
             if _values(structure) > max_values:
                 raise BadRequest(
-                    f"the JSON body holds more than {max_values} values "
-                    "(server.max_json_values)"
+                    f"the JSON body holds more than {max_values} values (server.max_json_values)"
                 )
             if nests and _depth_over(structure):
                 raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")

@@ -30,10 +30,20 @@ from gateway.policy.checks import (
     warn_throttle,
 )
 from gateway.policy.convert import Found, convert, join
-from gateway.policy.model import Backend, Match, Policy, Route, ThrottleRule, glob_regex
+from gateway.policy.model import Backend, CacheStore, Match, Policy, Route, ThrottleRule, glob_regex
+from gateway.policy.redis import Redis, check_redis, effective
 
 POLICY_SUFFIXES = (".yaml", ".yml")
-_SINGLETONS = ("server", "admin", "metrics", "cache", "retry_budget", "tracing", "tenants")
+_SINGLETONS = (
+    "server",
+    "admin",
+    "metrics",
+    "cache",
+    "retry_budget",
+    "tracing",
+    "tenants",
+    "redis",
+)
 _SINGLETON_CHECKS: dict[str, Any] = {
     "server": check_server,
     "admin": check_admin,
@@ -206,12 +216,23 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
         setter = next((p for p in parts if key in p.keys), None)
         if setter is not None:
             _report(check(singles[key]), setter, key, problems)
+    _merge_redis(parts, singles, problems)
     return Policy(
         backends=tuple(backends.values()),
         routes=tuple(named),
         throttle=tuple(t for t, _, _ in throttles),
         **singles,
     )
+
+
+def _merge_redis(parts: list[_Part], singles: dict[str, Any], problems: list[Problem]) -> None:
+    """Check ``redis:`` and fold its alias ``cache.redis_url`` into it."""
+    cache: CacheStore = singles.get("cache", CacheStore())
+    alias = any("cache.redis_url" in p.lines for p in parts if "cache" in p.keys)
+    redis_part = next((p for p in parts if "redis" in p.keys), None)
+    if redis_part is not None:
+        _report(check_redis(singles["redis"], alias), redis_part, "redis", problems)
+    singles["redis"] = effective(singles.get("redis", Redis()), cache.redis_url)
 
 
 def _report(found: list[tuple[str, str]], part: _Part, path: str, problems: list[Problem]) -> None:

@@ -22,6 +22,7 @@ from gateway.policy.backend import (
     WarmupRequest,
 )
 from gateway.policy.metadata import doc
+from gateway.policy.redis import DEFAULT_REDIS_URL, Redis
 from gateway.policy.route import (
     Adaptive,
     Batch,
@@ -56,6 +57,7 @@ __all__ = [
     "Quality",
     "Queue",
     "RateLimit",
+    "Redis",
     "RetryBudget",
     "Route",
     "RouteCache",
@@ -89,7 +91,6 @@ DEFAULT_MAX_BUFFERED_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 25.0
 DEFAULT_RELOAD_INTERVAL_S = 1.0
 DEFAULT_CACHE_MAX_BYTES = 256 * 1024 * 1024
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SAMPLE_RATIO = 0.0
 
 
@@ -102,7 +103,11 @@ class CacheStore:
     )
     redis_url: str = field(
         default=DEFAULT_REDIS_URL,
-        metadata=doc("Redis (or Valkey) URL for `redis`.", secret=True, env=True),
+        metadata=doc(
+            "Redis (or Valkey) URL for `redis`: the alias of `redis.url` (a standalone Redis).",
+            secret=True,
+            env=True,
+        ),
     )
     max_bytes: int = field(
         default=DEFAULT_CACHE_MAX_BYTES, metadata=doc("Memory store bound (LRU by bytes).")
@@ -309,6 +314,13 @@ class Policy:
     )
     tenants: Tenants = field(
         default_factory=Tenants, metadata=doc("Named tenants: API keys with names and limits.")
+    )
+    redis: Redis = field(
+        default_factory=Redis,
+        metadata=doc(
+            "The Redis the replicas share state through: the `redis` cache store, "
+            "`store: redis` rate limits, the rate history of `prewarm` routes."
+        ),
     )
 
     def backend(self, name: str) -> Backend:

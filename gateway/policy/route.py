@@ -243,7 +243,7 @@ class RateLimit:
         default="memory",
         metadata=doc(
             "`memory`: each process counts on its own. `redis`: every process and replica "
-            "shares one count per tenant in the Redis at `cache.redis_url` (GCRA, one script "
+            "shares one count per tenant in the gateway's Redis, `redis:` (GCRA, one script "
             "call a request); while Redis is down, each process enforces its local share."
         ),
     )

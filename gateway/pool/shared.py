@@ -11,12 +11,14 @@ can: a hash flooded by someone else is not read whole every minute); the forecas
 minute then come from the fleet's counts (``RouteRate.use_fleet``).  Both scale with the
 fleet, so the desired endpoints, their ratio, do not double-count.
 
-Redis is a boundary here, translated once: down, slow (past ``TIMEOUT_S``) or answering
-garbage, the counts not flushed stay owed and go with the next flush (as far back as the
-local history reaches), the forecast falls back to this replica's own history once the
-fleet's is more than ``FLEET_STALE_MIN`` minutes old, and nothing on the request path ever
-waits for Redis.  A flush that timed out is taken as done: ``HINCRBY`` may have run, and
-sending it again would count those minutes twice.  Fields that are not a minute, values
+Redis is the Redis layer's (``gateway/redis/``, the gateway's one ``RedisLink``): down,
+slow (past ``TIMEOUT_S``) or answering garbage, the counts not flushed stay owed and go
+with the next flush (as far back as the local history reaches), the forecast falls back to
+this replica's own history once the fleet's is more than ``FLEET_STALE_MIN`` minutes old,
+and nothing on the request path ever waits for Redis.  A flush that timed out
+(``StoreTimeout``) is taken as done: ``HINCRBY`` may have run, and sending it again would
+count those minutes twice.  Every command of a sync names the route's one hash, so on a
+Cluster a sync is one master's.  Fields that are not a minute, values
 that are not a count, and minutes ahead of now are ignored.
 """
 
@@ -27,35 +29,18 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from gateway.clock import SYSTEM_CLOCK, Clock
+from gateway.errors import StoreError, StoreTimeout
 from gateway.pool.forecast import MINUTE_S, WEEK_MIN, RouteRate
+from gateway.redis import RedisLink
 
 log = logging.getLogger("gateway.pool")
 
 TIMEOUT_S = 2.0
-"""How long one sync may take before it is abandoned (it is off the request path)."""
+"""How long one sync's command may take before it is abandoned (it is off the request path)."""
 KEY_PREFIX = "gw:rate:"
 MAX_STALE_FIELDS = 1024
 """Old fields deleted per sync (a long-stopped fleet's leftovers go over a few syncs)."""
-
-
-class RateRedis:
-    """The Redis client the rate histories share (one per gateway, not per route)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.client: Any = aioredis.Redis.from_url(
-            url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
-        )
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-    def __repr__(self) -> str:
-        return f"<RateRedis {self.url.split('@')[-1]}>"
 
 
 class SharedHistory:
@@ -65,7 +50,7 @@ class SharedHistory:
         self,
         route: str,
         rate: RouteRate,
-        client: Any,
+        link: RedisLink,
         *,
         clock: Clock = SYSTEM_CLOCK,
         sleep: Callable[[float], Awaitable[Any]] | None = None,
@@ -76,7 +61,7 @@ class SharedHistory:
         self.rate = rate
         self.errors = 0
         self.syncs = 0
-        self._client = client
+        self._link = link
         self._clock = clock
         self._sleep = sleep or getattr(clock, "sleep", None) or asyncio.sleep
         self._max_minutes = max_minutes
@@ -99,28 +84,36 @@ class SharedHistory:
         counts, first = self.rate.history.complete()
         last = first + len(counts) - 1
         owed = {first + i: n for i, n in enumerate(counts) if first + i > self._flushed and n > 0}
+
+        async def flush() -> int:
+            pipe = self._link.client.pipeline(transaction=False)
+            for minute, n in owed.items():
+                pipe.hincrby(self.key, str(minute), n)
+            if self._stale:
+                pipe.hdel(self.key, *self._stale)
+            pipe.expire(self.key, (self._max_minutes + 60) * MINUTE_S)
+            pipe.hlen(self.key)
+            return int((await pipe.execute())[-1])
+
         try:
-            async with asyncio.timeout(TIMEOUT_S):
-                pipe = self._client.pipeline(transaction=False)
-                for minute, n in owed.items():
-                    pipe.hincrby(self.key, str(minute), n)
-                if self._stale:
-                    pipe.hdel(self.key, *self._stale)
-                pipe.expire(self.key, (self._max_minutes + 60) * MINUTE_S)
-                pipe.hlen(self.key)
-                fields = (await pipe.execute())[-1]
-                self._flushed = max(self._flushed, last)
-                if fields > self._max_minutes + MAX_STALE_FIELDS:
-                    return self._failed(
-                        f"hash {self.key} has {fields} fields, more than a history holds: not "
-                        "read (it is not this gateway's writing; delete it)"
-                    )
-                raw = await self._client.hgetall(self.key)
-        except TimeoutError:
+            fields = await self._link.run("rate history", flush, TIMEOUT_S)
+        except StoreTimeout as exc:
             self._flushed = max(self._flushed, last)  # it may have run: never count twice
-            return self._failed("timed out")
-        except (RedisError, OSError) as exc:
-            return self._failed(f"{type(exc).__name__}: {exc}")
+            return self._failed(str(exc))
+        except StoreError as exc:
+            return self._failed(str(exc))
+        self._flushed = max(self._flushed, last)
+        if fields > self._max_minutes + MAX_STALE_FIELDS:
+            return self._failed(
+                f"hash {self.key} has {fields} fields, more than a history holds: not "
+                "read (it is not this gateway's writing; delete it)"
+            )
+        try:
+            raw = await self._link.run(
+                "rate history", lambda: self._link.client.hgetall(self.key), TIMEOUT_S
+            )
+        except StoreError as exc:
+            return self._failed(str(exc))
         fleet, self._stale = parse(raw, last - self._max_minutes + 1, last)
         if fleet:
             start = min(fleet)
@@ -130,7 +123,7 @@ class SharedHistory:
 
     def _failed(self, why: str) -> bool:
         self.errors += 1
-        log.warning("rate history of route %s: redis %s (using this replica's)", self.route, why)
+        log.warning("rate history of route %s: %s (using this replica's)", self.route, why)
         return False
 
     async def aclose(self) -> None:

@@ -26,12 +26,12 @@ from collections.abc import Callable
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Backend, Policy, Prewarm
 from gateway.pool.forecast import RateHistory, RouteRate
-from gateway.pool.shared import RateRedis, SharedHistory
+from gateway.pool.shared import SharedHistory
+from gateway.redis import RedisLink, shared_link
 from gateway.runtime import Runtime
 from gateway.state import Kind
 
 HISTORIES: Kind[RouteRate] = Kind("rate-history")
-RATE_REDIS: Kind[RateRedis] = Kind("rate-redis")
 SHARED_HISTORIES: Kind[SharedHistory] = Kind("shared-rate-history")
 
 
@@ -53,14 +53,10 @@ def _count_of(rate: RouteRate, prewarm: Prewarm, backend: Backend) -> Callable[[
     return lambda: desired_endpoints(rate, prewarm, backend)
 
 
-def _client(url: str) -> Callable[[], RateRedis]:
-    return lambda: RateRedis(url)
-
-
 def _shared(
-    route: str, rate: RouteRate, client: object, runtime: Runtime
+    route: str, rate: RouteRate, link: RedisLink, runtime: Runtime
 ) -> Callable[[], SharedHistory]:
-    return lambda: SharedHistory(route, rate, client, clock=runtime.clock)
+    return lambda: SharedHistory(route, rate, link, clock=runtime.clock)
 
 
 class RecordStage:
@@ -93,10 +89,9 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         )
         rates[route.name] = rate
         if policy.cache.store == "redis":  # the fleet's history: every replica's traffic
-            url = policy.cache.redis_url
-            client = runtime.registry.get(RATE_REDIS, "", url, _client(url)).client
+            link = shared_link(runtime.registry, policy.redis, runtime.clock, metrics)
             runtime.registry.get(
-                SHARED_HISTORIES, route.name, url, _shared(route.name, rate, client, runtime)
+                SHARED_HISTORIES, route.name, policy.redis, _shared(route.name, rate, link, runtime)
             )
         backend = policy.backend(route.backend)
         metrics.forecast_rps.labels(route.name).set_function(_rate_of(rate, prewarm))

@@ -18,46 +18,30 @@ atomically.  The keys of one call share the hash tag ``{<route>:<tenant>}``, so 
 is single-slot on Redis Cluster.  Time is Redis's own (``TIME`` inside the script), so the
 replicas' clocks do not matter; a caller may pass ``now_us`` instead (tests).
 
-Redis is a boundary, translated once: any redis or socket failure, or a call past
-``budget_s`` (25 ms), raises ``StoreError``, and the caller decides without Redis.  A
-failure (a refused or broken connection, an error Redis answered with) takes Redis for down
-for ``retry_s`` at once; a late answer does so only ``LATE_IN_A_ROW`` times in a row (on 2
-shared cores the event loop itself runs late; one late reply proves nothing), or when the
-command, left to run on, fails.  While down no request asks it; after ``retry_s`` the next
-caller starts one background ``PING`` and goes on without Redis; when the PING answers,
-Redis is up again.  No request ever waits for a Redis that is down.
+Redis is the Redis layer's (``gateway/redis/``): its ``RedisLink`` translates every redis
+or socket failure once into ``StoreError``, gives each call ``budget_s`` (25 ms) and judges
+Redis's health by the commands' own outcomes; the caller decides without Redis whenever a
+call fails or Redis is taken for down, and no request ever waits for a Redis that is down.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import StoreError
-
-log = logging.getLogger("gateway.rate_limit")
+from gateway.policy.redis import Redis
+from gateway.redis import RedisLink
+from gateway.redis.keys import tag
+from gateway.redis.link import DEFAULT_RETRY_S
 
 DEFAULT_PREFIX = "gw:rl:"
 DEFAULT_BUDGET_S = 0.025
 """How long a request waits for its decision before it is made locally."""
-DEFAULT_RETRY_S = 1.0
-"""How long Redis is left alone after a failure before it is probed again."""
-LATE_IN_A_ROW = 3
-PROBE_TIMEOUT_S = 0.2
 REQUESTS, TOKENS = "rq", "tk"
 """The limit kinds, each a key of its own."""
-_FAILURES = (RedisError, TimeoutError, OSError)
-"""What makes a decision local: every redis failure (an error Redis answered too), a socket's."""
 
 GCRA = """
 -- KEYS: one bucket each (its TAT, in microseconds of Redis time).
@@ -110,63 +94,56 @@ def bucket_key(prefix: str, route: str, tenant: str, kind: str) -> str:
     """``<prefix>{<route>:<tenant>}:<kind>``; braces, colons and ``%`` in the route (and
     braces and ``%`` in the tenant) are escaped, so the hash tag is the whole pair and no
     two pairs share a key."""
-    tag = f"{_escape(route, ':')}:{_escape(tenant)}"
-    return f"{prefix}{{{tag}}}:{kind}"
-
-
-def _escape(text: str, also: str = "") -> str:
-    for char in "%{}" + also:
-        text = text.replace(char, f"%{ord(char):02X}")
-    return text
+    return f"{prefix}{tag(route, tenant)}:{kind}"
 
 
 class RedisRates:
-    """The GCRA buckets in one Redis (one client per gateway); takes a ready
-    ``redis.asyncio`` client."""
+    """The GCRA buckets in the gateway's Redis, over its ``RedisLink`` (closed with this
+    only when ``owns_link``)."""
 
     def __init__(
         self,
-        client: Any,
+        link: RedisLink,
         *,
         prefix: str = DEFAULT_PREFIX,
         budget_s: float = DEFAULT_BUDGET_S,
-        retry_s: float = DEFAULT_RETRY_S,
-        clock: Clock = SYSTEM_CLOCK,
+        owns_link: bool = False,
     ) -> None:
+        self.link = link
         self.prefix = prefix
         self.budget_s = budget_s
-        self.retry_s = retry_s
-        self.up = True
-        self.errors = 0
-        self._client = client
-        self._script = client.register_script(GCRA)
-        self._clock = clock
-        self._retry_at = 0.0
-        self._late_in_a_row = 0
-        self._probe: asyncio.Task[bool] | None = None
-        self._late: set[asyncio.Future[Any]] = set()
+        self._owns_link = owns_link
+        self._script = link.client.register_script(GCRA)
+
+    @classmethod
+    def connect(
+        cls,
+        settings: Redis,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        retry_s: float = DEFAULT_RETRY_S,
+        **options: Any,
+    ) -> RedisRates:
+        """On a link of its own to the Redis of ``settings`` (tests)."""
+        link = RedisLink.connect(settings, clock=clock, retry_s=retry_s)
+        return cls(link, owns_link=True, **options)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisRates:
-        """On a new client for ``url`` whose sockets give up soon after the budget, and
-        which sends a command again once, on a new connection, when its pooled one has died
-        (Redis restarted): a restart that finished costs no request its shared decision."""
-        client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=PROBE_TIMEOUT_S,
-            socket_connect_timeout=PROBE_TIMEOUT_S,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
-        return cls(client, **options)
+        """``connect`` to the standalone Redis at ``url``."""
+        return cls.connect(Redis(url=url), **options)
+
+    @property
+    def up(self) -> bool:
+        return self.link.up
+
+    @property
+    def errors(self) -> int:
+        return self.link.errors
 
     def usable(self) -> bool:
-        """Whether to ask Redis now; while it is down, False, and once ``retry_s`` has
-        passed, one background probe is started."""
-        if self.up:
-            return True
-        if self._probe is None and self._clock.now() >= self._retry_at:
-            self._probe = asyncio.get_running_loop().create_task(self._background_probe())
-        return False
+        """Whether to ask Redis now (``RedisLink.usable``: a probe once it is due)."""
+        return self.link.usable()
 
     async def admit(
         self, buckets: Sequence[tuple[str, Bucket, float]], now_us: int | None = None
@@ -189,84 +166,23 @@ class RedisRates:
         args: list[str | float] = [mode, "" if now_us is None else str(now_us)]
         for _, bucket, amount in buckets:
             args += [1_000_000 / bucket.rate_per_s, bucket.capacity, amount]
-        call = self._script(keys=[key for key, _, _ in buckets], args=args)
-        command: asyncio.Future[Any] = asyncio.ensure_future(call)
+        keys = [key for key, _, _ in buckets]
+        answer = await self.link.run(
+            f"rate limit {mode}", lambda: self._script(keys=keys, args=args), self.budget_s
+        )
         try:
-            done, _ = await asyncio.wait((command,), timeout=self.budget_s)
-            if not done:
-                self._leave(command)
-                self._late_in_a_row += 1
-                if self._late_in_a_row >= LATE_IN_A_ROW:
-                    self._failed(f"answered later than {self.budget_s * 1000:.0f} ms")
-                raise StoreError(f"rate limit redis {mode}: over its budget")
-            admitted, wait_ms = command.result()
-        except asyncio.CancelledError:
-            self._leave(command)  # the caller left; the command runs on
-            raise
-        except _FAILURES as exc:
-            self._failed(f"{type(exc).__name__}: {exc}")
-            raise StoreError(f"rate limit redis {mode}: {type(exc).__name__}: {exc}") from exc
+            admitted, wait_ms = answer
+            return int(admitted), int(wait_ms)
         except (TypeError, ValueError) as exc:  # not the script's answer
-            self._failed(f"unexpected answer: {exc}")
-            raise StoreError(f"rate limit redis {mode}: unexpected answer") from exc
-        self._late_in_a_row = 0
-        return int(admitted), int(wait_ms)
-
-    def _leave(self, command: asyncio.Future[Any]) -> None:
-        """Let a command run on without a caller; a failure, when it comes, still counts."""
-        self._late.add(command)
-
-        def done(future: asyncio.Future[Any]) -> None:
-            self._late.discard(future)
-            exc = None if future.cancelled() else future.exception()
-            if isinstance(exc, _FAILURES):
-                self._failed(f"{type(exc).__name__}: {exc}")
-
-        command.add_done_callback(done)
-
-    def _failed(self, why: str) -> None:
-        self.errors += 1
-        self._late_in_a_row = 0
-        self._retry_at = self._clock.now() + self.retry_s
-        if self.up:
-            log.warning(
-                "rate limits: redis %s; each process enforces its local share, retrying in %.1f s",
-                why,
-                self.retry_s,
-            )
-            self.up = False
+            raise StoreError(f"rate limit redis {mode}: unexpected answer {answer!r}") from exc
 
     async def ping(self) -> bool:
         """Probe Redis; up again when it answers."""
-        try:
-            async with asyncio.timeout(PROBE_TIMEOUT_S):
-                await self._client.ping()
-        except _FAILURES:
-            self._retry_at = self._clock.now() + self.retry_s
-            return False
-        if not self.up:
-            log.warning("rate limits: redis is back; limits are shared again")
-            self.up = True
-        return True
-
-    async def _background_probe(self) -> bool:
-        try:
-            return await self.ping()
-        finally:
-            self._probe = None
+        return await self.link.ping()
 
     async def aclose(self) -> None:
-        for late in list(self._late):
-            late.cancel()
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
-            self._probe = None
-        await self._client.aclose()
+        if self._owns_link:
+            await self.link.aclose()
 
     def __repr__(self) -> str:
-        if self.up:
-            state = "up"
-        else:
-            state = f"down retry_in={max(0.0, self._retry_at - self._clock.now()):.1f}s"
-        return f"<RedisRates prefix={self.prefix!r} {state} errors={self.errors}>"
+        return f"<RedisRates prefix={self.prefix!r} {self.link!r}>"

@@ -22,7 +22,10 @@ import math
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.collectors import RateLimitFigures
 from gateway.errors import RateLimited, StoreError
+from gateway.metrics import Metrics
+from gateway.policy.redis import Redis
 from gateway.policy.route import RateLimit
+from gateway.redis import shared_link
 from gateway.resilience.rate_limit import RateLimiter, request_burst
 from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
 from gateway.state import Kind, Registry
@@ -127,14 +130,20 @@ class SharedRateLimiter:
 
 
 def shared_limiter(
-    registry: Registry, route: str, limit: RateLimit, url: str, clock: Clock
+    registry: Registry,
+    route: str,
+    limit: RateLimit,
+    redis: Redis,
+    clock: Clock,
+    metrics: Metrics,
 ) -> SharedRateLimiter:
-    """The route's limiter on the gateway's rate-limit Redis at ``url``, both kept across
-    reloads while the limit and the URL are unchanged."""
-    rates = registry.get(RATE_LIMIT_REDIS, "", url, lambda: RedisRates.from_url(url, clock=clock))
+    """The route's limiter on the gateway's Redis (``redis:``, its one ``RedisLink``), kept
+    across reloads while the limit and the Redis settings are unchanged."""
+    link = shared_link(registry, redis, clock, metrics)
+    rates = registry.get(RATE_LIMIT_REDIS, "", redis, lambda: RedisRates(link))
     return registry.get(
         SHARED_RATE_LIMITERS,
         route,
-        (limit, url),
+        (limit, redis),
         lambda: SharedRateLimiter(route, limit, rates, clock=clock),
     )

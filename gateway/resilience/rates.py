@@ -145,8 +145,7 @@ def build_rate_limits(
 
     def limiter(name: str, limit: RateLimit, *, reported: bool = True) -> Limiter:
         if limit.store == "redis":
-            url = policy.cache.redis_url  # whichever store the cache uses
-            made = shared_limiter(registry, name, limit, url, clock)
+            made = shared_limiter(registry, name, limit, policy.redis, clock, metrics)
             if reported:
                 shared.append(made)
             return made

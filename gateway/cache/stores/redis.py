@@ -1,13 +1,18 @@
-"""The shared store: plain Redis 7 commands, so Valkey, managed Redis and Cluster all work.
+"""The shared store: plain Redis 7 commands (no modules), on a standalone Redis, a Redis
+Cluster or a Sentinel-managed master alike (the client and its health are the Redis
+layer's, ``gateway/redis/``).
 
-Layout under ``prefix`` (default ``gw:``), every command single-key (no cross-slot
-operations, no hash tags needed, no modules, no Lua):
+Layout under ``prefix`` (default ``gw:``).  Every command names one key, and every key a
+command set uses together either shares a hash tag (one Cluster slot: one master, one round
+trip) or goes as single-key calls that a Cluster pipeline sends to each master at once:
 
-* ``e:<key>``: the serialised entry, ``SET .. PX ttl``;
-* ``b:<context>:<band>:<value>``: a set of ``<fingerprint hex>:<key>``, one per SimHash
+* ``e:<key>``: the serialised entry, ``SET .. PX ttl``; ``get_many`` and ``set_many`` send
+  one ``GET``/``SET`` per entry;
+* ``b:{<context>}:<band>:<value>``: a set of ``<fingerprint hex>:<key>``, one per SimHash
   band, expiring with the longest-lived entry filed in it (``EXPIRE NX`` then ``EXPIRE GT``);
+  a context's buckets share its hash tag, so a near-duplicate lookup reads one master;
 * ``i:b:<backend>``, ``i:m:<model_version>``, ``i:s:<scope>``: sets of keys for purging
-  (``redis_purge``);
+  (``redis_purge``), each read whole and intersected here;
 * ``n`` (keys by expiry time), ``sz`` (key -> serialised size) and ``bytes`` (their sum): the
   entry and byte counts every replica shares, without TTL (``redis_counts``);
 * ``v:<route>``: a stream of the embedding tier's index entries, so that every replica's
@@ -15,101 +20,99 @@ operations, no hash tags needed, no modules, no Lua):
   format in ``cache/vector_stream.py``); a filtered purge deletes its entries' records there;
 * ``vs``: the set of those streams' names, for that purge.
 
-Index members may outlive their entries; a dangling member is a miss, never a wrong hit.
+A purge of everything scans every master (``SCAN`` on each, the Cluster client's
+``scan_iter``).  Index members may outlive their entries; a dangling member is a miss,
+never a wrong hit.
 
-Every operation runs under a time budget (default 50 ms): past it the caller gets a miss
-(``StoreError``), but the command runs on, and its own outcome is the evidence of Redis's
-health (``health.py``): down only after several connection failures or timeouts in a row, or
-most commands of the last second failing that way, never for one late reply (on 2 shared
-cores the event loop itself runs late).  Any redis or socket failure is translated once,
-here, into ``StoreError``.  While Redis is down operations raise ``StoreError`` at once;
-after ``retry_s`` the next operation starts one background PING, and when it answers, Redis
-is up again.  ``on_health(up)`` hears each transition (``gateway_cache_store_up``).  A
-command whose pooled connection has died (Redis restarted since it was opened) is tried
-once more on a new connection first, so a restart that finished costs no request a miss.
+Every operation runs under a time budget (default 50 ms, more for a batch of many
+entries): past it the caller gets a miss (``StoreError``) and the command runs on, its
+outcome counting for Redis's health (``RedisLink``).  While Redis is down, operations raise
+``StoreError`` at once until the link's probe finds it back.  ``on_health(up)`` hears each
+transition (``gateway_cache_store_up``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ResponseError
 
 from gateway.cache import vector_stream
 from gateway.cache.entry import CachedResponse, dumps, loads
 from gateway.cache.simhash import bands, hamming
 from gateway.cache.stores.base import MAX_BUCKET_SCAN, Candidate, StoreStats
-from gateway.cache.stores.health import Health
 from gateway.cache.stores.redis_counts import DEFAULT_REFRESH_S, RedisCounts
 from gateway.cache.stores.redis_purge import RedisPurge
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.errors import StoreError
+from gateway.policy.redis import Redis
+from gateway.redis import Health, RedisLink
+from gateway.redis.connect import SOCKET_TIMEOUT_S
+from gateway.redis.keys import tag
+from gateway.redis.link import DEFAULT_RETRY_S
 
 DEFAULT_PREFIX = "gw:"
 DEFAULT_BUDGET_S = 0.05
 ENTRIES_PER_BUDGET = 10
 """Entries written (or read) within one ``budget_s``; larger batches get proportionally more."""
-DEFAULT_RETRY_S = 2.0
-CONNECTION_RETRIES = 1
 
 T = TypeVar("T")
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
 """A stream entry: its id and fields."""
-_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError)
 
 
 class RedisStore:
-    """A ``CacheStore`` in Redis; takes a ready ``redis.asyncio`` client (or Cluster)."""
+    """A ``CacheStore`` in Redis, over the gateway's ``RedisLink`` (closed with the store
+    only when ``owns_link``)."""
 
     def __init__(
         self,
-        client: Any,
+        link: RedisLink,
         *,
         prefix: str = DEFAULT_PREFIX,
         budget_s: float = DEFAULT_BUDGET_S,
-        retry_s: float = DEFAULT_RETRY_S,
-        clock: Clock = SYSTEM_CLOCK,
         count_refresh_s: float = DEFAULT_REFRESH_S,
         on_health: Callable[[bool], None] | None = None,
+        owns_link: bool = False,
     ) -> None:
-        self._client = client
+        self.link = link
+        self._client = link.client
         self._prefix = prefix
         self.budget_s = budget_s
-        self.retry_s = retry_s
-        self._clock = clock
-        self.health = Health(clock, on_health)
-        self._retry_at = 0.0
-        self._probe: asyncio.Task[bool] | None = None
-        self._late: set[asyncio.Future[Any]] = set()
-        self.errors = 0
-        self._counts = RedisCounts(client, prefix, self._run, clock, count_refresh_s)
-        self._purge = RedisPurge(client, prefix, self._counts, self._entry)
+        self._owns_link = owns_link
+        self._unsubscribe = link.subscribe(on_health) if on_health is not None else None
+        self._counts = RedisCounts(self._client, prefix, self._run, link.clock, count_refresh_s)
+        self._purge = RedisPurge(self._client, prefix, self._counts, self._entry)
+
+    @classmethod
+    def connect(
+        cls,
+        settings: Redis,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        retry_s: float = DEFAULT_RETRY_S,
+        **options: Any,
+    ) -> RedisStore:
+        """A store on a link of its own to the Redis of ``settings`` (tests, benches), whose
+        sockets wait at least four budgets (a generous budget gets a patient socket)."""
+        budget_s = options.get("budget_s", DEFAULT_BUDGET_S)
+        timeout_s = max(SOCKET_TIMEOUT_S, 4 * budget_s)
+        link = RedisLink.connect(settings, clock=clock, retry_s=retry_s, socket_timeout_s=timeout_s)
+        return cls(link, owns_link=True, **options)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:
-        """A store on a new client for ``url`` with socket timeouts bounded by the budget
-        and one immediate retry of a command whose connection failed, on a new connection:
-        after a Redis restart every pooled connection is dead, and each would otherwise
-        fail one request and mark Redis down for ``retry_s``.  The budget bounds both
-        tries; the circuit decides the rest.  Only connection errors are retried, never a
-        timeout: a command that timed out may have run, and running the counts' ``ZREM``
-        or ``DECRBY`` twice would skew them for good."""
-        budget_s = options.get("budget_s", DEFAULT_BUDGET_S)
-        client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=max(budget_s * 4, 0.2),
-            socket_connect_timeout=max(budget_s * 4, 0.2),
-            retry=Retry(NoBackoff(), CONNECTION_RETRIES, supported_errors=(RedisConnectionError,)),
-        )
-        return cls(client, **options)
+        """``connect`` to the standalone Redis at ``url``."""
+        return cls.connect(Redis(url=url), **options)
+
+    @property
+    def health(self) -> Health:
+        return self.link.health
+
+    @property
+    def errors(self) -> int:
+        return self.link.errors
 
     @property
     def available(self) -> bool:
@@ -249,18 +252,8 @@ class RedisStore:
         return await self._run("xinfo", last)
 
     async def ping(self) -> bool:
-        """Probe Redis within the budget; marks it up on success."""
-        try:
-            async with asyncio.timeout(self.budget_s * 4):
-                await self._client.ping()
-        except (RedisError, *_DOWN_ERRORS):
-            if self.health.up:
-                self._failed()
-            else:
-                self._retry_at = self._clock.now() + self.retry_s
-            return False
-        self.health.recovered()
-        return True
+        """Probe Redis; marks it up on success."""
+        return await self.link.ping()
 
     def stats(self) -> StoreStats:
         """The shared counts as of the last refresh (None before the first); starts a
@@ -276,77 +269,20 @@ class RedisStore:
         return self.stats()
 
     async def close(self) -> None:
-        for late in list(self._late):
-            late.cancel()
         await self._counts.close()
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
-            self._probe = None
-        await self._client.aclose()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._owns_link:
+            await self.link.aclose()
 
-    async def _run(
+    def _run(
         self, op: str, fn: Callable[[], Awaitable[T]], bounded: bool = True, entries: int = 1
-    ) -> T:
-        if not self.health.up:
-            if self._clock.now() >= self._retry_at and self._probe is None:
-                self._probe = asyncio.create_task(self._background_probe())
-            raise StoreError(f"redis {op}: unavailable, retrying in the background")
-        command = asyncio.ensure_future(fn())
-        try:
-            if bounded:
-                # The budget is per request's worth of work: a batch of many entries (a
-                # 100-input embeddings call) gets it once per ENTRIES_PER_BUDGET of them.
-                budget = self.budget_s * max(1.0, entries / ENTRIES_PER_BUDGET)
-                done, _ = await asyncio.wait((command,), timeout=budget)
-                if not done:
-                    self._judge_later(command)
-                    raise StoreError(
-                        f"redis {op}: over its {budget * 1000:.0f} ms budget (a miss; the "
-                        "command runs on and its outcome is what counts)"
-                    )
-            result = await command
-        except asyncio.CancelledError:
-            self._judge_later(command)  # the caller left; the command's outcome still counts
-            raise
-        except (RedisError, *_DOWN_ERRORS) as exc:
-            self._judge(exc)
-            raise StoreError(f"redis {op}: {type(exc).__name__}: {exc}") from exc
-        self.health.succeeded()
-        return result
-
-    def _judge_later(self, command: asyncio.Future[Any]) -> None:
-        self._late.add(command)
-
-        def judged(done: asyncio.Future[Any]) -> None:
-            self._late.discard(done)
-            if done.cancelled():
-                return
-            exc = done.exception()
-            if exc is None:
-                self.health.succeeded()
-            elif isinstance(exc, (RedisError, *_DOWN_ERRORS)):
-                self._judge(exc)
-
-        command.add_done_callback(judged)
-
-    def _judge(self, exc: BaseException) -> None:
-        """One command's failure: Redis answered (up) or could not be reached (evidence)."""
-        self.errors += 1
-        if isinstance(exc, _DOWN_ERRORS):
-            self._failed()
-        else:
-            self.health.succeeded()  # Redis answered, if with an error: it is up
-
-    def _failed(self) -> None:
-        if self.health.failed():
-            self._retry_at = self._clock.now() + self.retry_s
-
-    async def _background_probe(self) -> bool:
-        try:
-            return await self.ping()
-        finally:
-            self._probe = None
+    ) -> Awaitable[T]:
+        # The budget is per request's worth of work: a batch of many entries (a 100-input
+        # embeddings call) gets it once per ENTRIES_PER_BUDGET of them.
+        budget = self.budget_s * max(1.0, entries / ENTRIES_PER_BUDGET) if bounded else None
+        return self.link.run(op, fn, budget)
 
     def _key(self, *parts: str) -> str:
         return self._prefix + ":".join(parts)
@@ -362,19 +298,17 @@ class RedisStore:
         ]
 
     def _buckets(self, context: str, fingerprint: int) -> list[str]:
+        context_tag = tag(context)
         return [
-            self._key("b", context, str(i), f"{v:04x}") for i, v in enumerate(bands(fingerprint))
+            self._key("b", context_tag, str(i), f"{v:04x}")
+            for i, v in enumerate(bands(fingerprint))
         ]
 
     def __repr__(self) -> str:
-        if self.health.up:
-            state = "up"
-        else:
-            state = f"down retry_in={max(0.0, self._retry_at - self._clock.now()):.1f}s"
         counts = self._counts
         return (
-            f"<RedisStore prefix={self._prefix!r} {state} entries={counts.entries} "
-            f"bytes={counts.bytes} errors={self.errors}>"
+            f"<RedisStore prefix={self._prefix!r} {self.link!r} entries={counts.entries} "
+            f"bytes={counts.bytes}>"
         )
 
 

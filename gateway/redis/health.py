@@ -1,4 +1,4 @@
-"""Whether a shared store is up, decided by evidence: the outcomes of its own commands.
+"""Whether the shared Redis is up, decided by evidence: the outcomes of its own commands.
 
 One late reply proves nothing on a busy machine (on 2 shared cores the event loop itself
 runs late), and a store that answers with an error (a full Redis refusing a write) is up.
@@ -6,7 +6,7 @@ So a store goes down only when its commands fail to reach it: ``DOWN_AFTER`` con
 failures or timeouts in a row, or at least ``RATE_MIN_CALLS`` commands in ``WINDOW_S`` of
 which ``FAILURE_RATE`` or more failed that way.  A command's time is its own round trip: one
 that runs past the caller's budget is still awaited, and its outcome, when it comes, is
-what counts.  Going up again is the store's own probe's to decide.
+what counts.  Going up again is the probe's to decide (``link.py``).
 """
 
 from __future__ import annotations
