@@ -179,7 +179,7 @@ async def test_a_flushed_script_is_loaded_again(rates: RedisRates, admin: Any):
     assert await rates.admit(one, T0) == 0.0
     await admin.script_flush()
     assert await rates.admit(one, T0) == 0.0
-    assert rates.up and rates.errors == 0
+    assert rates.up and rates.link.errors == 0
 
 
 # -- Redis down, slow or failing ---------------------------------------------------------
@@ -191,7 +191,7 @@ async def test_redis_down_is_left_alone_for_retry_s_then_probed_in_the_backgroun
     """Down by evidence (``DOWN_AFTER`` commands in a row that could not reach it), as the
     cache store's Redis: one health machine, the Redis layer's."""
     clock = FakeClock()
-    rates = RedisRates.from_url(redis_server.url, clock=clock, budget_s=1.0, retry_s=1.0)
+    rates = RedisRates.connect(Redis(url=redis_server.url), clock=clock, budget_s=1.0, retry_s=1.0)
     one = [(bucket_key(rates.prefix, "chat", "acme", REQUESTS), Bucket(REQUESTS, 1, 5), 1.0)]
     try:
         assert await rates.admit(one) == 0.0
@@ -216,7 +216,7 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
     without it; the commands left to run on time out on their own (0.2 s), and those
     timeouts take Redis for down."""
     clock = FakeClock()
-    rates = RedisRates.from_url(redis_url, clock=clock, budget_s=0.025)
+    rates = RedisRates.connect(Redis(url=redis_url), clock=clock, budget_s=0.025)
     admin = aioredis.Redis.from_url(redis_url)
     one = [
         (bucket_key(rates.prefix, "slow", uuid.uuid4().hex, REQUESTS), Bucket(REQUESTS, 1, 5), 1)
@@ -268,7 +268,7 @@ async def test_while_redis_is_down_the_local_share_applies_and_nothing_fails(
     redis_server: RedisServer,  # noqa: F811
 ):
     clock = FakeClock()
-    rates = RedisRates.from_url(redis_server.url, clock=clock, budget_s=1.0, retry_s=1.0)
+    rates = RedisRates.connect(Redis(url=redis_server.url), clock=clock, budget_s=1.0, retry_s=1.0)
     limit = RateLimit(requests_per_s=4, burst=4, store="redis", replicas=2)
     limiter = SharedRateLimiter("chat", limit, rates, clock=clock)
     try:
@@ -326,7 +326,7 @@ async def test_tokens_per_minute_settle_on_the_answers_usage_through_redis(
     statuses = [(await post(gw, max_tokens=100, headers=tenant)).status_code for _ in range(6)]
     assert statuses == [200] * 6  # without settling, the third would be refused
     rates = gw.gateway.registry.peek(RATE_LIMIT_REDIS)
-    assert rates is not None and rates.up and rates.errors == 0
+    assert rates is not None and rates.up and rates.link.errors == 0
 
 
 async def test_redis_killed_under_a_gateway_leaves_the_local_share_and_no_failed_request(

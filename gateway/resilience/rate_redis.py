@@ -128,18 +128,9 @@ class RedisRates:
         link = RedisLink.connect(settings, clock=clock, retry_s=retry_s)
         return cls(link, owns_link=True, **options)
 
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> RedisRates:
-        """``connect`` to the standalone Redis at ``url``."""
-        return cls.connect(Redis(url=url), **options)
-
     @property
     def up(self) -> bool:
         return self.link.up
-
-    @property
-    def errors(self) -> int:
-        return self.link.errors
 
     def usable(self) -> bool:
         """Whether to ask Redis now (``RedisLink.usable``: a probe once it is due)."""
