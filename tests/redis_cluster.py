@@ -30,6 +30,8 @@ from tests.redis_server import REDIS_BINARY, RedisServer, free_port
 
 SLOTS = 16384
 SERVICE = "mymaster"
+ADMIN_TIMEOUT_S = 5.0
+"""The tests' own clients wait long: a loaded machine must not fail a test's setup."""
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
@@ -214,7 +216,7 @@ def settings_for(request: pytest.FixtureRequest, mode: str) -> RedisSettings:
 def admin_client(settings: RedisSettings) -> Any:
     """A redis-py client of the test's own for ``settings`` (a Cluster client for a
     cluster), to look at and tamper with the keys."""
-    return RedisLink.connect(settings).client
+    return RedisLink.connect(settings, socket_timeout_s=ADMIN_TIMEOUT_S).client
 
 
 def policy_section(settings: RedisSettings) -> dict[str, Any]:

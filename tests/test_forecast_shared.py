@@ -13,7 +13,7 @@ import pytest
 
 from gateway.policy.model import Redis
 from gateway.pool.forecast import DAY_MIN, WEEK_MIN, RateHistory, RouteRate
-from gateway.pool.shared import SharedHistory
+from gateway.pool.shared import TIMEOUT_S, SharedHistory
 from gateway.pool.stage import HISTORIES, SHARED_HISTORIES
 from gateway.redis import RedisLink
 from gateway.testing import FakeClock
@@ -41,7 +41,7 @@ async def client(redis_target: Redis) -> AsyncIterator[Any]:
 @pytest.fixture
 async def link(redis_target: Redis) -> AsyncIterator[RedisLink]:
     """The replicas' link to Redis (each gateway has one; sharing it changes nothing here)."""
-    made = RedisLink.connect(redis_target)
+    made = RedisLink.patient(redis_target, TIMEOUT_S)
     yield made
     await made.aclose()
 

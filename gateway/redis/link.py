@@ -90,6 +90,7 @@ class RedisLink:
         self._retry_at = 0.0
         self._probe: asyncio.Task[bool] | None = None
         self._late: set[asyncio.Future[Any]] = set()
+        self._warm: asyncio.Task[bool] | None = None
 
     @classmethod
     def connect(
@@ -112,6 +113,13 @@ class RedisLink:
             closing=closing,
         )
 
+    @classmethod
+    def patient(cls, settings: Redis, budget_s: float, **options: Any) -> RedisLink:
+        """``connect`` with sockets that wait at least four ``budget_s`` (a caller given a
+        generous budget, in tests and benches, gets a patient socket)."""
+        timeout_s = max(SOCKET_TIMEOUT_S, 4 * budget_s)
+        return cls.connect(settings, socket_timeout_s=timeout_s, **options)
+
     @property
     def up(self) -> bool:
         return self.health.up
@@ -129,6 +137,12 @@ class RedisLink:
         if self._probe is None and self.clock.now() >= self._retry_at:
             self._probe = asyncio.get_running_loop().create_task(self._background_probe())
         return False
+
+    def start(self) -> None:
+        """Open the way before the first request needs it (``Registry.start``, once): one
+        probe, which on a Cluster also reads the slot map and the command table."""
+        if self._warm is None:
+            self._warm = asyncio.get_running_loop().create_task(self.ping())
 
     def subscribe(self, listener: Callable[[bool], None]) -> Callable[[], None]:
         """Call ``listener(up)`` on every transition; returns the unsubscribe."""
@@ -186,10 +200,11 @@ class RedisLink:
     async def aclose(self) -> None:
         for late in list(self._late):
             late.cancel()
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
-            self._probe = None
+        for task in (self._probe, self._warm):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._probe = None
         await self.client.aclose()
         if self._closing is not None:
             await self._closing.aclose()

@@ -125,7 +125,8 @@ class RedisRates:
         **options: Any,
     ) -> RedisRates:
         """On a link of its own to the Redis of ``settings`` (tests)."""
-        link = RedisLink.connect(settings, clock=clock, retry_s=retry_s)
+        budget_s = options.get("budget_s", DEFAULT_BUDGET_S)
+        link = RedisLink.patient(settings, budget_s, clock=clock, retry_s=retry_s)
         return cls(link, owns_link=True, **options)
 
     @property

@@ -48,7 +48,6 @@ from gateway.cache.stores.redis_purge import RedisPurge
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.policy.redis import Redis
 from gateway.redis import Health, RedisLink
-from gateway.redis.connect import SOCKET_TIMEOUT_S
 from gateway.redis.keys import tag
 from gateway.redis.link import DEFAULT_RETRY_S
 
@@ -94,11 +93,9 @@ class RedisStore:
         retry_s: float = DEFAULT_RETRY_S,
         **options: Any,
     ) -> RedisStore:
-        """A store on a link of its own to the Redis of ``settings`` (tests, benches), whose
-        sockets wait at least four budgets (a generous budget gets a patient socket)."""
+        """A store on a link of its own to the Redis of ``settings`` (tests, benches)."""
         budget_s = options.get("budget_s", DEFAULT_BUDGET_S)
-        timeout_s = max(SOCKET_TIMEOUT_S, 4 * budget_s)
-        link = RedisLink.connect(settings, clock=clock, retry_s=retry_s, socket_timeout_s=timeout_s)
+        link = RedisLink.patient(settings, budget_s, clock=clock, retry_s=retry_s)
         return cls(link, owns_link=True, **options)
 
     @classmethod
