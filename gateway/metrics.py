@@ -164,9 +164,7 @@ class Metrics:
             "Entries in the cache store (with Redis: every replica's, refreshed every 10 s).",
             registry=r,
         )
-        self.cache_bytes = Gauge(
-            "gateway_cache_bytes", "Bytes held by the cache store.", registry=r
-        )
+        self.cache_bytes = Gauge("gateway_cache_bytes", "Bytes in the cache store.", registry=r)
         self.cache_not_stored = Counter(
             "gateway_cache_not_stored",
             "Answers not stored because the backend's Cache-Control or Vary said so, by reason.",
