@@ -23,8 +23,8 @@ from gateway.cache.embedding_seam import TierFactory
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.edge import Edge
 from gateway.errors import PolicyError
-from gateway.loop_lag import LoopLag
 from gateway.metrics import Metrics
+from gateway.metrics.loop_lag import LoopLag
 from gateway.pipeline import compose
 from gateway.policy.load import Loaded
 from gateway.policy.model import Server, Tracing

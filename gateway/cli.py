@@ -313,7 +313,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    from gateway.metrics_reference import families, reference_markdown
+    from gateway.metrics.reference import families, reference_markdown
 
     if args.markdown:
         sys.stdout.write(reference_markdown())

@@ -9,8 +9,8 @@ import logging
 import httpx
 from aiohttp import web
 
-from gateway.merged_metrics import supervisor_names
 from gateway.metrics import Metrics, names
+from gateway.metrics.merged import supervisor_names
 from tests.helpers import until, write_policy
 from tests.upstreams import Recorder
 

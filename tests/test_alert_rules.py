@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.merged_metrics import SupervisorMetrics
 from gateway.metrics import Metrics
+from gateway.metrics.merged import SupervisorMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "gateway-rules.yml"

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.metrics_reference import families
+from gateway.metrics.reference import families
 from tests.helpers import chat, write_policy
 from tests.upstreams import Exporter, Recorder
 

@@ -1,10 +1,11 @@
-"""The supervisor's one ``/metrics`` across its workers (``gateway.merged_metrics``), merged
+"""The supervisor's one ``/metrics`` across its workers (``gateway.metrics.merged``), merged
 from real ``Metrics`` registries: counters and histograms summed, each gauge by its
 family's rule, counters kept from going down when a worker is replaced."""
 
 from __future__ import annotations
 
-from gateway.merged_metrics import (
+from gateway.metrics import Metrics
+from gateway.metrics.merged import (
     GAUGES,
     Retired,
     SupervisorMetrics,
@@ -14,7 +15,6 @@ from gateway.merged_metrics import (
     rule_of,
     supervisor_names,
 )
-from gateway.metrics import Metrics
 from tests.helpers import metric
 
 

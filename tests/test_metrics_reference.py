@@ -9,7 +9,7 @@ from pathlib import Path
 from gateway.cli import main
 from gateway.harness import Pipeline
 from gateway.metrics import Metrics, names
-from gateway.metrics_reference import NOTES, families, reference_markdown, supervisor_families
+from gateway.metrics.reference import NOTES, families, reference_markdown, supervisor_families
 from gateway.testing import json_reply
 from tests.helpers import chat
 

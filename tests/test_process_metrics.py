@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from gateway import __version__
 from gateway.harness import Pipeline
-from gateway.loop_lag import LoopLag
 from gateway.metrics import LAG_BUCKETS, Metrics
+from gateway.metrics.loop_lag import LoopLag
 from tests.helpers import until
 
 POLICY = """

@@ -33,8 +33,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.collectors import RedisFigures
 from gateway.errors import StoreError, StoreTimeout
+from gateway.metrics.collectors import RedisFigures
 from gateway.policy.redis import Redis
 from gateway.redis.connect import SOCKET_TIMEOUT_S, client_for
 from gateway.redis.health import Health

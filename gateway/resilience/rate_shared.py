@@ -20,9 +20,9 @@ import dataclasses
 import math
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.collectors import RateLimitFigures
 from gateway.errors import RateLimited, StoreError
 from gateway.metrics import Metrics
+from gateway.metrics.collectors import RateLimitFigures
 from gateway.policy.redis import Redis
 from gateway.policy.route import RateLimit
 from gateway.redis import shared_link

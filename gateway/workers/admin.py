@@ -3,7 +3,7 @@ gateway's, answered for all its workers, and ``GET /workers``.
 
 - ``/healthz``: the supervisor serves.
 - ``/readyz``: 200 only while every worker runs and is ready itself, 503 from SIGTERM on.
-- ``/metrics``: one view across the workers (``merged_metrics``), with the supervisor's
+- ``/metrics``: one view across the workers (``metrics.merged``), with the supervisor's
   ``gateway_workers`` and ``gateway_worker_restarts_total``.
 - ``/workers``: each worker's index, pid, state, restarts, readiness, policy generation and
   hash.

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from gateway.admin_access import check_admin_token, is_loopback
 from gateway.errors import PolicyError, WorkerError
-from gateway.merged_metrics import Retired, SupervisorMetrics, merge, render
+from gateway.metrics.merged import Retired, SupervisorMetrics, merge, render
 from gateway.policy.load import Loaded
 from gateway.policy.model import Policy
 from gateway.policy.watch import PolicySource

@@ -24,7 +24,7 @@ import aiohttp
 from prometheus_client.metrics_core import Metric
 
 from gateway.errors import WorkerError
-from gateway.merged_metrics import parse
+from gateway.metrics.merged import parse
 
 log = logging.getLogger("gateway.workers")
 State = Literal["starting", "running", "exited"]

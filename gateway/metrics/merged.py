@@ -29,7 +29,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.collectors import Labelled, register_process_collectors
+from gateway.metrics.collectors import Labelled, register_process_collectors
 
 Rule = Literal["sum", "max", "min", "open_first", "store"]
 SUMMED_TYPES = ("counter", "histogram", "summary")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from gateway.merged_metrics import SupervisorMetrics, supervisor_names
 from gateway.metrics import Metrics
+from gateway.metrics.merged import SupervisorMetrics, supervisor_names
 
 SUFFIXES = {"counter": "_total", "info": "_info"}
 """What the text format appends to a family's name, by type."""

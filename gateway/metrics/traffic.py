@@ -1,0 +1,155 @@
+"""The data plane's series: requests and their timing, upstream calls and endpoints, tokens,
+the policy, the client side's timeouts and connections, and the process itself."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway import __version__
+from gateway.metrics.buckets import LAG_BUCKETS, LATENCY_BUCKETS
+from gateway.metrics.collectors import ConnectionCollector
+
+
+class TrafficFamilies:
+    """The series of requests, endpoints, clients and the process."""
+
+    def _register_traffic(self, r: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by route, backend and HTTP status.",
+            ["route", "backend", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Time from request received to response complete.",
+            ["route", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "gateway_upstream_duration_seconds",
+            "Time from sending upstream to the upstream's response headers.",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stream_first_byte = Histogram(
+            "gateway_stream_first_byte_seconds",
+            "Time from request received to the first "
+            "byte of a streamed response written to the client.",
+            ["route", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "gateway_inflight_requests", "Upstream requests in flight.", ["backend"], registry=r
+        )
+        self.endpoint_inflight = Gauge(
+            "gateway_endpoint_inflight",
+            "Upstream requests in flight per endpoint (instance) of a backend.",
+            ["backend", "endpoint"],
+            registry=r,
+        )
+        self.endpoint_requests = Counter(
+            "gateway_endpoint_requests",
+            "Upstream requests per endpoint, by outcome (the status class, or error).",
+            ["backend", "endpoint", "status"],
+            registry=r,
+        )
+        self.endpoint_state = Gauge(
+            "gateway_endpoint_state",
+            "1 for an endpoint's current state (active, standby, warming, ejected, "
+            "throttled), 0 for the others.",
+            ["backend", "endpoint", "state"],
+            registry=r,
+        )
+        self.endpoint_signal = Gauge(
+            "gateway_endpoint_signal",
+            "An endpoint's own telemetry (kv_aware or a {host}/{port} telemetry.url).",
+            ["backend", "endpoint", "signal"],
+            registry=r,
+        )
+        self.pool_active_endpoints = Gauge(
+            "gateway_pool_active_endpoints",
+            "Endpoints of a backend taking traffic (not ejected).",
+            ["backend"],
+            registry=r,
+        )
+        self.forecast_rps = Gauge(
+            "gateway_forecast_requests_per_second",
+            "A route's forecast mean request rate over its prewarm horizon.",
+            ["route"],
+            registry=r,
+        )
+        self.desired_endpoints = Gauge(
+            "gateway_desired_endpoints",
+            "Endpoints a backend will need over the horizon: the forecast times the "
+            "headroom over one endpoint's best rate (for autoscalers).",
+            ["backend"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "gateway_tokens",
+            "Tokens reported by upstream `usage`, by kind (prompt, completion).",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.policy_generation = Gauge(
+            "gateway_policy_generation",
+            "Generation of the loaded policy (1 for the first, +1 per reload).",
+            registry=r,
+        )
+        self.policy_info = Gauge(
+            "gateway_policy_info",
+            "Always 1; `hash` labels the loaded policy's content hash.",
+            ["hash"],
+            registry=r,
+        )
+        self.reload_failures = Counter(
+            "gateway_policy_reload_failures",
+            "Policy reloads rejected as invalid (the last good policy stays).",
+            registry=r,
+        )
+        self.upstream_retries = Counter(
+            "gateway_upstream_stale_retries",
+            "Requests retried once on a fresh connection after a stale pooled one closed.",
+            ["backend"],
+            registry=r,
+        )
+
+    def _register_clients(self, r: CollectorRegistry) -> None:
+        # -- the client side of the data plane (issue 11) --
+        self.client_timeouts = Counter(
+            "gateway_client_timeouts",
+            "Client connections closed at a timeout, by phase: head (the request head took "
+            "too long), body (silence inside a body), idle (keep-alive), send (the client "
+            "stopped reading its answer).",
+            ["phase"],
+            registry=r,
+        )
+        self.refused_connections = Counter(
+            "gateway_refused_connections",
+            "Client connections closed at once on arrival, by reason (max_connections).",
+            ["reason"],
+            registry=r,
+        )
+        self.connections = ConnectionCollector()
+        r.register(self.connections)
+
+    def _register_process(self, r: CollectorRegistry) -> None:
+        # -- the process itself (issue 16) --
+        self.build_info = Gauge(
+            "gateway_build_info",
+            "Always 1; `version` labels the gateway's version.",
+            ["version"],
+            registry=r,
+        )
+        self.build_info.labels(__version__).set(1)
+        self.event_loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every 0.25 s: time other work held the "
+            "loop, which every request on it waited too.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
