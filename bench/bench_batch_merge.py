@@ -81,7 +81,7 @@ def bench_merge_split(raw: bytes, rounds: int, mode: str) -> list[float]:
 
 
 async def bench_batcher(raw: bytes, rounds: int) -> list[float]:
-    async def send(body: Any) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+    async def send(body: Any, verdict: Any) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
         return 200, (), raw
 
     batcher = Batcher(OpenAIEmbeddings(), send, limit=FixedLimit(BATCH), max_wait_ms=1000)

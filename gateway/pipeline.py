@@ -54,6 +54,36 @@ class Record:
     """The request's trace while one is recorded (``tracing.otel.Trace``); opaque here."""
 
 
+class Verdict:
+    """Whether a call's failures count against its backend's health, decided after the call:
+    a merged batch call's 5xx may be one caller's bad input, which the bisection that follows
+    proves (its siblings answered).  Failures are ``hold``-en until ``rule``; one ruled on
+    already is settled at once."""
+
+    __slots__ = ("_held", "fault")
+
+    def __init__(self) -> None:
+        self._held: list[Callable[[bool], None]] = []
+        self.fault: bool | None = None
+
+    def hold(self, settle: Callable[[bool], None]) -> None:
+        """Settle a failure when ruled on: ``settle(True)`` if it was the backend's."""
+        if self.fault is None:
+            self._held.append(settle)
+        else:
+            settle(self.fault)
+
+    def rule(self, fault: bool) -> None:
+        """The held failures were the backend's (``fault``) or the callers' inputs'."""
+        self.fault = fault
+        held, self._held = self._held, []
+        for settle in held:
+            settle(fault)
+
+    def __repr__(self) -> str:
+        return f"<Verdict held={len(self._held)} fault={self.fault}>"
+
+
 @dataclass(slots=True)
 class Call:
     """One client request, as the stages see it.
@@ -71,7 +101,8 @@ class Call:
     client's address (``forwarding``), ``tenant`` the named tenant whose key the request
     offers (``tenants:`` in the policy; "" for none).  ``record`` is what the access log
     tells of the request besides status and timing, written by the stage that decides it;
-    None when nothing records it (the access log is off).
+    None when nothing records it (the access log is off).  ``verdict`` is set on a merged
+    batch call: its backend failures count only once the batcher has ruled on them.
     """
 
     id: str
@@ -91,6 +122,7 @@ class Call:
     client: str = ""
     _scope: str | None = field(default=None, repr=False)
     record: Record | None = None
+    verdict: Verdict | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a request header, case-insensitively."""

@@ -152,6 +152,7 @@ async def test_mutating_admin_endpoints_need_a_token_off_loopback(serve_app, tmp
 def test_metric_names_are_the_public_contract():
     """Dashboards and alerts depend on these names: changing one is a breaking change."""
     assert names(Metrics()) == [
+        "gateway_backend_failures",
         "gateway_batch_limit",
         "gateway_batch_oom_backoffs",
         "gateway_batch_size",

@@ -52,7 +52,9 @@ class Backend:
         self.queue: asyncio.Queue[UpstreamCall] = asyncio.Queue()
         self.sizes: list[int] = []
 
-    async def __call__(self, body: Any) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+    async def __call__(
+        self, body: Any, verdict: Any = None
+    ) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
         self.sizes.append(len(body["input"]))
         if self.respond is not None:
             status, raw = self.respond(body)
@@ -404,7 +406,7 @@ async def test_other_5xx_goes_to_every_caller_without_retry():
     ],
 )
 async def test_transport_error_goes_to_every_caller_of_the_call(raised, expected):
-    async def send(b: Any) -> Any:
+    async def send(b: Any, verdict: Any) -> Any:
         raise raised
 
     batcher = Batcher(OpenAIEmbeddings(), send, max_wait_ms=5)

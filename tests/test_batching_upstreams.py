@@ -143,7 +143,7 @@ async def upstream() -> AsyncIterator[tuple[Upstream, Callable[[str], Send]]]:
     session = aiohttp.ClientSession()
 
     def send_to(path: str) -> Send:
-        async def send(body: Any) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+        async def send(body: Any, verdict: Any) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
             async with session.post(server.make_url(path), json=body) as resp:
                 return resp.status, tuple(resp.headers.items()), await resp.read()
 

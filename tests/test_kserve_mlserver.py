@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.resilience.stage import GUARDS
 from tests.helpers import write_policy
 
 MODEL = Path(__file__).resolve().parent / "kserve_model"
@@ -125,3 +126,44 @@ async def test_one_malformed_row_fails_only_its_caller(mlserver, start_gateway, 
     )
     # The busy row, the merged batch, and at most 2 ceil(log2 n) calls to isolate the bad row.
     assert calls <= 2 + 2 * math.ceil(math.log2(size))
+
+
+async def test_one_callers_bad_row_never_opens_the_breaker_for_everyone(
+    mlserver, start_gateway, tmp_path
+):
+    """A default breaker in front of MLServer, four rounds of twelve rows each holding one
+    malformed row: every good row is answered in every round, the breaker stays closed,
+    and the bad rows' 500s are counted as the callers' inputs, not the backend's health
+    (before, the merged call and each half counted: the breaker opened in round two)."""
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{mls: {{url: "{mlserver}", circuit_breaker: {{}}}}}}
+        routes:
+          - name: infer
+            match: {{path: "/v2/models/*"}}
+            backend: mls
+            batch: {{max_size: 16, max_wait_ms: 50}}
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    url = gw.url + "/v2/models/rowsum/infer"
+    size = 12
+    async with httpx.AsyncClient(timeout=30) as client:
+        for round_ in range(4):
+            bad = (round_ * 5) % size
+            busy = asyncio.create_task(client.post(url, json=infer([999, 0, 0], "busy")))
+            await asyncio.sleep(0.1)  # the model is busy with it: the next rows pile up
+            rows = [[-1.0, 1, 1] if i == bad else [i, 1, 2] for i in range(size)]
+            answers = await asyncio.gather(
+                *(client.post(url, json=infer(row, f"r{i}")) for i, row in enumerate(rows))
+            )
+            assert (await busy).status_code == 200
+            statuses = [a.status_code for a in answers]
+            assert statuses == [500 if i == bad else 200 for i in range(size)], (round_, statuses)
+    guard = gw.gateway.registry.peek(GUARDS, "mls")
+    assert guard is not None and guard.breaker is not None
+    assert guard.breaker.state == "closed"
+    failures = gw.gateway.metrics.backend_failures
+    assert failures.labels("mls", "batch_input")._value.get() >= 4
+    assert failures.labels("mls", "status_5xx")._value.get() == 0

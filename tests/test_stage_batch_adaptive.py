@@ -61,7 +61,9 @@ class Backend:
         self.sent: list[list[Any]] = []
         self.calls: asyncio.Queue[tuple[list[Any], asyncio.Future[None]]] = asyncio.Queue()
 
-    async def __call__(self, body: Any) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+    async def __call__(
+        self, body: Any, verdict: Any = None
+    ) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.sent.append(list(body["input"]))
         self.calls.put_nowait((list(body["input"]), done))

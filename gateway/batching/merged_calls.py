@@ -20,6 +20,12 @@ have seen alone:
 
 A caller whose future is already done (it went away) is left out of a call, and an answer
 that comes for it later is dropped.
+
+Every call of one batch (the merged call, its halves, the callers alone) carries one
+``Verdict``: the breaker holds their 5xx until the batch is over, and then counts them only
+if they were the backend's.  They were a caller's input when the bisection left callers
+answered and at most as many failed as were answered (one bad row among twelve: the
+eleven's answers prove the backend well); with none answered they were the backend's.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from gateway.batching.answer import Answer, as_is, split_answer
 from gateway.batching.observer import BatchObserver
 from gateway.clock import Clock
 from gateway.errors import BatchSplitError, GatewayError, Overloaded, UpstreamUnavailable
-from gateway.pipeline import Headers
+from gateway.pipeline import Headers, Verdict
 
 NOT_BISECTED = frozenset({408, 429, 503})
 SPLIT_REASONS = ("4xx", "5xx", "unsplittable")
@@ -52,16 +58,18 @@ def bisect_budget(callers: int) -> int:
 
 
 class _Bisection:
-    """The bounds of one batch's bisection: extra calls left, and its deadline."""
+    """The bounds of one batch's bisection: extra calls left, and its deadline; and the
+    verdict its calls' failures wait for."""
 
-    __slots__ = ("calls_left", "deadline")
+    __slots__ = ("calls_left", "deadline", "verdict")
 
     def __init__(self, calls_left: int, deadline: float) -> None:
         self.calls_left = calls_left
         self.deadline = deadline
+        self.verdict = Verdict()
 
 
-Send = Callable[[Any], Awaitable[tuple[int, Headers, bytes]]]
+Send = Callable[[Any, Verdict], Awaitable[tuple[int, Headers, bytes]]]
 
 
 class Caller(Protocol):
@@ -120,6 +128,7 @@ class MergedCalls:
         live = [c for c in callers if not c.future.done()]
         if not live:
             return
+        owner = bisection is None
         if bisection is None:
             bisection = _Bisection(bisect_budget(len(live)), self._clock.now() + self.deadline_s)
         try:
@@ -133,6 +142,9 @@ class MergedCalls:
             error = GatewayError(f"batching failed: {exc!r}")
             error.__cause__ = exc
             fail(live, error)
+        finally:
+            if owner:
+                bisection.verdict.rule(_backends_fault(live))
 
     async def _call(
         self, live: list[Caller], release: Callable[[], None] | None, bisection: _Bisection
@@ -144,7 +156,7 @@ class MergedCalls:
         self._observer.batch_sent(items)
         started = self._clock.now()
         try:
-            status, headers, raw = await self._send(merged)
+            status, headers, raw = await self._send(merged, bisection.verdict)
         except GatewayError:
             raise
         except Exception as exc:
@@ -233,6 +245,21 @@ def fail(callers: Sequence[Caller], exc: BaseException) -> None:
     for caller in callers:
         if not caller.future.done():
             caller.future.set_exception(exc)
+
+
+def _backends_fault(callers: Sequence[Caller]) -> bool:
+    """Whether the batch's failures were the backend's: not when callers were answered and
+    at most as many failed (a 5xx, or an error) as were answered."""
+    answered = failed = 0
+    for caller in callers:
+        future = caller.future
+        if not future.done() or future.cancelled():
+            continue
+        if future.exception() is not None or future.result().status >= 500:
+            failed += 1
+        else:
+            answered += 1
+    return not (answered and failed <= answered)
 
 
 def _resolve(caller: Caller, answer: Answer) -> None:

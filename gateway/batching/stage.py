@@ -53,7 +53,7 @@ from gateway.batching.aimd import BatchLimit, CappedLimit
 from gateway.batching.merged_calls import SPLIT_REASONS
 from gateway.errors import Overloaded
 from gateway.metrics import Metrics
-from gateway.pipeline import Call, Handler, Headers, Record, Reply, Stage
+from gateway.pipeline import Call, Handler, Headers, Record, Reply, Stage, Verdict
 from gateway.policy.model import Batch, Policy, Route
 from gateway.resilience.gpu import batch_limit
 from gateway.runtime import Runtime
@@ -163,8 +163,9 @@ class BatchStage:
         return f"<BatchStage batchers={len(self._batchers)}>"
 
 
-async def send(merged: _Merged) -> tuple[int, Headers, bytes]:
-    """The batcher's send: the merged call through the rest of the pipeline, read whole."""
+async def send(merged: _Merged, verdict: Verdict) -> tuple[int, Headers, bytes]:
+    """The batcher's send: the merged call through the rest of the pipeline, read whole;
+    its failures wait for the batch's ``verdict`` before they count against the backend."""
     first = merged.items[0]
     went = time.perf_counter()
     trace = None
@@ -174,7 +175,9 @@ async def send(merged: _Merged) -> tuple[int, Headers, bytes]:
             record.batch = (len(merged.items), item.queued, went)
             trace = trace or record.trace
     shared = shared_headers([item.call.headers for item in merged.items])
-    reply = await first.call_next(merged_call(first.call, merged.body, trace, shared))
+    call = merged_call(first.call, merged.body, trace, shared)
+    call.verdict = verdict
+    reply = await first.call_next(call)
     try:
         if reply.body is not None:
             raw = reply.body

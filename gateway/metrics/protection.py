@@ -86,6 +86,15 @@ class ProtectionFamilies:
         self.breaker_transitions = Counter(
             "gateway_breaker_transitions", "Breaker state changes.", ["backend", "to"], registry=r
         )
+        self.backend_failures = Counter(
+            "gateway_backend_failures",
+            "Calls counted against a guarded backend's health, by reason: status_5xx, timeout, "
+            "unavailable, not_json, error_event, unfinished, malformed_event, "
+            "unexpected_stream, broken_stream; and batch_input, a merged call's 5xx that "
+            "bisection pinned on a caller's input (not counted against the backend).",
+            ["backend", "reason"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "gateway_fallbacks",
             "Requests served by a fallback backend, by why.",

@@ -61,18 +61,103 @@ def parse_sse(data: bytes | str) -> list[str]:
     return [d for block in split_events(text) if (d := event_data(block)) is not None]
 
 
+STREAM_PROBLEMS = ("error_event", "unfinished", "malformed_event")
+"""Why a well-framed stream is no answer: an ``error`` event (vLLM's mid-stream error), an
+end without ``[DONE]`` or without a ``finish_reason`` for every choice, or an event whose
+data is not a JSON object (or comes after ``[DONE]``)."""
+
+
+class StreamCheck:
+    """Judges an OpenAI chat or completions event stream as it passes, keeping only the line
+    not yet ended: ``problem()`` once it has ended is None for a stream that completed
+    normally, else one of ``STREAM_PROBLEMS``.  What the cache stores, single flight assembles
+    and the breaker counts as a success are the same streams."""
+
+    __slots__ = ("_data", "_done", "_finished", "_tail", "found")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._data: list[bytes] = []
+        self._done = False
+        self._finished: dict[int, bool] = {}
+        self.found: str | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.found is not None:
+            return
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        for line in lines:
+            self._line(line.rstrip(b"\r"))
+            if self.found is not None:
+                return
+
+    def problem(self) -> str | None:
+        """Why the stream, now ended, is not a whole answer (None: it is)."""
+        if self.found is not None:
+            return self.found
+        if self._tail.strip(b"\r") or self._data:
+            self._line(self._tail.rstrip(b"\r"))
+            self._line(b"")  # an event the end of the stream left open
+            self._tail = b""
+            if self.found is not None:
+                return self.found
+        if not self._done or not self._finished or not all(self._finished.values()):
+            return "unfinished"
+        return None
+
+    def _line(self, line: bytes) -> None:
+        if not line:
+            if self._data:
+                payload = b"\n".join(self._data)
+                self._data = []
+                self._event(payload)
+        elif line.startswith(b"data:"):
+            value = line[5:]
+            self._data.append(value[1:] if value.startswith(b" ") else value)
+        elif line == b"data":
+            self._data.append(b"")
+
+    def _event(self, payload: bytes) -> None:
+        if self._done:
+            self.found = "malformed_event"  # anything after [DONE]
+            return
+        if payload == b"[DONE]":
+            self._done = True
+            return
+        try:
+            chunk = json.loads(payload)
+        except (ValueError, UnicodeDecodeError):
+            self.found = "malformed_event"
+            return
+        if not isinstance(chunk, dict):
+            self.found = "malformed_event"
+        elif chunk.get("error") is not None:
+            self.found = "error_event"
+        else:
+            for choice in chunk.get("choices") or ():
+                index = choice.get("index", 0) if isinstance(choice, dict) else 0
+                done = isinstance(choice, dict) and bool(choice.get("finish_reason"))
+                self._finished[index] = self._finished.get(index, False) or done
+
+    def __repr__(self) -> str:
+        return f"<StreamCheck done={self._done} found={self.found}>"
+
+
 class StreamRecorder:
     """Collects a passing SSE stream; ``result()`` is its events if it may be stored."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_STREAM_BYTES) -> None:
         self._buffer = bytearray()
         self._max_bytes = max_bytes
+        self._check = StreamCheck()
         self.overflowed = False
 
     def feed(self, chunk: bytes) -> None:
         if self.overflowed:
             return
         self._buffer += chunk
+        self._check.feed(chunk)
         if len(self._buffer) > self._max_bytes:
             self.overflowed = True
             self._buffer.clear()
@@ -80,29 +165,13 @@ class StreamRecorder:
     def result(self) -> tuple[str, ...] | None:
         """The stored form of the stream (its event blocks as sent, ``[DONE]`` last), or
         None if it must not be stored."""
-        if self.overflowed:
+        if self.overflowed or self._check.problem() is not None:
             return None
         try:
             blocks = split_events(bytes(self._buffer).decode("utf-8"))
         except UnicodeDecodeError:
             return None
-        data = [d for block in blocks if (d := event_data(block)) is not None]
-        if not data or data[-1] != DONE or DONE in data[:-1]:
-            return None
-        if event_data(blocks[-1]) != DONE:
-            return None  # something after [DONE]
-        finished: dict[int, bool] = {}
-        for payload in data[:-1]:
-            try:
-                chunk = json.loads(payload)
-            except json.JSONDecodeError:
-                return None
-            if not isinstance(chunk, dict) or chunk.get("error") is not None:
-                return None
-            for choice in chunk.get("choices") or ():
-                index = choice.get("index", 0)
-                finished[index] = finished.get(index, False) or bool(choice.get("finish_reason"))
-        if not finished or not all(finished.values()):
+        if not blocks or event_data(blocks[-1]) != DONE:
             return None
         return tuple(blocks)
 

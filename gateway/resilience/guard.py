@@ -51,6 +51,11 @@ class Pass:
         if self.ticket is not None:
             self.ticket.release()
 
+    def release_slot(self) -> None:
+        """Give back the admission slot only: the permit waits for an outcome to come."""
+        if self.ticket is not None:
+            self.ticket.release()
+
 
 class BackendGuard:
     """Admission, breaker and throttle limits of one backend."""

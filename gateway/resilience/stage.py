@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,7 @@ from gateway.resilience.admission import Priority
 from gateway.resilience.breaker import Outcome
 from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
+from gateway.resilience.health import Failed, account
 from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
 from gateway.resilience.rates import RateLimits, build_rate_limits
 from gateway.resilience.retry_budget import RetryAllowance
@@ -187,16 +188,18 @@ class Resilience:
         try:
             reply = await call_next(call)
         except UpstreamError as exc:
+            reason = "timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"
             if passed is not None:
+                self._failed(call.backend)(reason)
                 passed.record(Outcome.FAILURE)
                 passed.release()
-            return Moved("timeout" if isinstance(exc, UpstreamTimeout) else "unavailable", exc)
+            return Moved(reason, exc)
         except BaseException:
             if passed is not None:
                 passed.release()
             raise
         if passed is not None:
-            reply = _account(call, reply, passed)
+            reply = account(call, reply, passed, self._failed(call.backend))
         if reply.status >= 500:
             return Moved("upstream_5xx", reply)
         if reply.status == 429:
@@ -204,6 +207,15 @@ class Resilience:
         if quality is not None and reply.status == 200:
             return _judge(reply, quality, strip)
         return reply
+
+    def _failed(self, backend: str) -> Failed:
+        """What counts a failure of ``backend`` by reason."""
+        family = self._metrics.backend_failures
+
+        def count(reason: str) -> None:
+            family.labels(backend, reason).inc()
+
+        return count
 
     def _served(self, call: Call, reply: Reply, index: int, reason: str | None) -> Reply:
         extra: list[tuple[str, str]] = []
@@ -230,55 +242,6 @@ def _judge(reply: Reply, quality: Quality, strip: bool) -> Reply | Moved:
     if mean is not None and mean < quality.min_mean_logprob:
         return Moved("low_confidence", reply)
     return reply
-
-
-def _account(call: Call, reply: Reply, passed: Pass) -> Reply:
-    """Record how the call went for the breaker, and give the slot back when it is done
-    (a stream's reply is returned with its stream judged and its close giving the slot
-    back).
-
-    A failure at the head counts at once.  A whole body is done now: an OpenAI answer that
-    is not even shaped like a JSON object counts as the failure it is.  A stream is judged
-    when it ends: cut, left idle mid-way or misframed (an ``UpstreamError`` while it is
-    read) it fails, finished it succeeds, and abandoned by its client it does not count."""
-    at_head = Outcome.of_status(reply.status)
-    if reply.stream is None:
-        body = reply.body or b""
-        if at_head is Outcome.SUCCESS and call.json is not None and not _json_shaped(body):
-            at_head = Outcome.FAILURE
-        passed.record(at_head)
-        passed.release()
-        return reply
-    stream = reply.stream
-    if at_head is not Outcome.SUCCESS:
-        passed.record(at_head)
-    else:
-        stream = _judged_stream(stream, passed)
-    inner = reply.close
-
-    async def close() -> None:
-        try:
-            if inner is not None:
-                await inner()
-        finally:
-            passed.release()
-
-    return reply.replace(stream=stream, close=close)
-
-
-async def _judged_stream(stream: AsyncIterator[bytes], passed: Pass) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in stream:
-            yield chunk
-    except UpstreamError:
-        passed.record(Outcome.FAILURE)
-        raise
-    passed.record(Outcome.SUCCESS)
-
-
-def _json_shaped(body: bytes) -> bool:
-    """Whether an answer could be a JSON object: its first and last non-blank bytes."""
-    return body.lstrip()[:1] == b"{" and body.rstrip()[-1:] == b"}"
 
 
 async def _close(reply: Reply) -> None:
