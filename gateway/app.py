@@ -95,7 +95,7 @@ class Gateway:
         loaded = source.load()  # an invalid first policy is fatal: raise to the caller
         first = source.read()
         self._seen_fingerprint = first.fingerprint
-        self._settling = Settling(first)
+        self._settling = Settling(first, self.clock)
         self.snapshot = self._build(loaded)
 
     # -- policy ---------------------------------------------------------------------------
@@ -191,7 +191,8 @@ class Gateway:
                 # Reading files may block (a slow volume): off the loop.  Applying a policy
                 # touches live state: on the loop.
                 reading = await asyncio.to_thread(self.source.read)
-                if self._settling.ready(reading):
+                settle_s = self.snapshot.policy.server.reload_settle_s
+                if self._settling.ready(reading, settle_s):
                     self._poll()
                     self._settling.done(reading)
             except Exception:  # the watcher must outlive any one bad read

@@ -10,14 +10,15 @@ from pathlib import Path
 import httpx
 
 from gateway.policy.watch import PolicySource, Settling
-from tests.helpers import CHAT
+from gateway.testing import FakeClock
+from tests.helpers import CHAT, until, write_policy
 from tests.upstreams import Recorder
 
 
 def policy_for(url: str) -> str:
     return f"""backends: {{main: {{url: "{url}"}}}}
 routes: [{{match: {{path: "*"}}, backend: main}}]
-server: {{reload_interval_s: 0.05}}
+server: {{reload_interval_s: 0.05, reload_settle_s: 0}}
 """
 
 
@@ -163,6 +164,64 @@ def test_an_edit_in_place_applies_only_once_two_polls_agree(tmp_path: Path):
     assert settling.ready(source.read())  # two polls agree: apply
     settling.done(source.read())
     assert not settling.ready(source.read())
+
+
+def test_an_edit_in_place_applies_only_once_it_held_still_for_the_settle_period(
+    tmp_path: Path,
+):
+    """A writer that pauses mid-file for 2 s, then 5 s more: the half never applies; the
+    whole file applies once it has held still for ``reload_settle_s`` (10 s)."""
+    path = tmp_path / "policy.yaml"
+    full = 'backends: {a: {url: "http://127.0.0.1:1"}}\nroutes: [{backend: a}]\n'
+    path.write_text(full)
+    clock = FakeClock()
+    source = PolicySource(path)
+    settling = Settling(source.read(), clock)
+    edit_in_place(path, 'backends: {a: {url: "http://127.0.0.1:2"}}\n')  # the first half
+    for pause_s in (2.0, 5.0):
+        for _ in range(int(pause_s)):
+            clock.advance(1.0)  # a poll a second
+            assert not settling.ready(source.read(), 10.0)
+    edit_in_place(path, full.replace(":1", ":2"))  # the writer finishes
+    assert not settling.ready(source.read(), 10.0)  # new content: its own 10 s from now
+    clock.advance(9.9)
+    assert not settling.ready(source.read(), 10.0)
+    clock.advance(0.2)
+    assert settling.ready(source.read(), 10.0)
+
+
+async def test_a_writer_pausing_mid_file_never_loses_a_route(serve_app, start_gateway, tmp_path):
+    """On a running gateway at the default settle period: while the file holds only its
+    first half (one route of two) for 2 s and then 5 s more, the second route keeps
+    answering; the whole file applies 10 s after the last write."""
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    whole = (
+        f'backends: {{main: {{url: "{url}"}}}}\n'
+        "routes:\n  - {match: {path: /v1/chat/completions}, backend: main}\n"
+        "  - {match: {path: /v1/embeddings}, backend: main}\n"
+    )
+    path = write_policy(tmp_path, whole)
+    clock = FakeClock()
+    gw = await start_gateway(policy=path, clock=clock, watch_interval_s=0.01)
+    embed = {"model": "e", "input": "x"}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        half = whole[: whole.index("  - {match: {path: /v1/embeddings}")]
+        edit_in_place(path, half)
+        for pause_s in (2.0, 5.0):
+            clock.advance(pause_s)
+            polls = gw.gateway._settling
+            await asyncio.sleep(0.1)  # several polls of the half, at this (fake) time
+            assert (await client.post("/v1/embeddings", json=embed)).status_code == 200
+            assert polls is gw.gateway._settling and gw.gateway.snapshot.generation == 1
+        edit_in_place(path, whole + "server: {access_log: false}\n")  # the writer finishes
+        await asyncio.sleep(0.1)
+        clock.advance(9.0)
+        await asyncio.sleep(0.1)
+        assert gw.gateway.snapshot.generation == 1
+        clock.advance(1.5)
+        await until(lambda: gw.gateway.snapshot.generation == 2)
+        assert (await client.post("/v1/embeddings", json=embed)).status_code == 200
 
 
 def test_a_file_renamed_into_place_applies_at_once(tmp_path: Path):

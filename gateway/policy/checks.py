@@ -51,6 +51,8 @@ def check_server(server: Server) -> Found:
             found.append((f"allowed_methods[{i}]", f"{method} is never served"))
     if server.shutdown_grace_s < 0:
         found.append(("shutdown_grace_s", "must not be negative"))
+    if server.reload_settle_s < 0:
+        found.append(("reload_settle_s", "must not be negative"))
     for i, cidr in enumerate(server.trusted_proxies):
         try:
             ipaddress.ip_network(cidr, strict=False)

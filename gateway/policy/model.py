@@ -90,6 +90,7 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_BUFFERED_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 25.0
 DEFAULT_RELOAD_INTERVAL_S = 1.0
+DEFAULT_RELOAD_SETTLE_S = 10.0
 DEFAULT_CACHE_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_SAMPLE_RATIO = 0.0
 
@@ -254,6 +255,15 @@ class Server:
         metadata=doc(
             "How often the policy path is polled for changes (SIGHUP and "
             "`POST /reload` reload at once)."
+        ),
+    )
+    reload_settle_s: float = field(
+        default=DEFAULT_RELOAD_SETTLE_S,
+        metadata=doc(
+            "How long a file edited in place (the same inode) must hold still before it is "
+            "applied, so a writer pausing mid-file never has its first half go live. A file "
+            "renamed into place (`sed -i`, `mv`, most editors) or a ConfigMap swap applies "
+            "at the next poll."
         ),
     )
     access_log: bool = field(

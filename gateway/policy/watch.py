@@ -5,11 +5,13 @@ or a fixed policy (``gateway serve --upstream``).  Changes are found by hashing 
 contents on every poll: that follows the ConfigMap's ``..data`` symlink swap, which a watch
 on the file itself would miss, and costs microseconds for policy-sized files.
 
-A change is applied only once it has settled (``Settling``).  An atomic one at once: a
-ConfigMap's ``..data`` swap, or files renamed into place (each changed file a new inode,
-as editors and ``mv`` leave it).  An edit in place only when two consecutive polls read the
-same content, so a half-written file whose first half happens to be a valid policy is never
-live.
+A change is applied only once it has settled (``Settling``).  An atomic one at the next
+poll: a ConfigMap's ``..data`` swap, or files renamed into place (each changed file a new
+inode, as ``sed -i``, ``mv`` and most editors leave it).  An edit in place only once its
+content has held still for ``server.reload_settle_s`` (default 10 s), so a half-written file
+whose first half happens to be a valid policy is never live, even when its writer pauses
+mid-file for seconds (before, two polls a second apart sufficed, and a writer that paused
+a second had its half applied).  Either way the policy must also parse and pass its checks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import PolicyError
 from gateway.policy.load import Loaded, parse_sources, read_sources
 from gateway.policy.model import Policy
@@ -37,19 +40,26 @@ class Reading:
 class Settling:
     """When a changed policy may be applied (see the module docstring)."""
 
-    def __init__(self, applied: Reading) -> None:
+    def __init__(self, applied: Reading, clock: Clock = SYSTEM_CLOCK) -> None:
         self.applied = applied
+        self._clock = clock
         self._pending: str | None = None
+        self._since = 0.0
 
-    def ready(self, reading: Reading) -> bool:
-        """Whether ``reading`` is a change to apply now (else: unchanged, or wait a poll)."""
+    def ready(self, reading: Reading, settle_s: float = 0.0) -> bool:
+        """Whether ``reading`` is a change to apply now (else: unchanged, or wait): an
+        atomic one at once, an edit in place once the same content has been read for
+        ``settle_s`` (with 0: on the next poll that reads it again)."""
         if reading.fingerprint == self.applied.fingerprint:
             self._pending = None
             return False
-        if self._atomic(reading) or reading.fingerprint == self._pending:
+        if self._atomic(reading):
             return True
-        self._pending = reading.fingerprint
-        return False
+        now = self._clock.now()
+        if reading.fingerprint != self._pending:
+            self._pending, self._since = reading.fingerprint, now
+            return False
+        return now - self._since >= settle_s
 
     def done(self, reading: Reading) -> None:
         """``reading`` is what is live now."""
@@ -66,7 +76,7 @@ class Settling:
         return bool(changed) and all(reading.files[n][0] != before.files[n][0] for n in changed)
 
     def __repr__(self) -> str:
-        pending = f" pending={self._pending[:8]}" if self._pending else ""
+        pending = f" pending={self._pending[:8]} since={self._since:.1f}" if self._pending else ""
         return f"<Settling applied={self.applied.fingerprint[:8]}{pending}>"
 
 
