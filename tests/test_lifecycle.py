@@ -103,6 +103,34 @@ async def test_sigterm_drains_a_stream_in_flight_then_exits(serve_app, serve_pro
     assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
 
 
+async def test_the_drain_dispatches_nothing_pipelined_behind_a_closing_answer(
+    serve_app, serve_process
+):
+    """Two requests pipelined on one connection and a SIGTERM while the first is upstream:
+    the first is answered with ``Connection: close``, and the second, behind it, is never
+    sent upstream nor answered (RFC 9112 9.6: its client may safely send it again)."""
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    gw = await serve_process("--upstream", url)
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, gw.admin_url)
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"GET /slow HTTP/1.1\r\nHost: gw\r\n\r\n"
+        b"POST /second HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    await until(lambda: len(rec.seen) == 1)  # the first is upstream, the second waits
+    gw.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.2)  # the drain has begun: every answer from now closes
+    rec.release.set()
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert data.count(b"HTTP/1.1 ") == 1 and b"\r\nConnection: close\r\n" in data
+    assert [seen.path_qs for seen in rec.seen] == ["/slow"]
+    assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
+
+
 async def test_sighup_reloads_the_policy(serve_app, serve_process, tmp_path: Path):
     a, b = Recorder(), Recorder()
     url_a, url_b = await serve_app(a.app()), await serve_app(b.app())

@@ -170,8 +170,15 @@ class Turns(asyncio.Protocol, ABC):
         self._task = None
         if self.closed:
             return
-        if request._close_delimited or (not request._keep and not self._queue):
-            if self.discarded:
+        if request._close_delimited or not request._keep:
+            # The answer said the connection closes: nothing after it is processed (RFC 9112
+            # 9.6), so what was pipelined behind it is dropped unanswered, for its client to
+            # send again (the drain marks every answer so).
+            pending = [item for item in self._queue if isinstance(item, Request)]
+            self._queue.clear()
+            for item in pending:
+                self._release(item)
+            if self.discarded or pending:
                 self._linger()  # the client is still sending: no reset over its answer
             else:
                 self.close()
