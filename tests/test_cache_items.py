@@ -59,14 +59,27 @@ async def test_hundred_inputs_ninety_cached_sends_only_ten_upstream() -> None:
     assert cache.results["item_hit"] == 90 and cache.results["item_miss"] == 10
 
 
-def test_usage_is_apportioned_and_adds_up() -> None:
-    body = {"model": "e", "input": ["a", "bbb", "cccccc"]}
+def test_usage_is_apportioned_by_tokens_and_adds_up() -> None:
+    """Each item's share follows its words and punctuation (what a tokenizer's count
+    follows), not its number of characters or of items."""
+    body = {"model": "e", "input": ["Hi", "two words", "and, three more"]}
     plan = plan_items(body, path=PATH, **WHERE)
     assert plan is not None
-    fresh = fresh_items(upstream_answer(body["input"], 10), plan, [0, 1, 2])
-    assert [fresh[i].tokens for i in range(3)] == [1, 3, 6]
+    fresh = fresh_items(upstream_answer(body["input"], 14), plan, [0, 1, 2])
+    assert [fresh[i].tokens for i in range(3)] == [2, 4, 8]
     fresh = fresh_items(upstream_answer(body["input"], 7), plan, [0, 1, 2])
     assert sum(f.tokens for f in fresh.values()) == 7
+
+
+def test_the_backends_own_count_of_each_item_wins() -> None:
+    body = {"model": "e", "input": ["Hi", "two words"]}
+    plan = plan_items(body, path=PATH, **WHERE)
+    assert plan is not None
+    answer = upstream_answer(body["input"], 9)
+    for entry, own in zip(answer["data"], (5, 4), strict=True):
+        entry["usage"] = {"prompt_tokens": own}
+    fresh = fresh_items(answer, plan, [0, 1])
+    assert [fresh[i].tokens for i in range(2)] == [5, 4]
 
 
 def test_upstream_answers_out_of_order_are_placed_by_index() -> None:

@@ -3,9 +3,10 @@
 A request with N inputs of which some are cached goes upstream once, with only the missing
 inputs (same model and parameters); the answer to the client has all N embeddings in
 input order with ``index`` 0..N-1.  Usage is apportioned: each item is stored with its share
-of the upstream ``prompt_tokens`` (exact for token-array inputs, by text length for strings,
-largest remainder so the shares add up), and the answer reports the sum over all N items,
-as if the whole request had gone upstream.
+of the upstream ``prompt_tokens`` (the backend's own count of each entry where it gives one,
+else by ``openai.usage.token_weight``: exact for token arrays, words and punctuation for
+texts; largest remainder so the shares add up), and the answer reports the sum over all N
+items, as if the whole request had gone upstream.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.cache.keys import canonical_json, item_key
+from gateway.openai.usage import entry_tokens, token_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +113,8 @@ def fresh_items(
         raise ValueError("upstream answer indexes are not 0..n-1")
     usage = answer.get("usage") or {}
     total = int(usage.get("prompt_tokens") or 0)
-    shares = _apportion(total, [_weight(plan.inputs[p]) for p in positions])
+    own = entry_tokens([by_index[n] for n in range(len(positions))])
+    shares = own or _apportion(total, [token_weight(plan.inputs[p]) for p in positions])
     model = str(answer.get("model", ""))
     return {
         p: CachedItem(by_index[n]["embedding"], shares[n], model) for n, p in enumerate(positions)
@@ -164,10 +167,6 @@ def _is_tokens(value: Any) -> bool:
         and bool(value)
         and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     )
-
-
-def _weight(item: Any) -> int:
-    return max(1, len(item))
 
 
 def _apportion(total: int, weights: Sequence[int]) -> list[int]:

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 _MARK = b'"usage"'
+_PIECE = re.compile(r"\w+|[^\w\s]")
 # Keys at JSON level, not inside a string value (where their quotes would be escaped).
 _PROMPT = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
@@ -25,6 +26,37 @@ def from_body(body: bytes) -> tuple[int, int] | None:
         return None
     completion = _COMPLETION.search(body, start)
     return int(prompt.group(1)), int(completion.group(1)) if completion else 0
+
+
+def token_weight(item: Any) -> int:
+    """About how many tokens one input costs, for sharing a merged call's ``usage`` among
+    its callers: a token array's length, or a text's words and punctuation marks (what a
+    tokenizer's count follows, where a count of inputs does not: one 40-word input and one
+    2-word input are not two halves).  At least 1."""
+    if isinstance(item, str):
+        return max(1, len(_PIECE.findall(item)))
+    if isinstance(item, list):
+        return max(1, len(item))
+    return 1
+
+
+def entry_tokens(entries: Any) -> list[int] | None:
+    """The backend's own token count of each answer entry (``data[i].usage.prompt_tokens``
+    or ``data[i].prompt_tokens``), when every entry carries one; else None."""
+    if not isinstance(entries, list) or not entries:
+        return None
+    counts: list[int] = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            return None
+        usage = entry.get("usage")
+        count = (
+            usage.get("prompt_tokens") if isinstance(usage, dict) else entry.get("prompt_tokens")
+        )
+        if not isinstance(count, int) or isinstance(count, bool):
+            return None
+        counts.append(count)
+    return counts
 
 
 def _counts(usage: Any) -> tuple[int, int] | None:

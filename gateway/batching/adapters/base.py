@@ -100,18 +100,28 @@ def apportion(total: int, counts: Sequence[int]) -> list[int]:
     return shares
 
 
-def split_usage(usage: Any, counts: Sequence[int]) -> list[Any]:
-    """Every integer field of an OpenAI ``usage`` object apportioned by item share."""
+def split_usage(
+    usage: Any, prompt: Sequence[int], completion: Sequence[int] | None = None
+) -> list[Any]:
+    """An OpenAI ``usage`` object shared among callers: ``prompt_tokens`` (and every other
+    integer field) in proportion to ``prompt``, each caller's prompt tokens (exact where the
+    backend counted each entry, else estimated: ``usage.token_weight``), never to its number
+    of inputs; ``completion_tokens`` to ``completion`` (each caller's share of the generated
+    text), and ``total_tokens`` the sum of each caller's two."""
     if not isinstance(usage, dict):
-        return [usage] * len(counts)
-    parts: list[dict[str, Any]] = [{} for _ in counts]
+        return [usage] * len(prompt)
+    parts: list[dict[str, Any]] = [{} for _ in prompt]
     for key, value in usage.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            for part, share in zip(parts, apportion(value, counts), strict=True):
-                part[key] = share
-        else:
+        if key == "total_tokens" or not isinstance(value, int) or isinstance(value, bool):
             for part in parts:
                 part[key] = value
+            continue
+        weights = completion if key == "completion_tokens" and completion else prompt
+        for part, share in zip(parts, apportion(value, weights), strict=True):
+            part[key] = share
+    if isinstance(usage.get("total_tokens"), int):
+        for part in parts:
+            part["total_tokens"] = part.get("prompt_tokens", 0) + part.get("completion_tokens", 0)
     return parts
 
 

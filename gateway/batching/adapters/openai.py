@@ -2,7 +2,9 @@
 
 Both accept one string, a list of strings, one token array or a list of token arrays, and
 answer with a list whose entries carry ``index``.  Merged calls are split by that index (not
-by position), renumbered from 0 for each caller, and ``usage`` is apportioned by item share.
+by position), renumbered from 0 for each caller, and ``usage`` is shared by tokens: the
+backend's own count of each entry where it gives one, else each caller's inputs' estimated
+tokens (``openai.usage.token_weight``), and for completions the generated text's.
 
 Completions merge only when greedy (``temperature`` given and 0) and not streamed: the issue
 allows no merging of sampled requests, and a ``seed`` means one random stream per call, which
@@ -18,6 +20,7 @@ from typing import Any
 
 from gateway.batching.adapters.base import canonical, slices, split_usage, text_or_tokens
 from gateway.errors import BatchSplitError
+from gateway.openai.usage import entry_tokens, token_weight
 
 
 def _indexed(entries: Any, what: str) -> list[dict[str, Any]]:
@@ -77,9 +80,12 @@ class _ListInput:
             raise BatchSplitError(f"the backend's {self.name} answer is not an object")
         per_item = self._per_item(response, counts)
         entries = _indexed(response.get(self.answers), self.answers)
-        usages = split_usage(response.get("usage"), counts)
+        parts = slices(entries, counts, per_item)
+        usages = split_usage(
+            response.get("usage"), self._prompt_tokens(bodies, parts), self._generated(parts)
+        )
         out: list[Any] = []
-        for part, usage in zip(slices(entries, counts, per_item), usages, strict=True):
+        for part, usage in zip(parts, usages, strict=True):
             base = part[0]["index"] if part else 0
             answer = dict(response)
             answer[self.answers] = [{**e, "index": e["index"] - base} for e in part]
@@ -87,6 +93,18 @@ class _ListInput:
                 answer["usage"] = usage
             out.append(answer)
         return out
+
+    def _prompt_tokens(self, bodies: Sequence[Any], parts: list[list[Any]]) -> list[int]:
+        """Each caller's prompt tokens: the backend's own per-entry counts where every entry
+        has one, else its inputs' estimates."""
+        counted = [entry_tokens(part) for part in parts]
+        if all(c is not None for c in counted):
+            return [sum(c or ()) for c in counted]
+        return [sum(token_weight(item) for item in self.items(body)) for body in bodies]
+
+    def _generated(self, parts: list[list[Any]]) -> list[int] | None:
+        """Each caller's share of the generated tokens (None: nothing is generated)."""
+        return None
 
 
 class OpenAIEmbeddings(_ListInput):
@@ -110,6 +128,9 @@ class OpenAICompletions(_ListInput):
         temperature = body.get("temperature")
         greedy = isinstance(temperature, int | float) and temperature == 0
         return greedy and isinstance(body.get("n", 1), int)
+
+    def _generated(self, parts: list[list[Any]]) -> list[int] | None:
+        return [sum(token_weight(c.get("text") or "") for c in part) for part in parts]
 
     def _per_item(self, response: dict[str, Any], counts: Sequence[int]) -> int:
         # Choices come n per prompt (index = prompt * n + j), so n is read off the answer.
