@@ -411,7 +411,10 @@ async def test_error_answers_are_not_stored(env: Env) -> None:
 
 
 async def test_a_streamed_miss_is_relayed_then_replayed_as_json_and_as_a_stream(env: Env) -> None:
-    streamed = await env.chat("Stream me an answer.", stream=True)
+    """A stream stored with its usage chunk answers a non-streaming client too (one stored
+    without usage cannot: tests/test_cache_sse_replay.py)."""
+    usage = {"include_usage": True}
+    streamed = await env.chat("Stream me an answer.", stream=True, stream_options=usage)
     assert streamed.cache == "miss" and streamed.headers["Content-Type"].startswith(
         "text/event-stream"
     )
@@ -420,7 +423,7 @@ async def test_a_streamed_miss_is_relayed_then_replayed_as_json_and_as_a_stream(
     assert as_json.text == streamed.text and as_json.id == streamed.id
     assert as_json.json["object"] == "chat.completion"
     assert as_json.json["choices"][0]["finish_reason"] in ("stop", "length")
-    replayed = await env.chat("Stream me an answer.", stream=True)
+    replayed = await env.chat("Stream me an answer.", stream=True, stream_options=usage)
     assert replayed.cache == "hit" and replayed.headers["Content-Type"] == "text/event-stream"
     assert parse_sse(replayed.body) == parse_sse(streamed.body)
     assert env.upstream_calls == 1

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway.cache import embedding
 from gateway.cache.control import asked_not_to
@@ -56,15 +55,18 @@ from gateway.cache.replies import (
     NONE,
     SIMILARITY_HEADER,
     Tee,
+    asks_usage,
     content_encoded,
     hit_body,
     hit_reply,
+    once,
 )
 from gateway.cache.simhash import MAX_DISTANCE
 from gateway.cache.state import CACHE_STATE, CacheState
 from gateway.cache.tiers import Hit, ResponseCache
 from gateway.errors import StoreError
 from gateway.metrics import EmbeddingFigures
+from gateway.openai.sse import carries_usage
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Route, RouteCache
 from gateway.redis import shared_link
@@ -325,9 +327,14 @@ class CacheStage:
         """The reply for a hit, or None when the stored answer cannot take the shape asked
         for (then the call is a miss)."""
         assert call.json is not None
+        include_usage = asks_usage(call.json)
+        events = hit.entry.events
+        if events is not None and (include_usage or not call.streaming):
+            if not carries_usage(events):
+                return None  # a stream stored without usage cannot give it: a miss
         try:
             body, content_type = hit_body(
-                hit.entry, streaming=call.streaming, include_usage=_include_usage(call.json)
+                hit.entry, streaming=call.streaming, include_usage=include_usage
             )
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("route %s: cached answer %s not replayable: %s", rules.name, hit.key, exc)
@@ -377,7 +384,7 @@ class CacheStage:
         if reply.body is not None and not events:
             await put(None, reply.body)
         elif reply.body is not None:
-            tee = Tee(_once(reply.body), events=True, on_complete=put)
+            tee = Tee(once(reply.body), events=True, on_complete=put)
             async for _ in tee:
                 pass
         elif reply.stream is not None:
@@ -407,12 +414,3 @@ class CacheStage:
 
     def __repr__(self) -> str:
         return f"<CacheStage routes={sorted(self._routes)} {self._state!r}>"
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data

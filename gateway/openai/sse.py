@@ -187,6 +187,11 @@ def render_sse(events: tuple[str, ...] | list[str], *, include_usage: bool = Tru
     return "".join(e for e in events if not _usage_only(event_data(e))).encode()
 
 
+def carries_usage(events: tuple[str, ...] | list[str]) -> bool:
+    """Whether stored events include a chunk with a ``usage`` (``include_usage`` asked)."""
+    return any(_usage_only(event_data(e)) for e in events if '"usage"' in e)
+
+
 def stored_blocks(payloads: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """Data payloads (the stored form before events were kept as sent) as event blocks."""
     return (*(f"data: {p}\n\n" for p in payloads if p != DONE), DONE_EVENT)
