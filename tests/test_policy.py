@@ -12,7 +12,7 @@ from gateway.cli import main
 from gateway.errors import PolicyError
 from gateway.policy import load_policy, parse_policy_text
 from gateway.policy.schema import json_schema, reference_markdown
-from tests.helpers import problems_of
+from tests.helpers import problems_of, write_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 MINIMAL = """\
@@ -248,3 +248,31 @@ def test_settings_a_component_cannot_work_with_are_refused_at_load(
     gets past the loader (and so never reaches a reload)."""
     found = problems_of(REFUSED.format(backend=backend, route=route, top=top))
     assert any(message in p for p in found), found
+
+
+def test_every_telemetry_selector_expands_env_and_a_literal_elsewhere_is_refused(
+    tmp_path, monkeypatch
+):
+    """``telemetry.gpu: "${NVIDIA_VISIBLE_DEVICES}"`` stayed literal (only ``select``
+    expanded), so the signal stayed unknown and a pod's GPU at 91 C still got traffic."""
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "GPU-1234")
+    monkeypatch.setenv("EXPORTER", "http://10.0.0.9:9400/metrics")
+    monkeypatch.setenv("MIG", "3")
+    policy = parse_policy_text(
+        'backends: {m: {url: "http://m", telemetry: {source: prometheus, url: "${EXPORTER}",'
+        ' extra_urls: ["${EXPORTER}"], gpu: "${NVIDIA_VISIBLE_DEVICES}",'
+        ' gpu_instance: "${MIG}"}}}\n'
+    )
+    telemetry = policy.backend("m").telemetry
+    assert telemetry is not None
+    assert (telemetry.url, telemetry.gpu, telemetry.gpu_instance) == (
+        "http://10.0.0.9:9400/metrics",
+        "GPU-1234",
+        "3",
+    )
+    assert telemetry.extra_urls == ("http://10.0.0.9:9400/metrics",)
+    literal = write_policy(
+        tmp_path, 'backends: {m: {url: "http://m"}}\nroutes: [{name: "${ROUTE}", backend: m}]\n'
+    )
+    with pytest.raises(PolicyError, match=r"routes\[0\]\.name: \$\{ROUTE\} is not expanded"):
+        load_policy(literal)

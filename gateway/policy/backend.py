@@ -48,14 +48,17 @@ class TelemetrySource:
         metadata=doc(
             "Metrics URL for `prometheus`. With `{host}` or `{port}` in it, each endpoint's "
             "own (its host and port put in): telemetry and throttle rules per endpoint, "
-            "e.g. `http://{host}:8000/metrics`, or a node's DCGM exporter at `{host}:9400`."
+            "e.g. `http://{host}:8000/metrics`, or a node's DCGM exporter at `{host}:9400`. "
+            "Expands `${ENV}`, as every telemetry selector does.",
+            env=True,
         ),
     )
     extra_urls: tuple[str, ...] = field(
         default=(),
         metadata=doc(
             "More metrics URLs merged with `url` (e.g. DCGM exporter "
-            "and the model server's own `/metrics`)."
+            "and the model server's own `/metrics`).",
+            env=True,
         ),
     )
     index: int = field(default=0, metadata=doc("GPU index for `nvml`."))
@@ -63,12 +66,18 @@ class TelemetrySource:
         default=None,
         metadata=doc(
             "Only the GPU with this `gpu` index label or `UUID` (default: every GPU the "
-            "exporter reports; each signal takes the largest, the hottest GPU wins)."
+            "exporter reports; each signal takes the largest, the hottest GPU wins), e.g. "
+            '`"${NVIDIA_VISIBLE_DEVICES}"` (expanded).',
+            env=True,
         ),
     )
     gpu_instance: str | None = field(
         default=None,
-        metadata=doc("Only the MIG instance with this `GPU_I_ID` (MIG instances are apart)."),
+        metadata=doc(
+            "Only the MIG instance with this `GPU_I_ID` (MIG instances are apart); expands "
+            "`${ENV}`.",
+            env=True,
+        ),
     )
     select: tuple[tuple[str, str], ...] = field(
         default=(),

@@ -131,7 +131,12 @@ def _scalar(tp: Any, value: Any, path: str, meta: typing.Mapping[str, Any], prob
             return float(value)
     elif tp is str:
         if isinstance(value, str):
-            return _expand(value, path, problems) if meta.get("env") else value
+            if meta.get("env"):
+                return _expand(value, path, problems)
+            literal = _ENV.search(value)
+            if literal is not None:
+                raise Invalid(path, f"{literal.group(0)} is not expanded in this key")
+            return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
     else:  # pragma: no cover - the model uses only the types above
@@ -172,7 +177,9 @@ def _tuple(
         return ()
     if not isinstance(value, list):
         raise Invalid(path, f"must be a list, not {_describe(value)}")
-    return tuple(convert(item_tp, item, join(path, i), problems) for i, item in enumerate(value))
+    return tuple(
+        convert(item_tp, item, join(path, i), problems, meta) for i, item in enumerate(value)
+    )
 
 
 def _dataclass(cls: type, value: Any, path: str, problems: Found) -> Any:
