@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gateway import stages
-from gateway.admin import admin_routes
-from gateway.admin_access import check_admin_token, is_loopback
+from gateway.admin.access import check_admin_token, is_loopback
+from gateway.admin.routes import admin_routes
 from gateway.cache.embedding_seam import TierFactory
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.edge import Edge
@@ -28,8 +28,8 @@ from gateway.metrics.loop_lag import LoopLag
 from gateway.pipeline import compose
 from gateway.policy.load import Loaded
 from gateway.policy.model import Server, Tracing
+from gateway.policy.routing import Router
 from gateway.policy.watch import PolicySource, Settling
-from gateway.routing import Router
 from gateway.runtime import Runtime
 from gateway.server.listener import HttpServer
 from gateway.snapshot import Snapshot

@@ -30,7 +30,7 @@ from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
-from gateway.routing import OPENAI_JSON_PATHS
+from gateway.policy.routing import OPENAI_JSON_PATHS
 from gateway.server.request import Request
 from gateway.snapshot import Live
 from gateway.transport.forwarding import forwarding_headers

@@ -1,16 +1,22 @@
 """One policy generation as requests see it, and what the edge and the admin port need of
-the running gateway (``app.Gateway``), as protocols so that neither imports the app."""
+the running gateway (``app.Gateway``), as protocols so that neither imports the app.
+
+What the admin port reads of the capabilities it reads through the registry, by keys typed
+here with the protocol it needs (``CACHE``, ``THROTTLE``, ``CACHE_OPERATING_POINTS``): a
+``Kind`` is equal to another of the same name, so each finds the capability's own piece
+without the admin importing its module."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.metrics import Metrics
 from gateway.pipeline import Handler
 from gateway.policy.model import Policy
-from gateway.routing import Router
-from gateway.state import Registry
+from gateway.policy.routing import Router
+from gateway.state import Kind, Registry
 from gateway.tenant import NamedTenants
 from gateway.transport.forwarding import TrustedProxies
 
@@ -55,3 +61,41 @@ class Operated(Live, Protocol):
     def admin_token(self) -> str | None: ...
 
     def reload(self, *, force: bool = False) -> bool: ...
+
+
+class CachePurge(Protocol):
+    """What ``POST /cache/purge`` needs of the cache (its ``CacheState``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    def tenant_scope(self, tenant: str | Mapping[str, str]) -> str: ...
+
+    async def purge(
+        self,
+        *,
+        backend: str | None = None,
+        model_version: str | None = None,
+        scope: str | None = None,
+    ) -> int: ...
+
+
+class ThrottleSignals(Protocol):
+    """What ``GET /policy`` shows of the throttle rules (``GpuControl``)."""
+
+    def signal_status(self) -> list[dict[str, str]]: ...
+
+
+class OperatingPoints(Protocol):
+    """What ``GET /policy`` shows of the embedding cache routes: each one's operating point
+    as in force."""
+
+    def in_force(self, policy: Policy) -> dict[str, object]: ...
+
+
+CACHE: Kind[CachePurge] = Kind("cache-store")
+"""The cache's state (``cache.state.CACHE_STATE``), while a route caches."""
+THROTTLE: Kind[ThrottleSignals] = Kind("gpu_control")
+"""The throttle rules' state (``resilience.gpu.GPU_CONTROL``)."""
+CACHE_OPERATING_POINTS: Kind[OperatingPoints] = Kind("cache-operating-points")
+"""The embedding tier's operating points (``cache.stage.OPERATING_POINTS``)."""

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.batching import Batcher
 from gateway.batching.stage import BATCHERS
 from gateway.errors import UpstreamUnavailable
-from gateway.harness import Answer, Pipeline
 from gateway.pipeline import Reply
 from gateway.testing import Sent, json_reply, stream_reply
+from gateway.testing.harness import Answer, Pipeline
 from tests.helpers import chat, until
 
 SSE = (("Content-Type", "text/event-stream"),)

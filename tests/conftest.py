@@ -13,9 +13,9 @@ import yaml
 from aiohttp import web
 
 from gateway.app import Gateway
-from gateway.harness import Pipeline
 from gateway.policy.load import zero_config_policy
 from gateway.policy.watch import PolicySource
+from gateway.testing.harness import Pipeline
 from tests.upstreams import Answer, RawBackend, RawExchange
 
 ServeApp = Callable[[web.Application], Awaitable[str]]
@@ -109,7 +109,7 @@ StartPipeline = Callable[..., Awaitable[Pipeline]]
 @pytest.fixture
 async def pipeline() -> AsyncIterator[StartPipeline]:
     """Gateways without sockets: ``gw = await pipeline(policy, backends, **options)``, the
-    policy as YAML text, data, a path or a ``PolicySource`` (``gateway.harness.Pipeline``)."""
+    policy as YAML text, data, a path or a ``PolicySource`` (``gateway.testing.harness.Pipeline``)."""
     opened: list[Pipeline] = []
 
     async def start(policy: Any, backends: Any, **options: Any) -> Pipeline:

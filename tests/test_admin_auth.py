@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.admin_access import PLACEHOLDER_TOKEN
+from gateway.admin.access import PLACEHOLDER_TOKEN
 from gateway.app import Gateway
 from gateway.errors import PolicyError
 from gateway.policy.watch import PolicySource
@@ -175,7 +175,7 @@ async def test_an_empty_token_never_authenticates(serve_app, given):
     credential matches it."""
     from aiohttp import web
 
-    from gateway.admin_access import guarded
+    from gateway.admin.access import guarded
 
     async def secret(request: web.Request) -> web.Response:
         return web.Response(text="secret")

@@ -1,6 +1,6 @@
 """Fallback routing: order, reasons, the no-fallback-after-first-byte rule, the retry
 budget, and quality fallback on low-confidence answers.  The gateway runs without sockets
-(``gateway.harness.Pipeline``), its backends ``Model``s behind a ``FakeTransport``; the
+(``gateway.testing.harness.Pipeline``), its backends ``Model``s behind a ``FakeTransport``; the
 quality fallback is also shown end to end against the simulated GPU."""
 
 from __future__ import annotations

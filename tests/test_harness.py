@@ -7,9 +7,9 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from gateway.errors import UpstreamTimeout
-from gateway.harness import Pipeline
 from gateway.pipeline import Reply
 from gateway.testing import FakeTransport, Sent, json_reply, stream_reply
+from gateway.testing.harness import Pipeline
 
 POLICY = """
 backends: {main: {url: "http://main.test"}, spare: {url: "http://spare.test"}}

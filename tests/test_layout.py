@@ -1,5 +1,8 @@
 """The package's layout holds: no import circle between its modules, no module importing
-from a layer above its own, and no module past about 400 lines.  Imports are read from the
+from a layer above its own, no module past about 400 lines, at most 16 modules directly in
+``gateway/`` (the top floor shows the layers), the gateway's own code never importing the
+fakes of ``gateway.testing``, and the admin port never importing a capability's modules
+(it reads them through the registry, by keys typed in ``snapshot``).  Imports are read from the
 source (every ``import`` and ``from ... import`` of ``gateway``, also those inside functions
 and ``TYPE_CHECKING`` blocks), so the check needs nothing to run."""
 
@@ -25,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 1. the policy model, telemetry, the OpenAI wire format, the pipeline's types, routing,
     #    request traces, the simulated model server (which stands on its own), and the one
     #    Redis layer every user of shared state goes through
-    ("policy", "telemetry", "openai", "pipeline", "routing", "tracing", "sim", "redis"),
+    ("policy", "telemetry", "openai", "pipeline", "tracing", "sim", "redis"),
     # 2. the two edges of the data plane: the server clients talk to, the transport to backends
     ("server", "transport"),
     # 3. what a request and the stages share at run time
@@ -35,11 +38,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 5. the pipeline's order, and the edge that runs it
     ("stages", "edge"),
     # 6. the admin port, the app that owns everything, and the supervisor of its workers
-    ("admin", "admin_access", "app", "workers"),
+    ("admin", "app", "workers"),
     # 7. what drives the app: the command line, the demo, and the fakes for tests
-    ("cli", "__main__", "serve", "demo", "testing", "harness"),
+    ("cli", "__main__", "serve", "demo", "testing"),
 )
 MAX_LINES = 420  # "about 400": a module past it is split
+MAX_TOP_MODULES = 16
+CAPABILITIES = ("cache", "coalesce", "batching", "resilience", "pool")
 
 
 def module_name(path: Path) -> str:
@@ -163,3 +168,47 @@ def test_no_module_is_past_about_400_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def test_the_top_floor_holds_at_most_16_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_the_gateways_own_code_never_imports_the_fakes():
+    """The fakes (``gateway.testing``, the harness with them) are for tests: production code
+    importing them would ship them as the gateway's behaviour."""
+    production = {
+        m: ts for m, ts in graph().items() if m != "gateway" and not m.startswith("gateway.testing")
+    }
+    found = [
+        f"{m} imports {t}"
+        for m, targets in sorted(production.items())
+        for t in sorted(targets)
+        if t == "gateway.testing" or t.startswith("gateway.testing.")
+    ]
+    assert found == []
+
+
+def test_the_admin_port_reads_the_capabilities_through_the_registry_only():
+    found = [
+        f"{m} imports {t}"
+        for m, targets in sorted(graph().items())
+        if m.startswith("gateway.admin")
+        for t in sorted(targets)
+        if t.split(".")[1] in CAPABILITIES
+    ]
+    assert found == []
+
+
+def test_the_admins_typed_keys_are_the_capabilities_own():
+    from gateway.cache.embedding_seam import OPERATING_POINTS
+    from gateway.cache.state import CACHE_STATE
+    from gateway.resilience.gpu import GPU_CONTROL
+    from gateway.snapshot import CACHE, CACHE_OPERATING_POINTS, THROTTLE
+
+    assert (CACHE, THROTTLE, CACHE_OPERATING_POINTS) == (
+        CACHE_STATE,
+        GPU_CONTROL,
+        OPERATING_POINTS,
+    )

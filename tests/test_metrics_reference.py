@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 from gateway.cli import main
-from gateway.harness import Pipeline
 from gateway.metrics import Metrics, names
 from gateway.metrics.reference import NOTES, families, reference_markdown, supervisor_families
 from gateway.testing import json_reply
+from gateway.testing.harness import Pipeline
 from tests.helpers import chat
 
 ROOT = Path(__file__).resolve().parent.parent

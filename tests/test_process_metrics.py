@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway import __version__
-from gateway.harness import Pipeline
 from gateway.metrics import LAG_BUCKETS, Metrics
 from gateway.metrics.loop_lag import LoopLag
+from gateway.testing.harness import Pipeline
 from tests.helpers import until
 
 POLICY = """

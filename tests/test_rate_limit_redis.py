@@ -21,7 +21,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import RateLimited, StoreError
-from gateway.harness import Pipeline
 from gateway.policy.model import RateLimit, Redis
 from gateway.redis import REDIS_LINK
 from gateway.redis.health import DOWN_AFTER
@@ -29,6 +28,7 @@ from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
 from gateway.resilience.rate_shared import RATE_LIMIT_REDIS, SharedRateLimiter, local_share
 from gateway.testing import FakeClock
+from gateway.testing.harness import Pipeline
 from tests.backends import Model, post
 from tests.helpers import policy, until
 from tests.redis_cluster import admin_client, policy_section

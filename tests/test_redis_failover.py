@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.harness import Pipeline
 from gateway.redis import REDIS_LINK, RedisLink
+from gateway.testing.harness import Pipeline
 from tests.backends import Model
 from tests.redis_cluster import Cluster, Sentinels, policy_section
 from tests.redis_server import REDIS_BINARY

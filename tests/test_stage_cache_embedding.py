@@ -5,7 +5,7 @@ stored answer, never able to serve another tenant's entry; and when its module i
 The gateway takes its tier factory as a parameter (``Gateway(embedding_tiers=...)``), so
 these tests give it a stand-in tier that has gone wrong; the extra's absence is shown by
 hiding the third-party packages the local model needs.  The gateway runs without sockets
-(``gateway.harness.Pipeline``) in front of a backend that gives every answer a fresh id.
+(``gateway.testing.harness.Pipeline``) in front of a backend that gives every answer a fresh id.
 """
 
 from __future__ import annotations

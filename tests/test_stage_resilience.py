@@ -1,6 +1,6 @@
 """The resilience stage: admission queue, priorities, client disconnects, rate limits,
 circuit breaker transitions, Retry-After, and reloads that change limits under load.  The
-gateway runs without sockets (``gateway.harness.Pipeline``) in front of steerable ``Model``
+gateway runs without sockets (``gateway.testing.harness.Pipeline``) in front of steerable ``Model``
 backends; time comes from a FakeClock wherever it matters.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.harness import Pipeline
 from gateway.resilience.stage import GUARDS
 from gateway.testing import FakeClock
+from gateway.testing.harness import Pipeline
 from tests.backends import Model, post, started
 from tests.helpers import chat, policy, until, write_policy
 

@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from gateway.batching.stage import BATCHERS
-from gateway.harness import Pipeline
 from gateway.testing import json_reply
+from gateway.testing.harness import Pipeline
 from tests.helpers import until, write_policy
 from tests.upstreams import Recorder
 

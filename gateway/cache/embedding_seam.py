@@ -24,9 +24,18 @@ from gateway.cache import embedding
 from gateway.cache.embedding import EmbeddingContext
 from gateway.cache.keys import RequestKey
 from gateway.cache.tiers import Hit
-from gateway.policy.model import Semantic
+from gateway.policy.model import Policy, Semantic
+from gateway.state import Kind
 
-__all__ = ["EMBEDDING", "EmbeddingContext", "EmbeddingLookup", "TierFactory", "build_tier"]
+__all__ = [
+    "EMBEDDING",
+    "OPERATING_POINTS",
+    "EmbeddingContext",
+    "EmbeddingLookup",
+    "OperatingPoints",
+    "TierFactory",
+    "build_tier",
+]
 
 log = logging.getLogger("gateway.cache")
 
@@ -77,3 +86,20 @@ def build_tier(
     except Exception:
         log.exception("route %s: the embedding tier failed to start; %s", context.route, fallback)
     return None
+
+
+class OperatingPoints:
+    """Each embedding route's operating point as in force, for ``GET /policy``
+    (``snapshot.OperatingPoints``: the admin finds it under ``CACHE_OPERATING_POINTS``)."""
+
+    def in_force(self, policy: Policy) -> dict[str, object]:
+        from gateway.cache.embedding.learned import in_force  # its shipped model: on use
+
+        return {
+            route.name: in_force(route.cache.semantic)
+            for route in policy.routes
+            if route.cache is not None and route.cache.semantic.method == EMBEDDING
+        }
+
+
+OPERATING_POINTS: Kind[OperatingPoints] = Kind("cache-operating-points")

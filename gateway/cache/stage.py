@@ -37,8 +37,10 @@ from gateway.cache.control import asked_not_to
 from gateway.cache.embedding.judge import VERDICTS
 from gateway.cache.embedding_seam import (
     EMBEDDING,
+    OPERATING_POINTS,
     EmbeddingContext,
     EmbeddingLookup,
+    OperatingPoints,
     TierFactory,
     build_tier,
 )
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.cache")
 
 EMBEDDING_TIERS: Kind[EmbeddingLookup | None] = Kind("cache-embedding")
+
 STORE_ERROR_LOG_EVERY_S = 10.0
 
 
@@ -116,6 +119,7 @@ def build(
     metrics.cache_bytes.set_function(lambda: float(state.stats().bytes or 0))
     stage = CacheStage(policy, runtime, state, embedding_tiers)
     metrics.embedding.tiers = stage.embedding_figures
+    runtime.registry.get(OPERATING_POINTS, "", None, OperatingPoints)  # for GET /policy
     return [stage]
 
 

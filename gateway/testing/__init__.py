@@ -3,14 +3,17 @@
 Each boundary (clock, upstream transport, DNS, socket, cache store, NVML) has one real
 implementation in the package and one fake here (the transport's and DNS's in
 ``gateway.testing.transport``, re-exported).  Nothing in this module fakes the
-gateway's own logic.  ``gateway.harness.Pipeline`` runs a whole gateway, its edge and
-stages as they are, over a ``FakeTransport`` and without sockets.
+gateway's own logic.  ``Pipeline`` (``gateway.testing.harness``, exported here and loaded on
+first use) runs a whole gateway, its edge and stages as they are, over a ``FakeTransport``
+and without sockets.  The gateway's own code never imports this package
+(``tests/test_layout.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.lazy import exports
 from gateway.testing.transport import (
     FakeResolver,
     FakeTransport,
@@ -29,6 +32,7 @@ __all__ = [
     "FakeSocket",
     "FakeTransport",
     "FlakyStore",
+    "Pipeline",
     "Respond",
     "Sent",
     "json_reply",
@@ -319,3 +323,6 @@ class FakeSocket:
     def __repr__(self) -> str:
         state = "aborted" if self.aborted else "closed" if self.closed else "open"
         return f"<FakeSocket {state} written={len(self.written)} reading={self.reading}>"
+
+
+__getattr__ = exports(__name__, {"Pipeline": "harness"})  # the whole app: only when asked for

@@ -25,7 +25,7 @@ from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
 from gateway.policy.model import Backend
-from gateway.routing import INFERENCE_PATH
+from gateway.policy.routing import INFERENCE_PATH
 from gateway.transport.connection import Connection, StaleConnection
 from gateway.transport.connection import Head as ResponseHead
 from gateway.transport.headers import RESPONSE_OWNED, SSE_TYPE, media_type, strip

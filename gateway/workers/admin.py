@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.admin_access import guarded, shown
+from gateway.admin.access import guarded, shown
 
 FORWARDED_HEADERS = ("Authorization", "Content-Type")
 

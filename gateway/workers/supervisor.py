@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admin_access import check_admin_token, is_loopback
+from gateway.admin.access import check_admin_token, is_loopback
 from gateway.errors import PolicyError, WorkerError
 from gateway.metrics.merged import Retired, SupervisorMetrics, merge, render
 from gateway.policy.load import Loaded

@@ -33,7 +33,7 @@ from gateway.policy import parse_policy_text
 from gateway.policy.model import Policy
 from gateway.policy.watch import PolicySource
 from gateway.server.request import Head, Request
-from gateway.testing import FakeTransport, Respond
+from gateway.testing.transport import FakeTransport, Respond
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter

@@ -8,13 +8,10 @@ import json
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.admin_access import guarded, shown
-from gateway.cache.embedding.learned import in_force
-from gateway.cache.state import CACHE_STATE, CacheState
+from gateway.admin.access import guarded, shown
 from gateway.errors import PolicyError, StoreError
 from gateway.policy.show import to_data
-from gateway.resilience.gpu import GPU_CONTROL
-from gateway.snapshot import Operated
+from gateway.snapshot import CACHE, CACHE_OPERATING_POINTS, THROTTLE, CachePurge, Operated
 
 
 def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
@@ -37,17 +34,14 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
 
     async def policy(_: web.Request) -> web.Response:
         snap = gateway.snapshot
-        control = gateway.registry.peek(GPU_CONTROL)
+        control = gateway.registry.peek(THROTTLE)
+        points = gateway.registry.peek(CACHE_OPERATING_POINTS)
         data = {
             "generation": snap.generation,
             "hash": snap.digest,
             "policy": to_data(snap.policy),
             "throttle_signals": control.signal_status() if control is not None else [],
-            "cache_operating_points": {
-                route.name: in_force(route.cache.semantic)
-                for route in snap.policy.routes
-                if route.cache is not None and route.cache.semantic.method == "embedding"
-            },
+            "cache_operating_points": points.in_force(snap.policy) if points is not None else {},
         }
         return web.json_response(data, dumps=lambda d: json.dumps(d, indent=2))
 
@@ -72,7 +66,7 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
         )
 
     async def cache_purge(request: web.Request) -> web.Response:
-        state = gateway.registry.peek(CACHE_STATE)
+        state = gateway.registry.peek(CACHE)
         if state is None:
             return web.json_response(
                 {"purged": 0, "error": "no route in the policy caches, so there is no cache"},
@@ -101,7 +95,7 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
 PURGE_FILTERS = ("backend", "model_version", "tenant", "scope")
 
 
-async def _purge_filters(request: web.Request, state: CacheState) -> dict[str, str]:
+async def _purge_filters(request: web.Request, state: CachePurge) -> dict[str, str]:
     """The purge filters from a JSON body or the query string: ``backend``,
     ``model_version``, and the tenant as ``tenant`` (its raw scope header value, or an
     object of header: value) or ``scope`` (the scope hash); none means everything."""
