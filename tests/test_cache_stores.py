@@ -591,6 +591,29 @@ async def test_redis_purge_of_everything_keeps_to_its_own_prefix_even_with_glob_
         await neighbour.close()
 
 
+async def test_redis_purge_of_everything_leaves_the_rate_limits_and_history_under_the_prefix(
+    redis_target: Redis,
+) -> None:
+    """The shared rate limits (``rl:``) and the rate history (``rate:``) live under the
+    same prefix as the cache: a purge of the cache must not reset them."""
+    prefix = f"p{uuid.uuid4().hex[:8]}:"
+    store = RedisStore.connect(redis_target, prefix=prefix, budget_s=0.5)
+    admin = admin_client(redis_target)
+    others = [f"{prefix}rl:{{chat:tenant}}:rq", f"{prefix}rate:chat"]
+    try:
+        await ResponseCache(store).put(key_for(chat("Why is the sky blue?")), answer("x"), 30)
+        for name in others:
+            await admin.set(name, "kept")
+        assert await store.purge() == 1
+        assert [await admin.get(name) for name in others] == [b"kept", b"kept"]
+        assert not [n async for n in admin.scan_iter(match=f"{prefix}e:*")]
+    finally:
+        for name in others:
+            await admin.delete(name)
+        await store.close()
+        await admin.aclose()
+
+
 @pytest.fixture
 async def replicas(
     redis_target: Redis,

@@ -9,8 +9,9 @@ once, and drops the keys from the purge-index sets last: a purge that fails part
 the sets naming what is left to do, and the operator's retry finishes it.  A vector a tier
 publishes while the purge runs, for an entry it stored just before, can land after the
 stream was read: it points at nothing (a stale miss) and goes when the stream is trimmed.
-A purge of everything deletes every key under the prefix (``SCAN``), streams and counts
-included.
+A purge of everything deletes every key of the cache's layout under the prefix (``SCAN``
+of each of its sub-prefixes, streams and counts included), and nothing else there: the
+shared rate limits (``rl:``) and the rate history (``rate:``) live under the same prefix.
 
 An operator asked and waits for the answer, so a purge runs without the per-request budget
 (the store's ``_run`` with ``bounded=False``); every command is single-key.
@@ -26,6 +27,10 @@ from gateway.cache.stores.redis_counts import RedisCounts
 
 PURGE_BATCH = 500
 """Keys deleted, set members removed or stream records read per round trip."""
+CACHE_PATTERNS = ("e:*", "b:*", "i:*", "v:*")
+"""The cache's keys under its prefix (entries, SimHash buckets, purge indexes, streams)..."""
+CACHE_KEYS = ("n", "sz", "bytes", "vs")
+"""...and its single keys (the shared counts, the streams' names): see ``stores/redis``."""
 
 
 class RedisPurge:
@@ -61,16 +66,16 @@ class RedisPurge:
         return deleted
 
     async def everything(self) -> int:
-        """Delete every key under the prefix; how many of them were entries."""
-        batch: list[bytes] = []
+        """Delete every key of the cache under the prefix; how many of them were entries."""
+        prefix = _glob_escape(self._prefix)
+        batch: list[bytes | str] = [self._prefix + key for key in CACHE_KEYS]
         deleted = 0
-        async for name in self._client.scan_iter(
-            match=_glob_escape(self._prefix) + "*", count=PURGE_BATCH
-        ):
-            batch.append(name)
-            if len(batch) >= PURGE_BATCH:
-                deleted += await self._delete_many(batch, count_entries=True)
-                batch = []
+        for pattern in CACHE_PATTERNS:
+            async for name in self._client.scan_iter(match=prefix + pattern, count=PURGE_BATCH):
+                batch.append(name)
+                if len(batch) >= PURGE_BATCH:
+                    deleted += await self._delete_many(batch, count_entries=True)
+                    batch = []
         deleted += await self._delete_many(batch, count_entries=True)
         self._counts.cleared()
         return deleted
