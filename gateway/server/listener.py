@@ -38,6 +38,9 @@ INTERRUPT_S = 0.5
 STALL_S = 1.0
 """How far behind (a body's pace, a head's arrival) a connection is before the server may
 cut it to make room for others."""
+RESCAN_S = 0.1
+"""After a search for a stalled connection found none, how long the next waits: a flood of
+new connections or bodies at the limit must not cost a scan of every connection each."""
 
 
 class HttpServer:
@@ -60,6 +63,7 @@ class HttpServer:
         }
         self._refused = metrics.refused_connections.labels("max_connections")
         self._emptied: asyncio.Event | None = None
+        self._none_stalled_until = 0.0
         metrics.connections.states = self.states
 
     async def listen(
@@ -123,15 +127,21 @@ class HttpServer:
     def _cut_most_stalled(self) -> bool:
         """Close the connection most stalled (a head, or a body behind its pace), if one
         is stalled ``STALL_S`` or more, to make room for a new one."""
+        if not self._may_scan():
+            return False
         worst, stall = None, STALL_S
         for conn in self._connections:
             behind = max(conn.head_stall_s(), conn.body_stall_s())
             if behind >= stall and not conn.closing:
                 worst, stall = conn, behind
         if worst is None:
+            self._none_stalled_until = self.loop.time() + RESCAN_S
             return False
         worst.cut_stalled("the request arrived too slowly while others waited for a connection")
         return True
+
+    def _may_scan(self) -> bool:
+        return self.loop.time() >= self._none_stalled_until
 
     # -- request bodies --------------------------------------------------------------------------
     def reserve(self, size: int, conn: Turns) -> bool:
@@ -144,6 +154,8 @@ class HttpServer:
         return True
 
     def _make_room(self, size: int, requester: Turns, limit: int) -> bool:
+        if not self._may_scan():
+            return False
         holders = [c for c in self._connections if c is not requester and c.held_bytes()]
         fair = limit / (len(holders) + 1)
         stalled = [c for c in holders if c.held_bytes() > fair and c.body_stall_s() >= STALL_S]
@@ -152,6 +164,8 @@ class HttpServer:
             conn.cut_stalled("the request body arrived too slowly for the buffer room it held")
             if self.body_bytes + size <= limit:
                 return True
+        if not stalled:
+            self._none_stalled_until = self.loop.time() + RESCAN_S
         return False
 
     def release(self, size: int) -> None:
