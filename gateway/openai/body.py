@@ -26,7 +26,6 @@ import asyncio
 import gc
 import json
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 from gateway.errors import BadRequest, BodyTooLarge, UnsupportedEncoding
@@ -87,74 +86,78 @@ def decode(body: bytes, encoding: str, limit: int) -> bytes:
 def loads(body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> Any:
     """``body`` parsed as strict JSON of at most ``max_values`` values (an object member
     counting ``MEMBER_WEIGHT``); ``BadRequest`` for anything else."""
-    steps = _Loading(body, max_values)
-    for _ in steps:
-        pass
-    return steps.value
+    shapes = _shapes(body)
+    # A byte holds at most MEMBER_WEIGHT values: a shorter body cannot pass the bound.
+    if len(body) * MEMBER_WEIGHT >= max_values or shapes.count(b"[") > MAX_DEPTH:
+        _bound(body, shapes, max_values)
+    data = _decode(body, shapes)
+    if b"\\u" in shapes:
+        _surrogates(data)
+    return data
 
 
 async def loads_yielding(body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> Any:
     """``loads``, letting the event loop run between its passes over a body of
     ``YIELD_FROM_BYTES`` or more: each pass over 16 MiB takes tens of milliseconds, and
     back to back they would hold every other request that long."""
-    steps = _Loading(body, max_values)
     if len(body) < YIELD_FROM_BYTES:
-        for _ in steps:
-            pass
-    else:
-        for _ in steps:
-            await asyncio.sleep(0)
-    return steps.value
+        return loads(body, max_values)
+    shapes = _shapes(body)
+    await asyncio.sleep(0)
+    _bound(body, shapes, max_values)
+    await asyncio.sleep(0)
+    data = _decode(body, shapes)
+    if b"\\u" in shapes:
+        await asyncio.sleep(0)
+        _surrogates(data)
+    return data
 
 
-class _Loading:
-    """``loads`` as passes over the body, each yielded after: the screens, the structure
-    without strings, the parse, the surrogate check.  ``value`` is the parsed body."""
+def _shapes(body: bytes) -> bytes:
+    """The body's screen (``_SHAPES``), once it is known to be UTF-8."""
+    encoding = json.detect_encoding(body)
+    if encoding != "utf-8":
+        raise BadRequest(f"a JSON body must be UTF-8 (RFC 8259), not {encoding}")
+    return body.translate(_SHAPES)
 
-    def __init__(self, body: bytes, max_values: int) -> None:
-        self.body = body
-        self.max_values = max_values
-        self.value: Any = None
 
-    def __iter__(self) -> Iterator[None]:
-        body, max_values = self.body, self.max_values
-        encoding = json.detect_encoding(body)
-        if encoding != "utf-8":
-            raise BadRequest(f"a JSON body must be UTF-8 (RFC 8259), not {encoding}")
-        shapes = body.translate(_SHAPES)
-        nests = shapes.count(b"[") > MAX_DEPTH
-        if nests or _values(shapes) > max_values:
-            yield
-            structure = _structure(body)  # counted again without the strings' text
-            yield
-            if _values(structure) > max_values:
-                raise BadRequest(
-                    f"the JSON body holds more than {max_values} values (server.max_json_values)"
-                )
-            if nests and _depth_over(structure):
-                raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")
-        decoder = _BOUNDED if _long_number(shapes) else _STRICT
-        yield
-        collecting = gc.isenabled()
-        gc.disable()  # a body of many containers would set the collector off again and again
-        try:
-            # json.loads(body, **hooks) would build a decoder per call; these are built once
-            self.value = decoder.decode(body.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        except (ValueError, RecursionError) as exc:  # the hooks' refusals, a digit limit
-            raise BadRequest(f"request body is not acceptable JSON: {exc}") from exc
-        finally:
-            if collecting:
-                gc.enable()
-        if b"\\u" in shapes:
-            yield
-            try:
-                json.dumps(self.value, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise BadRequest(
-                    "request body has a lone surrogate escape (\\ud800-\\udfff)"
-                ) from exc
+def _bound(body: bytes, shapes: bytes, max_values: int) -> None:
+    """Refuse a body past ``max_values`` values or ``MAX_DEPTH`` levels, counted without
+    its strings' text, which is looked at only when the screen finds a candidate."""
+    nests = shapes.count(b"[") > MAX_DEPTH
+    if not nests and (len(body) * MEMBER_WEIGHT < max_values or _values(shapes) <= max_values):
+        return
+    structure = _structure(body)  # counted again without the strings' text
+    if _values(structure) > max_values:
+        raise BadRequest(
+            f"the JSON body holds more than {max_values} values (server.max_json_values)"
+        )
+    if nests and _depth_over(structure):
+        raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")
+
+
+def _decode(body: bytes, shapes: bytes) -> Any:
+    decoder = _BOUNDED if _long_number(shapes) else _STRICT
+    collecting = gc.isenabled()
+    gc.disable()  # a body of many containers would set the collector off again and again
+    try:
+        # json.loads(body, **hooks) would build a decoder per call; these are built once
+        return decoder.decode(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # the hooks' refusals, a digit limit
+        raise BadRequest(f"request body is not acceptable JSON: {exc}") from exc
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _surrogates(data: Any) -> None:
+    """Refuse a lone surrogate escape (``"\\ud800"`` cannot be encoded again)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest("request body has a lone surrogate escape (\\ud800-\\udfff)") from exc
 
 
 def _long_number(shapes: bytes) -> bool:

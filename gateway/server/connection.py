@@ -74,7 +74,8 @@ class ClientConnection(Turns):
         self._continuing = False
         self._upgrade_skipped = False
         self._read_last = False  # a request that closes the connection was read whole
-        self._body: BodyReading | None = None
+        self._body: BodyReading | None = None  # made once a body outlives its first read
+        self._body_started = 0.0
         self._pieces: list[bytes] = []  # body bytes parsed in this read, not yet settled
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -118,9 +119,9 @@ class ClientConnection(Turns):
             if self._head_fed > self._limits.max_header_bytes:
                 self._refuse(self._head_too_large())
                 return
-        elif self._state == BODY and self._body is not None and self._body.chunked:
+        elif self._state == BODY and self._reading().chunked:
             payload = self._incoming._reserved if self._incoming is not None else 0
-            if self._body.framing_overflows(len(data), payload, self._limits):
+            if self._reading().framing_overflows(len(data), payload, self._limits):
                 self._refuse(MalformedRequest("the request body's chunk framing is too long"))
                 return
         self._clock.arm()
@@ -162,8 +163,7 @@ class ClientConnection(Turns):
         if self._continuing:
             return
         if self._state == BODY:
-            assert self._body is not None
-            self._body.trailer(name, value, self._limits)
+            self._reading().trailer(name, value, self._limits)
             return
         self._head_size += len(name) + len(value) + 4
         if self._head_size > self._limits.max_header_bytes:
@@ -178,8 +178,8 @@ class ClientConnection(Turns):
             return
         self._incoming = self._request()
         self._state = BODY
-        chunked = self._framing is not None and self._framing.startswith(b"Transfer")
-        self._body = BodyReading(self._loop.time(), self._limits, chunked=chunked)
+        self._body = None
+        self._body_started = self._last_read
 
     def on_body(self, body: bytes) -> None:
         # Only kept here: a read of tiny chunks makes tens of thousands of these calls, so
@@ -189,15 +189,23 @@ class ClientConnection(Turns):
     def on_message_complete(self) -> None:
         request = self._incoming
         assert request is not None
-        self._settle_body()
+        self._settle_body(whole=True)
         if self._parser.should_upgrade():
             self._upgrade_skipped = True  # llhttp skipped the body: see _declined_upgrade
             return
         self._complete(request)
 
-    def _settle_body(self) -> None:
+    def _reading(self) -> BodyReading:
+        """The body being read, as ``body.BodyReading`` tracks it (made when first needed:
+        most bodies arrive whole in the read that brought their head)."""
+        if self._body is None:
+            chunked = self._framing is not None and self._framing.startswith(b"Transfer")
+            self._body = BodyReading(self._body_started, self._limits, chunked=chunked)
+        return self._body
+
+    def _settle_body(self, *, whole: bool = False) -> None:
         """Count the body bytes this read brought against the limits (raised when past
-        one), keep them, and credit the body's pace."""
+        one) and keep them; a body not ``whole`` yet has its pace credited."""
         pieces = self._pieces
         if not pieces:
             return
@@ -205,7 +213,7 @@ class ClientConnection(Turns):
         count = len(pieces)
         pieces.clear()
         request, limits, size = self._incoming, self._limits, len(data)
-        assert request is not None and self._body is not None
+        assert request is not None
         if request._reserved + size > limits.max_body_bytes:
             raise BodyTooLarge(f"request body exceeds the limit of {limits.max_body_bytes} bytes")
         if not self.server.reserve(size, self):
@@ -216,9 +224,14 @@ class ClientConnection(Turns):
                 reason="body_buffer_full",
             )
         request._reserved += size
-        request.add_body(data)
-        self._body.pieces += count
-        self._body.arrived(size, self._last_read, limits)
+        if not request.body and request._buffer is None:
+            request.body = data  # the whole body in one piece: the common case
+        else:
+            request.add_body(data)
+        if not whole or self._body is not None:
+            reading = self._reading()
+            reading.pieces += count
+            reading.arrived(size, self._last_read, limits)
 
     # -- requests ----------------------------------------------------------------------------
     def _request(self) -> Request:
@@ -287,9 +300,9 @@ class ClientConnection(Turns):
     def body_stall_s(self) -> float:
         """How far the body being read has fallen behind its pace (0: on pace, or no body
         being read): what the server cuts first when request bodies crowd its buffer."""
-        if self._state != BODY or self._incoming is None or self._body is None:
+        if self._state != BODY or self._incoming is None:
             return 0.0
-        return self._body.stall_s(self._loop.time(), self._last_read, self._limits)
+        return self._reading().stall_s(self._loop.time(), self._last_read, self._limits)
 
     def head_stall_s(self) -> float:
         """How long a head has been arriving, or a new connection has sent nothing (0:
@@ -341,8 +354,8 @@ class ClientConnection(Turns):
             return None
         if self._state == HEAD:
             return self._head_started + limits.header_timeout_s, "head"
-        if self._state == BODY and self._body is not None:
-            return self._body.deadline(self._last_read, limits)
+        if self._state == BODY:
+            return self._reading().deadline(self._last_read, limits)
         if self._active is None and not self._queue:
             if self.requests == 0:
                 return self._accepted + limits.header_timeout_s, "head"

@@ -24,6 +24,8 @@ _HOST = re.compile(
     r"(?::[0-9]*)?"
 )
 """RFC 9112 3.2: ``Host = uri-host [ ":" port ]`` (RFC 3986's host and port)."""
+_PLAIN_HOST = re.compile(r"[A-Za-z0-9.\-]+(?::[0-9]+)?")
+"""A name or IPv4 address with an optional port: the common case, checked first."""
 
 
 class Wire(Protocol):
@@ -90,7 +92,7 @@ def read_head(
             if host is not None:
                 raise MalformedRequest("more than one Host header")
             host = value.strip()
-            if _HOST.fullmatch(host) is None:
+            if _PLAIN_HOST.fullmatch(host) is None and _HOST.fullmatch(host) is None:
                 raise MalformedRequest(f"Host {host[:100]!r} is not a host and port")
         elif lower == "authorization":
             if seen_auth:
