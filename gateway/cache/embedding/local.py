@@ -19,18 +19,18 @@ cores (bench/bench_embedding_lookup.py).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib.util
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from gateway.cache.embedding.resident import Resident
 
 MODEL_NAME = "all-MiniLM-L6-v2 (int8 ONNX)"
 DIMENSIONS = 384
@@ -92,7 +92,7 @@ def _locate(file: ModelFile) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / file.path
 
 
-def _verified(file: ModelFile) -> Path:
+def verified(file: ModelFile) -> Path:
     path = _locate(file)
     if path is None or not path.is_file():
         raise ImportError(f"{file.distribution} is not installed; install it with: {INSTALL_HINT}")
@@ -120,7 +120,7 @@ class LocalModel:
         from tokenizers import Tokenizer
 
         self.threads = threads or min(2, os.cpu_count() or 1)
-        tokenizer = Tokenizer.from_file(str(_verified(TOKENIZER)))
+        tokenizer = Tokenizer.from_file(str(verified(TOKENIZER)))
         tokenizer.no_padding()  # the shipped file pads every text to 128 tokens
         tokenizer.enable_truncation(max_length=MAX_TOKENS)
         self._tokenizer = tokenizer
@@ -130,7 +130,7 @@ class LocalModel:
         options.log_severity_level = 3
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._session = ort.InferenceSession(
-            str(_verified(MODEL)), sess_options=options, providers=["CPUExecutionProvider"]
+            str(verified(MODEL)), sess_options=options, providers=["CPUExecutionProvider"]
         )
         self._inputs = {i.name for i in self._session.get_inputs()}
 
@@ -166,65 +166,42 @@ class LocalEmbedder:
     """The async embedder over the local model: ``await embedder(texts)``.
 
     The model loads on the embedder's own thread (under a second: the files' hashes, then
-    the session), when ``start_loading()`` asks or on first use, or with ``await load()``.
-    A load that failed is not retried: every call raises its ``ImportError`` at once.  One
-    ``LocalEmbedder`` is shared by every route (``shared()``), so the model is in memory
-    once.
+    the session), when ``start_loading()`` asks or on first use, or with ``await load()``
+    (``resident.Resident``).  A load that failed is not retried: every call raises its
+    ``ImportError`` at once.  One ``LocalEmbedder`` is shared by every route
+    (``shared()``), so the model is in memory once.
     """
 
     name = "local"
 
     def __init__(self, threads: int | None = None) -> None:
-        self._threads = threads
-        self._model: LocalModel | None = None
-        self._failed: ImportError | None = None
-        self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-embed")
+        self._resident = Resident(lambda: LocalModel(threads), "gateway-embed")
         self.calls = 0
         self.texts = 0
 
     async def __call__(self, texts: Sequence[str]) -> np.ndarray:
         self.calls += 1
         self.texts += len(texts)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._encode, list(texts))
+        batch = list(texts)
+        return await self._resident.run(lambda model: model.encode(batch))
 
     async def load(self) -> LocalModel:
         """Load the model now (off the event loop) rather than on the first lookup."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.model)
+        return await self._resident.load()
 
     def start_loading(self) -> None:
         """Load the model in the background, without waiting (no event loop needed)."""
-        self._executor.submit(self._load_quietly)
+        self._resident.start_loading()
 
     def model(self) -> LocalModel:
         """The loaded model (loading it on this thread if needed)."""
-        with self._lock:
-            if self._failed is not None:
-                raise self._failed
-            if self._model is None:
-                try:
-                    self._model = LocalModel(self._threads)
-                except ImportError as exc:
-                    self._failed = exc
-                    raise
-            return self._model
-
-    def _load_quietly(self) -> None:
-        try:
-            self.model()
-        except ImportError:
-            pass  # raised again, and logged by the tier, on the first lookup
-
-    def _encode(self, texts: list[str]) -> np.ndarray:
-        return self.model().encode(texts)
+        return self._resident.model()
 
     def __repr__(self) -> str:
-        state = "loaded" if self._model is not None else "not loaded"
-        if self._failed is not None:
-            state = "failed to load"
-        return f"<LocalEmbedder {MODEL_NAME} {state} calls={self.calls} texts={self.texts}>"
+        return (
+            f"<LocalEmbedder {MODEL_NAME} {self._resident.state} "
+            f"calls={self.calls} texts={self.texts}>"
+        )
 
 
 _SHARED: LocalEmbedder | None = None
