@@ -32,8 +32,8 @@ from gateway.cache.calibrate import Point
 from gateway.cache.embedding import learned
 from gateway.cache.embedding.tier import DEFAULT_THRESHOLD
 from gateway.cache.embedding.verify import verify
-from gateway.cache.guard import check
-from gateway.cache.normalize import normalize
+from gateway.cache.guard import Verdict, check
+from gateway.cache.normalize import Normalized, normalize
 from gateway.cache.simhash import MAX_DISTANCE, fingerprint, hamming
 from gateway.policy.route import DEFAULT_MAX_FALSE_HIT_RATE
 
@@ -202,16 +202,25 @@ def learned_scores(
     items: Sequence[Pair], similarity: Sequence[float], floor: float = DEFAULT_THRESHOLD
 ) -> list[float]:
     """The learned verifier's score of each pair as the tier computes it: 2 for byte-equal
-    text (the exact tier), -1 below the cosine ``floor`` or for a hard difference."""
+    text (the exact tier), -1 below the cosine ``floor`` or for a hard difference.  The
+    cross-encoder reads the other pairs, in batches."""
+    from gateway.cache.embedding import cross
+
     model = learned.shipped()
-    out = []
-    for p, c in zip(items, similarity, strict=True):
-        if p.first == p.second:
-            out.append(2.0)
-        elif c < floor:
-            out.append(-1.0)
-        else:
-            out.append(model.score(normalize(p.first), normalize(p.second), c))
+    out = [2.0 if p.first == p.second else -1.0 for p in items]
+    read: list[int] = []
+    found: list[tuple[Normalized, Normalized, tuple[bool, Verdict]]] = []
+    for i, (p, c) in enumerate(zip(items, similarity, strict=True)):
+        if out[i] == -1.0 and c >= floor:
+            a, b = normalize(p.first), normalize(p.second)
+            verdict = learned.verdicts(a, b)
+            if not learned.hard_difference(a, b, verdict):
+                read.append(i)
+                found.append((a, b, verdict))
+    logits = cross.shared().logits([(items[i].first, items[i].second) for i in read])
+    for i, (a, b, verdict), logit in zip(read, found, logits, strict=True):
+        values = learned.features(a, b, similarity[i], float(logit), verdict)
+        out[i] = model.raw_score(values)
     return out
 
 
@@ -238,7 +247,7 @@ def _embedding_outcomes(
     exact = [p.first == p.second for p in items]
     guarded = [check(p.first, p.second).ok for p in items]
     verified = [verify(p.first, p.second).ok for p in items]
-    scores = learned_scores(items, similarity, floor=0.0)
+    scores = learned_scores(items, similarity, floor=min((*thresholds, DEFAULT_THRESHOLD)))
     min_score = learned.shipped().operating_point(DEFAULT_MAX_FALSE_HIT_RATE).min_score
     accepted = [s >= min_score for s in scores]
     outcomes: dict[str, list[bool]] = {}

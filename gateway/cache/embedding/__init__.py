@@ -4,6 +4,8 @@ tier.py     EmbeddingTier: lookup / add over the route's store, bounded, stale-s
 index.py    VectorIndex: one context's vectors, binary prefilter then exact cosine
 verify.py   the rules: the guard, or its checks over reworded question frames
 learned.py  the learned verifier (the default): hard differences, then a calibrated score
+cross.py    the cross-encoder the learned verifier reads a candidate pair with
+resident.py a model loaded once per process and run on its own thread
 local.py    the local model (the ``embedding`` extra): MiniLM int8 ONNX on onnxruntime
 backend.py  a policy backend's /v1/embeddings instead of the local model
 shared.py   SharedIndex: with the Redis store, every replica's index entries in one stream
@@ -142,6 +144,8 @@ def from_semantic(semantic: Semantic, context: EmbeddingContext) -> EmbeddingTie
         embed = embedder
         identity = f"local:{MODEL_NAME}"
     verifier = learned.verifier_for(semantic) if learned.uses_learned(semantic) else rules
+    if isinstance(verifier, learned.LearnedVerifier):
+        verifier.reader.start_loading()  # the cross-encoder, off the event loop
     judge = None
     if semantic.judge.enabled and verifier is not rules:
         route = next(r for r in context.policy.routes if r.name == context.route)

@@ -20,22 +20,37 @@ holds for the local model's cosines; with another embedder, calibrate on your ow
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from gateway.cache import guard
 from gateway.cache.calibrate import Point, choose
-from gateway.cache.embedding.verify import canonical, relaxed, stem
+from gateway.cache.embedding.verify import canonical, relaxed, stem, swapped
 from gateway.cache.guard import Verdict
 from gateway.cache.normalize import Normalized, normalize
 from gateway.policy.route import Semantic
+
+if TYPE_CHECKING:
+    from gateway.cache.embedding.cross import CrossReader
+
+log = logging.getLogger("gateway.cache")
 
 HARD = frozenset(("quoted", "code", "numbers", "negation", "order", "pronoun"))
 """Rule verdicts no score overrides."""
 SCORE = "score"
 """The rejection reason of a candidate whose score is below ``min_score``."""
+UNREAD = "unread"
+"""The rejection reason of a candidate past the ``MAX_CROSS`` a lookup reads."""
+CROSS_ERROR = "cross_error"
+"""The rejection reason of a candidate the cross-encoder could not read."""
+MAX_CROSS = 1
+"""At most this many candidates per lookup are read by the cross-encoder (the most similar
+that no hard difference refused and that could reach the score needed): its cost bounds a
+lookup's."""
 _OPENINGS = frozenset(
     "what how why who when where which is are can do does should will would was were did".split()
 )
@@ -62,6 +77,7 @@ FEATURES = (
     "rules_ok_x_cosine",
     "guard_ok_x_cosine",
     "token_jaccard_x_cosine",
+    "cross_logit",
 )
 
 
@@ -74,10 +90,14 @@ def verdicts(a: Normalized, b: Normalized) -> tuple[bool, Verdict]:
 
 
 def features(
-    a: Normalized, b: Normalized, cosine: float, found: tuple[bool, Verdict] | None = None
+    a: Normalized,
+    b: Normalized,
+    cosine: float,
+    cross_logit: float,
+    found: tuple[bool, Verdict] | None = None,
 ) -> list[float]:
-    """The model's inputs for the pair, in ``FEATURES`` order (``found``: its
-    ``verdicts``, when already known)."""
+    """The model's inputs for the pair, in ``FEATURES`` order (``cross_logit``: the
+    cross-encoder's logit of the pair; ``found``: its ``verdicts``, when already known)."""
     guarded, rules = found or verdicts(a, b)
     guard_ok = 1.0 if guarded else 0.0
     rules_ok = 1.0 if guarded or rules.ok else 0.0
@@ -117,13 +137,19 @@ def features(
         rules_ok * cosine,
         guard_ok * cosine,
         jaccard * cosine,
+        cross_logit,
     ]
 
 
 def hard_difference(a: Normalized, b: Normalized, found: tuple[bool, Verdict] | None = None) -> str:
-    """The reason a pair is refused whatever its score, or "" when none applies."""
+    """The reason a pair is refused whatever its score, or "" when none applies: the
+    rules' hard verdicts, and words both sides share in another order (``swapped``)."""
     guarded, rules = found or verdicts(a, b)
-    return "" if guarded or rules.reason not in HARD else rules.reason
+    if guarded:
+        return ""
+    if rules.reason in HARD:
+        return rules.reason
+    return "order" if swapped(a, b) else ""
 
 
 def _grams(text: str, n: int = 3) -> set[str]:
@@ -142,14 +168,17 @@ class Model:
     bias: float
     calibration: tuple[Point, ...]
     source: str = ""
+    cross_max: float = math.inf
+    """Above the highest cross-encoder logit seen in training and calibration: a pair whose
+    score stays below what is needed even at this logit is refused without reading it."""
 
-    def score(self, a: Normalized, b: Normalized, cosine: float) -> float:
+    def score(self, a: Normalized, b: Normalized, cosine: float, cross_logit: float) -> float:
         """The probability the model gives that both ask the same thing; -1 for a hard
         difference."""
         found = verdicts(a, b)
         if hard_difference(a, b, found):
             return -1.0
-        return self.raw_score(features(a, b, cosine, found))
+        return self.raw_score(features(a, b, cosine, cross_logit, found))
 
     def raw_score(self, values: list[float]) -> float:
         z = self.bias
@@ -170,6 +199,7 @@ class Model:
                 "weights": list(self.weights),
                 "bias": self.bias,
                 "source": self.source,
+                "cross_max": self.cross_max,
                 "calibration": [
                     [p.min_score, p.true_hits, p.false_hits, p.positives, p.negatives]
                     for p in self.calibration
@@ -192,6 +222,7 @@ class Model:
             float(data["bias"]),
             tuple(Point(float(t), *map(int, rest)) for t, *rest in data["calibration"]),
             data.get("source", ""),
+            float(data.get("cross_max", math.inf)),
         )
 
 
@@ -204,24 +235,74 @@ def shipped() -> Model:
 
 class LearnedVerifier:
     """Accepts a candidate at ``score >= min_score``; ``min_score`` from the route's policy
-    or the error budget's operating point."""
+    or the error budget's operating point.  The cross-encoder (``reader``, the process's
+    one by default) reads each candidate no hard difference refused."""
 
-    def __init__(self, model: Model, min_score: float) -> None:
+    def __init__(
+        self,
+        model: Model,
+        min_score: float,
+        reader: CrossReader | None = None,
+        *,
+        needed: float | None = None,
+    ) -> None:
         self.model = model
         self.min_score = min_score
+        self.needed = min_score if needed is None else min(needed, min_score)
+        """The lowest score any caller uses (the judge's grey zone may start below
+        ``min_score``): a pair that cannot reach it is not read."""
+        if reader is None:
+            from gateway.cache.embedding import cross  # numpy: only where a tier verifies
+
+            reader = cross.shared()
+        self.reader = reader
+        self.errors = 0
 
     def __call__(self, first: str, second: str, cosine: float) -> Verdict:
         return self.assess(first, second, cosine)[0]
 
-    def assess(self, first: str, second: str, cosine: float) -> tuple[Verdict, float]:
-        """The verdict and the score it was given by (-1 for a hard difference): the
-        judge's grey zone is read from the score of a refused pair."""
+    def assess(
+        self, first: str, second: str, cosine: float, cross_logit: float | None = None
+    ) -> tuple[Verdict, float]:
+        """The verdict and the score it was given by (-1 for a hard difference), the
+        cross-encoder run on this thread unless its ``cross_logit`` is given."""
         a, b = normalize(first), normalize(second)
         found = verdicts(a, b)
         reason = hard_difference(a, b, found)
         if reason:
             return Verdict(False, reason), -1.0
-        score = self.model.raw_score(features(a, b, cosine, found))
+        if cross_logit is None:
+            cross_logit = float(self.reader.logits([(first, second)])[0])
+        return self._decide(features(a, b, cosine, cross_logit, found))
+
+    async def check(
+        self, first: str, second: str, cosine: float, *, may_read: bool = True
+    ) -> tuple[Verdict, float, bool]:
+        """``assess`` for the tier: the cross-encoder runs off the event loop, and only when
+        ``may_read`` (a lookup reads at most ``MAX_CROSS`` candidates; one past them is
+        refused, ``UNREAD``).  Also says whether the cross-encoder ran."""
+        a, b = normalize(first), normalize(second)
+        found = verdicts(a, b)
+        reason = hard_difference(a, b, found)
+        if reason:
+            return Verdict(False, reason), -1.0, False
+        best = self.model.raw_score(features(a, b, cosine, self.model.cross_max, found))
+        if best < self.needed:  # refused whatever the cross-encoder says
+            return Verdict(False, SCORE), best, False
+        if not may_read:
+            return Verdict(False, UNREAD), -1.0, False
+        try:
+            cross_logit = await self.reader.logit(first, second)
+        except ImportError as exc:  # the shipped file is missing or not the pinned one
+            self.errors += 1
+            level = logging.WARNING if self.errors == 1 else logging.DEBUG
+            log.log(level, "learned verifier: the cross-encoder failed: %s", exc)
+            return Verdict(False, CROSS_ERROR), -1.0, False
+        verdict, score = self._decide(features(a, b, cosine, cross_logit, found))
+        return verdict, score, True
+
+    def _decide(self, values: list[float]) -> tuple[Verdict, float]:
+        score = self.model.raw_score(values)
         return (guard.PASS if score >= self.min_score else Verdict(False, SCORE)), score
 
     def __repr__(self) -> str:
@@ -277,8 +358,12 @@ def in_force(semantic: Semantic) -> dict[str, object]:
 
 
 def verifier_for(semantic: Semantic) -> LearnedVerifier:
-    """The learned verifier at the route's operating point."""
+    """The learned verifier at the route's operating point (reading the pairs the judge's
+    grey zone needs too)."""
     model = shipped()
     if semantic.min_score is not None:
-        return LearnedVerifier(model, semantic.min_score)
-    return LearnedVerifier(model, model.operating_point(semantic.max_false_hit_rate).min_score)
+        min_score = semantic.min_score
+    else:
+        min_score = model.operating_point(semantic.max_false_hit_rate).min_score
+    judge = semantic.judge
+    return LearnedVerifier(model, min_score, needed=judge.min_score if judge.enabled else None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.cache.embedding.resident import Resident
+from gateway.cache.embedding.resident import Once, Resident
 
 MODEL_NAME = "all-MiniLM-L6-v2 (int8 ONNX)"
 DIMENSIONS = 384
@@ -105,6 +104,43 @@ def verified(file: ModelFile) -> Path:
     return path
 
 
+def tokenizer(max_tokens: int) -> Any:
+    """The model's WordPiece tokenizer (the pinned ``tokenizer.json``), unpadded (the shipped
+    file pads every text to 128 tokens), cut at ``max_tokens``; ``ImportError`` without the
+    extra."""
+    ok, reason = available()
+    if not ok:
+        raise ImportError(reason)
+    from tokenizers import Tokenizer
+
+    loaded = Tokenizer.from_file(str(verified(TOKENIZER)))
+    loaded.no_padding()
+    loaded.enable_truncation(max_length=max_tokens)
+    return loaded
+
+
+def session(path: Path, threads: int) -> Any:
+    """An onnxruntime CPU session of ``path`` on ``threads`` intra-op threads that do not
+    spin between runs, so an idle model takes no CPU from the event loop."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def same_length(encodings: Sequence[Any]) -> list[list[int]]:
+    """The rows of ``encodings`` grouped by token count: each group runs unpadded, so a
+    text's result never depends on what else is in the batch."""
+    groups: dict[int, list[int]] = {}
+    for i, encoding in enumerate(encodings):
+        groups.setdefault(len(encoding.ids), []).append(i)
+    return list(groups.values())
+
+
 class LocalModel:
     """The tokenizer and the onnxruntime session: synchronous, thread-safe.
 
@@ -113,25 +149,9 @@ class LocalModel:
     """
 
     def __init__(self, threads: int | None = None) -> None:
-        ok, reason = available()
-        if not ok:
-            raise ImportError(reason)
-        import onnxruntime as ort
-        from tokenizers import Tokenizer
-
         self.threads = threads or min(2, os.cpu_count() or 1)
-        tokenizer = Tokenizer.from_file(str(verified(TOKENIZER)))
-        tokenizer.no_padding()  # the shipped file pads every text to 128 tokens
-        tokenizer.enable_truncation(max_length=MAX_TOKENS)
-        self._tokenizer = tokenizer
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(
-            str(verified(MODEL)), sess_options=options, providers=["CPUExecutionProvider"]
-        )
+        self._tokenizer = tokenizer(MAX_TOKENS)
+        self._session = session(verified(MODEL), self.threads)
         self._inputs = {i.name for i in self._session.get_inputs()}
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
@@ -144,10 +164,7 @@ class LocalModel:
         if not texts:
             return out
         encodings = self._tokenizer.encode_batch(list(texts))
-        by_length: dict[int, list[int]] = {}
-        for i, encoding in enumerate(encodings):
-            by_length.setdefault(len(encoding.ids), []).append(i)
-        for rows in by_length.values():
+        for rows in same_length(encodings):
             ids = np.array([encodings[i].ids for i in rows], dtype=np.int64)
             feeds: dict[str, Any] = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
             if "token_type_ids" in self._inputs:
@@ -204,14 +221,5 @@ class LocalEmbedder:
         )
 
 
-_SHARED: LocalEmbedder | None = None
-_SHARED_LOCK = threading.Lock()
-
-
-def shared() -> LocalEmbedder:
-    """The process's one local embedder."""
-    global _SHARED
-    with _SHARED_LOCK:
-        if _SHARED is None:
-            _SHARED = LocalEmbedder()
-        return _SHARED
+shared = Once(LocalEmbedder)
+"""``shared()``: the process's one local embedder."""

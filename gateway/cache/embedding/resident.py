@@ -1,4 +1,5 @@
-"""``Resident``: a model loaded once per process, on its own thread, run on that thread.
+"""``Resident``: a model loaded once per process, on its own thread, run on that thread;
+``Once``: the process's one instance of a class.
 
 The local embedder and the cross-encoder each keep one: the model loads off the event
 loop (when ``start_loading()`` asks, on first use, or with ``await load()``), every run
@@ -67,3 +68,18 @@ class Resident(Generic[T]):
             self.model()
         except ImportError:
             pass  # raised again, and logged by its user, on first use
+
+
+class Once(Generic[T]):
+    """``once()``: the process's one ``factory()``, made on the first call (thread-safe)."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._made: T | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> T:
+        with self._lock:
+            if self._made is None:
+                self._made = self._factory()
+            return self._made

@@ -39,7 +39,7 @@ import numpy as np
 
 from gateway.cache.embedding.index import VectorIndex
 from gateway.cache.embedding.judge import BackendJudge, Pair
-from gateway.cache.embedding.learned import SCORE, LearnedVerifier
+from gateway.cache.embedding.learned import MAX_CROSS, SCORE, LearnedVerifier
 from gateway.cache.embedding.shared import SharedIndex
 from gateway.cache.embedding.verify import verify
 from gateway.cache.entry import CachedResponse
@@ -162,6 +162,7 @@ class EmbeddingTier:
             self.results["miss"] += 1
             return None
         grey: tuple[float, Pair, CachedResponse] | None = None
+        reads = 0  # candidates the cross-encoder read
         for entry_key, similarity in index.search(vector, self.threshold, self.max_candidates):
             try:
                 entry = await self.store.get(entry_key)
@@ -176,13 +177,17 @@ class EmbeddingTier:
             if entry.scope != key.scope or entry.context != key.context or entry.prompt is None:
                 self.rejections["scope"] += 1
                 continue
-            if self.judge is None:
+            if not isinstance(self.verifier, LearnedVerifier):
                 verdict = self.verifier(entry.prompt, text, similarity)
             else:
-                assert isinstance(self.verifier, LearnedVerifier) and key.context is not None
-                verdict, score = self.verifier.assess(entry.prompt, text, similarity)
+                verdict, score, read = await self.verifier.check(
+                    entry.prompt, text, similarity, may_read=reads < MAX_CROSS
+                )
+                reads += read
                 if (
-                    verdict.reason == SCORE
+                    self.judge is not None
+                    and key.context is not None
+                    and verdict.reason == SCORE
                     and score >= self.judge.settings.min_score
                     and (grey is None or score > grey[0])
                 ):

@@ -24,6 +24,8 @@ hit may reword how a question is asked, never what it asks about.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from gateway.cache import guard
 from gateway.cache.guard import NEGATIONS, Verdict
 from gateway.cache.normalize import NUMBER, WORD, Normalized, normalize
@@ -91,6 +93,45 @@ def relaxed(a: Normalized, b: Normalized) -> Verdict:
     if _without(x, MOVABLE) == _without(y, MOVABLE):
         return guard.PASS
     return Verdict(False, "order")
+
+
+SWAP_WORDS = 2
+"""Content words both sides share that may be out of order before a pair is ``swapped``."""
+_FUNCTION_WORDS = frozenset(
+    "a an the of to in on for and or is are be by with from at as it its this that".split()
+)
+
+
+def swapped(a: Normalized, b: Normalized) -> bool:
+    """Whether the words both sides share come in another order: two or more shared
+    content words out of place ("trained by Velazquez, ridden by Romans" against "trained by
+    Romans, ridden by Velazquez", with other words changed too), or any two shared names
+    (words capitalised mid-sentence) swapped.  Who does what to whom changes the answer;
+    the rules refuse the same words reordered, this refuses it with other edits around."""
+    x = [w for w in canonical(a) if w not in _FUNCTION_WORDS and not w.startswith("\x00")]
+    y = [w for w in canonical(b) if w not in _FUNCTION_WORDS and not w.startswith("\x00")]
+    if _out_of_order(x, y) >= SWAP_WORDS:
+        return True
+    names_a = [t.text for t in a.tokens if t.cased]
+    names_b = [t.text for t in b.tokens if t.cased]
+    return _out_of_order(names_a, names_b) >= 1
+
+
+def _out_of_order(x: list[str], y: list[str]) -> int:
+    """How many of the words both lists share (first occurrences) are out of order: their
+    number less the longest run in the same order (an increasing subsequence, n log n)."""
+    shared = set(x) & set(y)
+    if len(shared) < 2:
+        return 0
+    where = {w: i for i, w in reversed(list(enumerate(y)))}
+    seen: set[str] = set()
+    tails: list[int] = []
+    for w in x:
+        if w in shared and w not in seen:
+            seen.add(w)
+            k = bisect_left(tails, where[w])
+            tails[k : k + 1] = [where[w]]
+    return len(shared) - len(tails)
 
 
 def canonical(norm: Normalized) -> tuple[str, ...]:
