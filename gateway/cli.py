@@ -6,7 +6,7 @@ gateway check PATH...      validate policies; non-zero exit naming file, key pat
 gateway schema [--markdown] the policy's JSON Schema (or its reference page)
 gateway metrics [--markdown] every metric family as JSON (or docs/metrics.md)
 gateway sim [flags]        the simulated GPU model server
-gateway cache-eval PAIRS.tsv... [--embedding] [--plot F.png] [--json]
+gateway cache-eval PAIRS.tsv... [--embedding] [--plot F.png] [--json] [--adjudicated F.tsv]
                            precision / recall / false hits per cache tier, and curves
 gateway cache-eval --calibrate PAIRS.tsv [--max-false-hit-rate R]
                            the learned verifier's operating point for your own pairs
@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
         "--plot", metavar="FILE.png", help="draw the precision-recall curves (needs matplotlib)"
     )
     cache_eval.add_argument(
+        "--adjudicated", metavar="FILE.tsv", help="pairs labelled 0 judged the same question"
+    )
+    cache_eval.add_argument(
         "--judge", action="store_true", help="the backend as judge's grey zone on PAIRS.tsv"
     )
     cache_eval.add_argument("--judge-url", help="--judge: ask this OpenAI-compatible server")
@@ -208,7 +211,7 @@ def _cache_warnings(policy: Any) -> list[str]:
 
 
 def _cache_eval(args: argparse.Namespace) -> int:
-    from gateway.cache.evaluate import evaluate, format_report, local_embed
+    from gateway.cache.evaluate import evaluate, format_report, local_embed, read_adjudicated
 
     if not args.pairs and not args.calibrate:
         print("error: give PAIRS.tsv files, or --calibrate PAIRS.tsv", file=sys.stderr)
@@ -242,7 +245,8 @@ def _cache_eval(args: argparse.Namespace) -> int:
     reports = []
     for path in args.pairs:
         try:
-            reports.append(evaluate(path, embed=embed))
+            judged = read_adjudicated(args.adjudicated) if args.adjudicated else None
+            reports.append(evaluate(path, embed=embed, adjudicated=judged))
         except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -21,6 +21,7 @@ from gateway.cache.evaluate import (
     evaluate,
     format_report,
     local_embed,
+    read_adjudicated,
 )
 
 from .test_cache_embedding import WordsEmbedder
@@ -99,3 +100,27 @@ def test_quality_targets_on_the_adversarial_pairs(model_embed: object) -> None:
     row = evaluate(DATA / "adversarial_pairs.tsv", embed=model_embed).row(EMBEDDING_SETTING)  # type: ignore[arg-type]
     assert row.negatives >= 150
     assert row.false_hits <= row.negatives / 30
+
+
+@needs_model
+def test_adjudicated_false_hits_are_reported_apart_never_relabelled(
+    tmp_path: Path, model_embed: object
+) -> None:
+    """A reviewer's list of pairs labelled different but judged the same question changes
+    only the second precision figure: the rows stay on the labels as given."""
+    mislabelled = Pair(0, "What is the best way to study quickly?", "How can I study quickly?")
+    listed = tmp_path / "adjudicated.tsv"
+    listed.write_text(
+        "label\tfirst\tsecond\twhy\n"
+        f"1\t{mislabelled.second}\t{mislabelled.first}\tthe same question\n"
+        "0\tHow do I learn Python?\tHow do I learn Java?\tnot listed: judged different\n"
+    )
+    judged = read_adjudicated(listed)
+    assert judged == {(mislabelled.second, mislabelled.first)}
+    pairs = [*PAIRS, mislabelled]
+    report = evaluate(pairs, embed=model_embed, adjudicated=judged)  # type: ignore[arg-type]
+    row = report.row(EMBEDDING_SETTING)
+    assert row.false_hits == 1 and report.relabelled == 1  # either order matches
+    assert report.adjudicated_precision == 1.0 and row.precision is not None and row.precision < 1
+    assert "1 of its 1 false hits judged the same question" in format_report(report)
+    assert evaluate(pairs, embed=model_embed).relabelled is None  # type: ignore[arg-type]

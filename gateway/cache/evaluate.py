@@ -100,6 +100,18 @@ class Report:
     default: str = DEFAULT_SETTING
     embedding_default: str | None = None
     curves: tuple[tuple[str, tuple[Point, ...]], ...] = ()
+    relabelled: int | None = None
+    """Of the embedding default's false hits, how many a reviewer judged the same question
+    (``read_adjudicated``); None when no adjudication was given."""
+
+    @property
+    def adjudicated_precision(self) -> float | None:
+        """The embedding default's precision with the judged false hits counted as true."""
+        if self.relabelled is None or self.embedding_default is None:
+            return None
+        row = self.row(self.embedding_default)
+        hits = row.true_hits + row.false_hits
+        return (row.true_hits + self.relabelled) / hits if hits else None
 
     def row(self, setting: str) -> Row:
         return next(r for r in self.rows if r.setting == setting)
@@ -111,6 +123,8 @@ class Report:
                 "pairs": self.pairs,
                 "default": self.default,
                 "embedding_default": self.embedding_default,
+                "relabelled": self.relabelled,
+                "adjudicated_precision": self.adjudicated_precision,
                 "rows": [
                     asdict(r)
                     | {
@@ -145,15 +159,30 @@ def read_pairs(path: str | Path) -> list[Pair]:
     return pairs
 
 
+def read_adjudicated(path: str | Path) -> frozenset[tuple[str, str]]:
+    """Pairs labelled different that a reviewer judged to ask the same question: lines of
+    ``1<TAB>first<TAB>second<TAB>why`` (a header line and ``#`` comments skipped).  Used
+    only to report precision a second time, never to train or calibrate."""
+    found = set()
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3 and parts[0] == "1":
+            found.add((parts[1], parts[2]))
+    return frozenset(found)
+
+
 def evaluate(
     pairs: str | Path | Sequence[Pair],
     distances: Iterable[int] = DEFAULT_DISTANCES,
     *,
     embed: BatchEmbed | None = None,
     thresholds: Iterable[float] = DEFAULT_THRESHOLDS,
+    adjudicated: frozenset[tuple[str, str]] | None = None,
 ) -> Report:
     """Score the exact tier and the SimHash tier at each distance, with and without guard;
-    with ``embed``, also the embedding tier at each threshold (see the module docstring)."""
+    with ``embed``, also the embedding tier at each threshold (see the module docstring);
+    with ``adjudicated`` (``read_adjudicated``), count the embedding default's false hits
+    that a reviewer judged the same question."""
     source = str(pairs) if isinstance(pairs, str | Path) else "<pairs>"
     items = read_pairs(pairs) if isinstance(pairs, str | Path) else list(pairs)
     distances = tuple(distances)
@@ -183,8 +212,23 @@ def evaluate(
         stack = outcomes[DEFAULT_SETTING]
         outcomes[EMBEDDING_SETTING] = [n or t for n, t in zip(stack, tier, strict=True)]
         embedding_default = EMBEDDING_SETTING
+    relabelled = None
+    if adjudicated is not None and embedding_default is not None:
+        hits = outcomes[EMBEDDING_SETTING]
+        relabelled = sum(
+            1
+            for p, hit in zip(items, hits, strict=True)
+            if hit and not p.label and adjudicated & {(p.first, p.second), (p.second, p.first)}
+        )
     rows = tuple(_row(name, hits, labels) for name, hits in outcomes.items())
-    return Report(source, len(items), rows, embedding_default=embedding_default, curves=curves)
+    return Report(
+        source,
+        len(items),
+        rows,
+        embedding_default=embedding_default,
+        curves=curves,
+        relabelled=relabelled,
+    )
 
 
 def cosines(items: Sequence[Pair], embed: BatchEmbed) -> list[float]:
@@ -316,6 +360,12 @@ def format_report(report: Report) -> str:
             "  + with the embedding tier at its default threshold (exact, SimHash, embedding); "
             "+rules: the rule-based verifier; "
             f"{LEARNED.lstrip('+')}: the learned verifier at the default error budget"
+        )
+    if report.relabelled is not None and report.embedding_default is not None:
+        row = report.row(report.embedding_default)
+        lines.append(
+            f"  + adjudicated: precision {_pct(report.adjudicated_precision)} "
+            f"({report.relabelled} of its {row.false_hits} false hits judged the same question)"
         )
     for name, points in report.curves:
         lines.append("")
