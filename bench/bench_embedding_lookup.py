@@ -10,8 +10,10 @@ cosine ~0.95: a verified hit), an unseen prompt (a miss), and a paraphrase whose
 entry has expired (a stale pointer dropped, then a miss).  Lookup times exclude embedding:
 the tier's embedder here answers from a precomputed table, so the figures are the index
 search, the store fetch and the verification (the learned verifier at the default error
-budget, unless ``--verifier rules``); the end-to-end figure adds the embedding of a short
-question, which the tier computes once per request.  Embedding vectors are mixtures of real
+budget, its cross-encoder reading up to ``MAX_CROSS`` candidates a lookup, unless
+``--verifier rules``); the end-to-end figure adds the embedding of a short question, which
+the tier computes once per request.  The cross-encoder's time for one pair is measured
+apart too.  Embedding vectors are mixtures of real
 MiniLM vectors of the question sets in ``gateway/data`` when the ``embedding`` extra is
 installed (random ones otherwise), so their geometry, and the binary prefilter's
 selectivity, are a real model's.  Embedding time is measured separately on the local
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import random
 import time
 import tracemalloc
@@ -36,7 +39,7 @@ import numpy as np
 
 from bench.common import machine, update_section
 from gateway.cache import CachedResponse, ResponseCache, request_key
-from gateway.cache.embedding import EmbeddingTier, learned, local, rules
+from gateway.cache.embedding import EmbeddingTier, cross, learned, local, rules
 from gateway.cache.embedding.index import PREFILTER_ROWS, hamming_bound
 from gateway.cache.evaluate import read_pairs
 from gateway.cache.keys import RequestKey
@@ -134,7 +137,17 @@ def embedding_times(queries: int) -> list[tuple[str, list[float]]]:
     if not local.available()[0]:
         return []
     rows = []
-    short = [p.second for p in read_pairs(DATA / "question_pairs.tsv")]
+    pairs = read_pairs(DATA / "question_pairs.tsv")
+    reader = cross.CrossEncoder()
+    for first, second in [(p.first, p.second) for p in pairs][:5]:
+        reader.logits([(first, second)])
+    times = []
+    for p in (pairs * (queries // len(pairs) + 1))[: min(queries, 500)]:
+        t0 = time.perf_counter_ns()
+        reader.logits([(p.first, p.second)])
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    rows.append(("cross-encoder, a pair, 2 threads", times))
+    short = [p.second for p in pairs]
     long = [" ".join(short[i : i + 25]) for i in range(0, 100, 4)]  # ~200 words each
     for threads in (1, 2):
         model = local.LocalModel(threads=threads)
@@ -224,6 +237,7 @@ async def main(entries: int, queries: int, verifier: str = "learned") -> list[st
         return times, hits
 
     out(f"entries: {len(tier)} in one context, {origin}; filled in {fill_s:.1f} s")
+    out(f"host load average (1 min) before timing: {os.getloadavg()[0]:.1f}")
     out(
         f"memory: {per_entry:.0f} B/entry traced over {min(entries, TRACED_ENTRIES)} adds to a "
         f"fresh tier (fp16 vector {2 * dims} B + sign code {dims // 8} B + growth slack + "
@@ -251,7 +265,7 @@ async def main(entries: int, queries: int, verifier: str = "learned") -> list[st
     out(f"tier after the run: {tier!r}")
     rows = embedding_times(queries)
     if rows:
-        out(f"{'embedding one text (local model)':<34} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        out(f"{'one run of the local models':<34} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
         for name, times in rows:
             out(f"{name:<34} {pct(times, 0.5):>8.3f} {pct(times, 0.99):>8.3f} {max(times):>8.3f}")
     else:
@@ -277,19 +291,28 @@ if __name__ == "__main__":
     # lookup rows end "p50 p99 max hits", embedding rows "p50 p99 max"
     lookup = max(p99_of(kind, -3) for kind in ("paraphrase (", "unseen", "paraphrase of"))
     embedding = p99_of("short question, 2 threads", -2)
+    reading = p99_of("cross-encoder, a pair", -2)
     both = lookup + embedding
     command = "python -m bench.bench_embedding_lookup" + (" --no-gc" if args.no_gc else "")
     if args.verifier != "learned":
         command += f" --verifier {args.verifier}"
+    cross_row = (
+        f"| the cross-encoder's share <= 5 ms p99 (at most {learned.MAX_CROSS} run a lookup, "
+        f"included in the lookup above) | {learned.MAX_CROSS} x {reading:.3f} ms | "
+        f"{'met' if learned.MAX_CROSS * reading <= 5 else '**missed**'} |\n"
+        if args.verifier == "learned"
+        else ""
+    )
     update_section(
         "embedding",
-        "## Embedding cache tier (issues 4 and 14)\n\n"
+        "## Embedding cache tier (issues 4, 14 and 26)\n\n"
         f"`{command}` on {machine()}; {args.entries} entries in one exact context "
-        "(the worst case: lookups only search their own context).\n\n```\n"
+        "(the worst case: lookups only search their own context).  The lookup rows include "
+        "the verification, with the learned verifier's cross-encoder (issue 26) on the "
+        "candidates it reads.\n\n```\n"
         + "\n".join(printed)
         + "\n```\n\n| target | measured | |\n|---|---|---|\n"
-        f"| embedding-tier lookup <= 2 ms p99 at 100k entries (embedding time apart) | "
-        f"{lookup:.3f} ms (the slowest kind) | {'met' if lookup <= 2 else '**missed**'} |\n"
-        f"| lookup plus verification plus embedding the prompt <= 10 ms p99 | {both:.3f} ms "
-        f"(p99s added: {lookup:.3f} + {embedding:.3f}) | {'met' if both <= 10 else '**missed**'} |",
+        f"| lookup plus verification plus embedding the prompt <= 10 ms p99, plus up to 5 ms "
+        f"for the cross-encoder | {both:.3f} ms (p99s added: {lookup:.3f} + {embedding:.3f}) | "
+        f"{'met' if both <= 15 else '**missed**'} |\n" + cross_row,
     )
