@@ -200,7 +200,7 @@ def _cache_warnings(policy: Any) -> list[str]:
             continue
         semantic = route.cache.semantic
         where = f"routes[{i}].cache.semantic"
-        if semantic.method == "embedding" and (reason := unavailable(semantic.embedder)):
+        if semantic.method == "embedding" and (reason := unavailable(semantic)):
             warnings.append(f"{where}.method: {reason}; the route serves exact and SimHash hits")
         if semantic.method != "off" and semantic.max_distance > MAX_DISTANCE:
             warnings.append(

@@ -136,7 +136,7 @@ async def test_without_the_embedding_extra_check_warns_and_the_gateway_serves_th
 ) -> None:
     for name in (*RUNTIME_MODULES, MODEL.package, TOKENIZER.package):
         monkeypatch.setitem(sys.modules, name, None)  # as if the extra were not installed
-    reason = unavailable()
+    reason = unavailable(Semantic(method="embedding"))
     assert reason is not None and "embedding tier is unavailable" in reason
     assert "the embedding extra is not installed" in reason
     policy = tmp_path / "p.yaml"
@@ -148,6 +148,22 @@ async def test_without_the_embedding_extra_check_warns_and_the_gateway_serves_th
     await gw.post(CHAT, ask("Still cached?"))
     again = await gw.post(CHAT, ask("still cached"))
     assert again.headers["X-Gateway-Cache-Match"] == "simhash"
+
+
+def test_a_backend_embedder_with_the_learned_verifier_needs_the_extra_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The learned verifier reads candidates with a cross-encoder on the local model's
+    runtime: without the extra the tier says so (startup log, gateway check) instead of
+    missing every candidate silently; with the rules it needs nothing."""
+    learned = Semantic(method="embedding", embedder="emb", min_score=0.9)
+    rules = Semantic(method="embedding", embedder="emb", verifier="rules")
+    assert unavailable(rules) is None
+    for name in (*RUNTIME_MODULES, MODEL.package, TOKENIZER.package):
+        monkeypatch.setitem(sys.modules, name, None)
+    reason = unavailable(learned)
+    assert reason is not None and "cross-encoder" in reason and "verifier: rules" in reason
+    assert unavailable(rules) is None
 
 
 def test_check_warns_when_max_distance_exceeds_the_index(

@@ -55,12 +55,15 @@ TierFactory = Callable[[Semantic, EmbeddingContext], EmbeddingLookup]
 what it needs is not installed."""
 
 
-def unavailable(embedder: str | None = None) -> str | None:
-    """Why the shipped embedding tier (with ``embedder``, a backend name, or the local model)
-    cannot be used here, or None when it can."""
+def unavailable(semantic: Semantic) -> str | None:
+    """Why the shipped embedding tier for a route's ``cache.semantic`` (with its
+    ``embedder``, a backend name, or the local model; and its verifier) cannot be used here,
+    or None when it can."""
+    from gateway.cache.embedding.learned import uses_learned
+
     prefix = "the embedding tier is unavailable"
     try:
-        ok, reason = embedding.available(embedder)
+        ok, reason = embedding.available(semantic.embedder, learned=uses_learned(semantic))
     except Exception as exc:  # a broken installation must not break `gateway check`
         return f"{prefix}: checking it failed ({type(exc).__name__}: {exc})"
     return None if ok else f"{prefix}: {reason}"
@@ -72,7 +75,7 @@ def build_tier(
     """The route's embedding tier, or None (logged) when it cannot be had."""
     fallback = "serving exact and SimHash hits only"
     if factory is None:
-        reason = unavailable(semantic.embedder)
+        reason = unavailable(semantic)
         if reason is not None:
             log.warning("route %s: %s; %s", context.route, reason, fallback)
             return None

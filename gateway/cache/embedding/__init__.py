@@ -98,16 +98,25 @@ class EmbeddingContext:
     clock: Clock
 
 
-def available(embedder: str | None = None) -> tuple[bool, str]:
+def available(embedder: str | None = None, *, learned: bool = False) -> tuple[bool, str]:
     """Whether a route's embedding tier can run here, and why not (or what it uses).
 
-    With ``embedder`` (a backend name) the tier needs no extra; without it, the local
-    model's packages and files must be installed.
+    With ``embedder`` (a backend name) the tier needs no extra unless it runs the learned
+    verifier (``learned``), whose cross-encoder runs on the local model's runtime and
+    tokenizer; without ``embedder``, the local model's packages and files must be installed.
     """
-    if embedder:
-        return True, f"embeddings from backend {embedder!r} (/v1/embeddings)"
     from gateway.cache.embedding import local
 
+    if embedder:
+        if learned:
+            ok, reason = local.available()
+            if not ok:
+                return False, (
+                    "the learned verifier reads each candidate with a cross-encoder, which "
+                    f"needs the local model's runtime: {reason}; or set "
+                    "cache.semantic.verifier: rules"
+                )
+        return True, f"embeddings from backend {embedder!r} (/v1/embeddings)"
     return local.available()
 
 
