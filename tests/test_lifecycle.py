@@ -131,6 +131,37 @@ async def test_the_drain_dispatches_nothing_pipelined_behind_a_closing_answer(
     assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
 
 
+async def test_the_drain_serves_the_next_request_after_a_stream_it_could_not_mark_closing(
+    serve_app, serve_process
+):
+    """A stream whose head went out before SIGTERM ends during the drain: its client was
+    never told the connection closes, so it sends its next request at once.  That request
+    is served like any on an open connection, its answer with ``Connection: close``, where
+    closing the connection as the stream ended met it with a reset or nothing."""
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    gw = await serve_process("--upstream", url)
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, gw.admin_url)
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /gated HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b"Connection: close" not in head and b"chunked" in head
+    gw.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.2)  # the drain has begun
+    rec.release.set()
+    stream = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)
+    assert b"[DONE]" in stream
+    writer.write(b"POST /next HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert b"\r\nConnection: close\r\n" in answer
+    assert [seen.path_qs for seen in rec.seen] == ["/gated", "/next"]
+    assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
+
+
 async def test_sighup_reloads_the_policy(serve_app, serve_process, tmp_path: Path):
     a, b = Recorder(), Recorder()
     url_a, url_b = await serve_app(a.app()), await serve_app(b.app())

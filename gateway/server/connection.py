@@ -50,7 +50,7 @@ from gateway.errors import (
 from gateway.server.body import BodyReading
 from gateway.server.clock import Deadline
 from gateway.server.request import Request, read_head
-from gateway.server.turns import BODY, CONTINUE, HEAD, WAIT, Host, Turns
+from gateway.server.turns import BODY, CONTINUE, HEAD, LAST_CALL_S, WAIT, Host, Turns
 from gateway.wire import connection_options
 
 log = logging.getLogger("gateway.server.listener")
@@ -359,6 +359,8 @@ class ClientConnection(Turns):
         if self._active is None and not self._queue:
             if self.requests == 0:
                 return self._accepted + limits.header_timeout_s, "head"
+            if self.draining:
+                return self._idle_since + LAST_CALL_S, "linger"
             return self._idle_since + limits.keepalive_timeout_s, "idle"
         return None
 

@@ -107,9 +107,9 @@ class HttpServer:
             self._emptied.set()
 
     def idle(self, conn: Turns) -> None:
-        """``conn`` waits in keep-alive (or is closed at once when draining)."""
+        """``conn`` waits in keep-alive; when draining, only ``LAST_CALL_S`` (its answer's
+        head went out before the drain, so its client may be sending its next request)."""
         if self.draining:
-            conn.close()
             return
         self._idle.pop(conn, None)
         self._idle[conn] = None

@@ -27,6 +27,11 @@ from gateway.wire import error_body, error_headers, http_date, response_head
 log = logging.getLogger("gateway.server.listener")
 
 LINGER_S = 2.0
+LAST_CALL_S = 1.0
+"""During the drain, how long a connection whose answer ended keep-alive (its head went out
+before the drain began, so its client was never told the connection closes) waits for the
+request its client may be sending already; closed at once, that request would meet a reset
+or nothing.  It is served like any on an open connection, its answer closing."""
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 WAIT, HEAD, BODY = range(3)
 """What the reading side is doing: waiting for a request, in a head, in a body."""
