@@ -11,7 +11,8 @@ clients speak raw HTTP/1.1 (``bench/rawhttp.py``), so every answer is seen as it
 ``bench/faults_drain.py``, ``faults_reload.py`` and ``faults_breaker.py``; this module runs
 them and writes the table.
 
-1. Drain: closed-loop clients (streams and whole answers, 0.2-6 s each) against a backend
+1. Drain: closed-loop clients (streams and whole answers, 0.2-6 s each; a kept-alive
+   connection reused unless the gateway closed it, as pooled clients check) against a backend
    behind ``max_concurrency`` and a queue, and pipelined pairs on a few connections; SIGTERM
    mid-load with ``shutdown_grace_s: 2``.  Targets: the process exits within the grace + 1 s;
    no request is left without an answer (a whole one, a 503, or a stream ended by an error
@@ -182,10 +183,15 @@ def notes(
 ) -> list[str]:
     before = sum(d["before"] for d in drains)
     refused = sum(d["refused_connects"] for d in drains)
+    closed = sum(d["closed_idle"] for d in drains)
     return [
-        f"The drain: {before} requests answered before the SIGTERMs; {refused} connections "
-        "refused after (the listener closed); which requests the gateway read is from its "
-        "access log (`--access-log`) and the ids the backend saw. Reload: "
+        f"The drain: {before} requests answered before the SIGTERMs. A client reuses a "
+        "kept-alive connection only if the gateway has not closed it, as a pooled client "
+        f"checks (httpcore); {closed} times it had (the drain closes idle connections at "
+        "SIGTERM, and each it cuts a stream on at the deadline) and the client connected "
+        f"again; {refused} connections were refused (the listener closed). "
+        "Which requests the gateway read is from its access log (`--access-log`) and the ids "
+        "the backend saw. Reload: "
         f"{reload['generations']} generations in all, at the defaults (`reload_interval_s` "
         f"{DEFAULT_RELOAD_INTERVAL_S:g}, `reload_settle_s` {DEFAULT_RELOAD_SETTLE_S:g}); the "
         f"bench reads the generation every {POLL_S * 1000:.0f} ms. Bad input: the malformed "

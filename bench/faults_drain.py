@@ -113,15 +113,19 @@ routes:
   - {{name: chat, match: {{path: /v1/chat/completions}}, backend: main}}
 """
         sent: list[Sent] = []
-        refused = 0
+        refused = closed_idle = 0
         async with GatewayProcess(tmp, policy, access_log=True) as gw:
 
             async def client(n: int, stream: bool) -> None:
-                nonlocal refused
+                nonlocal refused, closed_idle
                 rng = random.Random(seed * 1000 + n)
                 conn: Conn | None = None
                 previous: float | None = None
                 for i in range(10**6):
+                    if conn is not None and await conn.closed_by_peer():
+                        closed_idle += 1  # a pooled client opens another
+                        conn.close()
+                        conn = None
                     if conn is None:
                         try:
                             conn = await Conn.open(gw.port)
@@ -189,6 +193,7 @@ routes:
         "unanswered_on": Counter(where(s, signalled) for s in unanswered),
         "unanswered_read": [s.id for s in unanswered if s.id in read or s.id in backend.seen],
         "refused_connects": refused,
+        "closed_idle": closed_idle,
         "pairs": pairs,
         "firsts_after_signal": sum(1 for p in pairs if p.get("first_at", 0) >= signalled),
         "seconds_dispatched": sum(1 for n in range(PIPELINED) if f"pipe-{n}-2" in backend.seen),

@@ -102,6 +102,12 @@ class Conn:
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             return b"".join(parts), False
 
+    async def closed_by_peer(self) -> bool:
+        """Whether the gateway closed this idle connection: what a pooled client checks
+        before it reuses one (httpcore: an idle socket that reads as ready is closed)."""
+        await asyncio.sleep(0)
+        return self.reader.at_eof() or self.reader.exception() is not None
+
     def close(self) -> None:
         self.writer.close()
 
