@@ -48,10 +48,14 @@ from typing import Any
 
 from bench.common import machine, update_section
 from bench.faults_breaker import CONSECUTIVE, bench_bad_input, bench_broken_streams
-from bench.faults_drain import GRACE_S, MAX_STEPS, STEP_S, drain_run
+from bench.faults_drain import CUT_RACE, GRACE_S, MAX_STEPS, STEP_S, drain_run
 from bench.faults_reload import bench_reload
 from bench.rawhttp import POLL_S
 from gateway.policy.model import DEFAULT_RELOAD_INTERVAL_S, DEFAULT_RELOAD_SETTLE_S
+
+SLACK_S = 0.1
+"""Beyond its interval, what a poll takes (reading the file off the loop, building the
+generation) and the bench's own reading of the generation, every ``POLL_S``."""
 
 
 def report(
@@ -129,7 +133,7 @@ def reload_rows(reload: dict[str, Any]) -> list[str]:
     failed = sum(n for s, n in statuses.items() if s != "200")
     renamed = reload["rename_s"]
     in_place = reload["in_place_s"]
-    slack = f" + {POLL_S:g} s, the bench's read"
+    slack = f" + {SLACK_S:g} s: a poll's own read and build, and the bench's read"
     return [
         f"| reload under load ({reload['clients']} clients on `/v1/embeddings`): answers but "
         f"200 | {failed} of {sum(statuses.values())} ({tally(statuses)}) | 0 "
@@ -141,12 +145,12 @@ def reload_rows(reload: dict[str, Any]) -> list[str]:
         + (f"{in_place:.2f} s" if in_place is not None else "never")
         + ("" if reload["whole"] else ", without its last routes")
         + f" | <= reload_settle_s + a poll ({settle + poll:g} s{slack}) | "
-        + verdict(in_place is not None and in_place <= settle + poll + POLL_S and reload["whole"])
+        + verdict(in_place is not None and in_place <= settle + poll + SLACK_S and reload["whole"])
         + " |",
         f"| ... a file renamed into place ({len(renamed)} times): live after "
         f"| {', '.join('never' if s is None else f'{s:.2f}' for s in renamed)} s "
         f"| <= a poll ({poll:g} s{slack}) "
-        f"| {verdict(all(s is not None and s <= poll + POLL_S for s in renamed))} |",
+        f"| {verdict(all(s is not None and s <= poll + SLACK_S for s in renamed))} |",
     ]
 
 
@@ -173,7 +177,8 @@ def broken_rows(broken: dict[str, Any]) -> list[str]:
         f"| {broken['broken']} of {broken['streams']} ({tally(broken['problems'])}) "
         f"| <= {CONSECUTIVE} + {broken['clients'] - 1} in flight "
         f"| {verdict(broken['broken'] <= bound)} |",
-        "| ... once the breaker was open: streams whole from the fallback "
+        "| ... streams sent once the breaker was open (`gateway_breaker_state` 1): whole "
+        "from the fallback "
         f"| {whole} of {after} | all | {verdict(broken['opened'] and whole == after > 0)} |",
     ]
 
@@ -184,22 +189,36 @@ def notes(
     before = sum(d["before"] for d in drains)
     refused = sum(d["refused_connects"] for d in drains)
     closed = sum(d["closed_idle"] for d in drains)
+    raced = sum(d["unanswered_on"][CUT_RACE] for d in drains)
+    race = (
+        f" The {raced} left without an answer were sent on a stream's connection in the "
+        "instant between the drain's last word to that stream (an error event at the "
+        "deadline) and its close: the stream's head, sent before SIGTERM, could not say "
+        "the connection closes, and the request met a reset, unread."
+        if raced
+        else ""
+    )
     return [
         f"The drain: {before} requests answered before the SIGTERMs. A client reuses a "
         "kept-alive connection only if the gateway has not closed it, as a pooled client "
         f"checks (httpcore); {closed} times it had (the drain closes idle connections at "
         "SIGTERM, and each it cuts a stream on at the deadline) and the client connected "
-        f"again; {refused} connections were refused (the listener closed). "
-        "Which requests the gateway read is from its access log (`--access-log`) and the ids "
-        "the backend saw. Reload: "
-        f"{reload['generations']} generations in all, at the defaults (`reload_interval_s` "
-        f"{DEFAULT_RELOAD_INTERVAL_S:g}, `reload_settle_s` {DEFAULT_RELOAD_SETTLE_S:g}); the "
-        f"bench reads the generation every {POLL_S * 1000:.0f} ms. Bad input: the malformed "
-        f"rows' callers got {tally(bad['bad'])}; the model saw {bad['calls']} calls, the "
-        f"malformed row in a merged batch of 14 or more in {bad['bad_batched']} of "
-        f"{bad['rounds']} rounds; `gateway_backend_failures_total` by reason: "
-        f"{fmt(bad['failures'])}. Broken streams: the primary saw {broken['primary_calls']} "
-        f"calls; `gateway_backend_failures_total` by reason: {fmt(broken['failures'])}.",
+        f"again; {refused} connections were refused (the listener closed). Which requests "
+        "the gateway read is from its access log (`--access-log`) and the ids the backend "
+        f"saw.{race}",
+        "",
+        f"Reload: {reload['generations']} generations in all, at the defaults "
+        f"(`reload_interval_s` {DEFAULT_RELOAD_INTERVAL_S:g}, `reload_settle_s` "
+        f"{DEFAULT_RELOAD_SETTLE_S:g}); the bench reads the generation every "
+        f"{POLL_S * 1000:.0f} ms.",
+        "",
+        f"Bad input: the malformed rows' callers got {tally(bad['bad'])}; the model saw "
+        f"{bad['calls']} calls, the malformed row in a merged batch of 14 or more in "
+        f"{bad['bad_batched']} of {bad['rounds']} rounds; `gateway_backend_failures_total` "
+        f"by reason: {fmt(bad['failures'])} (`batch_input` is never counted against the "
+        "backend). Broken "
+        f"streams: the primary saw {broken['primary_calls']} calls; "
+        f"`gateway_backend_failures_total` by reason: {fmt(broken['failures'])}.",
     ]
 
 

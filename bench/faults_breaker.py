@@ -178,7 +178,7 @@ routes:
   - {{name: chat, match: {{path: /v1/chat/completions}}, backend: main, fallback: [spare]}}
 """
         async with GatewayProcess(tmp, policy) as gw:
-            seen: list[tuple[float, str, str | None]] = []  # done at, backend, problem
+            seen: list[tuple[float, str, str | None]] = []  # sent at, backend, problem
             opened_at: list[float] = []
             stop = time.perf_counter() + duration_s
 
@@ -186,12 +186,11 @@ routes:
                 conn = await Conn.open(gw.port)
                 request = post("/v1/chat/completions", {**CHAT, "stream": True})
                 while time.perf_counter() < stop:
+                    sent = time.perf_counter()
                     conn.send(request)
                     answer = await conn.answer()
                     problem = stream_problem(answer.body) if answer.status == 200 else "status"
-                    seen.append(
-                        (time.perf_counter(), answer.headers.get("x-gateway-backend", ""), problem)
-                    )
+                    seen.append((sent, answer.headers.get("x-gateway-backend", ""), problem))
                     if answer.closes or not answer.whole:
                         conn.close()
                         conn = await Conn.open(gw.port)

@@ -33,6 +33,7 @@ STEP_S = 0.1
 MAX_STEPS = 60
 """The drain's answers take 0.2 s to 6 s: some are cut at the deadline."""
 PIPELINED = 4
+CUT_RACE = "the connection of a stream cut at the deadline, as the drain closed it"
 
 
 class PacedBackend:
@@ -62,13 +63,13 @@ class PacedBackend:
 
 @dataclass(slots=True)
 class Sent:
-    """One request of a drain's client: when it went, when its answer ended, how, and when
-    the answer before it on the same connection ended (None: a new connection)."""
+    """One request of a drain's client: when it went, when its answer ended, how, and the
+    request before it on the same connection (None: a new connection)."""
 
     id: str
     stream: bool
     at: float
-    previous: float | None
+    previous: Sent | None
     done: float = 0.0
     outcome: str = ""
 
@@ -93,11 +94,14 @@ def outcome(answer: Answer, stream: bool) -> str:
 
 def where(item: Sent, signalled: float) -> str:
     """Which connection a request went on, for those left without an answer."""
-    if item.previous is None:
+    previous = item.previous
+    if previous is None:
         return "a new connection"
-    if item.previous >= signalled:
-        return "a connection whose answer ended in the drain, kept alive"
-    return "a connection idle at SIGTERM"
+    if previous.done < signalled:
+        return "a connection idle at SIGTERM"
+    if previous.outcome == "stream ended by an error event":
+        return CUT_RACE
+    return "a connection whose answer ended in the drain, kept alive"
 
 
 async def drain_run(tmp: Path, clients: int, load_s: float, seed: int) -> dict[str, Any]:
@@ -120,7 +124,7 @@ routes:
                 nonlocal refused, closed_idle
                 rng = random.Random(seed * 1000 + n)
                 conn: Conn | None = None
-                previous: float | None = None
+                previous: Sent | None = None
                 for i in range(10**6):
                     if conn is not None and await conn.closed_by_peer():
                         closed_idle += 1  # a pooled client opens another
@@ -149,7 +153,8 @@ routes:
                         if answer.closes or not answer.whole:
                             conn.close()
                             conn = None
-                    item.done = previous = time.perf_counter()
+                    item.done = time.perf_counter()
+                    previous = item
 
             async def pipelined(n: int) -> dict[str, Any]:
                 """Two requests in one write: the first takes 1 s and spans the SIGTERM."""
