@@ -65,16 +65,17 @@ def report(
     broken: dict[str, Any],
     command: str,
     clients: int,
-    load: float,
+    others: float,
 ) -> str:
-    shared = ": the host was shared with other work" if load >= 1.0 else ""
+    shared = ", a host shared with other work" if others >= 0.05 else ""
     return "\n".join(
         [
             "## Faults: drain, reload, bad input, broken streams (issue 24)",
             "",
-            f"`{command}` on {machine()}; the 1-minute load average was {load:.1f} when it "
-            f"began{shared}. Each experiment runs a fresh `gateway serve` process; backends "
-            "and raw HTTP/1.1 clients share the bench's event loop, all on 127.0.0.1.",
+            f"`{command}` on {machine()}{shared}: other processes used {others:.0%} of its "
+            "CPU time during the run. Each experiment runs a fresh `gateway serve` process; "
+            "backends and raw HTTP/1.1 clients share the bench's event loop, all on "
+            "127.0.0.1.",
             "",
             "| experiment | measured | target | |",
             "|---|---|---|---|",
@@ -191,7 +192,8 @@ def notes(
     closed = sum(d["closed_idle"] for d in drains)
     raced = sum(d["unanswered_on"][CUT_RACE] for d in drains)
     race = (
-        f" The {raced} left without an answer were sent on a stream's connection in the "
+        f" {'The one request' if raced == 1 else f'The {raced} requests'} left without an "
+        f"answer {'was' if raced == 1 else 'were'} sent on a stream's connection in the "
         "instant between the drain's last word to that stream (an error event at the "
         "deadline) and its close: the stream's head, sent before SIGTERM, could not say "
         "the connection closes, and the request met a reset, unread."
@@ -252,6 +254,16 @@ async def run(args: argparse.Namespace) -> tuple[Any, ...]:
     return drains, reload, bad, broken
 
 
+def cpu_seconds() -> tuple[float, float, float]:
+    """Now, the CPU time the machine has been busy (``/proc/stat``), and that of this process
+    with the children it waited for (the gateways)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    own = os.times()
+    ours = own.user + own.system + own.children_user + own.children_system
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), ours
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one drain, fewer rounds (~40 s)")
@@ -262,11 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     args.drains, args.renames, args.rounds, args.load, args.streaming = (
         (1, 2, 20, 5.0, 3.0) if args.quick else (4, 4, 100, 6.0, 6.0)
     )
-    load = os.getloadavg()[0]
+    before = cpu_seconds()
     drains, reload, bad, broken = asyncio.run(run(args))
+    wall, busy, ours = (b - a for a, b in zip(before, cpu_seconds(), strict=True))
     shown = [a for a in argv if a != "--no-write"]
     command = " ".join(["python -m bench.bench_faults", *shown])
-    table = report(drains, reload, bad, broken, command, args.clients, load)
+    others = max(0.0, busy - ours) / (wall * (os.cpu_count() or 1))
+    table = report(drains, reload, bad, broken, command, args.clients, others)
     print(table)
     if not args.no_write:
         update_section("faults", table)
