@@ -162,6 +162,42 @@ async def test_the_drain_serves_the_next_request_after_a_stream_it_could_not_mar
     assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
 
 
+async def test_the_request_sent_as_the_drain_cuts_a_stream_short_gets_a_503_not_a_reset(
+    serve_app, serve_process, tmp_path: Path
+):
+    """The grace runs out on a stream whose head (sent before SIGTERM) said keep-alive: the
+    drain ends it with an error event, and its client, which reads that event and sends its
+    next request on the same connection at once, gets a 503 with ``Connection: close``,
+    never sent upstream (before, the connection closed as the event went out, and that
+    request met a reset or nothing)."""
+    rec = Recorder()
+    url = await serve_app(rec.app())
+    grace_s = 0.5
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        f'backends:\n  main: {{url: "{url}"}}\nroutes:\n  - {{backend: main}}\n'
+        f"server: {{shutdown_grace_s: {grace_s}}}\n"
+    )
+    gw = await serve_process("--policy", str(path))
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, gw.admin_url)
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /gated HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b"Connection: close" not in head and b"chunked" in head
+    gw.proc.send_signal(signal.SIGTERM)
+    stream = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)
+    assert b"shut down before this answer was complete" in stream
+    writer.write(b"POST /next HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 503 "), answer
+    assert b"\r\nConnection: close\r\n" in answer and b"shutting down" in answer
+    assert [seen.path_qs for seen in rec.seen] == ["/gated"]
+    assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
+
+
 async def test_sighup_reloads_the_policy(serve_app, serve_process, tmp_path: Path):
     a, b = Recorder(), Recorder()
     url_a, url_b = await serve_app(a.app()), await serve_app(b.app())

@@ -284,8 +284,11 @@ class Request:
         await self._conn.drain()
 
     def end_with(self, data: bytes) -> None:
-        """Complete a streamed answer with ``data`` as its last piece and close, without
-        waiting on the client (the drain's last word to a stream it cuts short)."""
+        """Complete a streamed answer with ``data`` as its last piece, without waiting on the
+        client (the drain's last word to a stream it cuts short).  A chunked answer ends
+        whole and, if its head said keep-alive, its connection stays for what is left of the
+        drain: its client may be sending its next request already, which gets a 503
+        (``turns``) rather than a reset.  Any other answer ends only by closing."""
         if self._length is None and data:
             if self._chunked:
                 self._conn.writelines((b"%x\r\n" % len(data), data, b"\r\n0\r\n\r\n"))
@@ -294,8 +297,9 @@ class Request:
         elif self._chunked:
             self._conn.write(b"0\r\n\r\n")
         self.finished = True
-        self._keep = False
-        self._conn.close()
+        if not self._chunked:
+            self._keep = False
+            self._conn.close()
 
     def cut(self) -> None:
         """End an answer that cannot be completed: the connection closes mid-answer."""

@@ -148,6 +148,10 @@ class Turns(asyncio.Protocol, ABC):
             waiter.set_result(None)
 
     def _dispatch(self, request: Request) -> None:
+        if self.server.cutting:  # the grace is over: nothing more is begun, but answered
+            self._queue.append(request)
+            self._refuse_queued()
+            return
         self._active = request
         self._task = self._loop.create_task(self._run(request))
 
