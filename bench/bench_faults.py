@@ -203,9 +203,9 @@ def notes(
     return [
         f"The drain: {before} requests answered before the SIGTERMs. A client reuses a "
         "kept-alive connection only if the gateway has not closed it, as a pooled client "
-        f"checks (httpcore); {closed} times it had (the drain closes idle connections at "
-        "SIGTERM, and each it cuts a stream on at the deadline) and the client connected "
-        f"again; {refused} connections were refused (the listener closed). Which requests "
+        f"checks (httpcore); {closed} times it had (the drain closes connections idle at "
+        "SIGTERM, and the rest at its end) and the client connected again; "
+        f"{refused} connections were refused (the listener closed). Which requests "
         "the gateway read is from its access log (`--access-log`) and the ids the backend "
         f"saw.{race}",
         "",
