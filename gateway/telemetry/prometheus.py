@@ -2,7 +2,8 @@
 
 In Kubernetes a sidecar without its own GPU request cannot open the GPU with NVML, so it reads
 the DCGM exporter (``DCGM_FI_DEV_*``, or the old namespace's ``dcgm_*`` with a lower-case
-``uuid``) and the model server's own ``/metrics`` (vLLM, TGI).  Only the few series that map
+``uuid``) and the model server's own ``/metrics`` (vLLM, TGI, llama.cpp's ``llama-server
+--metrics``).  Only the few series that map
 to a signal are parsed; the rest of a large exposition is skipped by name without parsing
 labels.
 
@@ -12,8 +13,15 @@ one series overwriting the other.  A ``Selector`` keeps only the devices a backe
 matchers (``{pod: ..., namespace: ...}`` on a node-wide exporter that maps devices to pods)
 and the ``gpu`` / ``gpu_instance`` shorthands.  With several devices left, each signal takes
 the largest value: the hottest, fullest GPU wins (and the source says so once, in a
-warning).  Queue lengths are summed over series (one per model or engine); KV-cache use
-takes the largest.
+warning).  Queue lengths and running requests are summed over series (one per model or
+engine); KV-cache use takes the largest.
+
+llama.cpp's server has one queue (``llamacpp:requests_deferred``: requests waiting for a
+free slot) and its busy slots (``llamacpp:requests_processing``); this build exports no
+KV-cache gauge (older ones had ``llamacpp:kv_cache_usage_ratio``, read when present).  Its
+``n_busy_slots_per_decode`` is an average since the server started and its token
+throughputs are averaged between two scrapes (each scrape restarts them), so neither is a
+signal of the load now; they are not read.
 """
 
 from __future__ import annotations
@@ -45,8 +53,13 @@ GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"
 POWER_LIMITS = ("DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "DCGM_FI_DEV_POWER_MGMT_LIMIT")
 CLOCK_REASONS = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
-QUEUE_WAITING = ("vllm:num_requests_waiting", "tgi_queue_size")
-KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+QUEUE_WAITING = ("vllm:num_requests_waiting", "tgi_queue_size", "llamacpp:requests_deferred")
+RUNNING = ("vllm:num_requests_running", "tgi_batch_current_size", "llamacpp:requests_processing")
+KV_CACHE = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "llamacpp:kv_cache_usage_ratio",
+)
 
 OLD_NAMESPACE = {
     "dcgm_gpu_temp": GPU_TEMP,
@@ -76,6 +89,7 @@ WANTED = frozenset(
         *POWER_LIMITS,
         *CLOCK_REASONS,
         *QUEUE_WAITING,
+        *RUNNING,
         *KV_CACHE,
         *OLD_NAMESPACE,
     )
@@ -205,10 +219,11 @@ def read_series(series: Iterable[Series], select: Selector | str | None = None) 
             values.setdefault(signal, []).append(value)
     out = {signal: max(vs) for signal, vs in values.items()}
 
-    for name in QUEUE_WAITING:
-        if name in server:
-            out["queue_waiting"] = sum(server[name])
-            break
+    for signal, names in (("queue_waiting", QUEUE_WAITING), ("requests_running", RUNNING)):
+        for name in names:
+            if name in server:
+                out[signal] = sum(server[name])
+                break
     for name in KV_CACHE:
         if name in server:
             out["kv_cache_usage"] = max(server[name])

@@ -26,6 +26,7 @@ Signal = Literal[
     "gpu_thermal_throttling",
     "kv_cache_usage",
     "queue_waiting",
+    "requests_running",
 ]
 SIGNALS: tuple[Signal, ...] = get_args(Signal)
 """Every signal name a throttle rule may name, in a stable order."""
@@ -52,6 +53,7 @@ class Sample:
     gpu_thermal_throttling: float | None = None
     kv_cache_usage: float | None = None
     queue_waiting: float | None = None
+    requests_running: float | None = None
     gpu_slowdown_temperature_c: float | None = None
     gpu_shutdown_temperature_c: float | None = None
 
