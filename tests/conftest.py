@@ -16,12 +16,17 @@ from gateway.app import Gateway
 from gateway.policy.load import zero_config_policy
 from gateway.policy.watch import PolicySource
 from gateway.testing.harness import Pipeline
+from tests.llama import llama, llama_pair, require_llm  # noqa: F401
 from tests.upstreams import Answer, RawBackend, RawExchange
 
 ServeApp = Callable[[web.Application], Awaitable[str]]
 pytest_plugins = ("tests.redis_server", "tests.redis_cluster")
 """``redis_cluster`` (one per session, so never imported into a test module), and what
 ``redis_target`` asks for wherever it is used."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    require_llm(item)
 
 
 @pytest.fixture
