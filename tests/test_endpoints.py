@@ -582,3 +582,36 @@ def test_the_leading_key_is_the_system_prompt_else_the_first_turn() -> None:
         chat(("developer", "Be terse."), ("user", "y"))
     )
     assert leading_key({"messages": "not a list"}) is None
+
+
+async def test_kv_aware_affinity_gives_way_while_its_server_is_saturated(serve_app) -> None:
+    """A prefix's server queueing requests (over ``saturation``) sends the prefix elsewhere
+    while another has room; once it clears, the prefix is back home."""
+    figures = {n: {"waiting": 0.0, "kv": 0.1} for n in "ab"}
+    urls = [await serve_app(reporting(n, figures[n])) for n in "ab"]
+    clock = FakeClock()
+    backend = Backend(
+        "m",
+        endpoints=tuple(urls),
+        balance="kv_aware",
+        prefix_affinity=True,
+        telemetry=TelemetrySource(interval_ms=200),
+    )
+    endpoints = EndpointSet(backend, Metrics(), clock=clock, rng=random.Random(3))
+    endpoints.watch_load()
+    try:
+        await until(lambda: all(e.queue_waiting == 0.0 for e in endpoints.endpoints))
+        home = endpoints.pick(affinity="k")
+        other = next(e for e in endpoints.endpoints if e is not home)
+        assert endpoints.pick(affinity="k") is home
+        name = "ab"[endpoints.endpoints.index(home)]
+        figures[name]["waiting"] = 9.0
+        clock.advance(0.2)
+        await until(lambda: home.queue_waiting == 9.0)
+        assert {endpoints.pick(affinity="k") for _ in range(5)} == {other}
+        figures[name]["waiting"] = 0.0
+        clock.advance(0.2)
+        await until(lambda: home.queue_waiting == 0.0)
+        assert endpoints.pick(affinity="k") is home
+    finally:
+        await endpoints.aclose()

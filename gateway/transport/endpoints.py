@@ -13,7 +13,9 @@ request by the backend's ``balance``:
 * with ``prefix_affinity``, on top of either: a request whose leading context (its
   ``openai.prefix.leading_key``) an endpoint served recently goes to that endpoint again,
   while it is no busier than the least busy by more than ``AFFINITY_SLACK`` (so its model
-  server's prefix cache is reused, and a hot prefix cannot pile onto one instance).
+  server's prefix cache is reused, and a hot prefix cannot pile onto one instance) and,
+  with ``kv_aware``, while its server is not saturated when another is not (a server with
+  few slots, llama.cpp's, queues a request long before the slack is reached).
 
 Per-endpoint health is outlier ejection (Envoy's ``consecutive_5xx``): after
 ``EJECT_AFTER`` failures in a row (a connect error, a timeout, a 5xx other than 503; the
@@ -242,15 +244,17 @@ class EndpointSet:
         return self._balanced(choices)
 
     def _affine(self, key: str, choices: list[Endpoint]) -> Endpoint:
-        """The endpoint that served ``key`` recently, while it is among ``choices`` and no
-        busier than the least busy by more than ``AFFINITY_SLACK``; else a balanced pick.
+        """The endpoint that served ``key`` recently, while it is among ``choices``, no
+        busier than the least busy by more than ``AFFINITY_SLACK`` and (``kv_aware``) not
+        saturated while another is not; else a balanced pick.
         Only a prefix new here, or whose endpoint is out of ``choices`` (ejected, gone,
         throttled), gets a new home: an overflow to another endpoint leaves it where its
         model server's prefix cache is."""
         known = self._affinity.get(key)
         if known is not None and known in choices:
             self._affinity.move_to_end(key)
-            if known.inflight <= min(e.inflight for e in choices) + AFFINITY_SLACK:
+            least = min(e.inflight for e in choices)
+            if known.inflight <= least + AFFINITY_SLACK and not self._queues(known, choices):
                 self.affinity_hits += 1
                 return known
             return self._balanced([e for e in choices if e is not known] or choices)
@@ -260,6 +264,13 @@ class EndpointSet:
         while len(self._affinity) > AFFINITY_KEYS:
             self._affinity.popitem(last=False)
         return endpoint
+
+    def _queues(self, known: Endpoint, choices: list[Endpoint]) -> bool:
+        """``kv_aware``: whether ``known``'s server is saturated while another is not (a
+        request sent there would wait for a slot that another server has free)."""
+        if self.balance != "kv_aware" or not load.saturated(known, self._backend):
+            return False
+        return any(not load.saturated(e, self._backend) for e in choices if e is not known)
 
     def _balanced(self, choices: list[Endpoint]) -> Endpoint:
         if self.balance == "kv_aware":  # the unsaturated, else all; then by score
