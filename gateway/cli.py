@@ -6,6 +6,7 @@ gateway check PATH...      validate policies; non-zero exit naming file, key pat
 gateway schema [--markdown] the policy's JSON Schema (or its reference page)
 gateway metrics [--markdown] every metric family as JSON (or docs/metrics.md)
 gateway sim [flags]        the simulated GPU model server
+gateway demo [--backend sim|llama] [--duration S --clients N --json]  the before/after demo
 gateway cache-eval PAIRS.tsv... [--embedding] [--plot F.png] [--json] [--adjudicated F.tsv]
                            precision / recall / false hits per cache tier, and curves
 gateway cache-eval --calibrate PAIRS.tsv [--max-false-hit-rate R]
@@ -90,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     metrics.set_defaults(run=_metrics)
 
     demo = sub.add_parser("demo", help="simulated GPU + workload: before/after table")
-    demo.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
-    demo.add_argument("--clients", type=int, default=32, help="concurrent clients")
+    demo.add_argument("--backend", choices=("sim", "llama"), help="sim, or llama: a real model")
+    demo.add_argument("--duration", type=float, help="seconds per phase (8; llama 30)")
+    demo.add_argument("--clients", type=int, help="concurrent clients (32; llama 6)")
     demo.add_argument("--json", action="store_true", help="machine-readable output")
     demo.set_defaults(run=_demo)
 
@@ -330,28 +332,25 @@ def _demo(args: argparse.Namespace) -> int:
     from gateway.demo import DemoOptions, run_demo
     from gateway.demo.run import render
 
-    if args.duration <= 0 or args.clients < 1:
+    options = DemoOptions.given(args.backend, args.duration, args.clients, args.json)
+    if options.duration_s <= 0 or options.clients < 1:
         print("error: --duration must be > 0 and --clients >= 1", file=sys.stderr)
         return 2
-    options = DemoOptions(duration_s=args.duration, clients=args.clients, as_json=args.json)
     if args.log_level == "info":  # the demo's own table tells the story; keep logs to problems
         logging.getLogger().setLevel(logging.WARNING)
+    if options.backend == "llama":
+        from gateway.demo.llama import run_cli
+
+        return run_cli(options, _run)
     if not args.json:
         print(
             "running the demo: the workload straight at a simulated GPU, then through the "
-            f"gateway ({2 * args.duration:g} s), then the thermal scene (about 10 s) and the "
-            "cold-start scene (about 8 s)...",
+            f"gateway ({2 * options.duration_s:g} s), then the thermal scene (about 10 s) and "
+            "the cold-start scene (about 8 s)...",
             file=sys.stderr,
             flush=True,
         )
-
-    result: dict[str, Any] = {}
-
-    async def demo() -> None:
-        result.update(await run_demo(options))
-
-    _run(demo())
-    print(render(result, args.json))
+    print(render(_run(run_demo(options)), args.json))
     return 0
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 from gateway.app import Gateway
 from gateway.demo.coldstart import format_coldstart, run_coldstart
@@ -19,16 +19,34 @@ from gateway.policy.watch import PolicySource
 from gateway.sim import SimConfig, start_sim
 
 DEMO_POLICY = "demo.yaml"
+SIM_DEFAULTS = (8.0, 32)
+LLAMA_DEFAULTS = (30.0, 6)
+"""Each backend's phase length (s) and clients, when not given."""
 
 
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
     """How long and how hard the demo drives."""
 
-    duration_s: float = 8.0
-    clients: int = 32
+    duration_s: float = SIM_DEFAULTS[0]
+    clients: int = SIM_DEFAULTS[1]
     time_scale: float = 15.0
     as_json: bool = False
+    backend: Literal["sim", "llama"] = "sim"
+
+    @classmethod
+    def given(
+        cls, backend: str | None, duration_s: float | None, clients: int | None, as_json: bool
+    ) -> DemoOptions:
+        """The options asked for; what is not given is the backend's default (a real model
+        on a CPU answers a few requests a second: longer phases, fewer clients)."""
+        defaults = LLAMA_DEFAULTS if backend == "llama" else SIM_DEFAULTS
+        return cls(
+            duration_s=defaults[0] if duration_s is None else duration_s,
+            clients=defaults[1] if clients is None else clients,
+            as_json=as_json,
+            backend="llama" if backend == "llama" else "sim",
+        )
 
 
 def demo_policy_text() -> str:
@@ -57,7 +75,7 @@ async def _phase(options: DemoOptions, through_gateway: bool) -> dict[str, Any]:
         before = sim.state()
         stats = await drive(url, clients=options.clients, duration_s=options.duration_s)
         after = sim.state()
-        savings = _savings(gateway) if gateway is not None else {}
+        savings = gateway_savings(gateway) if gateway is not None else {}
     finally:
         if gateway is not None:
             await gateway.shutdown(1.0)
@@ -73,7 +91,7 @@ async def _phase(options: DemoOptions, through_gateway: bool) -> dict[str, Any]:
     }
 
 
-def _savings(gateway: Gateway) -> dict[str, Any]:
+def gateway_savings(gateway: Gateway) -> dict[str, Any]:
     """Where the gateway's saved GPU calls came from, read off its own metrics."""
     registry = gateway.metrics.registry
 
@@ -111,6 +129,19 @@ ROWS = (
 )
 
 
+def compared(
+    direct: dict[str, Any], gateway: dict[str, Any], rows: tuple[tuple[str, str, str], ...]
+) -> list[str]:
+    """The before/after lines: each row's label, both figures and their ratio."""
+    width = max(28, *(len(label) + 2 for label, _, _ in rows))
+    lines = [f"{'':{width}}{'direct':>12}{'via gateway':>14}{'change':>10}"]
+    for label, key, fmt in rows:
+        a, b = direct[key], gateway[key]
+        change = f"{b / a:.2f}x" if a else ""
+        lines.append(f"{label:{width}}{fmt.format(a):>12}{fmt.format(b):>14}{change:>10}")
+    return lines
+
+
 def format_table(result: dict[str, Any]) -> str:
     direct, gateway = result["direct"], result["gateway"]
     o = result["options"]
@@ -121,12 +152,8 @@ def format_table(result: dict[str, Any]) -> str:
         "workload: repeated, near-duplicate and fresh chat prompts (temperature 0) and "
         "single-input embedding calls",
         "",
-        f"{'':28}{'direct':>12}{'via gateway':>14}{'change':>10}",
+        *compared(direct, gateway, ROWS),
     ]
-    for label, key, fmt in ROWS:
-        a, b = direct[key], gateway[key]
-        change = f"{b / a:.2f}x" if a else ""
-        lines.append(f"{label:28}{fmt.format(a):>12}{fmt.format(b):>14}{change:>10}")
     if "cache_hits" in gateway:
         lines += [
             "",

@@ -31,6 +31,7 @@ QUESTIONS = tuple(f"Which {p} would you recommend for a beginner?" for p in PROD
 
 # Share of each kind of request; the rest are embeddings.
 REPEATED, NEAR_DUPLICATE, FRESH = 0.35, 0.15, 0.15
+MODEL = "sim-model"
 
 
 @dataclass
@@ -67,9 +68,12 @@ def near_duplicate(text: str, rng: random.Random) -> str:
     return rng.choice(variants)
 
 
-def next_request(rng: random.Random, serial: int) -> tuple[str, str, dict[str, object]]:
-    """(kind, path, body) of the next request."""
-    roll = rng.random()
+def next_request(
+    rng: random.Random, serial: int, *, chat_only: bool = False, model: str = MODEL
+) -> tuple[str, str, dict[str, object]]:
+    """(kind, path, body) of the next request (``chat_only``: the chat kinds in their
+    proportions, no embeddings)."""
+    roll = rng.random() * (REPEATED + NEAR_DUPLICATE + FRESH if chat_only else 1.0)
     if roll < REPEATED:
         kind, text = "repeated", rng.choice(QUESTIONS)
     elif roll < REPEATED + NEAR_DUPLICATE:
@@ -82,13 +86,13 @@ def next_request(rng: random.Random, serial: int) -> tuple[str, str, dict[str, o
         return (
             "embedding",
             "/v1/embeddings",
-            {"model": "sim-model", "input": f"customer {rng.randrange(400)} viewed {product}"},
+            {"model": model, "input": f"customer {rng.randrange(400)} viewed {product}"},
         )
     return (
         kind,
         "/v1/chat/completions",
         {
-            "model": "sim-model",
+            "model": model,
             "temperature": 0,
             "max_tokens": 16,
             "messages": [
@@ -99,13 +103,22 @@ def next_request(rng: random.Random, serial: int) -> tuple[str, str, dict[str, o
     )
 
 
-async def drive(base_url: str, *, clients: int, duration_s: float, seed: int = 7) -> Stats:
+async def drive(
+    base_url: str,
+    *,
+    clients: int,
+    duration_s: float,
+    seed: int = 7,
+    chat_only: bool = False,
+    model: str = MODEL,
+    timeout_s: float = 30,
+) -> Stats:
     """Run ``clients`` closed-loop clients against ``base_url`` for ``duration_s``."""
     stats = Stats()
     rng = random.Random(seed)
     serial = 0
     connector = aiohttp.TCPConnector(limit=clients)
-    timeout = aiohttp.ClientTimeout(total=30)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     started = time.perf_counter()
     deadline = started + duration_s
 
@@ -113,7 +126,7 @@ async def drive(base_url: str, *, clients: int, duration_s: float, seed: int = 7
         nonlocal serial
         while time.perf_counter() < deadline:
             serial += 1
-            kind, path, body = next_request(rng, serial)
+            kind, path, body = next_request(rng, serial, chat_only=chat_only, model=model)
             sent = time.perf_counter()
             try:
                 async with session.post(base_url + path, json=body) as response:
