@@ -163,29 +163,19 @@ async def ask_all(url: str, pairs: Sequence[Pair]) -> list[Asked]:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One variant at one threshold, on the sample and projected onto the file."""
+    """One variant at one threshold: its verdicts on the sample's grey pairs as an operating
+    point (a yes a hit: ``true_hits`` duplicates confirmed, ``false_hits`` different pairs
+    confirmed), and what they project onto the whole file."""
 
     name: str
     threshold: float | None
-    yes_same: int
-    same: int
-    yes_different: int
-    different: int
+    sample: calibrate.Point
     allowance: float  # the false-yes rate the budget leaves the judge on grey differents
     recall_file: float  # the tier's and the judge's projected recall on the whole file
 
     @property
-    def precision(self) -> float | None:
-        yes = self.yes_same + self.yes_different
-        return self.yes_same / yes if yes else None
-
-    @property
-    def false_yes_upper(self) -> float:
-        return calibrate.clopper_pearson_upper(self.yes_different, self.different)
-
-    @property
     def safe(self) -> bool:
-        return self.false_yes_upper <= self.allowance
+        return self.sample.upper <= self.allowance
 
 
 def rows_for(
@@ -205,18 +195,8 @@ def rows_for(
             yes_different = sum(1 for s, y in answered if not y and s >= t)
             added = yes_same / same * grey_same if same else 0.0
             recall = (tier.true_hits + added) / tier.positives
-            rows.append(
-                Row(
-                    asked.name,
-                    cut,
-                    yes_same,
-                    same,
-                    yes_different,
-                    len(answered) - same,
-                    allowance,
-                    recall,
-                )
-            )
+            point = calibrate.Point(t, yes_same, yes_different, same, len(answered) - same)
+            rows.append(Row(asked.name, cut, point, allowance, recall))
     return rows
 
 
@@ -243,7 +223,7 @@ def run(path: Path, limit: int) -> tuple[calibrate.Point, tuple[int, int], list[
 
 def report(path: Path, limit: int, tier, grey, rows: list[Row], variants: list[Asked]) -> str:
     command = f"python -m bench.bench_judge --limit {limit}"
-    sample = rows[0].same + rows[0].different
+    sample = rows[0].sample.positives + rows[0].sample.negatives
     lines = [
         "## The backend as judge on a real model (issue 25)",
         "",
@@ -261,11 +241,12 @@ def report(path: Path, limit: int, tier, grey, rows: list[Row], variants: list[A
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        precision = "-" if r.precision is None else f"{r.precision:.1%}"
+        p = r.sample
+        precision = "-" if p.precision is None else f"{p.precision:.1%}"
         lines.append(
             f"| {r.name} | {'its parser' if r.threshold is None else r.threshold} | "
-            f"{precision} | {r.yes_same}/{r.same} | {r.yes_different}/{r.different} "
-            f"({r.false_yes_upper:.1%}) | {r.recall_file:.1%} | {'yes' if r.safe else 'no'} |"
+            f"{precision} | {p.true_hits}/{p.positives} | {p.false_hits}/{p.negatives} "
+            f"({p.upper:.1%}) | {r.recall_file:.1%} | {'yes' if r.safe else 'no'} |"
         )
     lines += [
         "",
