@@ -6,6 +6,7 @@ and a three-master Redis Cluster (``redis_target``)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -66,6 +67,18 @@ async def test_two_replicas_forecast_from_the_sum_of_their_counts(
         assert shared.rate.best_rps() == pytest.approx(2.0)
     assert await a.sync()  # a second sync sends nothing twice
     assert await client.hget("gw:rate:r", str(MONDAY)) == b"120"
+
+
+async def test_syncs_at_once_run_one_after_the_other(client: Any, link: RedisLink) -> None:
+    """The background sync and one asked for (a test's, an operator's) may overlap: each
+    minute owed is still sent once, and the counts applied last are the newest."""
+    clock = FakeClock(wall_start=MONDAY * 60.0)
+    shared = replica(link, clock)
+    shared.rate.history.record(7)
+    clock.advance(60)
+    assert all(await asyncio.gather(shared.sync(), shared.sync(), shared.sync()))
+    assert await client.hget("gw:rate:r", str(MONDAY)) == b"7"
+    assert shared.rate.counts() == ([7], MONDAY)
 
 
 async def test_a_seeded_week_reaches_a_new_replicas_seasonal_forecast(

@@ -68,6 +68,7 @@ class SharedHistory:
         self._flushed = -1  # the last minute whose count was sent
         self._stale: list[bytes] = []
         self._task: asyncio.Task[None] | None = None
+        self._one = asyncio.Lock()  # one sync at a time: see ``sync``
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -80,7 +81,15 @@ class SharedHistory:
             await self._sleep(MINUTE_S - into_minute + 1)  # just after the next minute ends
 
     async def sync(self) -> bool:
-        """Flush the finished minutes, read the fleet's back; False when Redis failed."""
+        """Flush the finished minutes, read the fleet's back; False when Redis failed.
+
+        Syncs run one at a time: two at once would both send the minutes owed (counting
+        them twice), and the one that read the hash first could apply its older counts last.
+        """
+        async with self._one:
+            return await self._sync()
+
+    async def _sync(self) -> bool:
         counts, first = self.rate.history.complete()
         last = first + len(counts) - 1
         owed = {first + i: n for i, n in enumerate(counts) if first + i > self._flushed and n > 0}
