@@ -17,6 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.metrics import Metrics
+from gateway.policy.model import Server as Limits
+from gateway.server.connection import ClientConnection
+from gateway.server.listener import HttpServer
+from gateway.testing import FakeSocket
 from tests.helpers import CHAT, parse_responses, until, write_policy
 from tests.test_client_limits import closed, open_raw
 from tests.test_lifecycle import serve_process, wait_ready  # noqa: F401
@@ -340,3 +345,45 @@ def test_the_defaults_are_what_the_docs_promise():
     assert server.min_body_rate_bytes_s == 1024 and server.body_deadline_s == 300
     assert server.max_json_values == 500_000
     assert "PROPFIND" not in server.allowed_methods and "OPTIONS" in server.allowed_methods
+
+
+# -- the loop's turn ---------------------------------------------------------------------------
+async def test_a_read_of_many_tiny_chunks_gives_the_loop_a_turn():
+    """A read that brought thousands of 2-byte chunks (a callback each) pauses the
+    connection's reading until the loop has run once: libuv would otherwise read the same
+    socket up to 32 times in one go, holding every other connection and timer.  A pause of
+    its own (here: the answer's back-pressure) is not lifted by that turn's end.  The
+    server's real connection over a ``FakeSocket``."""
+    answered: list[bytes] = []
+
+    async def handler(request: Any) -> None:
+        answered.append(request.body)
+        request.respond(200, [("Content-Type", "application/json")], b"{}")
+
+    server = HttpServer(handler, Limits, Metrics())
+    conn = ClientConnection(server)
+    sock = FakeSocket()
+    conn.connection_made(sock)
+    text = json.dumps({**CHAT, "note": "x" * 9000}).encode()
+    chunks = [
+        b"%x\r\n%s\r\n" % (len(text[i : i + 2]), text[i : i + 2]) for i in range(0, len(text), 2)
+    ]
+    third = len(chunks) // 3  # 1,500 chunks
+    conn.data_received(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(chunks[:third]))
+    assert not sock.reading
+    await asyncio.sleep(0)
+    assert sock.reading  # one turn of the loop, and it reads again
+
+    conn.data_received(b"".join(chunks[third : third + 10]))  # few pieces: no turn given
+    assert sock.reading
+    conn.data_received(b"".join(chunks[third + 10 : 2 * third]))
+    assert not sock.reading
+    conn._pause_reading()  # back-pressure of its own during the turn
+    await asyncio.sleep(0)
+    assert not sock.reading  # the turn's end leaves that pause in place
+    conn._resume_reading()
+    assert sock.reading
+    conn.data_received(b"".join(chunks[2 * third :]) + b"0\r\n\r\n")
+    await until(lambda: answered != [])
+    assert answered == [text]
+    conn.close(abort=True)

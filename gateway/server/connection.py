@@ -56,6 +56,9 @@ from gateway.wire import connection_options
 log = logging.getLogger("gateway.server.listener")
 
 MAX_PIPELINED = 32
+BUSY_READ_PIECES = 1024
+"""A read that brought more body pieces than this (a body in tiny chunks: a callback each)
+gives the loop a turn before the connection is read again (``Turns.give_turn``)."""
 
 
 class ClientConnection(Turns):
@@ -108,7 +111,10 @@ class ClientConnection(Turns):
             else:
                 self._refuse(self._parse_error(exc))
             return
-        if self._pieces:
+        pieces = len(self._pieces)
+        if pieces:
+            if pieces > BUSY_READ_PIECES:
+                self.give_turn()
             try:
                 self._settle_body()
             except GatewayError as exc:

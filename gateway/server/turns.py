@@ -82,6 +82,7 @@ class Turns(asyncio.Protocol, ABC):
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Request | GatewayError] = deque()
         self._reading_paused = False
+        self._turn_given = False  # reading paused until the loop has run once (give_turn)
         self._lingering = False
         self.discarded = False  # input past the last request was thrown away
         self._accepted = self._loop.time()
@@ -312,6 +313,23 @@ class Turns(asyncio.Protocol, ABC):
     def _resume_reading(self) -> None:
         if self._reading_paused and self.transport is not None and not self.closed:
             self._reading_paused = False
+            if not self._turn_given:
+                self.transport.resume_reading()
+
+    def give_turn(self) -> None:
+        """Read no more until the event loop has run once.  The loop reads a socket again
+        and again while it has data (libuv: up to 32 reads of 64 KiB in one go), so a read
+        that cost many callbacks (a body in tiny chunks) would otherwise be followed by
+        thirty more before any other connection or timer ran."""
+        if self._turn_given or self._reading_paused or self.transport is None or self.closed:
+            return
+        self._turn_given = True
+        self.transport.pause_reading()
+        self._loop.call_soon(self._turn_back)
+
+    def _turn_back(self) -> None:
+        self._turn_given = False
+        if not self._reading_paused and self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
     def close(self, *, abort: bool = False) -> None:
