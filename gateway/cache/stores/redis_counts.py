@@ -192,8 +192,8 @@ class RedisCounts:
     async def _background(self) -> None:
         try:
             await self.refresh()
-        except StoreError:
-            pass  # counted by the store; the last counts stay
+        except StoreError:  # counted by the store; the last counts stay
+            self.due()  # and the next look tries again, not refresh_s later
         finally:
             self._refresh = None
 
