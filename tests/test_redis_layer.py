@@ -238,3 +238,26 @@ async def test_the_links_state_is_in_its_repr_and_its_figures(redis_cluster: Clu
         assert dict(figures.failures) == {"budget": 0, "unreached": 0, "answered": 0, "down": 0}
     finally:
         await store.close()
+
+
+async def test_the_clients_own_fault_is_a_store_error_never_the_requests(
+    redis_cluster: Cluster,
+) -> None:
+    """redis-py's asyncio connection, closed by a failover under a command in flight, raises
+    ``AttributeError`` (its writer gone): the link takes it as Redis unreached, a miss for
+    the request, as it does a refused connection; the next command goes through."""
+    store = RedisStore.connect(redis_cluster.settings, budget_s=1.0)
+    try:
+        link = store.link
+
+        async def closed_under_it() -> None:
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+        with pytest.raises(StoreError, match="AttributeError"):
+            await link.run("get", closed_under_it, 1.0)
+        assert link.figures().failures["unreached"] == 1
+        assert "AttributeError" in (link.last_failure or "")
+        assert await store.get("nothing") is None  # the next command goes through
+        assert link.up
+    finally:
+        await store.close()

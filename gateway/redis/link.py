@@ -54,6 +54,10 @@ UNREACHED = (
 )
 """Failures that say Redis could not be reached or cannot serve: evidence of an outage."""
 FAILURES = (RedisError, *UNREACHED)
+"""What a command may raise: Redis's errors and the network's.  Anything else the client
+raises is its own fault, and is taken as Redis unreached too (redis-py 8's asyncio
+connection raises ``AttributeError`` when a failover closes it under a command in flight):
+a request never fails because of the client library, it misses."""
 TIMEOUTS = (RedisTimeoutError, TimeoutError)
 """Failures after which the command may still have run."""
 REASONS = ("budget", "unreached", "answered", "down")
@@ -170,7 +174,9 @@ class RedisLink:
         except asyncio.CancelledError:
             self._judge_later(command)  # the caller left; the command's outcome still counts
             raise
-        except FAILURES as exc:
+        except StoreError:  # past the budget, above
+            raise
+        except Exception as exc:  # FAILURES, or the client's own fault (see FAILURES)
             self._judge(exc)
             error = StoreTimeout if isinstance(exc, TIMEOUTS) else StoreError
             raise error(f"redis {op}: {type(exc).__name__}: {exc}") from exc
@@ -185,7 +191,7 @@ class RedisLink:
                     await self.client.ping(target_nodes=RedisCluster.PRIMARIES)
                 else:
                     await self.client.ping()
-        except FAILURES as exc:
+        except Exception as exc:  # FAILURES, or the client's own fault
             if self.health.up:
                 self._judge(exc)
             else:
@@ -219,7 +225,7 @@ class RedisLink:
             exc = done.exception()
             if exc is None:
                 self.health.succeeded()
-            elif isinstance(exc, FAILURES):
+            elif isinstance(exc, Exception):
                 self._judge(exc)
 
         command.add_done_callback(judged)
@@ -227,13 +233,15 @@ class RedisLink:
     def _judge(self, exc: BaseException) -> None:
         """One command's failure: Redis answered (up) or could not be reached (evidence)."""
         self.last_failure = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, UNREACHED):
-            self.failures["unreached"] += 1
-            if self.health.failed():
-                self._retry_at = self.clock.now() + self.retry_s
-        else:
+        if isinstance(exc, RedisError) and not isinstance(exc, UNREACHED):
             self.failures["answered"] += 1
             self.health.succeeded()  # Redis answered, if with an error: it is up
+            return
+        if not isinstance(exc, FAILURES):
+            log.warning("redis %s: the client failed: %s", self.where, self.last_failure)
+        self.failures["unreached"] += 1
+        if self.health.failed():
+            self._retry_at = self.clock.now() + self.retry_s
 
     async def _background_probe(self) -> bool:
         try:
