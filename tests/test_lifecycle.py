@@ -11,6 +11,7 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -103,6 +104,24 @@ async def test_sigterm_drains_a_stream_in_flight_then_exits(serve_app, serve_pro
     assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
 
 
+async def raw_connection(gw: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection to the gateway process ``gw``, once it is ready."""
+    async with httpx.AsyncClient() as client:
+        await wait_ready(client, gw.admin_url)
+    host, port = gw.url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def gated_stream(gw: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection whose streamed answer to ``/gated`` (held by the ``Recorder`` until
+    released) has sent its head, keep-alive and chunked."""
+    reader, writer = await raw_connection(gw)
+    writer.write(b"POST /gated HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b"Connection: close" not in head and b"chunked" in head
+    return reader, writer
+
+
 async def test_the_drain_dispatches_nothing_pipelined_behind_a_closing_answer(
     serve_app, serve_process
 ):
@@ -112,10 +131,7 @@ async def test_the_drain_dispatches_nothing_pipelined_behind_a_closing_answer(
     rec = Recorder()
     url = await serve_app(rec.app())
     gw = await serve_process("--upstream", url)
-    async with httpx.AsyncClient() as client:
-        await wait_ready(client, gw.admin_url)
-    host, port = gw.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+    reader, writer = await raw_connection(gw)
     writer.write(
         b"GET /slow HTTP/1.1\r\nHost: gw\r\n\r\n"
         b"POST /second HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}"
@@ -141,13 +157,7 @@ async def test_the_drain_serves_the_next_request_after_a_stream_it_could_not_mar
     rec = Recorder()
     url = await serve_app(rec.app())
     gw = await serve_process("--upstream", url)
-    async with httpx.AsyncClient() as client:
-        await wait_ready(client, gw.admin_url)
-    host, port = gw.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /gated HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    assert b"Connection: close" not in head and b"chunked" in head
+    reader, writer = await gated_stream(gw)
     gw.proc.send_signal(signal.SIGTERM)
     await asyncio.sleep(0.2)  # the drain has begun
     rec.release.set()
@@ -179,13 +189,7 @@ async def test_the_request_sent_as_the_drain_cuts_a_stream_short_gets_a_503_not_
         f"server: {{shutdown_grace_s: {grace_s}}}\n"
     )
     gw = await serve_process("--policy", str(path))
-    async with httpx.AsyncClient() as client:
-        await wait_ready(client, gw.admin_url)
-    host, port = gw.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /gated HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    assert b"Connection: close" not in head and b"chunked" in head
+    reader, writer = await gated_stream(gw)
     gw.proc.send_signal(signal.SIGTERM)
     stream = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)
     assert b"shut down before this answer was complete" in stream
