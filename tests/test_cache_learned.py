@@ -34,6 +34,7 @@ from gateway.cache.embedding.learned import (
     shipped,
     uses_learned,
 )
+from gateway.cache.embedding.verify import opposite
 from gateway.cache.evaluate import read_pairs
 from gateway.cache.normalize import normalize
 from gateway.policy.route import DEFAULT_MAX_FALSE_HIT_RATE, Semantic
@@ -89,6 +90,15 @@ def test_choose_agrees_with_the_bound() -> None:
         ("Is 7 a prime number?", "Is 9 a prime number?", "numbers"),
         ("Why is my code working?", "Why is my code not working?", "negation"),
         ('What does "foo" mean?', 'What does "bar" mean?', "quoted"),
+        ("Is it legal to record a phone call?", "Is it illegal to record a call?", "negation"),
+        ("Are vaccines safe in pregnancy?", "Are vaccines unsafe for pregnant women?", "negation"),
+        (
+            "Is this statement true: water boils at 100 C",
+            "Is it false: water boils at 100 C",
+            "negation",
+        ),
+        ("Should I buy Tesla stock now?", "Is now the time to sell Tesla stock?", "negation"),
+        ("Why do people dislike cats?", "Why do people like cats so much?", "negation"),
     ],
 )
 def test_a_hard_difference_refuses_whatever_the_score(first, second, reason) -> None:
@@ -97,6 +107,19 @@ def test_a_hard_difference_refuses_whatever_the_score(first, second, reason) -> 
     assert shipped().score(a, b, 1.0, 10.0) == -1.0
     verdict = LearnedVerifier(shipped(), 0.0)(first, second, 1.0)
     assert (verdict.ok, verdict.reason) == (False, reason)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("How do I play a video on my TV?", "How do I display a video on my TV?"),
+        ("How do I install Python?", "What is the way to install Python?"),
+        ("Is Python easy to learn?", "Is learning Python easy or hard for beginners?"),
+    ],
+)
+def test_words_that_only_look_negated_are_no_opposites(first, second) -> None:
+    """ "dis" is not read as a negation (play/display), and a word on both sides is none."""
+    assert not opposite(normalize(first), normalize(second))
 
 
 @needs_model

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from gateway.cache import guard
 from gateway.cache.calibrate import Point, choose
-from gateway.cache.embedding.verify import canonical, relaxed, stem, swapped
+from gateway.cache.embedding.verify import canonical, opposite, relaxed, stem, swapped
 from gateway.cache.guard import Verdict
 from gateway.cache.normalize import Normalized, normalize
 from gateway.policy.route import Semantic
@@ -143,12 +143,15 @@ def features(
 
 def hard_difference(a: Normalized, b: Normalized, found: tuple[bool, Verdict] | None = None) -> str:
     """The reason a pair is refused whatever its score, or "" when none applies: the
-    rules' hard verdicts, and words both sides share in another order (``swapped``)."""
+    rules' hard verdicts, a word against its opposite (``opposite``, counted as a
+    negation), and words both sides share in another order (``swapped``)."""
     guarded, rules = found or verdicts(a, b)
     if guarded:
         return ""
     if rules.reason in HARD:
         return rules.reason
+    if opposite(a, b):
+        return "negation"
     return "order" if swapped(a, b) else ""
 
 

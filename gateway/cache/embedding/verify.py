@@ -117,6 +117,41 @@ def swapped(a: Normalized, b: Normalized) -> bool:
     return _out_of_order(names_a, names_b) >= 1
 
 
+NEGATING_PREFIXES = ("un", "in", "im", "il", "ir", "non")
+"""Not "dis": play/display, count/discount, ease/disease; its opposites are listed."""
+OPPOSITE_MIN_LEN = 4
+"""The shortest word whose prefixed form counts as its opposite ("safe"/"unsafe")."""
+OPPOSITES = frozenset(
+    frozenset(p.split("/"))
+    for p in (
+        "true/false right/wrong buy/sell win/lose won/lost pass/fail accept/reject "
+        "allow/forbid allowed/forbidden safe/dangerous good/bad better/worse cheap/expensive "
+        "like/dislike likes/dislikes agree/disagree honest/dishonest connect/disconnect "
+        "advantage/disadvantage advantages/disadvantages approve/disapprove appear/disappear"
+    ).split()
+)
+
+
+def opposite(a: Normalized, b: Normalized) -> bool:
+    """Whether a word only one side has is the opposite of a word only the other has: a
+    word against its negated form ("legal"/"illegal", "safe"/"unsafe", "possible"/
+    "impossible") or a pair of opposites ("true"/"false", "buy"/"sell").  The answer to
+    "Is it legal to record a call?" says the opposite of what "Is it illegal ..." asks,
+    and the embedding puts the two side by side (cosine 0.97)."""
+    x = {t.text for t in a.tokens if t.kind == WORD}
+    y = {t.text for t in b.tokens if t.kind == WORD}
+    only_x, only_y = x - y, y - x
+    return any(
+        frozenset((w, v)) in OPPOSITES or _negated(w, v) or _negated(v, w)
+        for w in only_x
+        for v in only_y
+    )
+
+
+def _negated(word: str, other: str) -> bool:
+    return len(word) >= OPPOSITE_MIN_LEN and any(other == p + word for p in NEGATING_PREFIXES)
+
+
 def _out_of_order(x: list[str], y: list[str]) -> int:
     """How many of the words both lists share (first occurrences) are out of order: their
     number less the longest run in the same order (an increasing subsequence, n log n)."""
