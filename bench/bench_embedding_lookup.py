@@ -11,10 +11,11 @@ entry has expired (a stale pointer dropped, then a miss).  Lookup times exclude 
 the tier's embedder here answers from a precomputed table, so the figures are the index
 search, the store fetch and the verification (the learned verifier at the default error
 budget, its cross-encoder reading up to ``MAX_CROSS`` candidates a lookup, unless
-``--verifier rules``); the end-to-end figure adds the embedding of a short question, which
-the tier computes once per request.  The cross-encoder's time for one pair is measured
-apart too.  Embedding vectors are mixtures of real
-MiniLM vectors of the question sets in ``gateway/data`` when the ``embedding`` extra is
+``--verifier rules``).  The request rows time each query whole: its prompt embedded by the
+local model (``LocalEmbedder``, on the model's thread, as the tier embeds it once per
+request), then the lookup; their worst p99 is the figure held to the budget.  The
+cross-encoder's time for one pair is measured apart too.  Embedding vectors are mixtures
+of real MiniLM vectors of the question sets in ``gateway/data`` when the ``embedding`` extra is
 installed (random ones otherwise), so their geometry, and the binary prefilter's
 selectivity, are a real model's.  Embedding time is measured separately on the local
 model (one text per run, as the tier calls it).  Memory per entry is traced with
@@ -138,7 +139,7 @@ def embedding_times(queries: int) -> list[tuple[str, list[float]]]:
         return []
     rows = []
     pairs = read_pairs(DATA / "question_pairs.tsv")
-    reader = cross.CrossEncoder()
+    reader = cross.CrossEncoder()  # one thread, as the tier runs it (local.THREADS)
     for first, second in [(p.first, p.second) for p in pairs][:5]:
         reader.logits([(first, second)])
     times = []
@@ -146,7 +147,7 @@ def embedding_times(queries: int) -> list[tuple[str, list[float]]]:
         t0 = time.perf_counter_ns()
         reader.logits([(p.first, p.second)])
         times.append((time.perf_counter_ns() - t0) / 1e6)
-    rows.append(("cross-encoder, a pair, 2 threads", times))
+    rows.append(("cross-encoder, a pair, 1 thread", times))
     short = [p.second for p in pairs]
     long = [" ".join(short[i : i + 25]) for i in range(0, 100, 4)]  # ~200 words each
     for threads in (1, 2):
@@ -224,17 +225,29 @@ async def main(entries: int, queries: int, verifier: str = "learned") -> list[st
         unseen.append(text)
     stale = paraphrases(expiring)
 
-    async def timed(texts: list[str]) -> tuple[list[float], int]:
+    embedder = local.LocalEmbedder() if local.available()[0] else None
+    if embedder is not None:
+        await embedder.load()
+        await embedder(["How do I warm up the model?"])
+
+    async def timed(texts: list[str]) -> tuple[list[float], list[float], int]:
+        """Each lookup's time, and each request's: the prompt embedded by the local model
+        (as the tier embeds it, on the model's thread), then the lookup."""
         gc.collect()
-        times, hits = [], 0
+        times, whole, hits = [], [], 0
         for text in texts:
             k = key(text)
             assert k.prompt is not None
             t0 = time.perf_counter_ns()
+            if embedder is not None:
+                await embedder([k.prompt])
+            t1 = time.perf_counter_ns()
             hit = await tier.lookup(k, k.prompt)
-            times.append((time.perf_counter_ns() - t0) / 1e6)
+            t2 = time.perf_counter_ns()
+            times.append((t2 - t1) / 1e6)
+            whole.append((t2 - t0) / 1e6)
             hits += hit is not None
-        return times, hits
+        return times, whole, hits
 
     out(f"entries: {len(tier)} in one context, {origin}; filled in {fill_s:.1f} s")
     out(f"host load average (1 min) before timing: {os.getloadavg()[0]:.1f}")
@@ -257,11 +270,16 @@ async def main(entries: int, queries: int, verifier: str = "learned") -> list[st
     results.append(("unseen (miss)", await timed(unseen)))
     clock.advance(11)
     results.append(("paraphrase of expired (stale)", await timed(stale)))
-    for name, (times, hits) in results:
+    for name, (times, _, hits) in results:
         out(
             f"{name:<34} {pct(times, 0.5):>8.3f} {pct(times, 0.99):>8.3f} {max(times):>8.3f} "
             f"{hits / len(times):>7.1%}"
         )
+    if embedder is not None:
+        out(f"{'request: embedding + lookup':<34} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        for name, (_, whole, _) in results:
+            row = f"{pct(whole, 0.5):>8.3f} {pct(whole, 0.99):>8.3f} {max(whole):>8.3f}"
+            out(f"{'+ ' + name:<34} {row}")
     out(f"tier after the run: {tier!r}")
     rows = embedding_times(queries)
     if rows:
@@ -288,11 +306,11 @@ if __name__ == "__main__":
         found = [float(line.split()[column]) for line in printed if line.startswith(prefix)]
         return max(found) if found else float("nan")
 
-    # lookup rows end "p50 p99 max hits", embedding rows "p50 p99 max"
+    # lookup rows end "p50 p99 max hits", request and embedding rows "p50 p99 max"
     lookup = max(p99_of(kind, -3) for kind in ("paraphrase (", "unseen", "paraphrase of"))
-    embedding = p99_of("short question, 2 threads", -2)
+    request = max(p99_of(f"+ {kind}", -2) for kind in ("paraphrase (", "unseen", "paraphrase of"))
+    embedding = p99_of(f"short question, {local.THREADS} thread", -2)
     reading = p99_of("cross-encoder, a pair", -2)
-    both = lookup + embedding
     command = "python -m bench.bench_embedding_lookup" + (" --no-gc" if args.no_gc else "")
     if args.verifier != "learned":
         command += f" --verifier {args.verifier}"
@@ -313,6 +331,7 @@ if __name__ == "__main__":
         + "\n".join(printed)
         + "\n```\n\n| target | measured | |\n|---|---|---|\n"
         f"| lookup plus verification plus embedding the prompt <= 10 ms p99, plus up to 5 ms "
-        f"for the cross-encoder | {both:.3f} ms (p99s added: {lookup:.3f} + {embedding:.3f}) | "
-        f"{'met' if both <= 15 else '**missed**'} |\n" + cross_row,
+        f"for the cross-encoder | {request:.3f} ms p99 a request, the worst of the three kinds "
+        f"(the p99s of its parts added, an upper bound: {lookup:.3f} + {embedding:.3f} = "
+        f"{lookup + embedding:.3f}) | {'met' if request <= 15 else '**missed**'} |\n" + cross_row,
     )
