@@ -99,6 +99,7 @@ def test_choose_agrees_with_the_bound() -> None:
         ),
         ("Should I buy Tesla stock now?", "Is now the time to sell Tesla stock?", "negation"),
         ("Why do people dislike cats?", "Why do people like cats so much?", "negation"),
+        ("How can I become more productive?", "How can I become less productive?", "negation"),
     ],
 )
 def test_a_hard_difference_refuses_whatever_the_score(first, second, reason) -> None:

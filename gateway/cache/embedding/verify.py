@@ -127,7 +127,10 @@ OPPOSITES = frozenset(
         "true/false right/wrong buy/sell win/lose won/lost pass/fail accept/reject "
         "allow/forbid allowed/forbidden safe/dangerous good/bad better/worse cheap/expensive "
         "like/dislike likes/dislikes agree/disagree honest/dishonest connect/disconnect "
-        "advantage/disadvantage advantages/disadvantages approve/disapprove appear/disappear"
+        "advantage/disadvantage advantages/disadvantages approve/disapprove appear/disappear "
+        "more/less most/least increase/decrease higher/lower bigger/smaller before/after "
+        "best/worst import/export upload/download encrypt/decrypt enable/disable add/remove "
+        "include/exclude open/close start/stop"
     ).split()
 )
 
@@ -135,9 +138,9 @@ OPPOSITES = frozenset(
 def opposite(a: Normalized, b: Normalized) -> bool:
     """Whether a word only one side has is the opposite of a word only the other has: a
     word against its negated form ("legal"/"illegal", "safe"/"unsafe", "possible"/
-    "impossible") or a pair of opposites ("true"/"false", "buy"/"sell").  The answer to
-    "Is it legal to record a call?" says the opposite of what "Is it illegal ..." asks,
-    and the embedding puts the two side by side (cosine 0.97)."""
+    "impossible") or a pair of opposites ("true"/"false", "buy"/"sell", "more"/"less").
+    The answer to "Is it legal to record a call?" says the opposite of what "Is it illegal
+    ..." asks, and the embedding puts the two side by side (cosine 0.97)."""
     x = {t.text for t in a.tokens if t.kind == WORD}
     y = {t.text for t in b.tokens if t.kind == WORD}
     only_x, only_y = x - y, y - x
