@@ -18,7 +18,9 @@ quantizer (``bench/out/``), copied to ``gateway/data/cross_encoder.onnx``, and i
 and size are written into ``cross.py``'s ``MODEL`` pin.  The script then prints the int8 model's
 precision at recall 0.30 and 0.45 on ``qqp_dev.tsv`` (never trained on).  ``--check``
 rebuilds into ``bench/out/`` only and compares the rebuilt model's logits on
-``qqp_dev.tsv`` with the shipped model's (the tolerance in docs/caching.md).
+``qqp_dev.tsv`` with the shipped model's (the tolerance in docs/caching.md).  ``--layers N``
+trains a smaller reader on MiniLM's lowest N layers into ``bench/out/cross-LN/`` and prints
+its precision, shipping nothing (docs/caching.md compares 3 layers).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ EPOCHS = 1
 LEARNING_RATE = 4e-5
 WARMUP = 0.06
 WEIGHT_DECAY = 0.01
+LAYERS = 6
+"""All of MiniLM's layers; ``--layers N`` trains a smaller reader on the lowest N (compared,
+not shipped)."""
 PER_CHANNEL = False
 """One int8 scale per weight (the shipped file's); ``bench/onnx_int8.py``."""
 SORT_BATCHES = 50
@@ -68,7 +73,9 @@ def batches(lengths: list[int], rng: random.Random) -> list[list[int]]:
     return out
 
 
-def train(model_dir: Path, steps: int | None, resume: Path | None = None) -> object:
+def train(
+    model_dir: Path, steps: int | None, resume: Path | None = None, layers: int = LAYERS
+) -> object:
     import torch
     from tokenizers import Tokenizer
     from transformers import BertModel
@@ -105,7 +112,8 @@ def train(model_dir: Path, steps: int | None, resume: Path | None = None) -> obj
     class PairModel(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.bert = BertModel.from_pretrained(str(model_dir), add_pooling_layer=False)
+            kept = {} if layers == LAYERS else {"num_hidden_layers": layers}  # the lowest
+            self.bert = BertModel.from_pretrained(str(model_dir), add_pooling_layer=False, **kept)
             self.out = torch.nn.Linear(self.bert.config.hidden_size, 1)
 
         def forward(self, input_ids, attention_mask, token_type_ids):  # type: ignore[no-untyped-def]
@@ -184,11 +192,20 @@ def main() -> None:
     parser.add_argument(
         "--export-only", action="store_true", help="export bench/out/cross/model.pt again"
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help="keep MiniLM's lowest N layers: a smaller reader, compared, not shipped",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
-    work = OUT / ("cross-trial" if args.steps is not None or args.check else "cross")
+    trial = args.steps is not None or args.check or args.layers != LAYERS
+    work = OUT / (f"cross-L{args.layers}" if args.layers != LAYERS else "cross-trial")
+    work = work if trial else OUT / "cross"
     saved = work / "model.pt"
-    model = train(base_model(work / "base"), args.steps, saved if args.export_only else None)
+    resume = saved if args.export_only else None
+    model = train(base_model(work / "base"), args.steps, resume, args.layers)
     import torch
 
     torch.save(model.state_dict(), saved)  # type: ignore[attr-defined]
@@ -203,6 +220,8 @@ def main() -> None:
     points = curve(list(1 / (1 + np.exp(-logits))), [bool(v) for v in labels])
     for r in (0.3, 0.45):
         print(f"qqp_dev precision at recall {r}: {precision_at_recall(points, r)}")
+    if args.layers != LAYERS:
+        return
     if args.check:
         shipped, _ = dev_logits(None)
         delta = np.abs(shipped - logits)
