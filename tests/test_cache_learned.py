@@ -123,6 +123,19 @@ def test_words_that_only_look_negated_are_no_opposites(first, second) -> None:
     assert not opposite(normalize(first), normalize(second))
 
 
+def test_opposites_are_found_in_time_linear_in_the_words() -> None:
+    """Two long prompts of different words: each word's few opposites are looked up, never
+    every pair of words (40,000 words a side would be 1.6 billion pairs)."""
+
+    def letters(n: int) -> str:  # a word of its own per n, no digits
+        return "".join(chr(ord("a") + int(d, 26)) for d in np.base_repr(n, 26))
+
+    many = " ".join("qx" + letters(i) for i in range(40_000))
+    other = " ".join("zv" + letters(i) for i in range(40_000))
+    assert not opposite(normalize(f"Is {many} legal?"), normalize(f"Is {other} fine?"))
+    assert opposite(normalize(f"Is {many} legal?"), normalize(f"Is {other} illegal?"))
+
+
 @needs_model
 def test_the_score_decides_when_no_hard_difference_applies() -> None:
     first, second = "How can I learn Python quickly?", "What is the fastest way to learn Python?"

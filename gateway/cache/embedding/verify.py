@@ -121,18 +121,20 @@ NEGATING_PREFIXES = ("un", "in", "im", "il", "ir", "non")
 """Not "dis": play/display, count/discount, ease/disease; its opposites are listed."""
 OPPOSITE_MIN_LEN = 4
 """The shortest word whose prefixed form counts as its opposite ("safe"/"unsafe")."""
-OPPOSITES = frozenset(
-    frozenset(p.split("/"))
-    for p in (
-        "true/false right/wrong buy/sell win/lose won/lost pass/fail accept/reject "
-        "allow/forbid allowed/forbidden safe/dangerous good/bad better/worse cheap/expensive "
-        "like/dislike likes/dislikes agree/disagree honest/dishonest connect/disconnect "
-        "advantage/disadvantage advantages/disadvantages approve/disapprove appear/disappear "
-        "more/less most/least increase/decrease higher/lower bigger/smaller before/after "
-        "best/worst import/export upload/download encrypt/decrypt enable/disable add/remove "
-        "include/exclude open/close start/stop"
-    ).split()
-)
+_PAIRS = (
+    "true/false right/wrong buy/sell win/lose won/lost pass/fail accept/reject "
+    "allow/forbid allowed/forbidden safe/dangerous good/bad better/worse cheap/expensive "
+    "like/dislike likes/dislikes agree/disagree honest/dishonest connect/disconnect "
+    "advantage/disadvantage advantages/disadvantages approve/disapprove appear/disappear "
+    "more/less most/least increase/decrease higher/lower bigger/smaller before/after "
+    "best/worst import/export upload/download encrypt/decrypt enable/disable add/remove "
+    "include/exclude open/close start/stop"
+).split()
+OPPOSITES: dict[str, tuple[str, ...]] = {}
+"""Each listed word's opposites, both ways."""
+for _first, _second in (pair.split("/") for pair in _PAIRS):
+    OPPOSITES[_first] = (*OPPOSITES.get(_first, ()), _second)
+    OPPOSITES[_second] = (*OPPOSITES.get(_second, ()), _first)
 
 
 def opposite(a: Normalized, b: Normalized) -> bool:
@@ -140,19 +142,24 @@ def opposite(a: Normalized, b: Normalized) -> bool:
     word against its negated form ("legal"/"illegal", "safe"/"unsafe", "possible"/
     "impossible") or a pair of opposites ("true"/"false", "buy"/"sell", "more"/"less").
     The answer to "Is it legal to record a call?" says the opposite of what "Is it illegal
-    ..." asks, and the embedding puts the two side by side (cosine 0.97)."""
+    ..." asks, and the embedding puts the two side by side (cosine 0.97).  Linear in the
+    words: each word's few possible opposites are looked up on the other side."""
     x = {t.text for t in a.tokens if t.kind == WORD}
     y = {t.text for t in b.tokens if t.kind == WORD}
     only_x, only_y = x - y, y - x
-    return any(
-        frozenset((w, v)) in OPPOSITES or _negated(w, v) or _negated(v, w)
-        for w in only_x
-        for v in only_y
-    )
+    return any(not only_y.isdisjoint(_opposites_of(w)) for w in only_x)
 
 
-def _negated(word: str, other: str) -> bool:
-    return len(word) >= OPPOSITE_MIN_LEN and any(other == p + word for p in NEGATING_PREFIXES)
+def _opposites_of(word: str) -> list[str]:
+    found = list(OPPOSITES.get(word, ()))
+    if len(word) >= OPPOSITE_MIN_LEN:
+        found += [p + word for p in NEGATING_PREFIXES]
+    found += [
+        word[len(p) :]
+        for p in NEGATING_PREFIXES
+        if word.startswith(p) and len(word) - len(p) >= OPPOSITE_MIN_LEN
+    ]
+    return found
 
 
 def _out_of_order(x: list[str], y: list[str]) -> int:
