@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from importlib import resources
 from pathlib import Path
 
 from bench.onnx_int8 import base_model, export_int8, pin, write_pin
@@ -72,7 +73,7 @@ def main() -> None:
         print(f"{file.path}: {size} bytes, sha256 {sha256} (the shipped file: {same})")
     if args.check:
         return
-    data = Path(local.__file__).parent.parent.parent / "data"
+    data = Path(str(resources.files(local.MODEL.package)))
     shutil.copyfile(int8, data / local.MODEL.path)
     shutil.copyfile(tokenizer, data / local.TOKENIZER.path)
     source = Path(local.__file__)

@@ -200,9 +200,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     started = time.perf_counter()
-    trial = args.steps is not None or args.check or args.layers != LAYERS
-    work = OUT / (f"cross-L{args.layers}" if args.layers != LAYERS else "cross-trial")
-    work = work if trial else OUT / "cross"
+    if args.layers != LAYERS:
+        work = OUT / f"cross-L{args.layers}"
+    elif args.steps is not None or args.check:
+        work = OUT / "cross-trial"
+    else:
+        work = OUT / "cross"
     saved = work / "model.pt"
     resume = saved if args.export_only else None
     model = train(base_model(work / "base"), args.steps, resume, args.layers)
