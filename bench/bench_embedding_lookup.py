@@ -14,7 +14,9 @@ budget, its cross-encoder reading up to ``MAX_CROSS`` candidates a lookup, unles
 ``--verifier rules``).  The request rows time each query whole: its prompt embedded by the
 local model (``LocalEmbedder``, on the model's thread, as the tier embeds it once per
 request), then the lookup; their worst p99 is the figure held to the budget.  The
-cross-encoder's time for one pair is measured apart too.  Embedding vectors are mixtures
+cross-encoder's reads are timed as the lookups await them (the run on the model's thread
+and the hops there and back), which is its share of the budget; a pair of short questions
+is timed alone too.  Embedding vectors are mixtures
 of real MiniLM vectors of the question sets in ``gateway/data`` when the ``embedding`` extra is
 installed (random ones otherwise), so their geometry, and the binary prefilter's
 selectivity, are a real model's.  Embedding time is measured separately on the local
@@ -33,7 +35,7 @@ import os
 import random
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,7 @@ from gateway.cache import CachedResponse, ResponseCache, request_key
 from gateway.cache.embedding import EmbeddingTier, cross, learned, local, rules
 from gateway.cache.embedding.index import PREFILTER_ROWS, hamming_bound
 from gateway.cache.evaluate import read_pairs
+from gateway.cache.guard import Verdict
 from gateway.cache.keys import RequestKey
 from gateway.cache.stores import MemoryStore
 from gateway.policy.route import Semantic
@@ -59,6 +62,22 @@ PATH = "/v1/chat/completions"
 SYSTEM = "You are a helpful assistant."
 BODY = b'{"object":"chat.completion","choices":[{"message":{"content":"' + b"x" * 360 + b'"}}]}'
 TRACED_ENTRIES = 20_000
+
+
+class TimedReader(cross.CrossReader):
+    """The cross-encoder as the tier reads it, each read timed as the lookup awaits it (the
+    pair's run on the model's thread and the two hops to it and back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    async def logit(self, cached: str, asked: str) -> float:
+        t0 = time.perf_counter_ns()
+        try:
+            return await super().logit(cached, asked)
+        finally:
+            self.times.append((time.perf_counter_ns() - t0) / 1e6)
 
 
 class TableEmbedder:
@@ -178,7 +197,11 @@ async def main(entries: int, queries: int, verifier: str = "learned") -> list[st
     cache = ResponseCache(store, clock=clock)
     embed = TableEmbedder()
     semantic = Semantic(method="embedding", verifier=verifier)  # type: ignore[arg-type]
-    checker = learned.verifier_for(semantic) if learned.uses_learned(semantic) else rules
+    reader = TimedReader()
+    checker: Callable[[str, str, float], Verdict] = rules
+    if learned.uses_learned(semantic):
+        point = learned.verifier_for(semantic)
+        checker = learned.LearnedVerifier(point.model, point.min_score, reader, needed=point.needed)
     tier = EmbeddingTier(store, embed, max_entries=entries + 1, verifier=checker)
     dims = base.shape[1]
 
@@ -229,6 +252,9 @@ async def main(entries: int, queries: int, verifier: str = "learned") -> list[st
     if embedder is not None:
         await embedder.load()
         await embedder(["How do I warm up the model?"])
+        await reader.load()
+        await reader.logit("How do I warm up the model?", "How can I warm up the model?")
+        reader.times.clear()
 
     async def timed(texts: list[str]) -> tuple[list[float], list[float], int]:
         """Each lookup's time, and each request's: the prompt embedded by the local model
@@ -280,6 +306,12 @@ async def main(entries: int, queries: int, verifier: str = "learned") -> list[st
         for name, (_, whole, _) in results:
             row = f"{pct(whole, 0.5):>8.3f} {pct(whole, 0.99):>8.3f} {max(whole):>8.3f}"
             out(f"{'+ ' + name:<34} {row}")
+    if reader.times:
+        row = f"{pct(reader.times, 0.5):>8.3f} {pct(reader.times, 0.99):>8.3f}"
+        out(
+            f"{'cross-encoder reads in the lookups':<34} {row} {max(reader.times):>8.3f} "
+            f"{len(reader.times):>7}"
+        )
     out(f"tier after the run: {tier!r}")
     rows = embedding_times(queries)
     if rows:
@@ -310,13 +342,16 @@ if __name__ == "__main__":
     lookup = max(p99_of(kind, -3) for kind in ("paraphrase (", "unseen", "paraphrase of"))
     request = max(p99_of(f"+ {kind}", -2) for kind in ("paraphrase (", "unseen", "paraphrase of"))
     embedding = p99_of(f"short question, {local.THREADS} thread", -2)
-    reading = p99_of("cross-encoder, a pair", -2)
+    reading = p99_of("cross-encoder reads in the lookups", -3)
+    alone = p99_of("cross-encoder, a pair", -2)
     command = "python -m bench.bench_embedding_lookup" + (" --no-gc" if args.no_gc else "")
     if args.verifier != "learned":
         command += f" --verifier {args.verifier}"
     cross_row = (
         f"| the cross-encoder's share <= 5 ms p99 (at most {learned.MAX_CROSS} run a lookup, "
-        f"included in the lookup above) | {learned.MAX_CROSS} x {reading:.3f} ms | "
+        f"included in the lookup above) | {learned.MAX_CROSS} x {reading:.3f} ms, a read of "
+        f"the bench's pairs as a lookup awaits it (a pair of short questions alone: "
+        f"{alone:.3f} ms) | "
         f"{'met' if learned.MAX_CROSS * reading <= 5 else '**missed**'} |\n"
         if args.verifier == "learned"
         else ""
@@ -327,11 +362,13 @@ if __name__ == "__main__":
         f"`{command}` on {machine()}; {args.entries} entries in one exact context "
         "(the worst case: lookups only search their own context).  The lookup rows include "
         "the verification, with the learned verifier's cross-encoder (issue 26) on the "
-        "candidates it reads.\n\n```\n"
+        "candidates it reads.  One run: this VM's cores are not steady, and docs/caching.md "
+        "gives the spread of several.\n\n```\n"
         + "\n".join(printed)
         + "\n```\n\n| target | measured | |\n|---|---|---|\n"
         f"| lookup plus verification plus embedding the prompt <= 10 ms p99, plus up to 5 ms "
         f"for the cross-encoder | {request:.3f} ms p99 a request, the worst of the three kinds "
-        f"(the p99s of its parts added, an upper bound: {lookup:.3f} + {embedding:.3f} = "
-        f"{lookup + embedding:.3f}) | {'met' if request <= 15 else '**missed**'} |\n" + cross_row,
+        f"(the p99s of its parts timed apart, added: {lookup:.3f} + {embedding:.3f} = "
+        f"{lookup + embedding:.3f}) | {'met' if request <= 15 else '**missed**'} in this run |\n"
+        + cross_row,
     )
