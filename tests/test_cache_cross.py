@@ -7,6 +7,7 @@ the ``embedding`` extra is not installed."""
 from __future__ import annotations
 
 import hashlib
+import random
 import socket
 from typing import Any
 
@@ -15,7 +16,14 @@ import pytest
 
 from gateway.cache import CachedResponse, ResponseCache, request_key
 from gateway.cache.embedding import EmbeddingTier, cross, local
-from gateway.cache.embedding.learned import MAX_CROSS, UNREAD, LearnedVerifier, shipped
+from gateway.cache.embedding.learned import (
+    MAX_CROSS,
+    TOO_LONG,
+    UNREAD,
+    LearnedVerifier,
+    shipped,
+)
+from gateway.cache.guard import Verdict
 from gateway.cache.stores import MemoryStore
 
 OK, REASON = local.available()
@@ -57,6 +65,46 @@ def test_a_pairs_logit_does_not_depend_on_its_batch(encoder: cross.CrossEncoder)
     assert encoder.logits([]).shape == (0,)
 
 
+def test_it_reads_the_tokens_the_tokenizer_cuts_a_pair_to(encoder: cross.CrossEncoder) -> None:
+    """Each text is cut alone, then the pair: the same tokens as the tokenizer's cut of the
+    whole pair, around the cut too (which text keeps the odd token), and "whole" exactly
+    where that cut took nothing."""
+    rng = random.Random(26)
+    words = "how do i learn python fast what is the best way to cook rice at home".split()
+    pairs = [("How do I learn Python?", "How can I learn Python?"), ("", "hi")]
+    for _ in range(300):
+        first, second = (" ".join(rng.choices(words, k=rng.randint(1, 140))) for _ in "ab")
+        pairs += [(first, second), (first, first)]
+    for n in range(120, 134):
+        pairs += [("cat " * n, "dog " * m) for m in (1, 2, 60, n - 1, n, n + 1)]
+    pairwise = local.tokenizer(cross.MAX_PAIR_TOKENS)
+    encodings, whole = encoder.encode(pairs)
+    for pair, got, read_whole in zip(pairs, encodings, whole, strict=True):
+        want = pairwise.encode(*pair)
+        assert (got.ids, got.type_ids) == (want.ids, want.type_ids), pair
+        assert read_whole == (not want.overflowing), pair
+
+
+def test_a_pair_too_long_to_read_whole_is_not_run_when_asked(encoder: cross.CrossEncoder) -> None:
+    short = ("How do I learn Python?", "How can I learn Python?")
+    long = ("word " * 100, "word " * 30)  # 130 tokens and three special ones
+    cut, whole = encoder.logits([short, long]), encoder.logits([short, long], whole=True)
+    assert np.isfinite(cut).all()
+    assert whole[0] == cut[0] and np.isnan(whole[1])
+
+
+def test_two_long_texts_are_read_in_time_linear_in_their_length(
+    encoder: cross.CrossEncoder,
+) -> None:
+    """The tokenizer's own cut of a pair pairs every overflow of one text with every one of
+    the other: two texts of 100,000 characters took 89 s, two of a million all the memory.
+    Cut alone first, they take a moment; whole, they are not run."""
+    text = "how do I configure the kubernetes cluster for my model server " * 3300
+    assert len(text) > 200_000
+    assert np.isfinite(encoder.logits([(text, text + " now")]))[0]
+    assert np.isnan(encoder.logits([(text, text + " now")], whole=True))[0]
+
+
 def test_it_tells_a_near_miss_from_a_paraphrase(encoder: cross.CrossEncoder) -> None:
     """(It misses some: "the best gift you've ever given" / "... received" reads as the
     same question, one of the false hits docs/adjudicated_qqp_dev.tsv lists.)"""
@@ -87,6 +135,35 @@ class TableEmbedder:
 
     async def __call__(self, texts: list[str]) -> np.ndarray:
         return np.stack([self.vectors[t] for t in texts])
+
+
+async def test_a_pair_alike_where_it_is_read_but_not_after_is_refused_too_long() -> None:
+    """A long document, then two different questions: the models read the document only,
+    so the cosine is 1 and the cross-encoder would read two equal texts.  The verifier
+    vouches only for what it read: refused, ``TOO_LONG``, through the tier too."""
+    document = " ".join(
+        f"Section {chr(65 + i % 26)}: the supplier shall deliver the goods to the buyer "
+        "within the agreed period, and the buyer shall pay the price stated in the order."
+        for i in range(40)
+    )
+    cached = document + " Question: what is the termination clause?"
+    asked = document + " Question: who are the parties to this contract?"
+    verifier = LearnedVerifier(shipped(), shipped().operating_point(0.01).min_score)
+    assert verifier.assess(cached, asked, 1.0)[0] == Verdict(False, TOO_LONG)
+    assert verifier("How do I learn Python fast?", "How can I learn Python quickly?", 0.95).ok
+    vector = np.ones(8, np.float32)
+    store = MemoryStore()
+    tier = EmbeddingTier(store, TableEmbedder({cached: vector, asked: vector}), verifier=verifier)
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": cached}]}
+    k = request_key(body, scope="s", route="r", backend="b", model_version="v", path=CHAT)
+    await ResponseCache(store).put(
+        k, CachedResponse(200, (), b"{}", None, 0.0, "b", "v", "r", "s"), 60
+    )
+    await tier.add(k, cached, k.exact)
+    body["messages"][0]["content"] = asked
+    k = request_key(body, scope="s", route="r", backend="b", model_version="v", path=CHAT)
+    assert await tier.lookup(k, asked) is None
+    assert tier.rejections[TOO_LONG] == 1
 
 
 @pytest.mark.parametrize("needed", [0.0, 1.01])

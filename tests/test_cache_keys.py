@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.cache import cacheability, request_key, scope_hash
-from gateway.cache.keys import RequestKey, with_context
+from gateway.cache.keys import MAX_NEAR_CHARS, RequestKey, with_context
 
 CHAT = "/v1/chat/completions"
 WHERE = {"scope": "s", "route": "r", "backend": "main", "model_version": "v1", "path": CHAT}
@@ -106,6 +106,19 @@ def test_near_tier_applies_only_to_a_final_plain_text_user_message() -> None:
     assert request_key(one_part, **WHERE).prompt == "hi"
     completions = {"model": "m", "prompt": "hi", "temperature": 0}
     assert request_key(completions, **(WHERE | {"path": "/v1/completions"})).context is None
+
+
+def test_near_tier_skips_a_message_longer_than_max_near_chars() -> None:
+    """A document-sized message gets the exact tier only: its normalisation would cost the
+    event loop time in proportion to it, and the models read only its beginning."""
+    longest = "x" * MAX_NEAR_CHARS
+    assert request_key(chat(longest), **WHERE).prompt == longest
+    body = chat(longest + "y")
+    key = request_key(body, **WHERE)
+    assert key.context is None and key.prompt is None and key.exact
+    first = request_key(body, near=False, **WHERE)
+    where = {k: v for k, v in WHERE.items() if k != "scope"}
+    assert with_context(first, body, **where).context is None
 
 
 def test_scope_hash_hides_values_and_separates_tenants() -> None:

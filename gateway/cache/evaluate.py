@@ -261,8 +261,10 @@ def learned_scores(
             if not learned.hard_difference(a, b, verdict):
                 read.append(i)
                 found.append((a, b, verdict))
-    logits = cross.shared().logits([(items[i].first, items[i].second) for i in read])
+    logits = cross.shared().logits([(items[i].first, items[i].second) for i in read], whole=True)
     for i, (a, b, verdict), logit in zip(read, found, logits, strict=True):
+        if np.isnan(logit):  # too long to read whole: refused, as the tier refuses it
+            continue
         values = learned.features(a, b, similarity[i], float(logit), verdict)
         out[i] = model.raw_score(values)
     return out

@@ -22,6 +22,12 @@ signature costs no recall (the guard rejects any pair whose signatures differ) a
 templated prompts that differ only in an id or a number out of each other's SimHash
 buckets, where they would otherwise pile up by the thousand.  The tenant scope is a hash
 of the configured scope headers' values; raw header values are never stored.
+
+Near-duplicate matching applies to a final user message of at most ``MAX_NEAR_CHARS``
+characters.  A longer one is a document, not a question: its normalisation, SimHash and
+embedding would cost the event loop and the model's thread time in proportion to it (a
+client's 4 MB message, 3 s of the loop), the models read only its beginning, and two such
+prompts alike there may differ after it.  It gets the exact tier only.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ IGNORED_FIELDS = frozenset(
     }
 )
 CHAT_PATH_SUFFIX = "/chat/completions"
+MAX_NEAR_CHARS = 8192
+"""The longest final user message the near-duplicate tiers compare (characters)."""
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which
@@ -186,7 +194,10 @@ def normalise_query(query: str) -> str:
 
 
 def _near_prompt(body: Mapping[str, Any], path: str) -> str | None:
-    return final_user_text(body) if path.endswith(CHAT_PATH_SUFFIX) else None
+    if not path.endswith(CHAT_PATH_SUFFIX):
+        return None
+    text = final_user_text(body)
+    return text if text is not None and len(text) <= MAX_NEAR_CHARS else None
 
 
 def _context(prefix: tuple[str, ...], blanked: str, prompt: str) -> str:

@@ -10,7 +10,8 @@ question-disjoint tenth is left to fit the verifier's weights) by
 It reads ``[CLS] cached [SEP] asked [SEP]`` (the bi-encoder's WordPiece vocabulary, from the
 same ``tokenizer.json``; at most ``MAX_PAIR_TOKENS``, the longer text cut first),
 mean-pools the last layer and answers one logit: the model's log-odds that one answer
-serves both.
+serves both.  The verifier asks for pairs read whole only (``logits(..., whole=True)``): a
+longer pair is not run, and refused.
 
 A lookup reads at most ``learned.MAX_CROSS`` candidates with it, one pair a run, on the
 reader's own thread (off the event loop), on one onnxruntime thread (``local.THREADS``):
@@ -66,20 +67,49 @@ class CrossEncoder:
     def __init__(self, threads: int | None = None, model_path: Path | None = None) -> None:
         self.threads = threads or THREADS
         self._tokenizer = tokenizer(MAX_PAIR_TOKENS)
+        self._texts = tokenizer(MAX_PAIR_TOKENS + 1)
         self.path = model_path or verified(MODEL)
         self._session = session(self.path, self.threads)
 
-    def logits(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
-        """The model's logit for each (cached, asked) pair, float32.
+    def encode(self, pairs: Sequence[tuple[str, str]]) -> tuple[list[Any], list[bool]]:
+        """Each pair as the model reads it, ``[CLS] cached [SEP] asked [SEP]`` cut to
+        ``MAX_PAIR_TOKENS`` (the longer text first), and whether it was read whole.
+
+        Each text is tokenised alone and cut first, then the two are joined and cut as a
+        pair: the same tokens as cutting the pair at once (the cut keeps at most
+        ``MAX_PAIR_TOKENS`` of either text), without the tokenizer's pairing of every
+        overflow of one text with every overflow of the other, which grows with the product
+        of their lengths (two 100,000-character texts took 89 s; a million, all the memory).
+        """
+        texts = self._texts.encode_batch(
+            [text for pair in pairs for text in pair], add_special_tokens=False
+        )
+        encodings, whole = [], []
+        for first, second in zip(texts[::2], texts[1::2], strict=True):
+            cut = bool(first.overflowing or second.overflowing)
+            if cut:  # the pair's cut gives the longer text the odd token: keep which it is
+                shorter = sorted((first, second), key=_length)[0]
+                if _length(first) != _length(second) and len(shorter.ids) > MAX_PAIR_TOKENS:
+                    shorter.truncate(MAX_PAIR_TOKENS)
+            joined = self._tokenizer.post_process(first, second)
+            encodings.append(joined)
+            whole.append(not cut and not joined.overflowing)
+        return encodings, whole
+
+    def logits(self, pairs: Sequence[tuple[str, str]], *, whole: bool = False) -> np.ndarray:
+        """The model's logit for each (cached, asked) pair, float32; with ``whole``, NaN
+        for a pair too long to be read whole (not run).
 
         Pairs of equal token count run together (no padding), so a pair's logit is the
         same whatever it is batched with.
         """
-        out = np.zeros(len(pairs), np.float32)
+        out = np.full(len(pairs), np.nan, np.float32)
         if not pairs:
             return out
-        encodings = self._tokenizer.encode_batch(list(pairs))
-        for rows in same_length(encodings):
+        encodings, read_whole = self.encode(pairs)
+        run = [i for i, ok in enumerate(read_whole) if ok or not whole]
+        for group in same_length([encodings[i] for i in run]):
+            rows = [run[g] for g in group]
             ids = np.array([encodings[i].ids for i in rows], dtype=np.int64)
             types = np.array([encodings[i].type_ids for i in rows], dtype=np.int64)
             feeds: dict[str, Any] = {
@@ -94,6 +124,11 @@ class CrossEncoder:
         return f"<CrossEncoder {self.path.name} threads={self.threads}>"
 
 
+def _length(encoding: Any) -> int:
+    """A text's token count before the tokenizer cut it (its pieces do not overlap)."""
+    return len(encoding.ids) + sum(len(piece.ids) for piece in encoding.overflowing)
+
+
 class CrossReader:
     """The process's cross-encoder, loaded once on its own thread (``resident.Resident``):
     ``await reader.logit(cached, asked)`` off the event loop, ``logits`` synchronously (for
@@ -104,11 +139,14 @@ class CrossReader:
         self.runs = 0
 
     async def logit(self, cached: str, asked: str) -> float:
+        """The pair's logit, or NaN when it is too long to be read whole (not run)."""
         self.runs += 1
-        return await self._resident.run(lambda model: float(model.logits([(cached, asked)])[0]))
+        return await self._resident.run(
+            lambda model: float(model.logits([(cached, asked)], whole=True)[0])
+        )
 
-    def logits(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
-        return self._resident.model().logits(pairs)
+    def logits(self, pairs: Sequence[tuple[str, str]], *, whole: bool = False) -> np.ndarray:
+        return self._resident.model().logits(pairs, whole=whole)
 
     def start_loading(self) -> None:
         self._resident.start_loading()

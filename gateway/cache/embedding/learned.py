@@ -45,6 +45,11 @@ SCORE = "score"
 """The rejection reason of a candidate whose score is below ``min_score``."""
 UNREAD = "unread"
 """The rejection reason of a candidate past the ``MAX_CROSS`` a lookup reads."""
+TOO_LONG = "too_long"
+"""The rejection reason of a pair too long for the cross-encoder to read whole (more than
+``cross.MAX_PAIR_TOKENS`` tokens together): the verifier vouches only for what it read,
+and two prompts alike where it reads may differ after it (a long document, then another
+question)."""
 CROSS_ERROR = "cross_error"
 """The rejection reason of a candidate the cross-encoder could not read."""
 MAX_CROSS = 1
@@ -275,7 +280,9 @@ class LearnedVerifier:
         if reason:
             return Verdict(False, reason), -1.0
         if cross_logit is None:
-            cross_logit = float(self.reader.logits([(first, second)])[0])
+            cross_logit = float(self.reader.logits([(first, second)], whole=True)[0])
+        if math.isnan(cross_logit):
+            return Verdict(False, TOO_LONG), -1.0
         return self._decide(features(a, b, cosine, cross_logit, found))
 
     async def check(
@@ -283,7 +290,8 @@ class LearnedVerifier:
     ) -> tuple[Verdict, float, bool]:
         """``assess`` for the tier: the cross-encoder runs off the event loop, and only when
         ``may_read`` (a lookup reads at most ``MAX_CROSS`` candidates; one past them is
-        refused, ``UNREAD``).  Also says whether the cross-encoder ran."""
+        refused, ``UNREAD``; one too long to read whole, ``TOO_LONG``).  Also says whether the
+        cross-encoder was asked."""
         a, b = normalize(first), normalize(second)
         found = verdicts(a, b)
         reason = hard_difference(a, b, found)
@@ -301,6 +309,8 @@ class LearnedVerifier:
             level = logging.WARNING if self.errors == 1 else logging.DEBUG
             log.log(level, "learned verifier: the cross-encoder failed: %s", exc)
             return Verdict(False, CROSS_ERROR), -1.0, False
+        if math.isnan(cross_logit):  # asked, so it counts against MAX_CROSS
+            return Verdict(False, TOO_LONG), -1.0, True
         verdict, score = self._decide(features(a, b, cosine, cross_logit, found))
         return verdict, score, True
 
