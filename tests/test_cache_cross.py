@@ -137,10 +137,17 @@ class TableEmbedder:
         return np.stack([self.vectors[t] for t in texts])
 
 
+def chat_key(text: str) -> Any:
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": text}]}
+    return request_key(body, scope="s", route="r", backend="b", model_version="v", path=CHAT)
+
+
 async def test_a_pair_alike_where_it_is_read_but_not_after_is_refused_too_long() -> None:
     """A long document, then two different questions: the models read the document only,
     so the cosine is 1 and the cross-encoder would read two equal texts.  The verifier
-    vouches only for what it read: refused, ``TOO_LONG``, through the tier too."""
+    vouches only for what it reads whole: refused, ``TOO_LONG``, by its words before any
+    feature is computed, or by the reader's own count of tokens; and the tier neither
+    embeds nor indexes a message no pair with it could be read whole."""
     document = " ".join(
         f"Section {chr(65 + i % 26)}: the supplier shall deliver the goods to the buyer "
         "within the agreed period, and the buyer shall pay the price stated in the order."
@@ -148,22 +155,31 @@ async def test_a_pair_alike_where_it_is_read_but_not_after_is_refused_too_long()
     )
     cached = document + " Question: what is the termination clause?"
     asked = document + " Question: who are the parties to this contract?"
-    verifier = LearnedVerifier(shipped(), shipped().operating_point(0.01).min_score)
+    reader = cross.CrossReader(threads=1)
+    verifier = LearnedVerifier(shipped(), shipped().operating_point(0.01).min_score, reader)
+    assert verifier.unreadable(cached)
     assert verifier.assess(cached, asked, 1.0)[0] == Verdict(False, TOO_LONG)
+    assert await verifier.check(cached, asked, 1.0) == (Verdict(False, TOO_LONG), -1.0, False)
     assert verifier("How do I learn Python fast?", "How can I learn Python quickly?", 0.95).ok
+    # few words, many tokens: 32 words, 63 tokens a side
+    wordy = "Is " + "internationalization " * 30 + "hard?"
+    also = wordy.replace("hard?", "hard, really?")
+    assert not verifier.too_long(wordy, also)
+    assert verifier.assess(wordy, also, 1.0)[0] == Verdict(False, TOO_LONG)
+
     vector = np.ones(8, np.float32)
+    table = TableEmbedder({wordy: vector, also: vector})
     store = MemoryStore()
-    tier = EmbeddingTier(store, TableEmbedder({cached: vector, asked: vector}), verifier=verifier)
-    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": cached}]}
-    k = request_key(body, scope="s", route="r", backend="b", model_version="v", path=CHAT)
-    await ResponseCache(store).put(
-        k, CachedResponse(200, (), b"{}", None, 0.0, "b", "v", "r", "s"), 60
-    )
-    await tier.add(k, cached, k.exact)
-    body["messages"][0]["content"] = asked
-    k = request_key(body, scope="s", route="r", backend="b", model_version="v", path=CHAT)
-    assert await tier.lookup(k, asked) is None
-    assert tier.rejections[TOO_LONG] == 1
+    tier = EmbeddingTier(store, table, verifier=verifier)
+    entry = CachedResponse(200, (), b"{}", None, 0.0, "b", "v", "r", "s")
+    for text in (wordy, cached):
+        await ResponseCache(store).put(chat_key(text), entry, 60)
+        await tier.add(chat_key(text), text, chat_key(text).exact)
+    assert len(tier) == 1  # the document was not indexed (nor embedded: not in the table)
+    assert await tier.lookup(chat_key(also), also) is None
+    assert tier.rejections[TOO_LONG] == 1 and reader.runs == 1
+    assert await tier.lookup(chat_key(asked), asked) is None
+    assert tier.results["too_long"] == 1
 
 
 @pytest.mark.parametrize("needed", [0.0, 1.01])

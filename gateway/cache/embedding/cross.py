@@ -38,6 +38,9 @@ from gateway.cache.embedding.local import (
 from gateway.cache.embedding.resident import Once, Resident
 
 MAX_PAIR_TOKENS = 128
+PAIR_MARKERS = 3
+"""``[CLS]`` and two ``[SEP]``: a pair is read whole when its texts' tokens number at most
+``MAX_PAIR_TOKENS - PAIR_MARKERS``."""
 FILE = "cross_encoder.onnx"
 
 

@@ -259,21 +259,36 @@ class LearnedVerifier:
         self.needed = min_score if needed is None else min(needed, min_score)
         """The lowest score any caller uses (the judge's grey zone may start below
         ``min_score``): a pair that cannot reach it is not read."""
-        if reader is None:
-            from gateway.cache.embedding import cross  # numpy: only where a tier verifies
+        from gateway.cache.embedding import cross  # numpy: only where a tier verifies
 
+        if reader is None:
             reader = cross.shared()
         self.reader = reader
+        self.window = cross.MAX_PAIR_TOKENS - cross.PAIR_MARKERS
+        """The most tokens of text a pair may have to be read whole."""
         self.errors = 0
 
     def __call__(self, first: str, second: str, cosine: float) -> Verdict:
         return self.assess(first, second, cosine)[0]
+
+    def too_long(self, first: str, second: str) -> bool:
+        """Whether the pair certainly has more tokens than the cross-encoder reads whole:
+        each word (between spaces) is at least one.  Microseconds, before the features
+        (which cost milliseconds for long texts); the reader's own count decides the rest."""
+        return len(first.split()) + len(second.split()) > self.window
+
+    def unreadable(self, text: str) -> bool:
+        """Whether no pair with ``text`` in it can be read whole (it leaves the other text
+        not one token): the tier neither embeds nor indexes such a message."""
+        return self.too_long(text, "x")
 
     def assess(
         self, first: str, second: str, cosine: float, cross_logit: float | None = None
     ) -> tuple[Verdict, float]:
         """The verdict and the score it was given by (-1 for a hard difference), the
         cross-encoder run on this thread unless its ``cross_logit`` is given."""
+        if self.too_long(first, second):
+            return Verdict(False, TOO_LONG), -1.0
         a, b = normalize(first), normalize(second)
         found = verdicts(a, b)
         reason = hard_difference(a, b, found)
@@ -292,6 +307,8 @@ class LearnedVerifier:
         ``may_read`` (a lookup reads at most ``MAX_CROSS`` candidates; one past them is
         refused, ``UNREAD``; one too long to read whole, ``TOO_LONG``).  Also says whether the
         cross-encoder was asked."""
+        if self.too_long(first, second):
+            return Verdict(False, TOO_LONG), -1.0, False
         a, b = normalize(first), normalize(second)
         found = verdicts(a, b)
         reason = hard_difference(a, b, found)

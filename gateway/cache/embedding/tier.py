@@ -144,6 +144,9 @@ class EmbeddingTier:
             hit = await self._aliased(key, text)
             if hit is not None:
                 return hit
+        if isinstance(self.verifier, LearnedVerifier) and self.verifier.unreadable(text):
+            self.results["too_long"] += 1  # no candidate could be read whole with it
+            return None
         vector: np.ndarray | None = None
         embedded = False
         if self.shared is not None and key.context is not None:
@@ -254,6 +257,8 @@ class EmbeddingTier:
         """Index ``text``, the final user message of the entry stored under ``entry_key``."""
         if key.context is None:
             return
+        if isinstance(self.verifier, LearnedVerifier) and self.verifier.unreadable(text):
+            return  # never verifiable: not worth its embedding or its place
         vector = await self._vector(text)
         if vector is None:
             return
