@@ -158,9 +158,24 @@ class Normalized:
         return tuple(t.text for t in self.tokens)
 
 
-@lru_cache(maxsize=4096)
+SHORT_TEXT = 512
+"""Texts up to this many characters are remembered by the thousand (``normalize``)."""
+
+
 def normalize(text: str) -> Normalized:
-    """Reduce ``text`` to its comparable tokens, quoted spans and fenced code blocks."""
+    """Reduce ``text`` to its comparable tokens, quoted spans and fenced code blocks.
+
+    Remembered: a request's message is normalised for its keys, its tiers and its
+    verification, and a cached one for every lookup it is a candidate of.  A result costs
+    about 140 bytes a word, so the 4,096 remembered are texts of at most ``SHORT_TEXT``
+    characters (about 30 MB at most), and only the last 64 longer ones (12 MB at most for
+    the near-duplicate tiers' longest, ``keys.MAX_NEAR_CHARS``): one cache for both had let
+    a client's distinct 8 KB messages hold 760 MB.
+    """
+    return (_remembered if len(text) <= SHORT_TEXT else _remembered_long)(text)
+
+
+def _normalize(text: str) -> Normalized:
     if not text.isascii():
         text = _KEEP_APOSTROPHE.sub("'", unicodedata.normalize("NFKC", text))
     code: tuple[str, ...] = ()
@@ -208,6 +223,10 @@ def normalize(text: str) -> Normalized:
         end -= 1
     kept = tuple([t for t in tokens[start:end] if t.text not in FILLERS])
     return Normalized(kept, quoted, code)
+
+
+_remembered = lru_cache(maxsize=4096)(_normalize)
+_remembered_long = lru_cache(maxsize=64)(_normalize)
 
 
 def comparable_form(norm: Normalized) -> str:
