@@ -80,15 +80,17 @@ class Backend:
 class Gateway:
     """A ``gateway serve`` process at the default limits."""
 
-    def __init__(self, backend: Backend, policy_dir: Path) -> None:
+    def __init__(self, backend: Backend, policy_dir: Path, cached: bool = False) -> None:
         self.port = free_port()
         self.admin = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         policy = policy_dir / f"policy-{self.port}.yaml"
+        cache = ", cache: {ttl_s: 60, semantic: {method: embedding}}" if cached else ""
         policy.write_text(
             f"backends:\n  main: {{url: 'http://127.0.0.1:{backend.port}'}}\n"
             f"  raw: {{url: 'http://127.0.0.1:{backend.trailer_port}'}}\n"
-            "routes:\n  - {match: {path: /trailers}, backend: raw}\n  - {backend: main}\n"
+            "routes:\n  - {match: {path: /trailers}, backend: raw}\n"
+            f"  - {{backend: main{cache}}}\n"
         )
         self.args = [
             sys.executable, "-m", "gateway", "serve", "--policy", str(policy),
@@ -183,9 +185,13 @@ async def tiny_latencies(url: str, stop: asyncio.Event) -> list[float]:
 
 
 async def probe(
-    backend: Backend, tmp: Path, name: str, attack: Callable[[Gateway], Awaitable[str]]
+    backend: Backend,
+    tmp: Path,
+    name: str,
+    attack: Callable[[Gateway], Awaitable[str]],
+    cached: bool = False,
 ) -> dict[str, Any]:
-    async with Gateway(backend, tmp) as gw:
+    async with Gateway(backend, tmp, cached) as gw:
         quiet_stop = asyncio.Event()
         quiet_task = asyncio.ensure_future(sampled(gw.url, quiet_stop))
         await asyncio.sleep(2.0)
@@ -232,7 +238,7 @@ def two_byte_chunks(size: int) -> bytes:
     return HEAD + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunks + b"0\r\n\r\n"
 
 
-async def run(quick: bool) -> list[dict[str, Any]]:
+async def run(quick: bool, only: str | None = None) -> list[dict[str, Any]]:
     backend = Backend()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.bench_hostile",
@@ -240,24 +246,30 @@ async def run(quick: bool) -> list[dict[str, Any]]:
     )  # fmt: skip
     await asyncio.to_thread(wait_port, backend.port)
     try:
-        return await probes(backend, quick)
+        return await probes(backend, quick, only)
     finally:
         process.kill()
         await process.wait()
 
 
-async def probes(backend: Backend, quick: bool) -> list[dict[str, Any]]:
+async def probes(backend: Backend, quick: bool, only: str | None) -> list[dict[str, Any]]:
     tmp = Path("/tmp") / f"bench-hostile-{backend.port}"
     tmp.mkdir(exist_ok=True)
     size = 2 * MiB if quick else 8 * MiB
     results = []
+
+    async def add(
+        name: str, attack: Callable[[Gateway], Awaitable[str]], cached: bool = False
+    ) -> None:
+        if only is None or only in name:
+            results.append(await probe(backend, tmp, name, attack, cached))
 
     async def chunks(gw: Gateway) -> str:
         data = two_byte_chunks(size)
         statuses = await asyncio.gather(*(raw(gw.url, data) for _ in range(4)))
         return f"statuses {sorted(statuses)}"
 
-    results.append(await probe(backend, tmp, f"4 x {size // MiB} MiB in 2-byte chunks", chunks))
+    await add(f"4 x {size // MiB} MiB in 2-byte chunks", chunks)
 
     async def wide(gw: Gateway) -> str:
         body = b'{"model": "m", "messages": [], "x": [' + b"{}," * (5 * MiB) + b"{}]}"
@@ -265,7 +277,7 @@ async def probes(backend: Backend, quick: bool) -> list[dict[str, Any]]:
         statuses = await asyncio.gather(*(raw(gw.url, data) for _ in range(2)))
         return f"statuses {sorted(statuses)}"
 
-    results.append(await probe(backend, tmp, "2 x 15 MiB of {} (5M values)", wide))
+    await add("2 x 15 MiB of {} (5M values)", wide)
 
     async def prose(gw: Gateway) -> str:
         text = "Summarise this, please: [a], {b}, c. " * (15 * MiB // 38)
@@ -273,13 +285,27 @@ async def probes(backend: Backend, quick: bool) -> list[dict[str, Any]]:
         data = HEAD + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
         return f"status {await raw(gw.url, data)} ({len(body) / MiB:.1f} MiB)"
 
-    results.append(await probe(backend, tmp, "a 15 MiB chat body (within limits)", prose))
+    await add("a 15 MiB chat body (within limits)", prose)
+
+    async def cached_prose(gw: Gateway) -> str:
+        """Two long prompts alike, on a route with the semantic cache (SimHash and the
+        embedding tier): a message this long gets the exact tier only."""
+        statuses = []
+        for ending in ("Who signed it?", "When was it signed?"):
+            text = "Summarise this contract, please: [a], {b}, c. " * (15 * MiB // 48) + ending
+            message = {"role": "user", "content": text}
+            body = json.dumps({**CHAT, "temperature": 0, "messages": [message]}).encode()
+            data = HEAD + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+            statuses.append(await raw(gw.url, data))
+        return f"statuses {statuses}"
+
+    await add("2 x 15 MiB chat prompts, semantic cache on", cached_prose, cached=True)
 
     async def trailers(gw: Gateway) -> str:
         status = await raw(gw.url, b"GET /trailers HTTP/1.1\r\nHost: gw\r\n\r\n")
         return f"status {status}"
 
-    results.append(await probe(backend, tmp, "200 MiB of response trailers", trailers))
+    await add("200 MiB of response trailers", trailers)
 
     async def slow_uploads(gw: Gateway) -> str:
         async def upload(writer: asyncio.StreamWriter) -> None:
@@ -301,7 +327,7 @@ async def probes(backend: Backend, quick: bool) -> list[dict[str, Any]]:
         statuses = await asyncio.gather(*uploads)
         return f"normal POST {normal.status_code} in {waited:.2f} s; uploads {sorted(statuses)}"
 
-    results.append(await probe(backend, tmp, "4 slow 16 MiB uploads + a normal POST", slow_uploads))
+    await add("4 slow 16 MiB uploads + a normal POST", slow_uploads)
 
     async def slow_connections(gw: Gateway) -> str:
         async def body(writer: asyncio.StreamWriter) -> None:
@@ -326,15 +352,14 @@ async def probes(backend: Backend, quick: bool) -> list[dict[str, Any]]:
         await asyncio.gather(*slow, return_exceptions=True)
         return f"new client {status} in {waited:.2f} s"
 
-    results.append(
-        await probe(backend, tmp, "1,030 slow-body connections + a new client", slow_connections)
-    )
+    await add("1,030 slow-body connections + a new client", slow_connections)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller bodies, shorter trickles")
+    parser.add_argument("--only", help="run the probes whose name holds this (docs unchanged)")
     parser.add_argument("--sample", help=argparse.SUPPRESS)
     parser.add_argument("--backend", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -344,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend:
         asyncio.run(Backend(*args.backend).serve())
         return 0
-    results = asyncio.run(run(args.quick))
+    results = asyncio.run(run(args.quick, args.only))
+    if args.only:
+        return 0
     command = "python -m bench.bench_hostile" + (" --quick" if args.quick else "")
     rows = "\n".join(
         f"| {r['name']} | {r['outcome']} | {r['mib']:+.0f} MiB | {r['lag_ms']} ms "
