@@ -118,8 +118,10 @@ class Semantic:
         default="learned",
         metadata=doc(
             "Embedding: how a candidate is verified: `learned` (a model over features of "
-            "the pair, at the operating point of `max_false_hit_rate`) or `rules` (the "
-            "guard over reworded question frames)."
+            "the pair and a cross-encoder's reading of it, at the operating point of "
+            "`max_false_hit_rate`; a pair is verified only when the cross-encoder reads it "
+            "whole, 125 tokens together, about 45 words a message) or `rules` (the guard "
+            "over reworded question frames, over whole texts)."
         ),
     )
     max_false_hit_rate: float = field(
