@@ -163,6 +163,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_build_info",
         "gateway_cache_bytes",
         "gateway_cache_embedding_entries",
+        "gateway_cache_embedding_refused",
         "gateway_cache_embedding_shared",
         "gateway_cache_entries",
         "gateway_cache_judge",

@@ -23,6 +23,7 @@ from gateway.cache.embedding.learned import (
     LearnedVerifier,
     shipped,
 )
+from gateway.cache.embedding.tier import MESSAGE_TOO_LONG
 from gateway.cache.guard import Verdict
 from gateway.cache.stores import MemoryStore
 
@@ -179,7 +180,7 @@ async def test_a_pair_alike_where_it_is_read_but_not_after_is_refused_too_long()
     assert await tier.lookup(chat_key(also), also) is None
     assert tier.rejections[TOO_LONG] == 1 and reader.runs == 1
     assert await tier.lookup(chat_key(asked), asked) is None
-    assert tier.results["too_long"] == 1
+    assert tier.rejections[MESSAGE_TOO_LONG] == 1
 
 
 @pytest.mark.parametrize("needed", [0.0, 1.01])

@@ -176,6 +176,8 @@ async def test_a_grey_zone_miss_is_judged_once_and_a_yes_makes_the_paraphrase_hi
     assert metric(text, "gateway_cache_judge_total", route="chat", verdict="yes") == 1
     assert metric(text, "gateway_cache_judge_total", route="chat", verdict="no") == 0
     assert metric(text, "gateway_cache_judge_aliases", route="chat") == 1
+    refused = metric(text, "gateway_cache_embedding_refused_total", route="chat", reason="score")
+    assert refused == 1  # the paraphrase's first lookup: under the score, so judged
     hits = metric(text, "gateway_cache_lookups_total", route="chat", result="hit", match="judged")
     assert hits == 1
     assert "aliases=1/" in repr(gw.tier.judge) and "yes=1" in repr(gw.tier.judge)

@@ -154,6 +154,7 @@ class CacheStage:
                 tier.shared.counts if tier.shared is not None else None,
                 {v: tier.judge.counts[v] for v in VERDICTS} if tier.judge is not None else None,
                 len(tier.judge) if tier.judge is not None else 0,
+                dict(tier.rejections),
             )
             for name, rules in self._routes.items()
             if (tier := rules.embedding) is not None and isinstance(tier, embedding.EmbeddingTier)
@@ -266,8 +267,7 @@ class CacheStage:
     def _with_context(
         self, rules: RouteRules, call: Call, key: RequestKey, vary: str
     ) -> RequestKey:
-        """``key`` with its context, where the route's near tiers need one (to look up or
-        to file an answer under)."""
+        """``key`` with its context, where the near tiers need one to look up or file under."""
         if not rules.near:
             return key
         assert call.json is not None

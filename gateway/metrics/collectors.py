@@ -36,14 +36,15 @@ class ConnectionCollector:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingFigures:
-    """One route's embedding tier at scrape time: vectors held, shared-index events, and
-    with a judge its verdicts and the aliases it holds."""
+    """One route's embedding tier at scrape time: vectors held, shared-index events, with a
+    judge its verdicts and the aliases it holds, and what it refused, by reason."""
 
     route: str
     entries: int
     shared: Mapping[str, int] | None = None
     judged: Mapping[str, int] | None = None
     aliases: int = 0
+    refused: Mapping[str, int] | None = None
 
 
 class EmbeddingCollector:
@@ -80,8 +81,20 @@ class EmbeddingCollector:
             "this process.",
             labels=["route"],
         )
+        refused = CounterMetricFamily(
+            "gateway_cache_embedding_refused",
+            "What a route's embedding tier refused to serve, by reason: a candidate's hard "
+            "difference (numbers, negation, quoted, code, order, pronoun), its score under "
+            "the operating point (score), a pair too long to read whole (too_long), one past "
+            "the cross-encoder's reads (unread) or unreadable by it (cross_error), another "
+            "scope or context (scope), a rule of verifier: rules; and a message too long to "
+            "be verified with any other (message_too_long, counted once a lookup).",
+            labels=["route", "reason"],
+        )
         for tier in self.tiers():
             entries.add_metric([tier.route], tier.entries)
+            for reason, count in sorted((tier.refused or {}).items()):
+                refused.add_metric([tier.route, reason], count)
             for event, count in sorted((tier.shared or {}).items()):
                 shared.add_metric([tier.route, event], count)
             if tier.judged is not None:
@@ -89,6 +102,7 @@ class EmbeddingCollector:
                     judged.add_metric([tier.route, verdict], count)
                 aliases.add_metric([tier.route], tier.aliases)
         yield entries
+        yield refused
         yield shared
         yield judged
         yield aliases

@@ -69,6 +69,9 @@ DEFAULT_MAX_ENTRIES = 100_000
 MAX_CANDIDATES = 8
 """At most this many candidates above the threshold are fetched and verified per lookup."""
 MEMO_TEXTS = 1024
+MESSAGE_TOO_LONG = "message_too_long"
+"""The refusal of a lookup whose message no pair could be read whole with (the learned
+verifier's ``unreadable``): counted once a lookup, beside the candidates' reasons."""
 """Vectors of recent texts kept, so a miss's ``add`` reuses its ``lookup``'s embedding."""
 
 Embed = Callable[[Sequence[str]], Awaitable[Any]]
@@ -145,7 +148,7 @@ class EmbeddingTier:
             if hit is not None:
                 return hit
         if isinstance(self.verifier, LearnedVerifier) and self.verifier.unreadable(text):
-            self.results["too_long"] += 1  # no candidate could be read whole with it
+            self.rejections[MESSAGE_TOO_LONG] += 1  # no pair with it could be read whole
             return None
         vector: np.ndarray | None = None
         embedded = False
