@@ -91,8 +91,9 @@ class CrossEncoder:
         for first, second in zip(texts[::2], texts[1::2], strict=True):
             cut = bool(first.overflowing or second.overflowing)
             if cut:  # the pair's cut gives the longer text the odd token: keep which it is
-                shorter = sorted((first, second), key=_length)[0]
-                if _length(first) != _length(second) and len(shorter.ids) > MAX_PAIR_TOKENS:
+                lengths = _length(first), _length(second)
+                shorter = first if lengths[0] < lengths[1] else second
+                if lengths[0] != lengths[1] and len(shorter.ids) > MAX_PAIR_TOKENS:
                     shorter.truncate(MAX_PAIR_TOKENS)
             joined = self._tokenizer.post_process(first, second)
             encodings.append(joined)

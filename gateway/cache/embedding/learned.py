@@ -280,7 +280,7 @@ class LearnedVerifier:
     def unreadable(self, text: str) -> bool:
         """Whether no pair with ``text`` in it can be read whole (it leaves the other text
         not one token): the tier neither embeds nor indexes such a message."""
-        return self.too_long(text, "x")
+        return len(text.split()) >= self.window
 
     def assess(
         self, first: str, second: str, cosine: float, cross_logit: float | None = None

@@ -69,10 +69,10 @@ DEFAULT_MAX_ENTRIES = 100_000
 MAX_CANDIDATES = 8
 """At most this many candidates above the threshold are fetched and verified per lookup."""
 MEMO_TEXTS = 1024
+"""Vectors of recent texts kept, so a miss's ``add`` reuses its ``lookup``'s embedding."""
 MESSAGE_TOO_LONG = "message_too_long"
 """The refusal of a lookup whose message no pair could be read whole with (the learned
 verifier's ``unreadable``): counted once a lookup, beside the candidates' reasons."""
-"""Vectors of recent texts kept, so a miss's ``add`` reuses its ``lookup``'s embedding."""
 
 Embed = Callable[[Sequence[str]], Awaitable[Any]]
 """An embedder: texts -> one vector per text (any array-like of floats, rows in order)."""
