@@ -20,7 +20,10 @@ precision at recall 0.30 and 0.45 on ``qqp_dev.tsv`` (never trained on).  ``--ch
 rebuilds into ``bench/out/`` only and compares the rebuilt model's logits on
 ``qqp_dev.tsv`` with the shipped model's (the tolerance in docs/caching.md).  ``--layers N``
 trains a smaller reader on MiniLM's lowest N layers into ``bench/out/cross-LN/`` and prints
-its precision, shipping nothing (docs/caching.md compares 3 layers).
+its precision, shipping nothing (docs/caching.md compares 3 layers).  ``--layers N
+--distill`` starts the smaller reader from the shipped file's lowest N layers (its int8
+weights dequantized) and output, and trains it to answer the shipped file's logits (mean
+squared error) on the same pairs, in the same order: ``bench/out/cross-LN-distilled/``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import random
 import re
 import shutil
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -73,8 +77,53 @@ def batches(lengths: list[int], rng: random.Random) -> list[list[int]]:
     return out
 
 
+def teacher_weights(path: Path) -> dict[str, np.ndarray]:
+    """An int8 file's weights in fp32, each dequantized, by the PyTorch names they were
+    exported from (a matrix product's weight by the bias added to its result)."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path)).graph
+    init = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+
+    def dequantized(name: str) -> np.ndarray:
+        base = name.removesuffix("_quantized")
+        zero = init[f"{base}_zero_point"].astype(np.float32)
+        return (init[name].astype(np.float32) - zero) * init[f"{base}_scale"]
+
+    quantized = ("_quantized", "_scale", "_zero_point")
+    weights = {n: v for n, v in init.items() if not n.endswith(quantized)}
+    weights |= {
+        n.removesuffix("_quantized"): dequantized(n)
+        for n in init
+        if n.endswith("_quantized") and not n.startswith("onnx::")  # the embeddings
+    }
+    consumers = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    for node in graph.node:
+        if node.op_type != "MatMulInteger" or node.input[1] not in init:
+            continue
+        frontier, bias = list(node.output), None
+        while frontier and bias is None:
+            following = [n for name in frontier for n in consumers[name]]
+            bias = next(
+                (i for n in following if n.op_type == "Add" for i in n.input if i in init), None
+            )
+            frontier = [o for n in following for o in n.output]
+        if bias is None or not bias.endswith(".bias"):
+            raise SystemExit(f"no bias follows {node.input[1]} in {path}")
+        weights[bias.removesuffix("bias") + "weight"] = dequantized(node.input[1]).T
+    return weights
+
+
 def train(
-    model_dir: Path, steps: int | None, resume: Path | None = None, layers: int = LAYERS
+    model_dir: Path,
+    steps: int | None,
+    resume: Path | None = None,
+    layers: int = LAYERS,
+    distill: bool = False,
 ) -> object:
     import torch
     from tokenizers import Tokenizer
@@ -100,6 +149,8 @@ def train(
     tokenizer.enable_truncation(max_length=cross.MAX_PAIR_TOKENS)
     encoded = tokenizer.encode_batch(texts)
     labels = torch.tensor([float(p.label) for p in used])
+    if distill:  # the shipped file's logits on the pairs as the student reads them
+        labels = torch.tensor(cross.CrossEncoder(threads=THREADS).logits(texts))
     plan = [b for _ in range(EPOCHS) for b in batches([len(e.ids) for e in encoded], rng)]
     if steps is not None:
         plan = plan[:steps]
@@ -125,6 +176,13 @@ def train(
             return self.out(pooled).squeeze(-1)
 
     model = PairModel()
+    if distill:
+        own = model.state_dict()
+        start = {n: torch.tensor(v) for n, v in teacher_weights(cross.path()).items() if n in own}
+        model.load_state_dict(start, strict=False)
+        missing = {n for n, _ in model.named_parameters()} - set(start)
+        if missing:
+            raise SystemExit(f"the shipped file lacks {sorted(missing)}")
     if resume is not None:  # --export-only: the weights this script saved last
         model.load_state_dict(torch.load(resume))
         plan = []
@@ -151,7 +209,10 @@ def train(
             types[r, :n] = torch.tensor(encoded[i].type_ids)
             mask[r, :n] = 1
         logits = model(ids, mask, types)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[rows])
+        if distill:
+            loss = torch.nn.functional.mse_loss(logits, labels[rows])
+        else:
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[rows])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -198,17 +259,24 @@ def main() -> None:
         default=LAYERS,
         help="keep MiniLM's lowest N layers: a smaller reader, compared, not shipped",
     )
+    parser.add_argument(
+        "--distill",
+        action="store_true",
+        help="with --layers: start from the shipped file's layers, train on its logits",
+    )
     args = parser.parse_args()
+    if args.distill and args.layers >= LAYERS:
+        parser.error("--distill trains a smaller reader: give --layers below 6")
     started = time.perf_counter()
     if args.layers != LAYERS:
-        work = OUT / f"cross-L{args.layers}"
+        work = OUT / f"cross-L{args.layers}{'-distilled' if args.distill else ''}"
     elif args.steps is not None or args.check:
         work = OUT / "cross-trial"
     else:
         work = OUT / "cross"
     saved = work / "model.pt"
     resume = saved if args.export_only else None
-    model = train(base_model(work / "base"), args.steps, resume, args.layers)
+    model = train(base_model(work / "base"), args.steps, resume, args.layers, args.distill)
     import torch
 
     torch.save(model.state_dict(), saved)  # type: ignore[attr-defined]
