@@ -203,6 +203,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_rate_limit_store_up",
         "gateway_rate_limited",
         "gateway_redis_command_failures",
+        "gateway_redis_timeouts_forgiven",
         "gateway_redis_transitions",
         "gateway_redis_up",
         "gateway_refused_connections",

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from gateway.cache import CachedResponse, ResponseCache, request_key, scope_hash
@@ -544,6 +545,33 @@ async def test_late_replies_never_mark_redis_down(redis_url: str) -> None:  # no
             assert store.available and store.health.transitions == 0
         finally:
             await store.close()
+
+
+async def test_an_event_loop_stall_past_the_socket_timeout_does_not_take_redis_down(
+    redis_url: str,  # noqa: F811
+) -> None:
+    """The loop stalls 0.35 s (a long callback, a CPU-throttled container) while twenty
+    commands wait for their replies: every one of them times out in the same turn (the
+    socket timeout is 0.2 s), though Redis answered them all.  That is evidence enough to
+    condemn Redis, so a PING is sent first, after the stall; it is answered, and Redis stays
+    up, with the forgiveness counted."""
+    store = RedisStore.from_url(redis_url, budget_s=0.05)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await asyncio.gather(*(store.get(f"stall-{i}") for i in range(20)))  # twenty sockets
+        await admin.client_pause(80, all=True)  # the replies wait a little, as under load
+        reads = [asyncio.ensure_future(store.get(f"stall-{i}")) for i in range(20)]
+        await asyncio.sleep(0.03)  # sent; now waiting on their sockets
+        asyncio.get_running_loop().call_soon(time.sleep, 0.35)  # a callback holds the loop
+        outcomes = await asyncio.gather(*reads, return_exceptions=True)
+        assert all(isinstance(outcome, StoreError) for outcome in outcomes)
+        assert store.link.failures["unreached"] >= DOWN_AFTER  # the commands timed out
+        await until(lambda: store.link.forgiven == 1)
+        assert store.available and store.health.transitions == 0
+        assert await store.get("stall-0") is None  # and it is asked at once
+    finally:
+        await admin.aclose()
+        await store.close()
 
 
 async def test_redis_ttl_and_index_keys_use_plain_commands(redis_target: Redis) -> None:

@@ -214,8 +214,9 @@ async def test_redis_down_is_left_alone_for_retry_s_then_probed_in_the_backgroun
 
 async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # noqa: F811
     """A paused Redis (``CLIENT PAUSE``) answers late: past the budget each caller goes on
-    without it; the commands left to run on time out on their own (0.2 s), and those
-    timeouts take Redis for down."""
+    without it; the commands left to run on time out on their own (0.2 s), the PING sent
+    to confirm them times out too (0.2 s later, Redis still paused), and Redis is taken for
+    down."""
     clock = FakeClock()
     rates = RedisRates.connect(Redis(url=redis_url), clock=clock, budget_s=0.025)
     admin = aioredis.Redis.from_url(redis_url)
@@ -226,12 +227,13 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
         rates.budget_s = 1.0  # the first decision loads the script: a busy machine may take 25 ms
         assert await rates.admit(one) == 0.0
         rates.budget_s = 0.025
-        await admin.client_pause(300, all=True)
+        await admin.client_pause(1000, all=True)
         for _ in range(DOWN_AFTER):
             with pytest.raises(StoreError, match="budget"):
                 await rates.admit(one)
         assert rates.up and rates.usable()  # late is not down
         await until(lambda: not rates.up)
+        assert rates.link.forgiven == 0
         assert not rates.usable()
     finally:
         await admin.client_unpause()

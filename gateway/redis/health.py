@@ -4,9 +4,13 @@ One late reply proves nothing on a busy machine (on 2 shared cores the event loo
 runs late), and a store that answers with an error (a full Redis refusing a write) is up.
 So a store goes down only when its commands fail to reach it: ``DOWN_AFTER`` connection
 failures or timeouts in a row, or at least ``RATE_MIN_CALLS`` commands in ``WINDOW_S`` of
-which ``FAILURE_RATE`` or more failed that way.  A command's time is its own round trip: one
-that runs past the caller's budget is still awaited, and its outcome, when it comes, is
-what counts.  Going up again is the probe's to decide (``link.py``).
+which ``FAILURE_RATE`` or more failed that way.  Timeouts alone are not conclusive: when the
+event loop stalls past the socket timeout (a long callback, a CPU-throttled container),
+every command in flight times out in the same turn though the store answered them all, so
+the link asks the store once more before it believes them (``failed(conclusive=False)``,
+then ``condemn`` or ``recovered``).  A command's time is its own round trip: one that runs
+past the caller's budget is still awaited, and its outcome, when it comes, is what counts.
+Going up again is the probe's to decide (``link.py``).
 """
 
 from __future__ import annotations
@@ -43,18 +47,27 @@ class Health:
         self.reached += 1
         self._note(True)
 
-    def failed(self) -> bool:
-        """A command could not reach the store; True when that takes it down."""
+    def failed(self, *, conclusive: bool = True) -> bool:
+        """A command could not reach the store; True when the evidence now condemns it, and
+        then it goes down, unless the failure was not ``conclusive`` (a timeout): that
+        verdict is left to ``condemn``."""
         self._in_a_row += 1
         self.unreached += 1
         failures, calls = self._note(False)
-        if self.up and (
+        condemned = self.up and (
             self._in_a_row >= DOWN_AFTER
             or (calls >= RATE_MIN_CALLS and failures >= FAILURE_RATE * calls)
-        ):
+        )
+        if condemned and conclusive:
             self._move(False)
-            return True
-        return False
+        return condemned
+
+    def condemn(self) -> bool:
+        """Down, on evidence confirmed; True when that is a transition."""
+        if not self.up:
+            return False
+        self._move(False)
+        return True
 
     def recovered(self) -> None:
         """The store's probe reached it: up again, with a clean slate."""

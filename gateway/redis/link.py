@@ -8,9 +8,14 @@ Redis (a miss, a local decision), but the command runs on, and its own outcome i
 evidence of Redis's health (``health.py``): Redis goes down only after several commands in
 a row could not reach it, or most of the last second's did not, never for one late reply
 (on 2 shared cores the event loop itself runs late).  An error Redis answered with (a full
-Redis refusing a write, ``WRONGTYPE``) fails that command only: Redis is up.  A Cluster
-that cannot serve (``CLUSTERDOWN`` while a failover runs, a slot not covered) counts as not
-reached.  Any redis or socket failure is translated here, once, into ``StoreError``.
+Redis refusing a write, ``WRONGTYPE``) fails that command only: Redis is up.  Timeouts that
+would take Redis down are confirmed first by one ``PING`` sent then (``_confirm``): after an
+event-loop stall longer than the socket timeout (a long callback, a CPU-throttled
+container) every command in flight times out at once though Redis answered each, and the
+``PING``, sent after the stall, is answered; a Redis that has stopped answering fails it
+too, one socket timeout later.  A Cluster that cannot serve (``CLUSTERDOWN`` while a
+failover runs, a slot not covered) counts as not reached.  Any redis or socket failure is
+translated here, once, into ``StoreError``.
 
 While Redis is down ``run`` raises ``StoreError`` at once (no caller waits for a Redis
 that is down); after ``retry_s`` the next caller starts one background probe (``PING``; on a
@@ -95,6 +100,10 @@ class RedisLink:
         self._probe: asyncio.Task[bool] | None = None
         self._late: set[asyncio.Future[Any]] = set()
         self._warm: asyncio.Task[bool] | None = None
+        self._confirming: asyncio.Task[None] | None = None
+        self.forgiven = 0
+        """Times timeouts would have taken Redis down and the confirming ``PING`` was
+        answered: the event loop had stalled, not Redis."""
 
     @classmethod
     def connect(
@@ -185,6 +194,18 @@ class RedisLink:
 
     async def ping(self) -> bool:
         """Probe Redis (every master of a Cluster); up again when it answers."""
+        failure = await self._reach()
+        if failure is None:
+            self.health.recovered()
+            return True
+        if self.health.up:
+            self._judge(failure)
+        else:
+            self._retry_at = self.clock.now() + self.retry_s
+        return False
+
+    async def _reach(self) -> Exception | None:
+        """``PING`` (every master of a Cluster) within the probe's timeout; the failure."""
         try:
             async with asyncio.timeout(self.probe_timeout_s):
                 if isinstance(self.client, RedisCluster):
@@ -192,21 +213,18 @@ class RedisLink:
                 else:
                     await self.client.ping()
         except Exception as exc:  # FAILURES, or the client's own fault
-            if self.health.up:
-                self._judge(exc)
-            else:
-                self._retry_at = self.clock.now() + self.retry_s
-            return False
-        self.health.recovered()
-        return True
+            return exc
+        return None
 
     def figures(self) -> RedisFigures:
-        return RedisFigures(self.mode, self.up, self.health.transitions, dict(self.failures))
+        return RedisFigures(
+            self.mode, self.up, self.health.transitions, dict(self.failures), self.forgiven
+        )
 
     async def aclose(self) -> None:
         for late in list(self._late):
             late.cancel()
-        for task in (self._probe, self._warm):
+        for task in (self._probe, self._warm, self._confirming):
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -240,7 +258,30 @@ class RedisLink:
         if not isinstance(exc, FAILURES):
             log.warning("redis %s: the client failed: %s", self.where, self.last_failure)
         self.failures["unreached"] += 1
-        if self.health.failed():
+        timed_out = isinstance(exc, TIMEOUTS)
+        if self.health.failed(conclusive=not timed_out):
+            if timed_out:
+                self._confirm()
+            else:
+                self._retry_at = self.clock.now() + self.retry_s
+
+    def _confirm(self) -> None:
+        """Ask Redis once more before timeouts take it down (one question at a time)."""
+        if self._confirming is None:
+            loop = asyncio.get_running_loop()
+            self._confirming = loop.create_task(self._confirm_by_ping())
+
+    async def _confirm_by_ping(self) -> None:
+        try:
+            failure = await self._reach()
+        finally:
+            self._confirming = None
+        if failure is None:
+            self.forgiven += 1
+            log.info("redis %s: commands timed out together, but a PING was answered", self.where)
+            self.health.recovered()  # a clean slate: the timeouts were the loop's
+        elif self.health.condemn():
+            self.last_failure = f"{type(failure).__name__}: {failure}"
             self._retry_at = self.clock.now() + self.retry_s
 
     async def _background_probe(self) -> bool:
