@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from typing import cast
 
 CHAT = json.dumps(
     {
@@ -33,8 +34,10 @@ def _chunk(data: bytes) -> bytes:
 
 
 class Backend(asyncio.Protocol):
+    transport: asyncio.Transport
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)
         self.buf = b""
 
     def data_received(self, data: bytes) -> None:
@@ -58,14 +61,14 @@ class Backend(asyncio.Protocol):
             if b'"stream": true' in body or b'"stream":true' in body:
                 asyncio.get_running_loop().create_task(self.stream())
             else:
-                self.transport.write(RESPONSE)  # type: ignore[attr-defined]
+                self.transport.write(RESPONSE)
 
     async def stream(self) -> None:
         t = self.transport
-        t.write(STREAM_HEAD + _chunk(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'))  # type: ignore[attr-defined]
+        t.write(STREAM_HEAD + _chunk(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'))
         await asyncio.sleep(0.005)
         t.write(
-            _chunk(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n')  # type: ignore[attr-defined]
+            _chunk(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n')
             + _chunk(b"data: [DONE]\n\n")
             + b"0\r\n\r\n"
         )

@@ -325,7 +325,12 @@ async def redis_bytes_per_entry(tmp: Path) -> float | None:
                 "temperature": 0,
                 "messages": [{"role": "user", "content": f"how do I tune cache number {i}?"}],
             }
-            where = {"scope": "s", "route": "r", "backend": "b", "model_version": "v"}
+            where: dict[str, Any] = {
+                "scope": "s",
+                "route": "r",
+                "backend": "b",
+                "model_version": "v",
+            }
             key = request_key(body, path="/v1/chat/completions", **where)
             await cache.put(key, entry, 3600)
         after = (await admin.info("memory"))["used_memory"]

@@ -18,6 +18,7 @@ import gc
 import random
 import time
 import tracemalloc
+from typing import Any
 
 from gateway.cache import CachedResponse, ResponseCache, request_key
 from gateway.cache.simhash import fingerprint
@@ -30,7 +31,7 @@ WORDS = (
     "restore upgrade version release test build compile debug profile optimise scale "
     "cluster node replica primary secondary shard partition stream batch queue worker"
 ).split()
-WHERE = {"scope": "s", "route": "r", "backend": "main", "model_version": "v1"}
+WHERE: dict[str, Any] = {"scope": "s", "route": "r", "backend": "main", "model_version": "v1"}
 PATH = "/v1/chat/completions"
 TRACED_ENTRIES = 20_000
 BODY = b'{"object":"chat.completion","choices":[{"message":{"content":"' + b"x" * 360 + b'"}}]}'

@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -72,7 +73,12 @@ def key(text: str, system: str = "You are terse.") -> RequestKey:
         "temperature": 0,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
     }
-    where = {"scope": "s", "route": "chat", "backend": "main", "model_version": "v1"}
+    where: dict[str, Any] = {
+        "scope": "s",
+        "route": "chat",
+        "backend": "main",
+        "model_version": "v1",
+    }
     return request_key(body, path="/v1/chat/completions", **where)
 
 

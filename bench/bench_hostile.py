@@ -341,6 +341,7 @@ async def probes(backend: Backend, quick: bool, only: str | None) -> list[dict[s
         await asyncio.sleep(3)
         async with httpx.AsyncClient(timeout=60) as client:
             started = time.perf_counter()
+            status: int | str
             try:
                 r = await client.post(gw.url + "/v1/chat/completions", json=CHAT)
                 status = r.status_code

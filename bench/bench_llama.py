@@ -188,7 +188,7 @@ def cache_mix(count: int) -> tuple[list[dict], dict[str, int]]:
 async def cache_scene(scale: Scale, admin_port: int) -> tuple[list[dict[str, Any]], dict]:
     bodies, kinds = cache_mix(scale.cache_requests)
     cache = {"ttl_s": 600, "semantic": {"method": "embedding"}}
-    spec = {
+    spec: dict[str, Any] = {
         "backends": {"llm": {"url": "", "timeout_s": 300}},
         "routes": [{"match": {"path": "/v1/chat/completions"}, "backend": "llm", "cache": cache}],
     }

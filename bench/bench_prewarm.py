@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 import redis
 import yaml
+from redis.typing import EncodableT, FieldT
 
 from bench.common import free_port, machine, process, python, update_section
 
@@ -61,7 +62,7 @@ def seed(url: str, route: str, onset_minute: int, now_minute: int) -> int:
     day of ``onset_minute``; returns how many minutes were written."""
     client = redis.Redis.from_url(url)
     onset_of_day = onset_minute % DAY_MIN
-    counts = {}
+    counts: dict[FieldT, EncodableT] = {}
     for minute in range(now_minute - 6 * DAY_MIN, now_minute):
         into_peak = (minute % DAY_MIN - onset_of_day) % DAY_MIN
         rps = PEAK_RPS if into_peak < PEAK_MIN and minute < onset_minute else TROUGH_RPS

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench import workers as many
 from bench.common import (
@@ -328,13 +329,13 @@ def run(
         "wrk.headers['Content-Type'] = 'application/json'\n"
     )
     backend_port, gateway_port, admin_port, nginx_port = (free_port() for _ in range(4))
-    rows: list[tuple[str, dict[str, float]]] = []
+    rows: list[tuple[str, dict[str, Any]]] = []
     breakdown: list[tuple[str, float]] = []
     first_bytes: dict[str, float] = {}
     rss = float("nan")
     rss_workers: tuple[float, float, list[float]] = (float("nan"), float("nan"), [])
     with process(python("-m", "bench.backend", str(backend_port)), backend_port):
-        targets = [("direct", backend_port, None)]
+        targets: list[tuple[str, int, int | None]] = [("direct", backend_port, None)]
         nginx: contextlib.AbstractContextManager[subprocess.Popen[bytes]] | None = None
         befores: list[contextlib.AbstractContextManager[subprocess.Popen[bytes]]] = []
         if have("nginx"):
@@ -465,7 +466,7 @@ def _thousands(count: float) -> str:
 
 
 def report(
-    rows: list[tuple[str, dict[str, float]]],
+    rows: list[tuple[str, dict[str, Any]]],
     rss: float,
     duration: int,
     rounds: int,

@@ -101,7 +101,12 @@ async def lookup_rows(
     from gateway.cache import CachedResponse, ResponseCache, request_key
     from gateway.cache.stores import RedisStore
 
-    where = {"route": "r", "backend": "b", "model_version": "v", "path": "/v1/chat/completions"}
+    where: dict[str, Any] = {
+        "route": "r",
+        "backend": "b",
+        "model_version": "v",
+        "path": "/v1/chat/completions",
+    }
 
     def key(text: str) -> Any:
         return request_key(json.loads(CACHED % text), scope="s", **where)

@@ -45,7 +45,7 @@ def build(work: Path) -> tuple[Path, Path]:
             super().__init__()
             self.bert = bert
 
-        def forward(self, input_ids, attention_mask, token_type_ids):  # type: ignore[no-untyped-def]
+        def forward(self, input_ids, attention_mask, token_type_ids):  # type: ignore[no-untyped-def, unused-ignore]
             return self.bert(
                 input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
             ).last_hidden_state

@@ -114,10 +114,13 @@ def cheap_on_train(train: list[Pair], table: dict[str, np.ndarray]) -> learned.M
             rows.append(learned.features(a, b, c, 0.0, verdict)[:CHEAP])
             labels.append(p.label)
     params = fit(np.array(rows), np.array(labels, float))
-    return learned.Model(learned.FEATURES[:CHEAP], *_floats(params), ())
+    mean, scale, weights, bias = _floats(params)
+    return learned.Model(learned.FEATURES[:CHEAP], mean, scale, weights, bias, ())
 
 
-def _floats(params: tuple[np.ndarray, ...]) -> tuple[tuple[float, ...], ...] | tuple:
+def _floats(
+    params: tuple[np.ndarray, ...],
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], float]:
     mean, scale, weights, bias = params
     return (
         tuple(map(float, mean)),

@@ -52,7 +52,7 @@ def export_int8(
     example = (torch.ones(1, 8, dtype=torch.long),) * 2 + (torch.zeros(1, 8, dtype=torch.long),)
     axes = {0: "batch", 1: "tokens"}
     torch.onnx.export(
-        model,  # type: ignore[arg-type]
+        model,  # type: ignore[arg-type, unused-ignore]
         example,
         str(fp32),
         input_names=list(INPUTS),

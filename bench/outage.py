@@ -63,8 +63,9 @@ async def bench_sudden_outage(
                         await asyncio.sleep(POLL_S)
                 return began, None
 
-            results = await asyncio.gather(outage(), *(worker() for _ in range(clients)))
-            began, opened = results[0]
+            watched = asyncio.create_task(outage())
+            await asyncio.gather(*(worker() for _ in range(clients)))
+            began, opened = await watched
     during = [status for at, status in sent if at >= began]
     before = [status for at, status in sent if at < began]
     first_failure = next((t for t in sorted(primary.arrivals) if t >= began), began)

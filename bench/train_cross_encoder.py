@@ -167,7 +167,7 @@ def train(
             self.bert = BertModel.from_pretrained(str(model_dir), add_pooling_layer=False, **kept)
             self.out = torch.nn.Linear(self.bert.config.hidden_size, 1)
 
-        def forward(self, input_ids, attention_mask, token_type_ids):  # type: ignore[no-untyped-def]
+        def forward(self, input_ids, attention_mask, token_type_ids):  # type: ignore[no-untyped-def, unused-ignore]
             hidden = self.bert(
                 input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
             ).last_hidden_state

@@ -15,10 +15,11 @@ the gateway's own ``redis:`` settings for either, so one test runs against both.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -95,7 +96,7 @@ class Cluster:
         ids = [client(s).cluster("myid") for s in self.masters]
         for i, replica in enumerate(self.replicas):
             master = ids[i % len(self.masters)]
-            wait_for(lambda r=replica, m=master: self._knows_master(r, m), "master known")
+            wait_for(functools.partial(self._knows_master, replica, master), "master known")
             client(replica).execute_command("CLUSTER REPLICATE", master)
         wait_for(self.ready, "cluster_state:ok with every replica in sync")
 
@@ -175,14 +176,15 @@ class Sentinels:
 
     def ready(self) -> bool:
         for sentinel in self.sentinels:
-            state = client(sentinel).sentinel_master(SERVICE)
+            state = cast(dict[str, Any], client(sentinel).sentinel_master(SERVICE))
             if int(state["num-slaves"]) < 1 or int(state["num-other-sentinels"]) < 2:
                 return False
         return client(self.replica).info("replication")["master_link_status"] == "up"
 
     def master_port(self) -> int:
         """The master's port as the first sentinel reports it now."""
-        return int(client(self.sentinels[0]).sentinel_get_master_addr_by_name(SERVICE)[1])
+        address = client(self.sentinels[0]).sentinel_get_master_addr_by_name(SERVICE)
+        return int(cast(tuple[str, int], address)[1])
 
     def close(self) -> None:
         for server in (*self.sentinels, self.replica, self.master):
