@@ -25,6 +25,7 @@ from gateway.edge import Edge
 from gateway.errors import PolicyError
 from gateway.metrics import Metrics
 from gateway.metrics.loop_lag import LoopLag
+from gateway.openai.allowed_models import AllowedModels
 from gateway.pipeline import compose
 from gateway.policy.load import Loaded
 from gateway.policy.model import Server, Tracing
@@ -132,6 +133,7 @@ class Gateway:
             trusted,
             tracer,
             tenants,
+            {name: AllowedModels(globs) for name, globs in named.models().items()} or None,
         )
 
     def _tracer_for(self, settings: Tracing) -> Tracer | None:

@@ -11,7 +11,9 @@ What the edge decides about a request, before any stage sees it:
 - the tenant: a named tenant (``tenants:``) from its key's hash, or a 401 when keys are
   required and this one is not listed; its scope and rate-limit key come from the headers
   as received (``Call.received``, read by ``tenant``), before hop-by-hop stripping, so no
-  header can move a request into another tenant's scope;
+  header can move a request into another tenant's scope; a named tenant held to some
+  models (``openai.allowed_models``) is refused any other, and its ``GET /v1/models`` is cut to
+  them;
 - what the backend is told of the client (``forwarding``).
 """
 
@@ -97,6 +99,8 @@ class Edge:
             try:
                 call = await self._to_call(request, snap, request_id, started, trace)
                 reply = await snap.handler(call)
+                if call.tenant and snap.models is not None and call.tenant in snap.models:
+                    reply = snap.models[call.tenant].cut_listing(call.method, call.path, reply)
             except GatewayError as exc:
                 status = exc.status
                 if trace is not None:
@@ -147,9 +151,14 @@ class Edge:
             else:  # passes of tens of milliseconds each: the loop runs between them
                 await asyncio.sleep(0)
                 data = await openai_body.parse_yielding(path, body, limit)
+        access = snap.models.get(tenant) if tenant and snap.models is not None else None
+        if access is not None:  # before routing: a refused request learns nothing of routes
+            access.check(request.method, path, data)
         model = data.get("model") if data is not None else None
         route = snap.router.route(path, model)
         headers = strip(raw, owned)
+        if access is not None:
+            headers = list(access.upstream_headers(request.method, path, tuple(headers)))
         forwarded, client = forwarding_headers(
             raw, request.peer, request.host, "http", snap.trusted
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.metrics import Metrics
+from gateway.openai.allowed_models import AllowedModels
 from gateway.pipeline import Handler
 from gateway.policy.model import Policy
 from gateway.policy.routing import Router
@@ -38,6 +39,8 @@ class Snapshot:
     """Traces requests while the policy's ``tracing.sample_ratio`` is above 0."""
     tenants: NamedTenants | None = None
     """The policy's named tenants, when it names any (``tenants:``)."""
+    models: Mapping[str, AllowedModels] | None = None
+    """The models of each named tenant held to some (``tenants.keys[].models``)."""
 
 
 class Live(Protocol):

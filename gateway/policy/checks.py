@@ -70,12 +70,14 @@ def check_admin(admin: Admin) -> Found:
 
 
 def check_tenants(tenants: Tenants) -> Found:
-    """``tenants``: each key a sha256 in hex, listed once, its tenant's limit given once."""
+    """``tenants``: each key a sha256 in hex, listed once, its tenant's limit and models
+    given once."""
     found: Found = []
     if tenants.required and not tenants.keys:
         found.append(("keys", "`required: true` with no keys would refuse every request"))
     names: dict[str, str] = {}
     limits: dict[str, RateLimit] = {}
+    models: dict[str, tuple[str, ...]] = {}
     for i, key in enumerate(tenants.keys):
         digest = key.sha256.strip().lower()
         if not key.name:
@@ -91,6 +93,16 @@ def check_tenants(tenants: Tenants) -> Found:
                 found.append(
                     (f"keys[{i}].rate_limit", f"differs from another of {key.name!r}'s keys")
                 )
+        if key.models is not None:
+            if not key.models:
+                found.append((f"keys[{i}].models", "is empty: leave it out for every model"))
+            found.extend(
+                (f"keys[{i}].models[{j}]", "must not be empty")
+                for j, glob in enumerate(key.models)
+                if not glob.strip()
+            )
+            if models.setdefault(key.name, key.models) != key.models:
+                found.append((f"keys[{i}].models", f"differs from another of {key.name!r}'s keys"))
     return found
 
 

@@ -4,7 +4,8 @@ Without ``tenants:`` a tenant is whatever credential a request carries (``tenant
 it, a request whose key hashes to a listed ``sha256`` is that tenant: counted by its name in
 every rate limit, and held to its own ``rate_limit`` over all routes.  With
 ``required: true`` only listed keys are served: any other request is a 401 at the edge,
-before the cache (LiteLLM's virtual keys take the same stance).
+before the cache (LiteLLM's virtual keys take the same stance).  A tenant's ``models`` holds
+it to the models those globs match (``gateway/openai/allowed_models.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ class TenantKey:
             "Give it on one of the tenant's keys, or the same on each."
         ),
     )
+    models: tuple[str, ...] | None = field(
+        default=None,
+        metadata=doc(
+            "Globs of the models the tenant may name (`gpt-4o*`, `llama-3.1-*`); none "
+            "given: every model. Any other model is a 404 `model_not_found`, `GET "
+            "/v1/models` lists only these, and a path whose model the gateway cannot read "
+            "is a 403. Give it on one of the tenant's keys, or the same on each."
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +68,7 @@ class Tenants:
     def limits(self) -> dict[str, RateLimit]:
         """Each tenant's own rate limit, by name."""
         return {key.name: key.rate_limit for key in self.keys if key.rate_limit is not None}
+
+    def models(self) -> dict[str, tuple[str, ...]]:
+        """The model globs of each tenant held to some, by name."""
+        return {key.name: key.models for key in self.keys if key.models is not None}

@@ -1,0 +1,154 @@
+"""The models a named tenant may use (``tenants.keys[].models``), enforced at the edge.
+
+A tenant held to some models may name only those, wherever the gateway can read the name:
+
+- the ``model`` of an OpenAI JSON body (the edge parses those anyway): another model is a
+  404 ``model_not_found`` with OpenAI's own words, none at all a 400 (the backend's
+  default model is not this tenant's choice);
+- the model in a KServe V2 / Triton path (``/v2/models/<m>/...``) or a TF Serving or OpenAI
+  one (``/v1/models/<m>``, ``:predict``, ``/versions/<v>``), percent-decoded as the backend
+  reads it;
+- ``GET /v1/models``: served, and the backend's list is cut to the models the tenant may
+  name (asked for without compression, so it can be read; one that cannot be read is a
+  502, never the whole list).
+
+Any other path names no model the gateway can read, so such a tenant is refused there (a
+403): a key held to some models must not reach the others through a native API
+(``/api/chat``, ``/generate``).  Checked before routing, so a refused request learns
+nothing of the routes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import unquote
+
+from gateway.errors import RequestError, UpstreamError
+from gateway.pipeline import Headers, Reply, first_header
+from gateway.policy.route import glob_regex
+from gateway.policy.routing import OPENAI_JSON_PATHS
+
+LISTING = "/v1/models"
+MODEL_IN_PATH = re.compile(r"/v2/models/([^/]+)(?:/.*)?|/v1/models/([^/]+)(?:/.*)?")
+"""A KServe V2 path (``/v2/models/<m>...``), or a TF Serving / OpenAI one (``/v1/models/<m>``,
+``<m>:predict``, ``<m>/versions/<v>:predict``, ``<m>/metadata``)."""
+TF_SERVING_VERB = re.compile(r":(predict|classify|regress)\Z")
+"""What TF Serving's ``<m>:predict`` adds to a model's name (an OpenAI id may hold ``:``)."""
+_STALE_AFTER_CUT = frozenset({"etag", "content-md5", "digest", "last-modified"})
+
+
+class ModelNotAllowed(RequestError):
+    """The tenant's key may not use the model the request names: OpenAI's answer for a
+    model a key cannot see."""
+
+    status = 404
+    code = "model_not_found"
+
+
+class ModelRequired(RequestError):
+    """A tenant held to some models sent an OpenAI body without ``model``."""
+
+    code = "model_required"
+
+
+class PathNotAllowed(RequestError):
+    """A tenant held to some models asked a path whose model the gateway cannot read."""
+
+    status = 403
+    code = "model_access_denied"
+
+
+class UnreadableListing(UpstreamError):
+    """The backend's model list is not the JSON list it should be: it cannot be cut."""
+
+    code = "unreadable_model_list"
+
+
+class AllowedModels:
+    """One tenant's model globs (shell-style, case-sensitive, ``*`` crossing ``/``)."""
+
+    __slots__ = ("_matchers", "globs")
+
+    def __init__(self, globs: Iterable[str]) -> None:
+        self.globs = tuple(globs)
+        self._matchers = tuple(glob_regex(glob).match for glob in self.globs)
+
+    def allows(self, model: str) -> bool:
+        return any(match(model) is not None for match in self._matchers)
+
+    def check(self, method: str, path: str, body: Mapping[str, Any] | None) -> None:
+        """Raise the refusal of a request this tenant may not make."""
+        if path in OPENAI_JSON_PATHS and body is not None:
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise ModelRequired(
+                    "you must provide a model parameter: this key may use only some models"
+                )
+            self._named(model)
+            return
+        if path == LISTING:
+            if method in ("GET", "HEAD"):
+                return
+            raise PathNotAllowed(f"this key may only read {LISTING} (GET)")
+        found = MODEL_IN_PATH.fullmatch(path)
+        if found is None:
+            raise PathNotAllowed(
+                f"this key may use only some models, and a request to {path} names none "
+                "the gateway can read"
+            )
+        v2, v1 = found.groups()
+        model = unquote(v2) if v2 is not None else TF_SERVING_VERB.sub("", unquote(v1))
+        self._named(model)
+
+    def _named(self, model: str) -> None:
+        if not self.allows(model):
+            shown = model if len(model) <= 200 else model[:200] + "..."
+            raise ModelNotAllowed(
+                f"The model `{shown}` does not exist or you do not have access to it."
+            )
+
+    def upstream_headers(self, method: str, path: str, headers: Headers) -> Headers:
+        """A listing is asked for uncompressed, so that it can be cut."""
+        if path != LISTING or method != "GET":
+            return headers
+        kept = tuple((k, v) for k, v in headers if k.lower() != "accept-encoding")
+        return (*kept, ("Accept-Encoding", "identity"))
+
+    def cut_listing(self, method: str, path: str, reply: Reply) -> Reply:
+        """The backend's model list cut to this tenant's models (other answers as they are)."""
+        if path != LISTING or method != "GET" or reply.status != 200:
+            return reply
+        if reply.body is None or first_header(reply.headers, "content-encoding") not in (
+            None,
+            "identity",
+        ):
+            raise _unreadable(reply)
+        try:
+            listing = json.loads(reply.body)
+        except ValueError:
+            raise _unreadable(reply) from None
+        entries = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(entries, list):
+            raise _unreadable(reply)
+        listing["data"] = [
+            entry
+            for entry in entries
+            if isinstance(entry, dict)
+            and isinstance(entry.get("id"), str)
+            and self.allows(entry["id"])
+        ]
+        headers = tuple((k, v) for k, v in reply.headers if k.lower() not in _STALE_AFTER_CUT)
+        return reply._replace(headers=headers, body=json.dumps(listing).encode())
+
+    def __repr__(self) -> str:
+        return f"<AllowedModels {list(self.globs)}>"
+
+
+def _unreadable(reply: Reply) -> UnreadableListing:
+    return UnreadableListing(
+        "the backend's model list could not be read, so it could not be cut to this key's models",
+        reply.backend,
+    )
