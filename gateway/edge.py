@@ -99,8 +99,9 @@ class Edge:
             try:
                 call = await self._to_call(request, snap, request_id, started, trace)
                 reply = await snap.handler(call)
-                if call.tenant and snap.models is not None and call.tenant in snap.models:
-                    reply = snap.models[call.tenant].cut_listing(call.method, call.path, reply)
+                access = snap.models.get(call.tenant) if snap.models is not None else None
+                if access is not None:
+                    reply = access.cut_listing(call.method, call.path, reply)
             except GatewayError as exc:
                 status = exc.status
                 if trace is not None:

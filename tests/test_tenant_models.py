@@ -228,7 +228,13 @@ async def test_a_path_that_names_no_model_is_refused_for_such_a_tenant_only(serv
 
 @pytest.mark.parametrize(
     "listing",
-    [b"not json", b'{"object": "list"}', b'[{"id": "secret-model"}]', b'{"data": "x"}'],
+    [
+        b"not json",
+        b'{"object": "list"}',
+        b'[{"id": "secret-model"}]',
+        b'{"data": "x"}',
+        b"[" * 100_000,  # deeper than the JSON parser goes
+    ],
 )
 async def test_a_model_list_that_cannot_be_read_is_never_passed_whole(served, listing):
     server, gw = served

@@ -128,7 +128,7 @@ class AllowedModels:
             raise _unreadable(reply)
         try:
             listing = json.loads(reply.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
             raise _unreadable(reply) from None
         entries = listing.get("data") if isinstance(listing, dict) else None
         if not isinstance(entries, list):
