@@ -193,6 +193,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_gpu_utilization_ratio",
         "gateway_inflight_requests",
         "gateway_kv_cache_usage_ratio",
+        "gateway_model_list_missing",
         "gateway_policy_generation",
         "gateway_policy_info",
         "gateway_policy_reload_failures",

@@ -42,6 +42,13 @@ class TrafficFamilies:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.model_list_missing = Counter(
+            "gateway_model_list_missing",
+            "Merged model lists (a route's merge_models) served without a backend's models, "
+            "because asking it failed.",
+            ["route", "backend"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "gateway_inflight_requests", "Upstream requests in flight.", ["backend"], registry=r
         )

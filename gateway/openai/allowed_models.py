@@ -28,10 +28,10 @@ from urllib.parse import unquote
 
 from gateway.errors import RequestError, UpstreamError
 from gateway.pipeline import Headers, Reply, first_header
-from gateway.policy.route import glob_regex
+from gateway.policy.route import MODEL_LIST_PATH, glob_regex
 from gateway.policy.routing import OPENAI_JSON_PATHS
 
-LISTING = "/v1/models"
+LISTING = MODEL_LIST_PATH
 MODEL_IN_PATH = re.compile(r"/v2/models/([^/]+)(?:/.*)?|/v1/models/([^/]+)(?:/.*)?")
 """A KServe V2 path (``/v2/models/<m>...``), or a TF Serving / OpenAI one (``/v1/models/<m>``,
 ``<m>:predict``, ``<m>/versions/<v>:predict``, ``<m>/metadata``)."""
@@ -62,7 +62,7 @@ class PathNotAllowed(RequestError):
 
 
 class UnreadableListing(UpstreamError):
-    """The backend's model list is not the JSON list it should be: it cannot be cut."""
+    """A backend's model list is not the JSON list it should be: it cannot be cut or merged."""
 
     code = "unreadable_model_list"
 
@@ -114,37 +114,48 @@ class AllowedModels:
         """A listing is asked for uncompressed, so that it can be cut."""
         if path != LISTING or method != "GET":
             return headers
-        kept = tuple((k, v) for k, v in headers if k.lower() != "accept-encoding")
-        return (*kept, ("Accept-Encoding", "identity"))
+        return uncompressed(headers)
 
     def cut_listing(self, method: str, path: str, reply: Reply) -> Reply:
         """The backend's model list cut to this tenant's models (other answers as they are)."""
         if path != LISTING or method != "GET" or reply.status != 200:
             return reply
-        if reply.body is None or first_header(reply.headers, "content-encoding") not in (
-            None,
-            "identity",
-        ):
+        listing = read_listing(reply)
+        if listing is None:
             raise _unreadable(reply)
-        try:
-            listing = json.loads(reply.body)
-        except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
-            raise _unreadable(reply) from None
-        entries = listing.get("data") if isinstance(listing, dict) else None
-        if not isinstance(entries, list):
-            raise _unreadable(reply)
-        listing["data"] = [
-            entry
-            for entry in entries
-            if isinstance(entry, dict)
-            and isinstance(entry.get("id"), str)
-            and self.allows(entry["id"])
-        ]
+        listing["data"] = [entry for entry in listing["data"] if self.allows(entry["id"])]
         headers = tuple((k, v) for k, v in reply.headers if k.lower() not in _STALE_AFTER_CUT)
         return reply._replace(headers=headers, body=json.dumps(listing).encode())
 
     def __repr__(self) -> str:
         return f"<AllowedModels {list(self.globs)}>"
+
+
+def uncompressed(headers: Headers) -> Headers:
+    """``headers`` asking for an answer without compression."""
+    kept = tuple((k, v) for k, v in headers if k.lower() != "accept-encoding")
+    return (*kept, ("Accept-Encoding", "identity"))
+
+
+def read_listing(reply: Reply) -> dict[str, Any] | None:
+    """A whole, uncompressed model list as OpenAI shapes it, its ``data`` kept to the
+    entries that have an ``id``; None when it is not one."""
+    if reply.body is None or first_header(reply.headers, "content-encoding") not in (
+        None,
+        "identity",
+    ):
+        return None
+    try:
+        listing = json.loads(reply.body)
+    except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
+        return None
+    entries = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(entries, list):
+        return None
+    listing["data"] = [
+        entry for entry in entries if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+    ]
+    return listing
 
 
 def _unreadable(reply: Reply) -> UnreadableListing:

@@ -18,6 +18,7 @@ from gateway.policy.model import (
     ThrottleRule,
     Tracing,
 )
+from gateway.policy.route import MODEL_LIST_PATH, glob_regex
 
 Found = list[tuple[str, str]]
 MAX_ENDPOINTS = 64
@@ -315,6 +316,29 @@ def check_judge(semantic: Semantic) -> Found:
     return found
 
 
+def check_merge_models(route: Route, backends: dict[str, Backend]) -> Found:
+    """A route's ``merge_models``: known backends, once each, on a route GET /v1/models takes."""
+    found: Found = []
+    seen = {route.backend}
+    for i, name in enumerate(route.merge_models):
+        if name not in backends:
+            found.append((f"merge_models[{i}]", f"unknown backend {name!r}"))
+        elif name in seen:
+            found.append((f"merge_models[{i}]", f"{name!r} is already asked for this list"))
+        seen.add(name)
+    if route.merge_models and (
+        route.match.model is not None or glob_regex(route.match.path).match(MODEL_LIST_PATH) is None
+    ):
+        found.append(
+            (
+                "merge_models",
+                f"only applies to a route that `GET {MODEL_LIST_PATH}` takes: its path must match "
+                f"{MODEL_LIST_PATH} and it must not match on `model` (a GET has no body)",
+            )
+        )
+    return found
+
+
 def check_route(route: Route, backends: dict[str, Backend]) -> Found:
     """One route (its name and backend are the loader's, which sees them all)."""
     found: Found = []
@@ -334,6 +358,7 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             bad(f"fallback[{i}]", f"unknown backend {name!r}")
         elif name == route.backend:
             bad(f"fallback[{i}]", "the primary backend cannot be its own fallback")
+    found.extend(check_merge_models(route, backends))
     if route.batch is not None:
         if route.batch.max_size < 1:
             bad("batch.max_size", "must be at least 1")

@@ -24,6 +24,8 @@ DEFAULT_JUDGE_BURST = 5
 DEFAULT_JUDGE_MAX_PENDING = 64
 DEFAULT_JUDGE_TIMEOUT_MS = 5000.0
 DEFAULT_JUDGE_MAX_ALIASES = 10_000
+MODEL_LIST_PATH = "/v1/models"
+"""OpenAI's model list; ``/v1/models/<id>`` retrieves one model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +293,16 @@ class Route:
             "Backends tried in order when the primary refuses, times out, answers 5xx before "
             "any byte reached the client, has an open breaker, is rerouted by a throttle rule "
             "or its queue is full. Never after a stream has started."
+        ),
+    )
+    merge_models: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "Other backends whose OpenAI model lists are merged into this route's backend's: "
+            "`GET /v1/models` asks them all at once and lists each model once (the first "
+            "backend to list an id gives its entry), leaving out any that fails and naming it "
+            "in `X-Gateway-Models-Missing`; `GET /v1/models/<id>` asks them in order and the "
+            "first that knows the model answers. Each is asked without the route's fallback."
         ),
     )
     priority: Literal["high", "normal", "low"] = field(

@@ -1,0 +1,165 @@
+"""One model list over several backends (a route's ``merge_models``).
+
+With routes split by model (``llama*`` to one server, ``bge*`` to another), a client's
+``GET /v1/models`` reaches one backend and lists only its models, and ``GET
+/v1/models/<id>`` of another's model is a 404.  A route that names ``merge_models``
+answers both for all its backends:
+
+- ``GET /v1/models`` asks the route's backend and every one it names at once, each
+  uncompressed, and lists each model once, the first backend (in the route's order) to
+  list an id giving its entry.  A backend that fails (refused, timed out, an error status,
+  a list that is not OpenAI's shape) is left out and named in ``X-Gateway-Models-Missing``
+  and in ``gateway_model_list_missing_total{route,backend}``; a client is never told a
+  partial list is whole.  When every one fails, the route's own backend's failure is the
+  answer.
+- ``GET /v1/models/<id>`` asks them in order; the first 200 answers.  When none knows the
+  model, the first failure that is not a 404 is the answer (an outage is not "no such
+  model"), else the last 404.
+
+Each backend is asked through the rest of the pipeline (breakers, admission, throttling),
+the named ones without the route's fallback, whose list is not theirs.  A named tenant's
+cut (``allowed_models``) applies to the merged list at the edge, as to any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.openai.allowed_models import UnreadableListing, read_listing, uncompressed
+from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.policy.model import Policy
+from gateway.policy.route import MODEL_LIST_PATH
+
+MISSING_HEADER = "X-Gateway-Models-Missing"
+_ONE_MODEL = MODEL_LIST_PATH + "/"
+
+
+class ModelLists:
+    """The stage; see the module docstring."""
+
+    def __init__(self, missing: Callable[[str, str], None]) -> None:
+        self._missing = missing
+
+    async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        names = call.route.merge_models
+        if not names or call.method != "GET":
+            return await call_next(call)
+        if call.path == MODEL_LIST_PATH:
+            return await self._merged(call, call_next, names)
+        if call.path.startswith(_ONE_MODEL):
+            return await self._first_known(call, call_next, names)
+        return await call_next(call)
+
+    async def _merged(self, call: Call, call_next: Handler, names: tuple[str, ...]) -> Reply:
+        asked = (call.backend, *names)
+        answers = await asyncio.gather(
+            *(
+                _listing(call_next, _asking(call, backend, uncompressed(call.headers)))
+                for backend in asked
+            )
+        )
+        entries: dict[str, Any] = {}
+        answered: list[str] = []
+        missing: list[str] = []
+        for backend, answer in zip(asked, answers, strict=True):
+            if isinstance(answer, list):
+                answered.append(backend)
+                for entry in answer:
+                    entries.setdefault(entry["id"], entry)
+            else:
+                missing.append(backend)
+                self._missing(call.route.name, backend)
+        if not answered:
+            failure = answers[0]
+            if isinstance(failure, GatewayError):
+                raise failure
+            assert isinstance(failure, Reply)
+            return failure
+        body = json.dumps({"object": "list", "data": list(entries.values())}).encode()
+        headers: list[tuple[str, str]] = [("Content-Type", "application/json")]
+        if missing:
+            headers.append((MISSING_HEADER, ", ".join(missing)))
+        return Reply(200, tuple(headers), body=body, backend=",".join(answered))
+
+    async def _first_known(self, call: Call, call_next: Handler, names: tuple[str, ...]) -> Reply:
+        chosen: Reply | GatewayError | None = None  # the answer if no backend knows the model
+        try:
+            for backend in (call.backend, *names):
+                outcome: Reply | GatewayError
+                try:
+                    outcome = await call_next(_asking(call, backend, call.headers))
+                except GatewayError as exc:
+                    outcome = exc
+                if isinstance(outcome, Reply) and outcome.status == 200:
+                    return outcome
+                if chosen is None or _not_found(chosen):  # an outage outranks a 404
+                    await _close(chosen)
+                    chosen = outcome
+                else:
+                    await _close(outcome)
+            if isinstance(chosen, GatewayError):
+                raise chosen
+            assert chosen is not None
+            reply, chosen = chosen, None
+            return reply
+        finally:
+            await _close(chosen)
+
+    def __repr__(self) -> str:
+        return "<ModelLists>"
+
+
+def _asking(call: Call, backend: str, headers: tuple[tuple[str, str], ...]) -> Call:
+    if backend == call.backend:
+        return dataclasses.replace(call, headers=headers)
+    return dataclasses.replace(
+        call,
+        backend=backend,
+        headers=headers,
+        route=dataclasses.replace(call.route, fallback=()),
+        record=None,  # the route's own backend tells the access log
+    )
+
+
+async def _listing(call_next: Handler, call: Call) -> list[Any] | Reply | GatewayError:
+    """The entries of one backend's list, or its failure (a whole reply, nothing held open)."""
+    try:
+        reply = await call_next(call)
+    except GatewayError as exc:
+        return exc
+    try:
+        if reply.status == 200:
+            listing = read_listing(reply)
+            if listing is not None:
+                entries: list[Any] = listing["data"]
+                return entries
+            return UnreadableListing(
+                f"the model list of backend {call.backend!r} could not be read", call.backend
+            )
+        if reply.body is None:  # an error streamed: its status is the news
+            return reply.replace(stream=None, body=b"", close=None, content_length=None)
+        return reply.replace(close=None)  # closed below
+    finally:
+        await _close(reply)
+
+
+def _not_found(outcome: Reply | GatewayError) -> bool:
+    return isinstance(outcome, Reply) and outcome.status == 404
+
+
+async def _close(reply: Reply | GatewayError | None) -> None:
+    if isinstance(reply, Reply) and reply.close is not None:
+        await reply.close()
+
+
+def build(policy: Policy, metrics: Metrics) -> list[Stage]:
+    """The stage, when a route merges model lists."""
+    if not any(route.merge_models for route in policy.routes):
+        return []
+    return [ModelLists(lambda route, name: metrics.model_list_missing.labels(route, name).inc())]
