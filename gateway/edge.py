@@ -28,6 +28,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from gateway.cache.replies import CACHE_HEADER, HIT
 from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
@@ -50,6 +51,19 @@ MAX_REQUEST_ID_CHARS = 128
 CLIENT_CLOSED = 499
 """nginx's status for a client that closed before its answer was complete."""
 _DECODED_OWNED = REQUEST_OWNED | {"content-encoding"}
+
+
+BACKEND, CACHED, COALESCED = "backend", "cache", "coalesced"
+
+
+def token_source(reply: Reply | None) -> str:
+    """Who computed an answer's tokens for this request: the backend, the cache (a hit), or
+    another request's flight it joined."""
+    if reply is None:
+        return BACKEND
+    if reply.coalesced:
+        return COALESCED
+    return CACHED if reply.header(CACHE_HEADER) == HIT else BACKEND
 
 
 def new_request_id() -> str:
@@ -90,6 +104,7 @@ class Edge:
             else None
         )
         status = 0
+        tenant = ""  # named before the call is made, so its refusals are counted too
         call: Call | None = None
         reply: Reply | None = None
         tokens: tuple[int, int] | None = None
@@ -97,7 +112,9 @@ class Edge:
         gw.inflight_requests += 1
         try:
             try:
-                call = await self._to_call(request, snap, request_id, started, trace)
+                if snap.tenants is not None:
+                    tenant = snap.tenants.identify(request.headers)
+                call = await self._to_call(request, snap, request_id, started, trace, tenant)
                 reply = await snap.handler(call)
                 access = snap.models.get(call.tenant) if snap.models is not None else None
                 if access is not None:
@@ -126,19 +143,24 @@ class Edge:
             if reply is not None and reply.close is not None:
                 await reply.close()
             self._record(
-                snap, call, reply, request, request_id, status, started, tokens, first_byte
+                snap, call, tenant, reply, request, request_id, status, started, tokens, first_byte
             )
             if trace is not None:
                 trace.end(call, reply, status or CLIENT_CLOSED, tokens)
 
     async def _to_call(
-        self, request: Request, snap: Any, request_id: str, started: float, trace: Trace | None
+        self,
+        request: Request,
+        snap: Any,
+        request_id: str,
+        started: float,
+        trace: Trace | None,
+        tenant: str,
     ) -> Call:
         policy = snap.policy
         path = request.path
         body = request.body
         raw = request.headers
-        tenant = snap.tenants.identify(raw) if snap.tenants is not None else ""
         data = None
         owned = REQUEST_OWNED
         if path in OPENAI_JSON_PATHS and request.method == "POST":
@@ -241,6 +263,7 @@ class Edge:
         self,
         snap: Any,
         call: Call | None,
+        tenant: str,
         reply: Reply | None,
         request: Request,
         request_id: str,
@@ -266,8 +289,11 @@ class Edge:
         duration_h.observe(now - started)
         if first_byte is not None:
             first_byte_h.observe(first_byte - started)
-        if tokens is not None and backend:
+        source = token_source(reply)
+        if tokens is not None and backend and source == BACKEND:
             metrics.count_tokens(backend, *tokens)
+        if tenant:
+            metrics.count_tenant(tenant, status, source, tokens)
         if snap.policy.server.access_log or self._gateway.access_log:
             entry = {
                 "ts": round(time.time(), 3),
@@ -279,6 +305,8 @@ class Edge:
                 "status": status,
                 "duration_ms": round((now - started) * 1000, 3),
             }
+            if tenant:
+                entry["tenant"] = tenant
             entry["bytes_sent"] = request.sent
             if first_byte is not None:
                 entry["first_byte_ms"] = round((first_byte - started) * 1000, 3)

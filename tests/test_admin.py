@@ -213,6 +213,8 @@ def test_metric_names_are_the_public_contract():
         "gateway_shed",
         "gateway_stream_first_byte_seconds",
         "gateway_telemetry_age_seconds",
+        "gateway_tenant_requests",
+        "gateway_tenant_tokens",
         "gateway_throttle_active",
         "gateway_throttle_signal_seen",
         "gateway_throttle_threshold",

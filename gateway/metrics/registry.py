@@ -38,6 +38,8 @@ class Metrics(TrafficFamilies, CapabilityFamilies, ProtectionFamilies):
         self._route_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._request_children: dict[tuple[str, str, int], Any] = {}
         self._token_children: dict[str, tuple[Any, Any]] = {}
+        self._tenant_children: dict[tuple[str, int], Any] = {}
+        self._tenant_token_children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def count_request(self, route: str, backend: str, status: int) -> None:
         key = (route, backend, status)
@@ -55,6 +57,25 @@ class Metrics(TrafficFamilies, CapabilityFamilies, ProtectionFamilies):
             )
         children[0].inc(prompt)
         children[1].inc(completion)
+
+    def count_tenant(
+        self, tenant: str, status: int, source: str, tokens: tuple[int, int] | None
+    ) -> None:
+        """One answer to a named tenant: its status and, if it had them, its tokens."""
+        key = (tenant, status)
+        child = self._tenant_children.get(key)
+        if child is None:
+            child = self._tenant_children[key] = self.tenant_requests.labels(tenant, str(status))
+        child.inc()
+        if tokens is not None:
+            pair = self._tenant_token_children.get((tenant, source))
+            if pair is None:
+                pair = self._tenant_token_children[(tenant, source)] = (
+                    self.tenant_tokens.labels(tenant, "prompt", source),
+                    self.tenant_tokens.labels(tenant, "completion", source),
+                )
+            pair[0].inc(tokens[0])
+            pair[1].inc(tokens[1])
 
     def route_series(self, route: str, backend: str) -> tuple[Any, Any]:
         """(request_duration, stream_first_byte) children, cached: labels() is slow."""

@@ -98,8 +98,24 @@ class TrafficFamilies:
         )
         self.tokens = Counter(
             "gateway_tokens",
-            "Tokens reported by upstream `usage`, by kind (prompt, completion).",
+            "Tokens reported by upstream `usage`, by kind (prompt, completion): the answers "
+            "the backend computed for a client, not cache hits nor answers shared by single "
+            "flight.",
             ["backend", "kind"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "gateway_tenant_requests",
+            "Requests of a named tenant (`tenants:` in the policy), by HTTP status.",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens",
+            "Tokens of the answers a named tenant got, by kind (prompt, completion) and "
+            "source: backend (computed for it), cache (a cache hit) or coalesced (an answer "
+            "computed for another request of the same tenant scope, shared by single flight).",
+            ["tenant", "kind", "source"],
             registry=r,
         )
         self.policy_generation = Gauge(
