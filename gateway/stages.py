@@ -1,6 +1,7 @@
-"""The pipeline's stages, in order: the rate history of routes that forecast it, the merge
-of model lists over several backends, cache lookup, single flight, batching, then
-admission, throttling, breakers and fallback around the forward to a backend.
+"""The pipeline's stages, in order: the rate history of routes that forecast it, the model
+the backend is asked for, the merge of model lists over several backends, cache lookup,
+single flight, batching, then admission, throttling, breakers and fallback around the
+forward to a backend.
 
 ``build`` makes the stage list for one policy generation.  Stages keep per-request rules
 from the policy snapshot they are built with, and take their long-lived state (stores,
@@ -15,6 +16,7 @@ import gateway.batching.stage
 import gateway.cache.stage
 import gateway.coalesce.stage
 import gateway.openai.model_lists
+import gateway.openai.target_models
 import gateway.pool.stage
 import gateway.resilience.stage
 from gateway.cache.embedding_seam import TierFactory
@@ -33,6 +35,8 @@ def build(
     return [
         # 0. request-rate history of the routes that forecast it (prewarm)
         *gateway.pool.stage.build(policy, runtime),
+        # 0. the model the backend is asked for (target_models), drawn by weight
+        *gateway.openai.target_models.build(policy, runtime.metrics),
         # 0. one model list over several backends (merge_models), each asked down the line
         *gateway.openai.model_lists.build(policy, runtime.metrics),
         # 1. cache lookup: exact, SimHash, embedding tiers

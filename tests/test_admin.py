@@ -212,6 +212,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_requests",
         "gateway_shed",
         "gateway_stream_first_byte_seconds",
+        "gateway_target_model_requests",
         "gateway_telemetry_age_seconds",
         "gateway_tenant_requests",
         "gateway_tenant_tokens",

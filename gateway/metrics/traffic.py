@@ -42,6 +42,13 @@ class TrafficFamilies:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.target_model_requests = Counter(
+            "gateway_target_model_requests",
+            "Requests a route's target_models sent to each target model (the model the "
+            "backend was asked for instead of the client's).",
+            ["route", "model"],
+            registry=r,
+        )
         self.model_list_missing = Counter(
             "gateway_model_list_missing",
             "Merged model lists (a route's merge_models) served without a backend's models, "

@@ -5,6 +5,7 @@ checked; the loader adds file, full key path and line."""
 from __future__ import annotations
 
 import ipaddress
+import math
 
 from gateway.policy.model import (
     Admin,
@@ -19,6 +20,7 @@ from gateway.policy.model import (
     Tracing,
 )
 from gateway.policy.route import MODEL_LIST_PATH, glob_regex
+from gateway.policy.routing import OPENAI_JSON_PATHS
 
 Found = list[tuple[str, str]]
 MAX_ENDPOINTS = 64
@@ -339,6 +341,28 @@ def check_merge_models(route: Route, backends: dict[str, Backend]) -> Found:
     return found
 
 
+def check_target_models(route: Route) -> Found:
+    """A route's ``target_models``: named, weighted, on a route an OpenAI body can take."""
+    found: Found = []
+    for i, target in enumerate(route.target_models):
+        if not target.model.strip():
+            found.append((f"target_models[{i}].model", "must name a model"))
+        if not (target.weight >= 0 and math.isfinite(target.weight)):
+            found.append((f"target_models[{i}].weight", "must be a finite number >= 0"))
+    if route.target_models and not any(t.weight > 0 for t in route.target_models):
+        found.append(("target_models", "at least one weight must be above 0"))
+    path = glob_regex(route.match.path).match
+    if route.target_models and not any(path(p) for p in OPENAI_JSON_PATHS):
+        found.append(
+            (
+                "target_models",
+                "only applies to a route an OpenAI JSON body can take: its path must match "
+                + ", ".join(sorted(OPENAI_JSON_PATHS)),
+            )
+        )
+    return found
+
+
 def check_route(route: Route, backends: dict[str, Backend]) -> Found:
     """One route (its name and backend are the loader's, which sees them all)."""
     found: Found = []
@@ -359,6 +383,7 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
         elif name == route.backend:
             bad(f"fallback[{i}]", "the primary backend cannot be its own fallback")
     found.extend(check_merge_models(route, backends))
+    found.extend(check_target_models(route))
     if route.batch is not None:
         if route.batch.max_size < 1:
             bad("batch.max_size", "must be at least 1")

@@ -34,6 +34,7 @@ from gateway.policy.route import (
     Route,
     RouteCache,
     Semantic,
+    TargetModel,
     glob_regex,
 )
 from gateway.policy.tenants import TenantKey, Tenants
@@ -64,6 +65,7 @@ __all__ = [
     "Saturation",
     "Semantic",
     "Server",
+    "TargetModel",
     "TelemetrySource",
     "TenantKey",
     "Tenants",

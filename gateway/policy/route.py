@@ -237,6 +237,17 @@ class Batch:
 
 
 @dataclass(frozen=True, slots=True)
+class TargetModel:
+    """A model the backend is asked for instead of the one the client named."""
+
+    model: str = field(metadata=doc("The model name the backend serves."))
+    weight: float = field(
+        default=1.0,
+        metadata=doc("Share of the route's requests, relative to the others' (0: none)."),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class RateLimit:
     """A per-tenant rate limit (429 past it)."""
 
@@ -293,6 +304,17 @@ class Route:
             "Backends tried in order when the primary refuses, times out, answers 5xx before "
             "any byte reached the client, has an open breaker, is rerouted by a throttle rule "
             "or its queue is full. Never after a stream has started."
+        ),
+    )
+    target_models: tuple[TargetModel, ...] = field(
+        default=(),
+        metadata=doc(
+            "The models the backend is asked for instead of the one the client named (an "
+            "OpenAI body's `model`, set where it has none), each request one of them by "
+            "weight: an alias (`gpt-4o` served by `llama-3.1-8b`) or a canary split between "
+            "versions. The client's name is the one routed and checked against a tenant's "
+            "`models`; the cache and single flight key on the target; `X-Gateway-Model` "
+            "names it. The fallback backends are asked for the same target."
         ),
     )
     merge_models: tuple[str, ...] = field(

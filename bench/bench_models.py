@@ -1,0 +1,168 @@
+"""What the model-name capabilities cost: one model list over several backends (a route's
+``merge_models``) and the model a backend is asked for (a route's ``target_models``).
+
+    python -m bench.bench_models [--duration 5] [--rounds 3]
+
+Two model servers (``gateway sim``, one listing chat models, the other embedders, both
+answering at once: no simulated GPU time) and the gateway before them, on one machine.
+Every path is asked by wrk, the paths taking turns in each round; latency at 1 connection,
+requests/s at 16; each figure the median over the rounds.
+
+- ``GET /v1/models``: one server directly, the gateway passing one server's list through
+  (a route without ``merge_models``), and the gateway merging both lists (two upstream
+  calls, two JSON reads and one JSON write where the pass-through costs one call and no
+  parse).
+- ``POST /v1/chat/completions`` (a small body): the server directly, the gateway passing
+  the body through, and the gateway rewriting its ``model`` (``target_models``, two targets
+  by weight: the body parsed, as always, then written again).
+
+Writes docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.common import free_port, have, machine, process, python, update_section, wrk
+
+CHAT_MODELS = "llama-3.1-8b,llama-3.1-70b,qwen2.5-7b"
+EMBEDDER_MODELS = "bge-small-en,e5-large"
+CHAT = '{"model":"assistant","messages":[{"role":"user","content":"hello there"}]}'
+LIST_PATHS = ("direct (one server)", "gateway, one server's list", "gateway, two lists merged")
+CHAT_PATHS = ("direct", "gateway, body passed through", "gateway, model rewritten")
+
+
+def sim(stack: ExitStack, models: str) -> str:
+    port = free_port()
+    args = python("-m", "gateway", "sim", "--port", str(port), "--models", models)
+    args += ["--base-ms", "0", "--per-item-ms", "0", "--token-ms", "0", "--answer-tokens", "4"]
+    stack.enter_context(process(args, port))
+    return f"http://127.0.0.1:{port}"
+
+
+def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool) -> str:
+    """A gateway whose routes use the capabilities (``models``) or pass through."""
+    listing: dict[str, object] = {"match": {"path": "/v1/models*"}, "backend": "chat"}
+    chat: dict[str, object] = {"match": {"path": "/v1/chat/completions"}, "backend": "chat"}
+    if models:
+        listing["merge_models"] = ["embedder"]
+        targets = [{"model": "llama-3.1-8b", "weight": 9}, {"model": "qwen2.5-7b", "weight": 1}]
+        chat["target_models"] = targets
+    policy = {
+        "backends": {k: {"url": v} for k, v in backends.items()},
+        "routes": [listing, chat],
+    }
+    path = tmp / f"policy-{models}.yaml"
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    port, admin = free_port(), free_port()
+    args = python("-m", "gateway", "serve", "--policy", str(path))
+    args += ["--port", str(port), "--admin-port", str(admin)]
+    stack.enter_context(process(args, port))
+    return f"http://127.0.0.1:{port}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=int, default=5, help="seconds per wrk run")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the paths taking turns")
+    args = parser.parse_args()
+    if not have("wrk"):
+        sys.exit("wrk is not installed (apt-get install wrk)")
+    runs: dict[str, list[dict[str, float]]] = {}
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        backends = {"chat": sim(stack, CHAT_MODELS), "embedder": sim(stack, EMBEDDER_MODELS)}
+        plain = gateway(stack, Path(tmp), backends, models=False)
+        models = gateway(stack, Path(tmp), backends, models=True)
+        script = Path(tmp) / "chat.lua"
+        script.write_text(
+            f"wrk.method = 'POST'\nwrk.body = '{CHAT}'\n"
+            "wrk.headers['Content-Type'] = 'application/json'\n"
+        )
+        paths: dict[str, tuple[str, Path | None]] = {
+            LIST_PATHS[0]: (backends["chat"] + "/v1/models", None),
+            LIST_PATHS[1]: (plain + "/v1/models", None),
+            LIST_PATHS[2]: (models + "/v1/models", None),
+            CHAT_PATHS[0]: (backends["chat"] + "/v1/chat/completions", script),
+            CHAT_PATHS[1]: (plain + "/v1/chat/completions", script),
+            CHAT_PATHS[2]: (models + "/v1/chat/completions", script),
+        }
+        merged = httpx.get(models + "/v1/models").json()["data"]
+        assert len(merged) == 5, merged
+        rewritten = httpx.post(models + "/v1/chat/completions", content=CHAT).headers
+        assert rewritten["x-gateway-model"] in ("llama-3.1-8b", "qwen2.5-7b"), rewritten
+        for url, lua in paths.values():  # warm: pools, imports
+            wrk(url, connections=4, duration_s=1, script=lua)
+        for _ in range(args.rounds):
+            for name, (url, lua) in paths.items():
+                one = wrk(url, connections=1, duration_s=args.duration, script=lua)
+                many = wrk(url, connections=16, duration_s=args.duration, script=lua)
+                runs.setdefault(name, []).append(
+                    {
+                        "p50": one["p50_ms"],
+                        "p99": one["p99_ms"],
+                        "rps": many["rps"],
+                        "errors": one["errors"] + many["errors"],
+                    }
+                )
+    update_section("models", report(runs, args))
+
+
+def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    def table(names: tuple[str, ...]) -> list[str]:
+        rows = [
+            "| path | p50 ms (1 conn) | p99 ms (1 conn) | req/s (16 conn) | non-2xx |",
+            "|---|---|---|---|---|",
+        ]
+        for name in names:
+            rows.append(
+                f"| {name} | {median(name, 'p50'):.3f} | {median(name, 'p99'):.3f} | "
+                f"{median(name, 'rps'):.0f} | {sum(r['errors'] for r in runs[name]):.0f} |"
+            )
+        return rows
+
+    def cost(plain: str, changed: str) -> str:
+        added = median(changed, "p50") - median(plain, "p50")
+        ratio = median(changed, "rps") / median(plain, "rps")
+        return f"{added:+.3f} ms at p50 and {ratio:.2f}x the requests per second"
+
+    return "\n".join(
+        [
+            "## Model lists and target models (`merge_models`, `target_models`)",
+            "",
+            f"`python -m bench.bench_models --duration {args.duration} --rounds "
+            f"{args.rounds}` on {machine()}. Two `gateway sim` servers (3 chat models, 2 "
+            "embedders, answering at once), two gateways (routes passing through, and routes "
+            "with `merge_models` and `target_models`) and wrk share the machine; latency at 1 "
+            "connection, throughput at 16, medians over the rounds, the paths taking turns.",
+            "",
+            "`GET /v1/models`:",
+            "",
+            *table(LIST_PATHS),
+            "",
+            "`POST /v1/chat/completions`, a small body whose `model` the policy rewrites "
+            "(two targets by weight):",
+            "",
+            *table(CHAT_PATHS),
+            "",
+            f"Merging two lists costs {cost(LIST_PATHS[1], LIST_PATHS[2])} of the gateway's "
+            "pass-through of one (the two servers are asked at once; two upstream calls and "
+            f"their JSON per request). Rewriting the model costs "
+            f"{cost(CHAT_PATHS[1], CHAT_PATHS[2])} of the pass-through (the body written "
+            "again, a draw, a header and a counter).",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
