@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -363,7 +363,7 @@ async def test_a_read_of_many_tiny_chunks_gives_the_loop_a_turn():
     server = HttpServer(handler, Limits, Metrics())
     conn = ClientConnection(server)
     sock = FakeSocket()
-    conn.connection_made(sock)
+    conn.connection_made(cast(asyncio.Transport, sock))
     text = json.dumps({**CHAT, "note": "x" * 9000}).encode()
     chunks = [
         b"%x\r\n%s\r\n" % (len(text[i : i + 2]), text[i : i + 2]) for i in range(0, len(text), 2)

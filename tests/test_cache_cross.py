@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -134,7 +135,7 @@ class TableEmbedder:
     def __init__(self, vectors: dict[str, np.ndarray]) -> None:
         self.vectors = vectors
 
-    async def __call__(self, texts: list[str]) -> np.ndarray:
+    async def __call__(self, texts: Sequence[str]) -> np.ndarray:
         return np.stack([self.vectors[t] for t in texts])
 
 

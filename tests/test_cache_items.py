@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ WHERE = {"scope": "s", "route": "r", "backend": "emb", "model_version": "v1"}
 PATH = "/v1/embeddings"
 
 
-def upstream_answer(inputs: list[Any], tokens: int) -> dict[str, Any]:
+def upstream_answer(inputs: Sequence[str], tokens: int) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import pytest
 
@@ -10,7 +10,25 @@ from gateway.cache import cacheability, request_key, scope_hash
 from gateway.cache.keys import MAX_NEAR_CHARS, RequestKey, with_context
 
 CHAT = "/v1/chat/completions"
-WHERE = {"scope": "s", "route": "r", "backend": "main", "model_version": "v1", "path": CHAT}
+
+
+class Place(TypedDict):
+    """Where a request is answered, less its scope: ``with_context``'s keyword arguments."""
+
+    route: str
+    backend: str
+    model_version: str
+    path: str
+
+
+class Where(Place):
+    """``request_key``'s keyword arguments: a place and a scope."""
+
+    scope: str
+
+
+PLACE: Place = {"route": "r", "backend": "main", "model_version": "v1", "path": CHAT}
+WHERE: Where = {"scope": "s", **PLACE}
 
 
 def chat(text: str = "hi", **extra: Any) -> dict[str, Any]:
@@ -49,7 +67,10 @@ def test_sampled_requests_cacheable_only_with_opt_in() -> None:
 
 
 def test_remote_image_urls_are_not_cacheable() -> None:
-    part = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    part: dict[str, Any] = {
+        "type": "image_url",
+        "image_url": {"url": "https://example.com/cat.png"},
+    }
     body = chat()
     body["messages"][0]["content"] = [{"type": "text", "text": "what is this"}, part]
     assert cacheability(body, CHAT).reason == "a message refers to a remote URL"
@@ -81,8 +102,11 @@ def test_answer_changing_fields_change_the_key(change: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("field", ["scope", "route", "backend", "model_version", "path"])
-def test_scope_route_backend_model_version_and_path_are_in_the_key(field: str) -> None:
-    other = WHERE | {field: WHERE[field] + "x"}
+def test_scope_route_backend_model_version_and_path_are_in_the_key(
+    field: Literal["scope", "route", "backend", "model_version", "path"],
+) -> None:
+    other = WHERE.copy()
+    other[field] += "x"
     a, b = request_key(chat(), **WHERE), request_key(chat(), **other)
     assert a.exact != b.exact and a.context != b.context
 
@@ -117,8 +141,7 @@ def test_near_tier_skips_a_message_longer_than_max_near_chars() -> None:
     key = request_key(body, **WHERE)
     assert key.context is None and key.prompt is None and key.exact
     first = request_key(body, near=False, **WHERE)
-    where = {k: v for k, v in WHERE.items() if k != "scope"}
-    assert with_context(first, body, **where).context is None
+    assert with_context(first, body, **PLACE).context is None
 
 
 def test_scope_hash_hides_values_and_separates_tenants() -> None:
@@ -178,9 +201,8 @@ def test_keys_are_stable_across_versions(body: dict[str, Any], exact: str, conte
 def test_keys_are_the_same_however_they_are_built(body: dict[str, Any]) -> None:
     """The exact-first path (``near=False``, then ``with_context``) and a hand-built key
     given its context give the key ``request_key`` gives at once."""
-    where = {k: v for k, v in WHERE.items() if k != "scope"}
     full = request_key(body, **WHERE)
     first = request_key(body, near=False, **WHERE)
     assert first.exact == full.exact and first.context is None
-    assert with_context(first, body, **where) == full
-    assert with_context(RequestKey(full.scope, full.exact), body, **where) == full
+    assert with_context(first, body, **PLACE) == full
+    assert with_context(RequestKey(full.scope, full.exact), body, **PLACE) == full

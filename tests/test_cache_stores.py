@@ -20,6 +20,7 @@ from gateway.cache import CachedResponse, ResponseCache, request_key, scope_hash
 from gateway.cache.entry import dumps
 from gateway.cache.evaluate import read_pairs
 from gateway.cache.items import CachedItem, plan_items
+from gateway.cache.keys import RequestKey
 from gateway.cache.simhash import fingerprint
 from gateway.cache.stores import MemoryStore, RedisStore
 from gateway.cache.stores.memory import ENTRY_OVERHEAD_BYTES as MEMORY_OVERHEAD
@@ -80,6 +81,7 @@ class Harness:
 @pytest.fixture(params=["memory", "standalone", "cluster"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     clock = FakeClock()
+    store: MemoryStore | RedisStore
     if request.param == "memory":
         store = MemoryStore(clock=clock)
         yield Harness(store, ResponseCache(store, clock=clock), clock)
@@ -105,10 +107,19 @@ def chat(text: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def key_for(body: dict[str, Any], tenant: str = "Bearer a", **over: str) -> Any:
-    where = {"route": "r", "backend": "main", "model_version": "v1", "path": CHAT} | over
+def key_for(
+    body: dict[str, Any],
+    tenant: str = "Bearer a",
+    *,
+    route: str = "r",
+    backend: str = "main",
+    model_version: str = "v1",
+    path: str = CHAT,
+) -> RequestKey:
     scope = scope_hash([("Authorization", tenant)], ["authorization"])
-    return request_key(body, scope=scope, **where)
+    return request_key(
+        body, scope=scope, route=route, backend=backend, model_version=model_version, path=path
+    )
 
 
 def answer(text: str, backend: str = "main", model_version: str = "v1") -> CachedResponse:

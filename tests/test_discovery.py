@@ -166,7 +166,11 @@ async def test_endpoints_coming_and_going_under_load_fail_no_request(instances) 
             before = len(served)
             resolver.set("llm.svc", list(answer_set))
             clock.advance(5)
-            await until(lambda before=before: len(served) >= before + 30)
+
+            def thirty_more(before: int = before) -> bool:
+                return len(served) >= before + 30
+
+            await until(thirty_more)
         stop.set()
         await asyncio.gather(*clients)  # any failed request would raise here
     finally:

@@ -25,7 +25,7 @@ CHAT = "/v1/chat/completions"
 def three() -> tuple[Model, Model, Model, dict[str, dict[str, Any]]]:
     models = Model("main"), Model("first"), Model("second")
     backends: dict[str, dict[str, Any]] = {m.name: {"url": f"http://{m.name}.test"} for m in models}
-    return *models, backends  # type: ignore[return-value]
+    return *models, backends
 
 
 def answering(*models: Model) -> dict[str, Model]:

@@ -69,9 +69,23 @@ LINES = [
     b"PRI * HTTP/2.0",
     b"TRACE /v1/models HTTP/1.1",
 ]
-JSON_VALUES = [None, True, 0, -1, 1e308, 2**70, "", "x" * 40, [], {}, [1], {"a": 1}, [[[]]]]
+JSON_VALUES: list[object] = [
+    None,
+    True,
+    0,
+    -1,
+    1e308,
+    2**70,
+    "",
+    "x" * 40,
+    [],
+    {},
+    [1],
+    {"a": 1},
+    [[[]]],
+]
 MAX_JSON_VALUES = 1000  # the fuzzed gateway's server.max_json_values
-WIDE = [{}] * (MAX_JSON_VALUES + 1)
+WIDE: list[dict[str, object]] = [{}] * (MAX_JSON_VALUES + 1)
 TRAILERS = [
     b"X-Checksum: abc",
     b"Authorization: Bearer evil",

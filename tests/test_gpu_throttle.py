@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import httpx
 import pytest
@@ -282,7 +283,7 @@ async def test_stale_telemetry_fails_open_rules_neither_fire_nor_clear(serve_app
 async def test_fail_closed_treats_unknown_as_firing(pipeline):
     clock = FakeClock()
     main, spare = Model("main"), Model("spare")
-    backends = {
+    backends: dict[str, dict[str, Any]] = {
         "main": {
             "url": URL,
             "telemetry": {
@@ -358,7 +359,7 @@ async def test_nvml_through_a_stand_in_pynvml(pipeline, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     clock = FakeClock()
     main, spare = Model("main"), Model("spare")
-    backends = {
+    backends: dict[str, dict[str, Any]] = {
         "main": {
             "url": URL,
             "telemetry": {"source": "nvml", "index": 0, "interval_ms": INTERVAL_MS},

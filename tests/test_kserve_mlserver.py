@@ -103,7 +103,7 @@ async def test_one_malformed_row_fails_only_its_caller(mlserver, start_gateway, 
     async with httpx.AsyncClient(timeout=30) as client:
         busy = asyncio.create_task(client.post(url, json=infer([999, 0, 0], "busy")))
         await asyncio.sleep(0.1)  # the model is busy with it: the next rows pile up
-        rows = [[-1.0, 1, 1] if i == bad else [i, 1, 2] for i in range(size)]
+        rows: list[list[float]] = [[-1.0, 1, 1] if i == bad else [i, 1, 2] for i in range(size)]
         answers = await asyncio.gather(
             *(client.post(url, json=infer(row, f"r{i}")) for i, row in enumerate(rows))
         )
@@ -154,7 +154,7 @@ async def test_one_callers_bad_row_never_opens_the_breaker_for_everyone(
             bad = (round_ * 5) % size
             busy = asyncio.create_task(client.post(url, json=infer([999, 0, 0], "busy")))
             await asyncio.sleep(0.1)  # the model is busy with it: the next rows pile up
-            rows = [[-1.0, 1, 1] if i == bad else [i, 1, 2] for i in range(size)]
+            rows: list[list[float]] = [[-1.0, 1, 1] if i == bad else [i, 1, 2] for i in range(size)]
             answers = await asyncio.gather(
                 *(client.post(url, json=infer(row, f"r{i}")) for i, row in enumerate(rows))
             )

@@ -194,7 +194,7 @@ async def test_the_quality_fallback_weighs_the_servers_real_logprobs(
         )
     mean = mean_logprob(weighed.json())
     assert mean is not None and mean < 0
-    route = {"match": {"path": "/v1/chat/completions"}, "backend": "primary"}
+    route: dict[str, Any] = {"match": {"path": "/v1/chat/completions"}, "backend": "primary"}
     policy = write_policy(
         tmp_path,
         {

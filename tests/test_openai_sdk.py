@@ -8,10 +8,11 @@ import asyncio
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.sim import SimConfig, start_sim
 
-MESSAGES = [{"role": "user", "content": "What is a sidecar?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is a sidecar?"}]
 
 
 @pytest.fixture
@@ -34,6 +35,7 @@ def sync_calls(base_url: str) -> dict[str, object]:
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         embedding = client.embeddings.create(model="sim-model", input=["a", "b"])
         models = [m.id for m in client.models.list()]
+    assert chat.usage is not None
     return {
         "chat": chat.choices[0].message.content,
         "usage": chat.usage.model_dump(),

@@ -6,6 +6,8 @@ and any request with an ``Idempotency-Key``; any other POST, a PUT, PATCH or DEL
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
@@ -55,7 +57,7 @@ async def test_a_stale_connection_resends_only_what_may_be_repeated(
     body = CHAT if path == "/v1/chat/completions" else {"model": "m", "input": "x"}
     async with httpx.AsyncClient() as client:
         assert (await client.get(gw.url + "/v1/models")).status_code == 200
-        kwargs = {"json": body} if method in ("POST", "PUT", "PATCH") else {}
+        kwargs: dict[str, Any] = {"json": body} if method in ("POST", "PUT", "PATCH") else {}
         r = await client.request(method, gw.url + path, headers=headers, **kwargs)
     if resent:
         assert r.status_code == 200

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.sim import SimConfig, start_sim
 from tests.redis_server import redis_url  # noqa: F401
@@ -29,7 +30,9 @@ async def sim():
 def calls(base_url: str) -> dict[str, object]:
     with openai.OpenAI(base_url=base_url + "/v1", api_key="sk-test", max_retries=0) as client:
         models = [m.id for m in client.models.list()]
-        messages = [{"role": "user", "content": "What is a sidecar?"}]
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "What is a sidecar?"}
+        ]
         chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
         stream = client.chat.completions.create(
             model=MODEL, messages=messages, temperature=0, stream=True

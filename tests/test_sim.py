@@ -158,7 +158,8 @@ async def test_embeddings_refuse_sizes_that_would_outgrow_memory_and_keep_servin
 ) -> None:
     """A hostile ``dimensions`` (a fuzzer's 10**9 once made the sim allocate 24 GB) or
     more inputs times dimensions than one answer may hold are a 400, not an OOM kill."""
-    for extra in [{"dimensions": 10**9}, {"dimensions": 0}, {"dimensions": 3.5}]:
+    extras: list[dict[str, float]] = [{"dimensions": 10**9}, {"dimensions": 0}, {"dimensions": 3.5}]
+    for extra in extras:
         status, body, _ = await post(http, sim, "/v1/embeddings", {"input": "a", **extra})
         assert status == 400 and "dimensions" in body["error"]["message"]
     many = {"input": ["x"] * 1024, "dimensions": 16384}

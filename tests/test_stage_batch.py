@@ -230,7 +230,7 @@ async def test_requests_differing_in_a_parameter_never_share_a_call(setup):
 
 async def test_streaming_and_sampled_requests_are_never_merged(setup):
     setup.model.gate.clear()
-    bodies = [
+    bodies: list[dict[str, Any]] = [
         {"model": "c", "prompt": "sampled 1", "temperature": 0.8},
         {"model": "c", "prompt": "sampled 2", "temperature": 0.8},
         {"model": "c", "prompt": "no temperature"},

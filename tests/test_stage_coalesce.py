@@ -144,7 +144,7 @@ def request(content: str = "hi", **fields: Any) -> dict[str, Any]:
     }
 
 
-STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+STREAM: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
 
 
 @dataclass

@@ -97,7 +97,11 @@ async def test_queued_calls_go_upstream_by_priority_from_the_x_priority_header(p
     ):
         headers = {"X-Priority": priority}
         tasks.append(started(gw, tag, headers=headers))
-        await until(lambda n=n: admission.depth == n + 1)
+
+        def queued(n: int = n) -> bool:
+            return admission.depth == n + 1
+
+        await until(queued)
     for _ in range(len(tasks)):
         main.let()
     answers = await asyncio.gather(*tasks)
@@ -275,7 +279,10 @@ async def test_half_open_lets_at_most_half_open_calls_probes_through(pipeline):
     main, spare = Model("main"), Model("spare")
     main.status = 500
     breaker = {"min_calls": 2, "window_s": 10, "open_s": 5, "half_open_calls": 2}
-    backends = {"main": {"url": URL, "circuit_breaker": breaker}, "spare": {"url": URL}}
+    backends: dict[str, dict[str, Any]] = {
+        "main": {"url": URL, "circuit_breaker": breaker},
+        "spare": {"url": URL},
+    }
     route = {"fallback": ["spare"]}
     gw = await pipeline(policy(backends, route), {"main": main, "spare": spare}, clock=clock)
     guard = gw.gateway.registry.peek(GUARDS, "main")

@@ -229,6 +229,7 @@ async def test_a_reload_changes_the_sample_ratio_without_a_restart(tmp_path, exp
         await gw.post("/v1/chat/completions", CHAT)
         assert len(server_spans(finished(gw.gateway, exporter))) == 1
         tracer = gw.gateway.tracer
+        assert tracer is not None
 
         write_policy(tmp_path, policy(ratio=0.25))
         assert gw.gateway.reload()

@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -310,7 +310,8 @@ async def test_ready_only_once_every_worker_is_ready(serve_app, supervisor, tmp_
         async with httpx.AsyncClient(timeout=5) as client:
 
             async def one_ready() -> bool:
-                return sorted(w.get("ready") for w in await workers(client, gw)) == [False, True]
+                ready = [cast(bool, w.get("ready")) for w in await workers(client, gw)]
+                return sorted(ready) == [False, True]
 
             await eventually(one_ready)
             waiting = await client.get(gw.admin_url + "/readyz")
