@@ -357,6 +357,13 @@ def kv_aware(urls: list[str], clock: FakeClock, seed: int) -> tuple[Backend, End
     return backend, endpoints
 
 
+async def next_scrape(clock: FakeClock) -> None:
+    """Let the watcher's next round start: once it sleeps on the clock (a round may still be
+    scraping when the test changes a figure; time moved before its sleep would be lost)."""
+    await until(lambda: clock.sleepers == 1)
+    clock.advance(0.2)
+
+
 async def test_kv_aware_leaves_out_a_saturated_endpoint_until_it_clears(serve_app) -> None:
     figures = {n: {"waiting": 0.0, "kv": 0.2} for n in "abc"}
     figures["c"]["kv"] = 0.95
@@ -368,13 +375,13 @@ async def test_kv_aware_leaves_out_a_saturated_endpoint_until_it_clears(serve_ap
         served = [(await served_by(endpoints, backend))[1] for _ in range(60)]
         assert sum('"c"' in s for s in served) <= 3  # <= 5% while saturated: here none
         figures["c"]["kv"] = 0.1
-        clock.advance(0.2)
+        await next_scrape(clock)
         await until(lambda: endpoints.endpoints[2].kv_cache_usage == 0.1)
         served = [(await served_by(endpoints, backend))[1] for _ in range(60)]
         assert sum('"c"' in s for s in served) >= 10  # its share returns
         for n in "abc":
             figures[n]["waiting"] = 9.0  # every one saturated: still served, least loaded
-        clock.advance(0.2)
+        await next_scrape(clock)
         await until(lambda: all(e.queue_waiting == 9.0 for e in endpoints.endpoints))
         assert (await served_by(endpoints, backend))[0] == 200
     finally:
@@ -606,11 +613,11 @@ async def test_kv_aware_affinity_gives_way_while_its_server_is_saturated(serve_a
         assert endpoints.pick(affinity="k") is home
         name = "ab"[endpoints.endpoints.index(home)]
         figures[name]["waiting"] = 9.0
-        clock.advance(0.2)
+        await next_scrape(clock)
         await until(lambda: home.queue_waiting == 9.0)
         assert {endpoints.pick(affinity="k") for _ in range(5)} == {other}
         figures[name]["waiting"] = 0.0
-        clock.advance(0.2)
+        await next_scrape(clock)
         await until(lambda: home.queue_waiting == 0.0)
         assert endpoints.pick(affinity="k") is home
     finally:
