@@ -4,13 +4,22 @@ digit past its bound is refused wherever it sits, and one within it is read as i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+from typing import Any
 
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.openai.body import MAX_INT_DIGITS, loads
+from gateway.openai.body import (
+    MAX_INT_DIGITS,
+    PASS_BYTES,
+    YIELD_FROM_BYTES,
+    dumps,
+    dumps_yielding,
+    loads,
+)
 
 
 def body_with(number: str, *, padding: str = "") -> bytes:
@@ -65,3 +74,53 @@ def test_numbers_spelled_every_way_in_strings_never_change_what_is_read():
         text = "".join(rng.choice("0123456789eE+-. ax") for _ in range(rng.randint(0, 80)))
         data = loads(body_with("7", padding=text))
         assert data["messages"][0]["content"] == text and data["max_tokens"] == 7
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    kinds = ["str", "int", "float", "bool", "null"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return "".join(rng.choice('aé"\\\u2028\n\t😀 ') for _ in range(rng.randrange(8)))
+    if kind == "int":
+        return rng.randrange(-(10**12), 10**12)
+    if kind == "float":
+        return rng.uniform(-1e6, 1e6)
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}": random_value(rng, depth + 1) for i in range(rng.randrange(4))}
+
+
+async def test_a_body_written_in_passes_is_the_body_written_at_once():
+    """``dumps_yielding`` writes exactly ``dumps``'s bytes, which are compact UTF-8 JSON,
+    whether the body is small (at once) or large (in passes)."""
+    rng = random.Random(26)
+    bodies: list[dict[str, Any]] = [{}, {"messages": []}, {"model": "m", "n": [[]]}]
+    bodies += [{f"k{i}": random_value(rng) for i in range(6)} for _ in range(300)]
+    for body in bodies:
+        expected = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        assert dumps(body) == expected
+        assert await dumps_yielding(body, 0) == expected
+        assert await dumps_yielding(body, YIELD_FROM_BYTES) == expected
+
+
+async def test_a_large_body_is_written_with_the_event_loop_turning_between_passes():
+    messages = [{"role": "user", "content": "word é " * 200} for _ in range(4000)]
+    body = {"model": "m", "messages": messages, "temperature": 0}
+    turns = 0
+
+    async def beside() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(beside())
+    await asyncio.sleep(0)
+    written = await dumps_yielding(body, YIELD_FROM_BYTES)
+    task.cancel()
+    assert written == dumps(body)
+    assert turns >= len(written.decode()) // PASS_BYTES  # once a pass of 256 Ki characters

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import random
 from collections.abc import Callable
 
 from gateway.metrics import Metrics
+from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Route
 
@@ -59,7 +59,7 @@ class TargetModels:
         model = self._pick(draw)
         self._counted(call.route.name, model)
         data = {**call.json, "model": model}
-        body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+        body = await dumps_yielding(data, len(call.body))
         reply = await call_next(dataclasses.replace(call, json=data, body=body))
         return reply.with_headers(((MODEL_HEADER, model),))
 

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from typing import Any
 
+from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Reply
 from gateway.policy.model import Quality
 
@@ -28,14 +29,14 @@ def judged(call: Call, quality: Quality | None) -> bool:
     )
 
 
-def asking_logprobs(call: Call, quality: Quality) -> tuple[Call, bool]:
+async def asking_logprobs(call: Call, quality: Quality) -> tuple[Call, bool]:
     """The call to send (asking for logprobs if the route says to) and whether they must be
     stripped from the answer because the client did not ask for them."""
     data = call.json
     if data is None or data.get("logprobs") is True or not quality.request_logprobs:
         return call, False
     asked = {**data, "logprobs": True}
-    body = json.dumps(asked, separators=(",", ":")).encode()
+    body = await dumps_yielding(asked, len(call.body))
     return dataclasses.replace(call, body=body, json=asked), True
 
 

@@ -184,7 +184,7 @@ class Resilience:
                 return Moved("throttle", Overloaded("rerouted", reason="throttle"))
         strip = False
         if quality is not None:
-            call, strip = asking_logprobs(call, quality)
+            call, strip = await asking_logprobs(call, quality)
         try:
             reply = await call_next(call)
         except UpstreamError as exc:
