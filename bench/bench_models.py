@@ -1,5 +1,6 @@
-"""What the model-name capabilities cost: one model list over several backends (a route's
-``merge_models``) and the model a backend is asked for (a route's ``target_models``).
+"""What the OpenAI-shape capabilities cost: one model list over several backends (a route's
+``merge_models``), the model a backend is asked for (``target_models``) and a stream's
+usage asked for where its client did not (``stream_usage: ask``).
 
     python -m bench.bench_models [--duration 5] [--rounds 3]
 
@@ -15,6 +16,8 @@ requests/s at 16; each figure the median over the rounds.
 - ``POST /v1/chat/completions`` (a small body): the server directly, the gateway passing
   the body through, and the gateway rewriting its ``model`` (``target_models``, two targets
   by weight: the body parsed, as always, then written again).
+- The same streamed: the server directly, the gateway passing the stream through, and a
+  route with ``stream_usage: ask`` (the usage chunk asked for, counted and taken out).
 
 Writes docs/benchmarks.md.
 """
@@ -38,6 +41,14 @@ EMBEDDER_MODELS = "bge-small-en,e5-large"
 CHAT = '{"model":"assistant","messages":[{"role":"user","content":"hello there"}]}'
 LIST_PATHS = ("direct (one server)", "gateway, one server's list", "gateway, two lists merged")
 CHAT_PATHS = ("direct", "gateway, body passed through", "gateway, model rewritten")
+STREAM = '{"model":"streamer","messages":[{"role":"user","content":"hello"}],"stream":true}'
+ASKED = STREAM[:-1] + ',"stream_options":{"include_usage":true}}'
+STREAM_PATHS = (
+    "direct, streamed",
+    "direct, streamed with its usage asked",
+    "gateway, stream passed through",
+    "gateway, usage asked and taken out",
+)
 
 
 def sim(stack: ExitStack, models: str) -> str:
@@ -52,13 +63,18 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
     """A gateway whose routes use the capabilities (``models``) or pass through."""
     listing: dict[str, object] = {"match": {"path": "/v1/models*"}, "backend": "chat"}
     chat: dict[str, object] = {"match": {"path": "/v1/chat/completions"}, "backend": "chat"}
+    streams: dict[str, object] = {
+        "match": {"path": "/v1/chat/completions", "model": "streamer"},
+        "backend": "chat",
+    }
     if models:
         listing["merge_models"] = ["embedder"]
         targets = [{"model": "llama-3.1-8b", "weight": 9}, {"model": "qwen2.5-7b", "weight": 1}]
         chat["target_models"] = targets
+        streams["stream_usage"] = "ask"
     policy = {
         "backends": {k: {"url": v} for k, v in backends.items()},
-        "routes": [listing, chat],
+        "routes": [listing, streams, chat],
     }
     path = tmp / f"policy-{models}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
@@ -81,11 +97,13 @@ def main() -> None:
         backends = {"chat": sim(stack, CHAT_MODELS), "embedder": sim(stack, EMBEDDER_MODELS)}
         plain = gateway(stack, Path(tmp), backends, models=False)
         models = gateway(stack, Path(tmp), backends, models=True)
-        script = Path(tmp) / "chat.lua"
-        script.write_text(
-            f"wrk.method = 'POST'\nwrk.body = '{CHAT}'\n"
-            "wrk.headers['Content-Type'] = 'application/json'\n"
-        )
+        script, streamed = Path(tmp) / "chat.lua", Path(tmp) / "stream.lua"
+        asked = Path(tmp) / "asked.lua"
+        for file, body in ((script, CHAT), (streamed, STREAM), (asked, ASKED)):
+            file.write_text(
+                f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
+                "wrk.headers['Content-Type'] = 'application/json'\n"
+            )
         paths: dict[str, tuple[str, Path | None]] = {
             LIST_PATHS[0]: (backends["chat"] + "/v1/models", None),
             LIST_PATHS[1]: (plain + "/v1/models", None),
@@ -93,11 +111,17 @@ def main() -> None:
             CHAT_PATHS[0]: (backends["chat"] + "/v1/chat/completions", script),
             CHAT_PATHS[1]: (plain + "/v1/chat/completions", script),
             CHAT_PATHS[2]: (models + "/v1/chat/completions", script),
+            STREAM_PATHS[0]: (backends["chat"] + "/v1/chat/completions", streamed),
+            STREAM_PATHS[1]: (backends["chat"] + "/v1/chat/completions", asked),
+            STREAM_PATHS[2]: (plain + "/v1/chat/completions", streamed),
+            STREAM_PATHS[3]: (models + "/v1/chat/completions", streamed),
         }
         merged = httpx.get(models + "/v1/models").json()["data"]
         assert len(merged) == 5, merged
         rewritten = httpx.post(models + "/v1/chat/completions", content=CHAT).headers
         assert rewritten["x-gateway-model"] in ("llama-3.1-8b", "qwen2.5-7b"), rewritten
+        kept = httpx.post(models + "/v1/chat/completions", content=STREAM).content
+        assert b"[DONE]" in kept and b"completion_tokens" not in kept, kept
         for url, lua in paths.values():  # warm: pools, imports
             wrk(url, connections=4, duration_s=1, script=lua)
         for _ in range(args.rounds):
@@ -138,7 +162,8 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
 
     return "\n".join(
         [
-            "## Model lists and target models (`merge_models`, `target_models`)",
+            "## Model lists, target models, stream usage (`merge_models`, `target_models`, "
+            "`stream_usage`)",
             "",
             f"`python -m bench.bench_models --duration {args.duration} --rounds "
             f"{args.rounds}` on {machine()}. Two `gateway sim` servers (3 chat models, 2 "
@@ -155,11 +180,20 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             "",
             *table(CHAT_PATHS),
             "",
+            'The same, streamed (`"stream":true`, 4 tokens), on a route with `stream_usage: '
+            "ask` (the usage chunk asked for, counted and taken out of the stream):",
+            "",
+            *table(STREAM_PATHS),
+            "",
             f"Merging two lists costs {cost(LIST_PATHS[1], LIST_PATHS[2])} of the gateway's "
             "pass-through of one (the two servers are asked at once; two upstream calls and "
             f"their JSON per request). Rewriting the model costs "
             f"{cost(CHAT_PATHS[1], CHAT_PATHS[2])} of the pass-through (the body written "
-            "again, a draw, a header and a counter).",
+            "again, a draw, a header and a counter). Asking a stream's usage and taking it "
+            f"out costs {cost(STREAM_PATHS[2], STREAM_PATHS[3])} of the pass-through (the "
+            "body written again, the stream framed into events, and the server's own work "
+            "for the usage: asked directly, the server costs "
+            f"{cost(STREAM_PATHS[0], STREAM_PATHS[1])} of its stream without it).",
         ]
     )
 

@@ -216,19 +216,23 @@ class Edge:
             ("X-Request-ID", call.id),
             ("X-Gateway-Backend", reply.backend or call.backend),
         ]
+        watched = reply.usage  # counted by a stage that changed the events
         if reply.body is not None:
-            tokens = from_body(reply.body) if call.json is not None else None
+            if watched is not None:
+                tokens = watched.counts
+            else:
+                tokens = from_body(reply.body) if call.json is not None else None
             request.respond(reply.status, headers, reply.body)
             return tokens, None
         assert reply.stream is not None
-        usage = StreamUsage() if call.json is not None else None
+        usage = watched or (StreamUsage() if call.json is not None else None)
         await request.start(reply.status, headers, reply.content_length)
         first_byte: float | None = None
         try:
             async for chunk in reply.stream:
                 if first_byte is None:
                     first_byte = self._loop_time()
-                if usage is not None:
+                if usage is not None and watched is None:
                     usage.feed(chunk)
                 await request.write(chunk)
         except (UpstreamError, SlowReader) as exc:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from gateway.tenant import scope_hash
 
 if TYPE_CHECKING:
+    from gateway.openai.usage import StreamUsage
     from gateway.policy.model import Policy, Route
 
 Headers = tuple[tuple[str, str], ...]
@@ -149,10 +150,11 @@ class Reply(NamedTuple):
     client went away mid-stream.  ``content_length`` is a stream's declared length, when the
     backend gave one (the edge then sends it as is, not chunked); ``coalesced`` says that
     the call joined another's flight; ``endpoint`` is the URL of the endpoint that answered
-    (set by the transport).  A reply is immutable: a stage that changes one
-    returns a new one (``with_headers``, ``replace``).  It is a named tuple, not a frozen
-    dataclass: one is made per request, and a frozen dataclass costs four times as much to
-    make on CPython 3.11.
+    (set by the transport); ``usage`` watches the answer's token counts when a stage changed
+    its events (the edge then reads them there, not from what it sends).  A reply is
+    immutable: a stage that changes one returns a new one (``with_headers``, ``replace``).
+    It is a named tuple, not a frozen dataclass: one is made per request, and a frozen
+    dataclass costs four times as much to make on CPython 3.11.
     """
 
     status: int
@@ -164,6 +166,7 @@ class Reply(NamedTuple):
     content_length: int | None = None
     coalesced: bool = False
     endpoint: str = ""
+    usage: StreamUsage | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a response header, case-insensitively."""

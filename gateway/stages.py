@@ -16,6 +16,7 @@ import gateway.batching.stage
 import gateway.cache.stage
 import gateway.coalesce.stage
 import gateway.openai.model_lists
+import gateway.openai.stream_usage
 import gateway.openai.target_models
 import gateway.pool.stage
 import gateway.resilience.stage
@@ -37,6 +38,8 @@ def build(
         *gateway.pool.stage.build(policy, runtime),
         # 0. the model the backend is asked for (target_models), drawn by weight
         *gateway.openai.target_models.build(policy, runtime.metrics),
+        # 0. a stream's usage asked for where its client did not (stream_usage: ask)
+        *gateway.openai.stream_usage.build(policy),
         # 0. one model list over several backends (merge_models), each asked down the line
         *gateway.openai.model_lists.build(policy, runtime.metrics),
         # 1. cache lookup: exact, SimHash, embedding tiers

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from gateway.cache.entry import CachedResponse
 from gateway.openai.sse import StreamRecorder, events_to_json, json_to_events, render_sse
@@ -54,12 +53,6 @@ def hit_reply(
     kept = tuple((k, v) for k, v in entry.headers if k.lower() != "content-type")
     headers = (*kept, ("Content-Type", content_type), *cache_headers)
     return Reply(200, headers, body=body, backend=entry.backend)
-
-
-def asks_usage(body: dict[str, Any]) -> bool:
-    """Whether a request asks for a stream's usage chunk (``stream_options.include_usage``)."""
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 async def once(data: bytes) -> AsyncIterator[bytes]:

@@ -57,7 +57,6 @@ from gateway.cache.replies import (
     NONE,
     SIMILARITY_HEADER,
     Tee,
-    asks_usage,
     content_encoded,
     hit_body,
     hit_reply,
@@ -69,6 +68,7 @@ from gateway.cache.tiers import Hit, ResponseCache
 from gateway.errors import StoreError
 from gateway.metrics import EmbeddingFigures
 from gateway.openai.sse import carries_usage
+from gateway.openai.usage import asks_usage
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Route, RouteCache
 from gateway.redis import shared_link

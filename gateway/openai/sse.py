@@ -184,12 +184,12 @@ def render_sse(events: tuple[str, ...] | list[str], *, include_usage: bool = Tru
     unless ``include_usage`` (the client's ``stream_options.include_usage``)."""
     if include_usage:
         return "".join(events).encode()
-    return "".join(e for e in events if not _usage_only(event_data(e))).encode()
+    return "".join(e for e in events if not usage_only(event_data(e))).encode()
 
 
 def carries_usage(events: tuple[str, ...] | list[str]) -> bool:
     """Whether stored events include a chunk with a ``usage`` (``include_usage`` asked)."""
-    return any(_usage_only(event_data(e)) for e in events if '"usage"' in e)
+    return any(usage_only(event_data(e)) for e in events if '"usage"' in e)
 
 
 def stored_blocks(payloads: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -351,7 +351,8 @@ def _pieces(text: str, chunk_chars: int) -> list[str]:
     return pieces
 
 
-def _usage_only(payload: str | None) -> bool:
+def usage_only(payload: str | None) -> bool:
+    """Whether an event's data is a chunk with only ``usage`` news (no ``choices``)."""
     if payload is None or '"usage"' not in payload:
         return False
     try:

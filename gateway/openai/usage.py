@@ -11,6 +11,10 @@ _PIECE = re.compile(r"\w+|[^\w\s]")
 # Keys at JSON level, not inside a string value (where their quotes would be escaped).
 _PROMPT = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
+_NO_USAGE = re.compile(rb'"usage"\s*:\s*null')
+"""A chunk's ``usage`` of ``null``: every chunk but the last once ``include_usage`` is asked.
+(No look-behind: inside a string the closing quote would be escaped too, and a pattern that
+opens with its literal is searched at C speed.)"""
 
 
 def from_body(body: bytes) -> tuple[int, int] | None:
@@ -26,6 +30,12 @@ def from_body(body: bytes) -> tuple[int, int] | None:
         return None
     completion = _COMPLETION.search(body, start)
     return int(prompt.group(1)), int(completion.group(1)) if completion else 0
+
+
+def asks_usage(body: dict[str, Any]) -> bool:
+    """Whether a request asks for a stream's usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 def token_weight(item: Any) -> int:
@@ -69,6 +79,11 @@ def _counts(usage: Any) -> tuple[int, int] | None:
     return prompt, completion
 
 
+def _nothing(line: bytes) -> bool:
+    """Whether a line's only ``usage`` is ``null`` (no parse needed to know it counts none)."""
+    return line.count(_MARK) == 1 and _NO_USAGE.search(line) is not None
+
+
 class StreamUsage:
     """Watches an SSE stream for a chunk with a non-null ``usage`` (OpenAI's
     ``stream_options.include_usage``); keeps only the current partial line."""
@@ -80,7 +95,9 @@ class StreamUsage:
         self.counts: tuple[int, int] | None = None
 
     def feed(self, chunk: bytes) -> None:
-        if _MARK not in chunk and not self._partial:
+        if not self._partial and (
+            _MARK not in chunk or chunk.count(_MARK) == len(_NO_USAGE.findall(chunk))
+        ):
             # the common case: a content chunk; keep only a possible split marker
             cut = chunk.rfind(b"\n")
             tail = chunk[cut + 1 :] if cut >= 0 else chunk
@@ -92,7 +109,7 @@ class StreamUsage:
         if len(self._partial) > 65536:
             self._partial = b""
         for line in lines:
-            if line.startswith(b"data:") and _MARK in line:
+            if line.startswith(b"data:") and _MARK in line and not _nothing(line):
                 try:
                     event = json.loads(line[5:])
                 except (UnicodeDecodeError, json.JSONDecodeError):

@@ -317,6 +317,16 @@ class Route:
             "names it. The fallback backends are asked for the same target."
         ),
     )
+    stream_usage: Literal["pass", "ask"] = field(
+        default="pass",
+        metadata=doc(
+            "`ask`: a streamed chat or completion whose client did not ask for its usage "
+            "chunk (`stream_options.include_usage`) is asked for one anyway, so that its "
+            "tokens are counted (`gateway_tokens_total`, per tenant too), and the chunk is "
+            "taken out of the stream that client receives. `pass`: streams go as asked (a "
+            "backend that refuses `stream_options` needs it)."
+        ),
+    )
     merge_models: tuple[str, ...] = field(
         default=(),
         metadata=doc(
