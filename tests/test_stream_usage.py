@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gateway.openai.stream_usage import without_usage_events
 from tests.helpers import metric, write_policy
+from tests.llama import chat
 
 KEY = "acme-secret-key"
 WORDS = ["Hello", " from", " a", " stream"]
@@ -218,3 +219,49 @@ def test_only_whole_usage_only_events_are_dropped():
     tail = b'data: {"choices":[],"usage":{"prompt'
     assert without_usage_events(content + usage + comment + tail) == content + comment + tail
     assert without_usage_events(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+@pytest.mark.llm
+async def test_llama_cpps_streams_are_counted_without_the_client_asking(
+    llama, start_gateway, tmp_path
+):
+    """llama.cpp's server, asked for the usage by the gateway: the client's stream is the
+    server's own stream for a client that did not ask, and the tokens counted are the ones
+    the server reports when asked."""
+    gw = await start_gateway(policy=write_policy(tmp_path, policy(llama.url)))
+    body = {**chat("Count to three", max_tokens=6), "stream": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        direct = await client.post(llama.url + "/v1/chat/completions", json=body)
+        asked = await client.post(
+            llama.url + "/v1/chat/completions",
+            json={**body, "stream_options": {"include_usage": True}},
+        )
+        _, via, _ = await raw_stream(gw, body)
+    reported = json.loads(
+        next(
+            line[5:]
+            for line in asked.content.splitlines()
+            if line.startswith(b"data:") and b'"usage":{' in line.replace(b" ", b"")
+        )
+    )["usage"]
+
+    def contents(stream: bytes) -> list[str]:
+        found = []
+        for line in stream.splitlines():
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                for choice in json.loads(line[5:])["choices"]:
+                    found.append(choice["delta"].get("content") or "")
+        return found
+
+    assert contents(via) == contents(direct.content)  # the same tokens, and no usage chunk
+    assert all(
+        json.loads(line[5:]).get("choices")
+        for line in via.splitlines()
+        if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"
+    )
+    text = await scrape(gw)
+    counted = (
+        metric(text, "gateway_tokens_total", backend="main", kind="prompt"),
+        metric(text, "gateway_tokens_total", backend="main", kind="completion"),
+    )
+    assert counted == (reported["prompt_tokens"], reported["completion_tokens"])
