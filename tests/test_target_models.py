@@ -20,6 +20,7 @@ from gateway.policy.model import Match, Route, TargetModel
 from tests.helpers import metric, problems_of, write_policy
 
 ACME_KEY = "acme-secret-key"
+SERVED = ["llama-3.1-8b", "assistant-v1", "assistant-v2"]
 
 
 class EchoModels:
@@ -32,7 +33,19 @@ class EchoModels:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{name}", self.model)
         return app
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in SERVED:
+            return web.json_response({"error": {"code": "model_not_found"}}, status=404)
+        return web.json_response({"id": name, "object": "model", "created": 1, "owned_by": "me"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 1, "owned_by": "me"} for m in SERVED]
+        return web.json_response({"object": "list", "data": data})
 
     async def chat(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -199,3 +212,21 @@ routes:
 """
     problems = problems_of(text)
     assert any(problem in p for p in problems), problems
+
+
+async def test_the_names_a_policy_answers_for_are_listed_and_retrieved(served):
+    _, gw = served
+    async with sdk(gw) as client:
+        listed = [(m.id, m.owned_by) async for m in client.models.list()]
+        alias = await client.models.retrieve("assistant")
+        served_model = await client.models.retrieve("llama-3.1-8b")
+    async with sdk(gw, ACME_KEY) as client:
+        mine = [m.id async for m in client.models.list()]
+    assert listed == [
+        *((m, "me") for m in SERVED),
+        ("gpt-4o", "sidecar-gateway"),  # the routes' names, after the backend's models
+        ("assistant", "sidecar-gateway"),
+    ]
+    assert (alias.id, alias.owned_by) == ("assistant", "sidecar-gateway")
+    assert served_model.id == "llama-3.1-8b"  # the backend's own answer
+    assert mine == ["gpt-4o"]  # the tenant's cut applies to the names as to the models

@@ -19,6 +19,12 @@ answers both for all its backends:
 Each backend is asked through the rest of the pipeline (breakers, admission, throttling),
 the named ones without the route's fallback, whose list is not theirs.  A named tenant's
 cut (``allowed_models``) applies to the merged list at the edge, as to any other.
+
+The names clients may use that no backend serves are listed too: a route whose
+``match.model`` is one name (no glob) and whose backend is asked for ``target_models``
+makes that name an alias, added to every ``GET /v1/models`` list (after the backends'
+models, unless one of them lists the name itself) and answered at
+``GET /v1/models/<alias>`` by the gateway, ``owned_by: sidecar-gateway``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
@@ -37,23 +44,32 @@ from gateway.policy.model import Policy
 from gateway.policy.route import MODEL_LIST_PATH
 
 MISSING_HEADER = "X-Gateway-Models-Missing"
+OWNER = "sidecar-gateway"
 _ONE_MODEL = MODEL_LIST_PATH + "/"
+_GLOB = frozenset("*?[")
 
 
 class ModelLists:
     """The stage; see the module docstring."""
 
-    def __init__(self, missing: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, missing: Callable[[str, str], None], aliases: dict[str, dict[str, Any]]
+    ) -> None:
         self._missing = missing
+        self._aliases = aliases
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         names = call.route.merge_models
-        if not names or call.method != "GET":
+        if call.method != "GET" or not (names or self._aliases):
             return await call_next(call)
         if call.path == MODEL_LIST_PATH:
             return await self._merged(call, call_next, names)
         if call.path.startswith(_ONE_MODEL):
-            return await self._first_known(call, call_next, names)
+            alias = self._aliases.get(unquote(call.path[len(_ONE_MODEL) :]))
+            if alias is not None:
+                return _json(alias, "")
+            if names:
+                return await self._first_known(call, call_next, names)
         return await call_next(call)
 
     async def _merged(self, call: Call, call_next: Handler, names: tuple[str, ...]) -> Reply:
@@ -81,11 +97,10 @@ class ModelLists:
                 raise failure
             assert isinstance(failure, Reply)
             return failure
-        body = json.dumps({"object": "list", "data": list(entries.values())}).encode()
-        headers: list[tuple[str, str]] = [("Content-Type", "application/json")]
-        if missing:
-            headers.append((MISSING_HEADER, ", ".join(missing)))
-        return Reply(200, tuple(headers), body=body, backend=",".join(answered))
+        for alias, entry in self._aliases.items():
+            entries.setdefault(alias, entry)
+        reply = _json({"object": "list", "data": list(entries.values())}, ",".join(answered))
+        return reply.with_headers(((MISSING_HEADER, ", ".join(missing)),)) if missing else reply
 
     async def _first_known(self, call: Call, call_next: Handler, names: tuple[str, ...]) -> Reply:
         chosen: Reply | GatewayError | None = None  # the answer if no backend knows the model
@@ -149,6 +164,28 @@ async def _listing(call_next: Handler, call: Call) -> list[Any] | Reply | Gatewa
         await _close(reply)
 
 
+def _json(data: dict[str, Any], backend: str) -> Reply:
+    body = json.dumps(data).encode()
+    return Reply(200, (("Content-Type", "application/json"),), body=body, backend=backend)
+
+
+def aliases_of(policy: Policy) -> dict[str, dict[str, Any]]:
+    """The model names routes answer for with ``target_models`` (one name, no glob), each
+    as an entry of OpenAI's model list."""
+    return {
+        route.match.model: {
+            "id": route.match.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": OWNER,
+        }
+        for route in policy.routes
+        if route.target_models
+        and route.match.model is not None
+        and not _GLOB.intersection(route.match.model)
+    }
+
+
 def _not_found(outcome: Reply | GatewayError) -> bool:
     return isinstance(outcome, Reply) and outcome.status == 404
 
@@ -159,7 +196,9 @@ async def _close(reply: Reply | GatewayError | None) -> None:
 
 
 def build(policy: Policy, metrics: Metrics) -> list[Stage]:
-    """The stage, when a route merges model lists."""
-    if not any(route.merge_models for route in policy.routes):
+    """The stage, when a route merges model lists or a model name is an alias."""
+    aliases = aliases_of(policy)
+    if not aliases and not any(route.merge_models for route in policy.routes):
         return []
-    return [ModelLists(lambda route, name: metrics.model_list_missing.labels(route, name).inc())]
+    missing = metrics.model_list_missing
+    return [ModelLists(lambda route, name: missing.labels(route, name).inc(), aliases)]

@@ -314,7 +314,9 @@ class Route:
             "weight: an alias (`gpt-4o` served by `llama-3.1-8b`) or a canary split between "
             "versions. The client's name is the one routed and checked against a tenant's "
             "`models`; the cache and single flight key on the target; `X-Gateway-Model` "
-            "names it. The fallback backends are asked for the same target."
+            "names it. The fallback backends are asked for the same target. Where "
+            "`match.model` is one name (no glob), `GET /v1/models` lists it and "
+            "`GET /v1/models/<name>` answers it (`owned_by: sidecar-gateway`)."
         ),
     )
     stream_usage: Literal["pass", "ask"] = field(
