@@ -191,6 +191,17 @@ async def test_a_cached_stream_replays_without_the_usage_its_client_did_not_ask_
     assert cached == 8  # both hits were counted
 
 
+async def test_stream_options_that_are_not_an_object_go_as_sent(served):
+    """``stream_options: null`` (or any non-object) is the backend's to judge: not replaced."""
+    server, gw = served
+    status, received, _ = await raw_stream(
+        gw, ask("null options", stream=True, stream_options=None)
+    )
+    assert status == 200
+    assert server.bodies[0]["stream_options"] is None
+    assert received == server.stream_bytes(include_usage=False)
+
+
 async def test_an_error_answer_passes_through_untouched(served):
     _, gw = served
     body = {**ask(stream=True), "model": "bad"}

@@ -43,22 +43,17 @@ class StreamUsageStage:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         data = call.json
+        options = data.get("stream_options", {}) if data is not None else None
         if (
             call.route.name not in self._routes
             or data is None
             or data.get("stream") is not True
             or call.path not in STREAMED_PATHS
+            or not isinstance(options, dict)  # the backend's to refuse, as it was sent
             or asks_usage(data)
         ):
             return await call_next(call)
-        options = data.get("stream_options")
-        asked = {
-            **data,
-            "stream_options": {
-                **(options if isinstance(options, dict) else {}),
-                "include_usage": True,
-            },
-        }
+        asked = {**data, "stream_options": {**options, "include_usage": True}}
         body = await dumps_yielding(asked, len(call.body))
         reply = await call_next(dataclasses.replace(call, json=asked, body=body))
         if reply.status != 200 or not _is_event_stream(reply):
