@@ -19,14 +19,29 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
+SSE_TYPE = "text/event-stream"
 DONE = "[DONE]"
 DONE_EVENT = f"data: {DONE}\n\n"
 DEFAULT_CHUNK_CHARS = 24
 DEFAULT_MAX_STREAM_BYTES = 4 * 1024 * 1024
 _PIECE = re.compile(r"\s*\S+\s*|\s+")
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)")
+
+
+def media_type(headers: Iterable[tuple[str, str]]) -> str:
+    """The first ``Content-Type``'s media type, lower-cased, without parameters ("" if none)."""
+    for key, value in headers:
+        if key.lower() == "content-type":
+            return value.split(";", 1)[0].strip().lower()
+    return ""
+
+
+def is_event_stream(headers: Iterable[tuple[str, str]]) -> bool:
+    """True for an SSE body (``text/event-stream``)."""
+    return media_type(headers) == SSE_TYPE
 
 
 def split_events(text: str) -> list[str]:

@@ -22,7 +22,7 @@ import re
 from collections.abc import AsyncIterator
 
 from gateway.openai.body import dumps_yielding
-from gateway.openai.sse import event_data, usage_only
+from gateway.openai.sse import event_data, is_event_stream, usage_only
 from gateway.openai.usage import StreamUsage, asks_usage, from_body
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
@@ -31,6 +31,9 @@ STREAMED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 """The blank line that ends an SSE event (RFC: CRLF, LF or CR line endings)."""
 _MARK = b'"usage"'
+MAX_PENDING_BYTES = 1024 * 1024
+"""The most of an unended event held back; past it the bytes go on unfiltered (a backend
+that never ends its events must not grow the gateway's memory with its stream)."""
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 """An empty ``choices``, which a usage-only chunk has and a content chunk never does."""
 
@@ -56,7 +59,7 @@ class StreamUsageStage:
         asked = {**data, "stream_options": {**options, "include_usage": True}}
         body = await dumps_yielding(asked, len(call.body))
         reply = await call_next(dataclasses.replace(call, json=asked, body=body))
-        if reply.status != 200 or not _is_event_stream(reply):
+        if reply.status != 200 or not is_event_stream(reply.headers):
             return reply
         usage = StreamUsage()
         if reply.body is not None:
@@ -77,7 +80,11 @@ async def _without_usage(stream: AsyncIterator[bytes], usage: StreamUsage) -> As
         data = pending + chunk if pending else chunk
         cut = _last_end(data)
         if cut == 0:
-            pending = data
+            if len(data) > MAX_PENDING_BYTES:
+                pending = b""
+                yield data
+            else:
+                pending = data
             continue
         complete, pending = data[:cut], data[cut:]
         if _MARK in complete:
@@ -86,11 +93,6 @@ async def _without_usage(stream: AsyncIterator[bytes], usage: StreamUsage) -> As
             yield complete
     if pending:  # an event the backend never ended: passed on as it came
         yield pending
-
-
-def _is_event_stream(reply: Reply) -> bool:
-    content_type = reply.header("content-type") or ""
-    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
 
 
 def _last_end(data: bytes) -> int:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gateway.openai.sse import SSE_TYPE, is_event_stream, media_type
 from gateway.wire import connection_options
 
-SSE_TYPE = "text/event-stream"
+__all__ = ["SSE_TYPE", "is_event_stream", "media_type"]  # read in openai.sse, one rule
 
 # RFC 9110 7.6.1 plus the de-facto ones proxies strip (nginx, Envoy).
 HOP_BY_HOP = frozenset(
@@ -49,16 +50,3 @@ def strip(pairs: Iterable[tuple[str, str]], owned: frozenset[str]) -> list[tuple
 
 
 _DROPS: dict[frozenset[str], frozenset[str]] = {}
-
-
-def media_type(headers: Iterable[tuple[str, str]]) -> str:
-    """The first ``Content-Type``'s media type, lower-cased, without parameters ("" if none)."""
-    for key, value in headers:
-        if key.lower() == "content-type":
-            return value.split(";", 1)[0].strip().lower()
-    return ""
-
-
-def is_event_stream(headers: Iterable[tuple[str, str]]) -> bool:
-    """True for an SSE body (``text/event-stream``)."""
-    return media_type(headers) == SSE_TYPE
