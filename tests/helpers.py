@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httptools
+import httpx
 import yaml
 
 from gateway.resilience.gpu import TELEMETRY
@@ -73,6 +74,27 @@ def metric(text: str, name: str, **labels: str) -> float | None:
             if ",".join(sorted(got.split(","))) == want or (not labels and not got):
                 return float(value)
     return None
+
+
+async def scrape_when_recorded(admin_url: str, answers: int, timeout_s: float = 5.0) -> str:
+    """The gateway's metrics once it has recorded ``answers`` answers in
+    ``gateway_requests_total``: it records one after the client has read it, so a scrape
+    right after the answer may come first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while True:
+            text = (await client.get(admin_url + "/metrics")).text
+            counted = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("gateway_requests_total{")
+            )
+            if counted >= answers:
+                return text
+            if loop.time() > deadline:
+                raise AssertionError(f"{counted:g} answers recorded, {answers} expected")
+            await asyncio.sleep(0.005)
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

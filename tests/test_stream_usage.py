@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -16,8 +17,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.openai.stream_usage import without_usage_events
-from tests.helpers import metric, write_policy
+from gateway.openai.stream_usage import MAX_PENDING_BYTES, _without_usage, without_usage_events
+from gateway.openai.usage import StreamUsage
+from tests.helpers import metric, scrape_when_recorded, write_policy
 from tests.llama import chat
 
 KEY = "acme-secret-key"
@@ -126,11 +128,6 @@ async def raw_stream(gw: Any, body: dict[str, Any]) -> tuple[int, bytes, httpx.H
             return answer.status_code, await answer.aread(), answer.headers
 
 
-async def scrape(gw: Any) -> str:
-    async with httpx.AsyncClient() as client:
-        return (await client.get(gw.admin_url + "/metrics")).text
-
-
 async def test_a_stream_not_asking_for_usage_is_counted_and_receives_none(served):
     server, gw = served
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0) as sdk:
@@ -141,7 +138,7 @@ async def test_a_stream_not_asking_for_usage_is_counted_and_receives_none(served
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(WORDS)
     assert all(c.choices for c in chunks)  # no usage-only chunk reached the client
     assert server.bodies[0]["stream_options"] == {"include_usage": True}
-    text = await scrape(gw)
+    text = await scrape_when_recorded(gw.admin_url, 1)
     assert metric(text, "gateway_tokens_total", backend="main", kind="completion") == 4
     assert metric(text, "gateway_tokens_total", backend="main", kind="prompt") == 9
     assert (
@@ -184,7 +181,7 @@ async def test_a_cached_stream_replays_without_the_usage_its_client_did_not_ask_
     assert b'"usage": {' not in first[1] and b'"usage":{' not in second[1]
     assert b'"completion_tokens"' in asked[1]  # the one that asked gets it, from the cache
     assert len(server.bodies) == 1
-    text = await scrape(gw)
+    text = await scrape_when_recorded(gw.admin_url, 3)
     cached = metric(
         text, "gateway_tenant_tokens_total", tenant="acme", kind="completion", source="cache"
     )
@@ -220,7 +217,15 @@ async def test_a_route_that_passes_streams_leaves_the_body_alone(
     assert status == 200
     assert received == server.stream_bytes(include_usage=False)
     assert "stream_options" not in server.bodies[0]
-    assert metric(await scrape(gw), "gateway_tokens_total", backend="main", kind="prompt") is None
+    assert (
+        metric(
+            await scrape_when_recorded(gw.admin_url, 1),
+            "gateway_tokens_total",
+            backend="main",
+            kind="prompt",
+        )
+        is None
+    )
 
 
 def test_only_whole_usage_only_events_are_dropped():
@@ -270,9 +275,28 @@ async def test_llama_cpps_streams_are_counted_without_the_client_asking(
         for line in via.splitlines()
         if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"
     )
-    text = await scrape(gw)
+    text = await scrape_when_recorded(gw.admin_url, 1)
     counted = (
         metric(text, "gateway_tokens_total", backend="main", kind="prompt"),
         metric(text, "gateway_tokens_total", backend="main", kind="completion"),
     )
     assert counted == (reported["prompt_tokens"], reported["completion_tokens"])
+
+
+async def test_a_stream_that_never_ends_an_event_is_passed_on_not_held():
+    """A backend that never writes a blank line: the filter holds at most
+    ``MAX_PENDING_BYTES`` of it, then passes the bytes on as they came, none lost."""
+    piece = b"data: " + b"x" * (64 * 1024)
+    pieces = 40  # 2.5 MiB, no event ever ended
+
+    async def unended() -> AsyncIterator[bytes]:
+        for _ in range(pieces):
+            yield piece
+
+    held: list[int] = []
+    out = bytearray()
+    async for part in _without_usage(unended(), StreamUsage()):
+        held.append(len(part))
+        out += part
+    assert bytes(out) == piece * pieces
+    assert len(held) > 1 and max(held) <= MAX_PENDING_BYTES + len(piece)

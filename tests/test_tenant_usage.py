@@ -17,7 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.helpers import metric, until, write_policy
+from tests.helpers import metric, scrape_when_recorded, until, write_policy
 
 KEYS = {"acme": "acme-secret-key", "globex": "globex-secret-key"}
 USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
@@ -108,7 +108,7 @@ async def test_each_tenants_tokens_are_counted_by_who_computed_them(served):
     await until_coalesced(gw)
     chat.gate.set()
     assert await leader == await joiner  # one answer, computed once
-    text = await scrape(gw)
+    text = await scrape_when_recorded(gw.admin_url, 6)
 
     def tokens(tenant: str, kind: str, source: str) -> float | None:
         return metric(text, "gateway_tenant_tokens_total", tenant=tenant, kind=kind, source=source)
@@ -145,7 +145,7 @@ async def test_a_tenants_refusals_are_counted_by_status_and_logged_with_its_name
         nowhere = await client.post(
             "/v1/embeddings", json={"model": "m", "input": "x"}, headers=headers
         )
-    text = await scrape(gw)
+    text = await scrape_when_recorded(gw.admin_url, 2)
     assert (bad.status_code, nowhere.status_code) == (400, 404)
     logged = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line[:1] == "{"]
     assert [(entry["status"], entry.get("tenant")) for entry in logged] == [
