@@ -58,6 +58,8 @@ IGNORED_FIELDS = frozenset(
 CHAT_PATH_SUFFIX = "/chat/completions"
 MAX_NEAR_CHARS = 8192
 """The longest final user message the near-duplicate tiers compare (characters)."""
+CACHED_PATHS = ("/chat/completions", "/completions", "/embeddings")
+"""The endpoints (path ends) whose answers may be cached and shared by single flight."""
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which
@@ -99,10 +101,15 @@ def cacheability(
     Chat and text completions need an explicit ``temperature`` of 0 (a missing one means the
     API default of 1) unless ``allow_sampled``; ``n`` and ``best_of`` must be absent or 1.
     A message referring to a remote image (``http(s)://`` URL) is not cacheable: the image
-    behind the URL may change.  Embeddings requests are always deterministic.
+    behind the URL may change.  Embeddings requests are always deterministic.  Other
+    endpoints' answers are not cached (``CACHED_PATHS``): the Responses API's are stored by
+    the server under their ids and may continue a stored conversation, and neither its
+    streams nor Anthropic's can be joined by single flight as a chat stream can.
     """
     if not isinstance(body, Mapping):
         return Cacheability(False, "body is not a JSON object")
+    if not path.endswith(CACHED_PATHS):
+        return Cacheability(False, "answers of this endpoint are not cached")
     if path.endswith("/embeddings"):
         return Cacheability(True)
     if not allow_sampled:

@@ -105,9 +105,10 @@ class TrafficFamilies:
         )
         self.tokens = Counter(
             "gateway_tokens",
-            "Tokens reported by upstream `usage`, by kind (prompt, completion): the answers "
-            "the backend computed for a client, not cache hits nor answers shared by single "
-            "flight.",
+            "Tokens reported by upstream `usage`, by kind (prompt, completion; the Responses "
+            "API's and Anthropic's input and output, every cached prompt token included): "
+            "the answers the backend computed for a client, not cache hits nor answers "
+            "shared by single flight.",
             ["backend", "kind"],
             registry=r,
         )

@@ -287,7 +287,11 @@ _REQUIRED: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "/v1/chat/completions": ("messages", list),
     "/v1/completions": ("prompt", (str, list)),
     "/v1/embeddings": ("input", (str, list)),
+    "/v1/responses": ("input", (str, list)),
+    "/v1/messages": ("messages", list),
+    "/v1/messages/count_tokens": ("messages", list),
 }
+_MESSAGE_LISTS = frozenset({"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"})
 
 
 def parse(path: str, body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> dict[str, Any]:
@@ -321,7 +325,7 @@ def checked(path: str, data: Any) -> dict[str, Any]:
         raise BadRequest(f"'{field}' is required")
     if not isinstance(data[field], kind):
         raise BadRequest(f"'{field}' has the wrong type")
-    if path == "/v1/chat/completions":
+    if path in _MESSAGE_LISTS:
         messages = data["messages"]
         if not messages or not all(isinstance(m, dict) for m in messages):
             raise BadRequest("'messages' must be a non-empty list of message objects")

@@ -40,7 +40,11 @@ class Match:
         ),
     )
     model: str | None = field(
-        default=None, metadata=doc("Glob on the body's `model` (OpenAI endpoints only).")
+        default=None,
+        metadata=doc(
+            "Glob on the body's `model` (the JSON endpoints the gateway reads: OpenAI's chat, "
+            "completions, embeddings and Responses, Anthropic's messages)."
+        ),
     )
 
 

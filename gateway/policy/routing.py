@@ -9,11 +9,21 @@ from dataclasses import dataclass
 from gateway.errors import NoRoute
 from gateway.policy.model import Policy, Route, glob_regex
 
-# The OpenAI endpoints whose JSON bodies the gateway always reads and validates.
-OPENAI_JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+OPENAI_JSON_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",  # OpenAI's Responses API
+        "/v1/messages",  # Anthropic's Messages API (vLLM and llama.cpp serve it too)
+        "/v1/messages/count_tokens",
+    }
+)
+"""The endpoints whose JSON bodies the gateway always reads and validates, and routes on
+their ``model``."""
 OPENAI_PATHS = OPENAI_JSON_PATHS | {"/v1/models"}
 INFERENCE_PATH = re.compile(
-    r"/v1/(chat/completions|completions|embeddings)"  # OpenAI
+    r"/v1/(chat/completions|completions|embeddings|messages(/count_tokens)?)"  # OpenAI, Anthropic
     r"|/v2/models/[^/]+(/versions/[^/]+)?/infer"  # KServe / Triton V2
     r"|/v1/models/[^/]+(/versions/[^/]+)?:predict"  # TF Serving
     r"|/(embed|embed_all|embed_sparse|rerank|predict|generate)"  # TEI, TGI

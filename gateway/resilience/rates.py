@@ -132,7 +132,12 @@ class RateLimits:
 def estimate_tokens(call: Call) -> int:
     """Tokens a request will likely use: its size in rough tokens plus its answer limit."""
     data = call.json or {}
-    answer = data.get("max_completion_tokens") or data.get("max_tokens") or 0
+    answer = (
+        data.get("max_completion_tokens")
+        or data.get("max_tokens")
+        or data.get("max_output_tokens")  # the Responses API
+        or 0
+    )
     answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else 0
     return len(call.body) // CHARS_PER_TOKEN + answer
 

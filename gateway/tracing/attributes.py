@@ -26,6 +26,8 @@ OPERATIONS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "chat",
+    "/v1/messages": "chat",
 }
 """``gen_ai.operation.name`` of each OpenAI path."""
 CACHE_LOOKUP, QUEUE_WAIT, BATCH_WAIT = "cache lookup", "queue wait", "batch wait"
@@ -34,7 +36,8 @@ MAX_LINE_BYTES = 65536
 
 # Keys at JSON level, not inside a string value (where their quotes would be escaped).
 _MODEL = re.compile(rb'(?<!\\)"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
-_FINISH = re.compile(rb'(?<!\\)"finish_reason"\s*:\s*"([^"\\]{1,64})"')
+_FINISH = re.compile(rb'(?<!\\)"(?:finish|stop)_reason"\s*:\s*"([^"\\]{1,64})"')
+"""OpenAI's ``finish_reason``, Anthropic's ``stop_reason``."""
 _ID = re.compile(rb'\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')  # the answer's first key
 
 
@@ -69,7 +72,7 @@ class AnswerFacts:
                 self.model = json.loads(b'"' + found.group(1) + b'"')
             except ValueError:
                 pass
-        if b'"finish_reason"' in data:
+        if b'_reason"' in data:
             self.finish_reasons.extend(r.decode("utf-8", "replace") for r in _FINISH.findall(data))
 
     def __repr__(self) -> str:

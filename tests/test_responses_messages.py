@@ -1,0 +1,389 @@
+"""OpenAI's Responses API (``/v1/responses``) and Anthropic's Messages API (``/v1/messages``,
+``/v1/messages/count_tokens``), which vLLM and llama.cpp's server serve beside chat: their
+bodies are read like chat's, so they are validated, routed on ``model``, checked against a
+tenant's models, rewritten by ``target_models`` and counted per tenant, streamed or not;
+their answers are neither cached nor shared.  The official ``openai`` and ``anthropic``
+SDKs as clients, model servers on real sockets, and llama.cpp's own server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.cache.keys import cacheability
+from gateway.openai.prefix import leading_key
+from gateway.openai.usage import StreamUsage, from_body
+from tests.helpers import metric, scrape_when_recorded, write_policy
+
+ACME_KEY = "acme-secret-key"
+RESPONSES_USAGE = {
+    "input_tokens": 11,
+    "output_tokens": 3,
+    "total_tokens": 14,
+    "input_tokens_details": {"cached_tokens": 4},
+    "output_tokens_details": {"reasoning_tokens": 0},
+}
+MESSAGES_USAGE = {"input_tokens": 4, "cache_read_input_tokens": 6, "output_tokens": 5}
+"""Anthropic's input count leaves out the tokens read from the prompt cache: 10 in all."""
+
+
+def sse(events: list[tuple[str, dict[str, Any]]]) -> bytes:
+    return b"".join(
+        f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events
+    )
+
+
+def response_object(model: str, status: str = "completed") -> dict[str, Any]:
+    message = {
+        "type": "message",
+        "id": "msg_1",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "ok", "annotations": []}],
+    }
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": status,
+        "model": model,
+        "output": [message] if status == "completed" else [],
+        "usage": RESPONSES_USAGE if status == "completed" else None,
+    }
+
+
+def message_object(model: str) -> dict[str, Any]:
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": "ok"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": MESSAGES_USAGE,
+    }
+
+
+def responses_stream(model: str) -> bytes:
+    return sse(
+        [
+            ("response.created", {"type": "response.created", "response": response_object(model, "in_progress")}),
+            ("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "ok"}),
+            ("response.completed", {"type": "response.completed", "response": response_object(model)}),
+        ]
+    )  # fmt: skip
+
+
+def messages_stream(model: str) -> bytes:
+    start = {**message_object(model), "content": [], "stop_reason": None}
+    start["usage"] = {**MESSAGES_USAGE, "output_tokens": 1}
+    return sse(
+        [
+            ("message_start", {"type": "message_start", "message": start}),
+            ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ok"}}),
+            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 5}}),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+    )  # fmt: skip
+
+
+class Server:
+    """Serves both APIs with fixed usage, answering with the model it was asked for; records
+    each body it got."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        return app
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read(request)
+        if body.get("stream"):
+            return self._stream(responses_stream(body["model"]))
+        return web.json_response(response_object(body["model"]))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read(request)
+        if body.get("stream"):
+            return self._stream(messages_stream(body["model"]))
+        return web.json_response(message_object(body["model"]))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        await self._read(request)
+        return web.json_response({"input_tokens": 9})
+
+    async def _read(self, request: web.Request) -> dict[str, Any]:
+        body: dict[str, Any] = await request.json()
+        self.bodies.append(body)
+        return body
+
+    @staticmethod
+    def _stream(data: bytes) -> web.Response:
+        return web.Response(body=data, content_type="text/event-stream")
+
+
+POLICY = """
+backends:
+  big: {{url: "{big}"}}
+  small: {{url: "{small}"}}
+routes:
+  - match: {{path: "/v1/*", model: "big-*"}}
+    backend: big
+    cache: {{ttl_s: 60}}
+    coalesce: true
+  - match: {{path: "/v1/*", model: "alias"}}
+    backend: small
+    target_models: [{{model: small-v2}}]
+  - {{match: {{path: "/v1/*"}}, backend: small}}
+tenants:
+  keys:
+    - {{name: acme, sha256: {digest}, models: ["big-*", "small-*", "alias"]}}
+"""
+
+
+@pytest.fixture
+async def served(serve_app, start_gateway, tmp_path):
+    big, small = Server(), Server()
+    urls = {"big": await serve_app(big.app()), "small": await serve_app(small.app())}
+    digest = hashlib.sha256(ACME_KEY.encode()).hexdigest()
+    text = POLICY.format(digest=digest, **urls)
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    return big, small, gw
+
+
+def openai_sdk(gw: Any, key: str = ACME_KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+
+
+def anthropic_sdk(gw: Any, key: str = ACME_KEY) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=gw.url, api_key=key, max_retries=0)
+
+
+HI: Any = [{"role": "user", "content": "hi"}]
+
+
+async def test_both_apis_are_routed_on_their_model(served):
+    big, small, gw = served
+    async with openai_sdk(gw) as client:
+        raw = await client.responses.with_raw_response.create(model="big-1", input="hi")
+        assert raw.headers["X-Gateway-Backend"] == "big"
+        assert raw.parse().output_text == "ok"
+        raw = await client.responses.with_raw_response.create(model="small-1", input=HI)
+        assert raw.headers["X-Gateway-Backend"] == "small"
+    async with anthropic_sdk(gw) as claude:
+        got = await claude.messages.with_raw_response.create(
+            model="big-2", max_tokens=8, messages=HI
+        )
+        assert got.headers["X-Gateway-Backend"] == "big"
+        block = (await got.parse()).content[0]
+        assert isinstance(block, anthropic.types.TextBlock) and block.text == "ok"
+        counted = await claude.messages.count_tokens(model="small-2", messages=HI)
+        assert counted.input_tokens == 9
+    assert [b["model"] for b in big.bodies] == ["big-1", "big-2"]
+    assert [b["model"] for b in small.bodies] == ["small-1", "small-2"]
+
+
+async def test_target_models_rewrite_both_apis(served):
+    _, small, gw = served
+    async with openai_sdk(gw) as client:
+        raw = await client.responses.with_raw_response.create(model="alias", input="hi")
+    async with anthropic_sdk(gw) as claude:
+        await claude.messages.create(model="alias", max_tokens=8, messages=HI)
+    assert raw.headers["X-Gateway-Model"] == "small-v2"
+    assert [b["model"] for b in small.bodies] == ["small-v2", "small-v2"]
+
+
+async def test_a_tenant_held_to_some_models_uses_them_through_both_apis_and_no_other(served):
+    big, small, gw = served
+    async with anthropic_sdk(gw) as claude:
+        await claude.messages.create(model="small-1", max_tokens=8, messages=HI)
+        with pytest.raises(anthropic.NotFoundError) as refused:
+            await claude.messages.create(model="secret-model", max_tokens=8, messages=HI)
+        with pytest.raises(anthropic.NotFoundError):
+            await claude.messages.count_tokens(model="secret-model", messages=HI)
+    assert refused.value.status_code == 404
+    assert json.loads(refused.value.response.text)["error"]["code"] == "model_not_found"
+    async with openai_sdk(gw) as client:
+        await client.responses.create(model="big-1", input="hi")
+        with pytest.raises(openai.NotFoundError) as hidden:
+            await client.responses.create(model="secret-model", input="hi")
+        with pytest.raises(openai.BadRequestError) as unnamed:
+            await client.post("/responses", body={"input": "hi"}, cast_to=httpx.Response)
+    assert hidden.value.code == "model_not_found"
+    assert unnamed.value.code == "model_required"
+    assert [b["model"] for b in big.bodies + small.bodies] == ["big-1", "small-1"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "says"),
+    [
+        ("/v1/responses", {"model": "big-1"}, "'input' is required"),
+        ("/v1/responses", {"model": "big-1", "input": 3}, "'input' has the wrong type"),
+        ("/v1/responses", {"model": 7, "input": "hi"}, "'model' must be a string"),
+        ("/v1/messages", {"model": "big-1", "messages": []}, "non-empty list"),
+        ("/v1/messages", {"model": "big-1", "messages": ["hi"]}, "non-empty list"),
+        ("/v1/messages/count_tokens", {"model": "big-1"}, "'messages' is required"),
+        ("/v1/messages", {"model": "big-1", "messages": HI, "stream": "yes"}, "boolean"),
+    ],
+)
+async def test_a_malformed_body_is_a_400_that_never_reaches_a_backend(served, path, body, says):
+    big, small, gw = served
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(gw.url + path, json=body)
+        broken = await client.post(
+            gw.url + path, content=b'{"model": "big-1", "input": [', headers=JSON
+        )
+    assert reply.status_code == 400
+    assert says in reply.json()["error"]["message"]
+    assert broken.status_code == 400
+    assert big.bodies == small.bodies == []
+
+
+JSON = {"content-type": "application/json"}
+
+
+async def test_their_answers_are_not_cached_nor_shared(served):
+    """Stored under its id by the server, a Responses answer may continue a stored
+    conversation (``previous_response_id``): it is never served from the cache, even at
+    temperature 0 on a route that caches chat."""
+    big, _, gw = served
+    body = {"model": "big-1", "input": "hi", "temperature": 0}
+    ask = {"model": "big-1", "messages": HI, "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient() as client:
+        for _ in range(2):
+            reply = await client.post(gw.url + "/v1/responses", json=body)
+            assert reply.headers["X-Gateway-Cache"] == "bypass"
+            reply = await client.post(gw.url + "/v1/messages", json=ask)
+            assert reply.headers["X-Gateway-Cache"] == "bypass"
+    assert len(big.bodies) == 4
+    assert not cacheability(body, "/v1/responses").ok
+    assert not cacheability(ask, "/v1/messages").ok
+    assert cacheability(ask, "/v1/chat/completions").ok
+
+
+async def test_each_apis_tokens_are_counted_for_the_tenant_streamed_or_not(served):
+    _, _, gw = served
+    async with openai_sdk(gw) as client:
+        await client.responses.create(model="big-1", input="hi")
+        async for _ in await client.responses.create(model="big-1", input="hi", stream=True):
+            pass
+    async with anthropic_sdk(gw) as claude:
+        await claude.messages.create(model="small-1", max_tokens=8, messages=HI)
+        async with claude.messages.stream(model="small-1", max_tokens=8, messages=HI) as s:
+            assert (await s.get_final_message()).usage.output_tokens == 5
+    text = await scrape_when_recorded(gw.admin_url, 4)
+
+    def tokens(backend: str, kind: str) -> float | None:
+        return metric(text, "gateway_tokens_total", backend=backend, kind=kind)
+
+    # the Responses API: 11 in, 3 out, twice; Anthropic's: 4 + 6 cached in, 5 out, twice
+    assert (tokens("big", "prompt"), tokens("big", "completion")) == (22, 6)
+    assert (tokens("small", "prompt"), tokens("small", "completion")) == (20, 10)
+    got = metric(
+        text, "gateway_tenant_tokens_total", tenant="acme", kind="prompt", source="backend"
+    )
+    assert got == 42
+
+
+def test_usage_is_read_in_all_three_shapes():
+    assert from_body(json.dumps(response_object("m")).encode()) == (11, 3)
+    assert from_body(json.dumps(message_object("m")).encode()) == (10, 5)
+    created = {"cache_creation_input_tokens": 2, "input_tokens": 1, "output_tokens": 0}
+    assert from_body(json.dumps({"usage": created}).encode()) == (3, 0)
+    assert from_body(json.dumps({**response_object("m", "failed")}).encode()) is None
+    chat = {"usage": {"prompt_tokens": 3, "completion_tokens": 4, "input_tokens": 99}}
+    assert from_body(json.dumps(chat).encode()) == (3, 4)
+
+
+@pytest.mark.parametrize("size", [1, 7, 61, 100_000])
+def test_stream_usage_is_read_however_the_events_are_split(size):
+    for stream, counts in ((responses_stream("m"), (11, 3)), (messages_stream("m"), (10, 5))):
+        usage = StreamUsage()
+        for at in range(0, len(stream), size):
+            usage.feed(stream[at : at + size])
+        assert usage.counts == counts
+
+
+def test_instructions_are_the_leading_context_of_both_apis():
+    system = "You are a careful assistant."
+    first = {"model": "m", "system": system, "messages": [{"role": "user", "content": "a"}]}
+    later = {"model": "m", "system": system, "messages": [{"role": "user", "content": "b"}]}
+    assert leading_key(first) == leading_key(later) != leading_key({**later, "system": "other"})
+    one = {"model": "m", "instructions": system, "input": "a"}
+    assert leading_key(one) == leading_key({**one, "input": [{"role": "user", "content": "b"}]})
+    turns = [{"role": "developer", "content": system}, {"role": "user", "content": "a"}]
+    other = [turns[0], {"role": "user", "content": "b"}]
+    assert leading_key({"model": "m", "input": turns}) == leading_key(
+        {"model": "m", "input": other}
+    )
+    assert leading_key({"model": "m", "input": ["an", "embedding"]}) is None
+
+
+LLAMA_POLICY = """
+backends: {{main: {{url: "{url}"}}}}
+routes:
+  - {{match: {{path: "/v1/*"}}, backend: main}}
+"""
+
+
+@pytest.mark.llm
+async def test_llama_cpps_responses_and_messages_through_the_gateway(
+    llama, start_gateway, tmp_path
+):
+    """llama.cpp's server answers both APIs; through the gateway the SDKs get its answers,
+    and the tokens counted are the ones it reports, streamed or not."""
+    gw = await start_gateway(policy=write_policy(tmp_path, LLAMA_POLICY.format(url=llama.url)))
+    async with openai_sdk(gw, "k") as client:
+        whole = await client.responses.create(
+            model="gemma", input="Count to three", max_output_tokens=6
+        )
+        completed = None
+        stream = await client.responses.create(
+            model="gemma", input="Count to four", max_output_tokens=6, stream=True
+        )
+        async for event in stream:
+            if event.type == "response.completed":
+                completed = event.response
+    async with anthropic_sdk(gw, "k") as claude:
+        message = await claude.messages.create(model="gemma", max_tokens=6, messages=HI)
+        async with claude.messages.stream(model="gemma", max_tokens=6, messages=HI) as s:
+            streamed = await s.get_final_message()
+    assert whole.usage is not None and completed is not None and completed.usage is not None
+    assert whole.output_text and message.content[0].type == "text"
+
+    def anthropic_input(usage: Any) -> int:
+        return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
+
+    prompt = (
+        whole.usage.input_tokens
+        + completed.usage.input_tokens
+        + anthropic_input(message.usage)
+        + anthropic_input(streamed.usage)
+    )
+    completion = (
+        whole.usage.output_tokens
+        + completed.usage.output_tokens
+        + message.usage.output_tokens
+        + streamed.usage.output_tokens
+    )
+    text = await scrape_when_recorded(gw.admin_url, 4)
+    counted = (
+        metric(text, "gateway_tokens_total", backend="main", kind="prompt"),
+        metric(text, "gateway_tokens_total", backend="main", kind="completion"),
+    )
+    assert counted == (prompt, completion)
