@@ -20,6 +20,7 @@ from aiohttp import web
 from gateway.cache.keys import cacheability
 from gateway.openai.prefix import leading_key
 from gateway.openai.usage import StreamUsage, from_body
+from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, scrape_when_recorded, write_policy
 
 ACME_KEY = "acme-secret-key"
@@ -387,3 +388,46 @@ async def test_llama_cpps_responses_and_messages_through_the_gateway(
         metric(text, "gateway_tokens_total", backend="main", kind="completion"),
     )
     assert counted == (prompt, completion)
+
+
+@pytest.fixture
+async def sim() -> Any:
+    server = await start_sim(SimConfig(port=0, base_ms=0, token_ms=0, answer_tokens=5))
+    yield server
+    await server.close()
+
+
+async def test_the_sim_answers_both_apis_as_the_sdks_read_them(sim, start_gateway, tmp_path):
+    """``gateway sim`` serves both APIs, whole and streamed: the SDKs read its answers
+    directly and through the gateway alike, and the gateway counts the usage it reports."""
+    gw = await start_gateway(policy=write_policy(tmp_path, LLAMA_POLICY.format(url=sim.url)))
+    ask: Any = {"model": "sim-model", "max_tokens": 8, "system": "Be brief.", "messages": HI}
+    texts = []
+    for base in (sim.url, gw.url):
+        async with openai_sdk_at(base) as client:
+            whole = await client.responses.create(model="sim-model", input="why", instructions="x")
+            done = None
+            async for event in await client.responses.create(
+                model="sim-model", input=HI, stream=True
+            ):
+                if event.type == "response.completed":
+                    done = event.response
+        async with anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0) as claude:
+            message = await claude.messages.create(**ask)
+            async with claude.messages.stream(**ask) as stream:
+                streamed = await stream.get_final_message()
+            counted = await claude.messages.count_tokens(model="sim-model", messages=HI)
+        assert done is not None and done.usage is not None and whole.usage is not None
+        assert (whole.usage.input_tokens, whole.usage.output_tokens) == (2, 5)
+        assert message.usage.input_tokens == streamed.usage.input_tokens == 3
+        assert streamed.usage.output_tokens == 5 and counted.input_tokens == 1
+        texts.append((whole.output_text, done.output_text, message.content, streamed.content))
+    assert texts[0] == texts[1]
+    text = await scrape_when_recorded(gw.admin_url, 5)
+    prompt = metric(text, "gateway_tokens_total", backend="main", kind="prompt")
+    completion = metric(text, "gateway_tokens_total", backend="main", kind="completion")
+    assert (prompt, completion) == (2 + 1 + 3 + 3, 4 * 5)
+
+
+def openai_sdk_at(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)

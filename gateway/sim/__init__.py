@@ -11,6 +11,7 @@ latency, CUDA OOM) switch on at run time through ``POST /sim/config``.
     outputs.py     deterministic answers, logprobs and embeddings
     requests.py    reading OpenAI request bodies
     openai_api.py  /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models
+    other_apis.py  /v1/responses (OpenAI's Responses API), /v1/messages (Anthropic's)
     metrics.py     /metrics under DCGM exporter and vLLM names
     server.py      the aiohttp app, control endpoints, start_sim / run_sim
 """

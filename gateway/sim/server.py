@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import BadRequest, GatewayError
-from gateway.sim import openai_api
+from gateway.sim import openai_api, other_apis
 from gateway.sim.config import SimConfig
 from gateway.sim.engine import Engine
 from gateway.sim.metrics import CONTENT_TYPE, build_registry, render
@@ -37,6 +37,9 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/embeddings", openai_api.embeddings)
+    app.router.add_post("/v1/responses", other_apis.responses)
+    app.router.add_post("/v1/messages", other_apis.messages)
+    app.router.add_post("/v1/messages/count_tokens", other_apis.count_message_tokens)
     app.router.add_get("/v1/models", openai_api.models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
