@@ -18,6 +18,9 @@ requests/s at 16; each figure the median over the rounds.
   by weight: the body parsed, as always, then written again).
 - The same streamed: the server directly, the gateway passing the stream through, and a
   route with ``stream_usage: ask`` (the usage chunk asked for, counted and taken out).
+- ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages`` (Anthropic's),
+  small bodies: the server directly and through the gateway, which reads them as it reads
+  chat (parsed, routed on ``model``, their usage counted).
 
 Writes docs/benchmarks.md.
 """
@@ -43,6 +46,16 @@ LIST_PATHS = ("direct (one server)", "gateway, one server's list", "gateway, two
 CHAT_PATHS = ("direct", "gateway, body passed through", "gateway, model rewritten")
 STREAM = '{"model":"streamer","messages":[{"role":"user","content":"hello"}],"stream":true}'
 ASKED = STREAM[:-1] + ',"stream_options":{"include_usage":true}}'
+RESPONSES = '{"model":"assistant","input":"hello there"}'
+MESSAGES = (
+    '{"model":"assistant","max_tokens":4,"messages":[{"role":"user","content":"hello there"}]}'
+)
+OTHER_PATHS = (
+    "direct, Responses API",
+    "gateway, Responses API",
+    "direct, Anthropic Messages",
+    "gateway, Anthropic Messages",
+)
 STREAM_PATHS = (
     "direct, streamed",
     "direct, streamed with its usage asked",
@@ -74,7 +87,7 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
         streams["stream_usage"] = "ask"
     policy = {
         "backends": {k: {"url": v} for k, v in backends.items()},
-        "routes": [listing, streams, chat],
+        "routes": [listing, streams, chat, {"match": {"path": "/v1/*"}, "backend": "chat"}],
     }
     path = tmp / f"policy-{models}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
@@ -99,7 +112,9 @@ def main() -> None:
         models = gateway(stack, Path(tmp), backends, models=True)
         script, streamed = Path(tmp) / "chat.lua", Path(tmp) / "stream.lua"
         asked = Path(tmp) / "asked.lua"
-        for file, body in ((script, CHAT), (streamed, STREAM), (asked, ASKED)):
+        responses, messages = Path(tmp) / "responses.lua", Path(tmp) / "messages.lua"
+        bodies = ((script, CHAT), (streamed, STREAM), (asked, ASKED))
+        for file, body in (*bodies, (responses, RESPONSES), (messages, MESSAGES)):
             file.write_text(
                 f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
                 "wrk.headers['Content-Type'] = 'application/json'\n"
@@ -115,6 +130,10 @@ def main() -> None:
             STREAM_PATHS[1]: (backends["chat"] + "/v1/chat/completions", asked),
             STREAM_PATHS[2]: (plain + "/v1/chat/completions", streamed),
             STREAM_PATHS[3]: (models + "/v1/chat/completions", streamed),
+            OTHER_PATHS[0]: (backends["chat"] + "/v1/responses", responses),
+            OTHER_PATHS[1]: (plain + "/v1/responses", responses),
+            OTHER_PATHS[2]: (backends["chat"] + "/v1/messages", messages),
+            OTHER_PATHS[3]: (plain + "/v1/messages", messages),
         }
         merged = httpx.get(models + "/v1/models").json()["data"]
         assert len(merged) == 5, merged
@@ -122,6 +141,9 @@ def main() -> None:
         assert rewritten["x-gateway-model"] in ("llama-3.1-8b", "qwen2.5-7b"), rewritten
         kept = httpx.post(models + "/v1/chat/completions", content=STREAM).content
         assert b"[DONE]" in kept and b"completion_tokens" not in kept, kept
+        for path, body in (("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES)):
+            read = httpx.post(plain + path, content=body)
+            assert read.status_code == 200 and read.json()["usage"], read.text
         for url, lua in paths.values():  # warm: pools, imports
             wrk(url, connections=4, duration_s=1, script=lua)
         for _ in range(args.rounds):
@@ -162,8 +184,8 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
 
     return "\n".join(
         [
-            "## Model lists, target models, stream usage (`merge_models`, `target_models`, "
-            "`stream_usage`)",
+            "## Model lists, target models, stream usage, other APIs (`merge_models`, "
+            "`target_models`, `stream_usage`, `/v1/responses`, `/v1/messages`)",
             "",
             f"`python -m bench.bench_models --duration {args.duration} --rounds "
             f"{args.rounds}` on {machine()}. Two `gateway sim` servers (3 chat models, 2 "
@@ -185,6 +207,10 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             "",
             *table(STREAM_PATHS),
             "",
+            "`POST /v1/responses` and `POST /v1/messages` (small bodies), read as chat is:",
+            "",
+            *table(OTHER_PATHS),
+            "",
             f"Merging two lists costs {cost(LIST_PATHS[1], LIST_PATHS[2])} of the gateway's "
             "pass-through of one (the two servers are asked at once; two upstream calls and "
             f"their JSON per request). Rewriting the model costs "
@@ -193,7 +219,11 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             f"out costs {cost(STREAM_PATHS[2], STREAM_PATHS[3])} of the pass-through (the "
             "body written again, the stream framed into events, and the server's own work "
             "for the usage: asked directly, the server costs "
-            f"{cost(STREAM_PATHS[0], STREAM_PATHS[1])} of its stream without it).",
+            f"{cost(STREAM_PATHS[0], STREAM_PATHS[1])} of its stream without it). Through "
+            f"the gateway, the Responses API costs {cost(OTHER_PATHS[0], OTHER_PATHS[1])} "
+            f"of the server asked directly, Anthropic's Messages API "
+            f"{cost(OTHER_PATHS[2], OTHER_PATHS[3])}, and chat (the same parse) "
+            f"{cost(CHAT_PATHS[0], CHAT_PATHS[1])}.",
         ]
     )
 

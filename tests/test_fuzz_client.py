@@ -1,7 +1,7 @@
 """Bounded fuzzing of the client side of the data plane: mutated request heads (framing
 headers doubled, folded, misspelt or contradicting, bare line ends, stray bytes, other
-versions, upgrades, ``Expect``, ``Connection: close``) and mutated OpenAI bodies (wide
-JSON past ``max_json_values`` among them), chunked bodies cut into tiny chunks with
+versions, upgrades, ``Expect``, ``Connection: close``) and mutated bodies of chat, the
+Responses API and Anthropic's Messages API (wide JSON past ``max_json_values`` among them), chunked bodies cut into tiny chunks with
 extensions and trailers (some forbidden in a trailer), each followed on the same
 connection by a well-formed request.  Whatever arrives:
 
@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import re
+from typing import Any
 
 import httpx
 
@@ -32,7 +33,7 @@ from tests.upstreams import Recorder
 
 CASES = int(os.environ.get("GATEWAY_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("GATEWAY_FUZZ_SEED", "20261201"))
-BODY = json.dumps(CHAT).encode()
+
 HEADERS = [
     b"Transfer-Encoding: chunked",
     b"Transfer-Encoding: gzip, chunked",
@@ -97,9 +98,21 @@ TRAILERS = [
 EXTENSIONS = [b"", b"", b";name=value", b";" + b"e" * 300, b';q="quoted"']
 
 
-def mutated_body(rng: random.Random) -> bytes:
-    data = json.loads(BODY)
-    for key in rng.sample(["model", "messages", "stream", "n", "max_tokens", "temperature"], 2):
+HI = [{"role": "user", "content": "hi"}]
+BODIES: dict[bytes, dict[str, Any]] = {
+    b"/v1/chat/completions": CHAT,
+    b"/v1/responses": {"model": "m", "input": HI, "instructions": "brief", "max_output_tokens": 5},
+    b"/v1/messages": {"model": "m", "system": "brief", "max_tokens": 5, "messages": HI},
+    b"/v1/messages/count_tokens": {"model": "m", "messages": HI},
+}
+"""The bodies the gateway reads, by path: chat's most often, the Responses API's and
+Anthropic's among them."""
+
+
+def mutated_body(rng: random.Random, path: bytes = b"/v1/chat/completions") -> bytes:
+    data = dict(BODIES[path])
+    keys = sorted({*data, "stream", "n", "temperature"})
+    for key in rng.sample(keys, 2):
         if rng.random() < 0.5:
             data[key] = rng.choice(JSON_VALUES)
     if rng.random() < 0.1:
@@ -112,9 +125,10 @@ def mutated_body(rng: random.Random) -> bytes:
 
 
 def case(rng: random.Random) -> bytes:
-    body = mutated_body(rng) if rng.random() < 0.5 else BODY
+    path = b"/v1/chat/completions" if rng.random() < 0.55 else rng.choice(list(BODIES))
+    body = mutated_body(rng, path) if rng.random() < 0.5 else json.dumps(BODIES[path]).encode()
     lines = [
-        rng.choice(LINES) if rng.random() < 0.2 else b"POST /v1/chat/completions HTTP/1.1",
+        rng.choice(LINES) if rng.random() < 0.2 else b"POST %s HTTP/1.1" % path,
         b"Host: gw",
         b"Content-Type: application/json",
         b"Content-Length: %d" % len(body),
