@@ -431,3 +431,14 @@ async def test_the_sim_answers_both_apis_as_the_sdks_read_them(sim, start_gatewa
 
 def openai_sdk_at(base: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+
+
+def test_a_client_cannot_hide_its_tokens_behind_echoed_fields():
+    """The Responses API echoes the client's ``user`` and ``metadata`` after its ``usage``:
+    a client naming itself ``"usage"`` is still counted, by the answer's own counts."""
+    answer = response_object("m")
+    answer["user"] = "usage"
+    answer["metadata"] = {"usage": "input_tokens", "input_tokens": "0"}
+    assert from_body(json.dumps(answer).encode()) == (11, 3)
+    answer["usage"] = None
+    assert from_body(json.dumps(answer).encode()) is None

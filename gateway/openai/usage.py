@@ -40,11 +40,27 @@ opens with its literal is searched at C speed.)"""
 def from_body(body: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens of a JSON answer that carries ``usage``.
 
-    Read with two regular expressions rather than a parse of the whole answer: this runs
-    for every response and the answer itself is not needed."""
-    start = body.rfind(_MARK)  # a key: inside a JSON string its quotes would be escaped
-    if start < 0:
-        return None
+    Read with regular expressions rather than a parse of the whole answer: this runs for
+    every response and the answer itself is not needed.  The last ``"usage"`` that is
+    followed by counts is the answer's: a string value ``"usage"`` after it (the Responses
+    API echoes the client's ``user`` and ``metadata`` after its ``usage``) is passed over,
+    so a client cannot hide its tokens by naming itself so.  At most
+    ``MAX_USAGE_MARKERS`` are tried."""
+    start = body.rfind(_MARK)  # inside a JSON string its quotes would be escaped
+    for _ in range(MAX_USAGE_MARKERS):
+        if start < 0:
+            return None
+        found = _counts_from(body, start)
+        if found is not None:
+            return found
+        start = body.rfind(_MARK, 0, start)
+    return None
+
+
+MAX_USAGE_MARKERS = 16
+
+
+def _counts_from(body: bytes, start: int) -> tuple[int, int] | None:
     prompt = _PROMPT.search(body, start)
     if prompt is not None:
         completion = _COMPLETION.search(body, start)
