@@ -20,7 +20,8 @@ requests/s at 16; each figure the median over the rounds.
   route with ``stream_usage: ask`` (the usage chunk asked for, counted and taken out).
 - ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages`` (Anthropic's),
   small bodies: the server directly and through the gateway, which reads them as it reads
-  chat (parsed, routed on ``model``, their usage counted).
+  chat (parsed, routed on ``model``, their usage counted); and the Responses API through a
+  gateway that binds its ids to the tenant (``tenants.response_id_secret``).
 
 Writes docs/benchmarks.md.
 """
@@ -53,6 +54,7 @@ MESSAGES = (
 OTHER_PATHS = (
     "direct, Responses API",
     "gateway, Responses API",
+    "gateway, Responses API, ids bound to the tenant",
     "direct, Anthropic Messages",
     "gateway, Anthropic Messages",
 )
@@ -89,6 +91,8 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
         "backends": {k: {"url": v} for k, v in backends.items()},
         "routes": [listing, streams, chat, {"match": {"path": "/v1/*"}, "backend": "chat"}],
     }
+    if models:
+        policy["tenants"] = {"response_id_secret": "a-bench-secret-0123456789"}
     path = tmp / f"policy-{models}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     port, admin = free_port(), free_port()
@@ -132,8 +136,9 @@ def main() -> None:
             STREAM_PATHS[3]: (models + "/v1/chat/completions", streamed),
             OTHER_PATHS[0]: (backends["chat"] + "/v1/responses", responses),
             OTHER_PATHS[1]: (plain + "/v1/responses", responses),
-            OTHER_PATHS[2]: (backends["chat"] + "/v1/messages", messages),
-            OTHER_PATHS[3]: (plain + "/v1/messages", messages),
+            OTHER_PATHS[2]: (models + "/v1/responses", responses),
+            OTHER_PATHS[3]: (backends["chat"] + "/v1/messages", messages),
+            OTHER_PATHS[4]: (plain + "/v1/messages", messages),
         }
         merged = httpx.get(models + "/v1/models").json()["data"]
         assert len(merged) == 5, merged
@@ -144,6 +149,8 @@ def main() -> None:
         for path, body in (("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES)):
             read = httpx.post(plain + path, content=body)
             assert read.status_code == 200 and read.json()["usage"], read.text
+        bound = httpx.post(models + "/v1/responses", content=RESPONSES).json()["id"]
+        assert "~" in bound, bound
         for url, lua in paths.values():  # warm: pools, imports
             wrk(url, connections=4, duration_s=1, script=lua)
         for _ in range(args.rounds):
@@ -222,8 +229,11 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             f"{cost(STREAM_PATHS[0], STREAM_PATHS[1])} of its stream without it). Through "
             f"the gateway, the Responses API costs {cost(OTHER_PATHS[0], OTHER_PATHS[1])} "
             f"of the server asked directly, Anthropic's Messages API "
-            f"{cost(OTHER_PATHS[2], OTHER_PATHS[3])}, and chat (the same parse) "
-            f"{cost(CHAT_PATHS[0], CHAT_PATHS[1])}.",
+            f"{cost(OTHER_PATHS[3], OTHER_PATHS[4])}, and chat (the same parse) "
+            f"{cost(CHAT_PATHS[0], CHAT_PATHS[1])}. Binding the Responses API's ids to the "
+            f"tenant (`tenants.response_id_secret`: the answer asked for uncompressed, its "
+            f"ids tagged by HMAC) costs {cost(OTHER_PATHS[1], OTHER_PATHS[2])} of the "
+            "gateway without it.",
         ]
     )
 

@@ -16,6 +16,7 @@ import gateway.batching.stage
 import gateway.cache.stage
 import gateway.coalesce.stage
 import gateway.openai.model_lists
+import gateway.openai.response_ids
 import gateway.openai.stream_usage
 import gateway.openai.target_models
 import gateway.pool.stage
@@ -36,6 +37,8 @@ def build(
     return [
         # 0. request-rate history of the routes that forecast it (prewarm)
         *gateway.pool.stage.build(policy, runtime),
+        # 0. the Responses API's ids bound to their tenant (tenants.response_id_secret)
+        *gateway.openai.response_ids.build(policy),
         # 0. the model the backend is asked for (target_models), drawn by weight
         *gateway.openai.target_models.build(policy, runtime.metrics),
         # 0. a stream's usage asked for where its client did not (stream_usage: ask)

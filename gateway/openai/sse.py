@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 SSE_TYPE = "text/event-stream"
@@ -29,6 +29,9 @@ DEFAULT_CHUNK_CHARS = 24
 DEFAULT_MAX_STREAM_BYTES = 4 * 1024 * 1024
 _PIECE = re.compile(r"\s*\S+\s*|\s+")
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)")
+MAX_PENDING_BYTES = 1024 * 1024
+"""The most of an unended event ``whole_events`` holds back; past it the bytes go on as they
+came (a backend that never ends its events must not grow the gateway's memory)."""
 
 
 def media_type(headers: Iterable[tuple[str, str]]) -> str:
@@ -379,3 +382,34 @@ def usage_only(payload: str | None) -> bool:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+async def whole_events(
+    stream: AsyncIterator[bytes], max_pending: int = MAX_PENDING_BYTES
+) -> AsyncIterator[bytes]:
+    """``stream`` cut where events end, so each piece holds whole events only: but an event
+    that outgrows ``max_pending``, and the tail of a stream that ends mid-event, go on as
+    they came.  Every byte is passed on, in order."""
+    pending = b""
+    async for chunk in stream:
+        data = pending + chunk if pending else chunk
+        cut = _last_event_end(data)
+        if cut == 0:
+            pending = b"" if len(data) > max_pending else data
+            if not pending:
+                yield data
+            continue
+        pending = data[cut:]
+        yield data[:cut]
+    if pending:
+        yield pending
+
+
+def _last_event_end(data: bytes) -> int:
+    """Where the last complete event of ``data`` ends (0: none does)."""
+    found = 0
+    for blank in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        at = data.rfind(blank)
+        if at >= 0:
+            found = max(found, at + len(blank))
+    return found

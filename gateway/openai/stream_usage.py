@@ -22,7 +22,13 @@ import re
 from collections.abc import AsyncIterator
 
 from gateway.openai.body import dumps_yielding
-from gateway.openai.sse import event_data, is_event_stream, usage_only
+from gateway.openai.sse import (
+    MAX_PENDING_BYTES,
+    event_data,
+    is_event_stream,
+    usage_only,
+    whole_events,
+)
 from gateway.openai.usage import StreamUsage, asks_usage, from_body
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
@@ -31,9 +37,6 @@ STREAMED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 """The blank line that ends an SSE event (RFC: CRLF, LF or CR line endings)."""
 _MARK = b'"usage"'
-MAX_PENDING_BYTES = 1024 * 1024
-"""The most of an unended event held back; past it the bytes go on unfiltered (a backend
-that never ends its events must not grow the gateway's memory with its stream)."""
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 """An empty ``choices``, which a usage-only chunk has and a content chunk never does."""
 
@@ -75,34 +78,11 @@ class StreamUsageStage:
 
 async def _without_usage(stream: AsyncIterator[bytes], usage: StreamUsage) -> AsyncIterator[bytes]:
     """``stream`` as whole events, usage-only events dropped (``usage`` counts them)."""
-    pending = b""
-    async for chunk in stream:
-        data = pending + chunk if pending else chunk
-        cut = _last_end(data)
-        if cut == 0:
-            if len(data) > MAX_PENDING_BYTES:
-                pending = b""
-                yield data
-            else:
-                pending = data
-            continue
-        complete, pending = data[:cut], data[cut:]
-        if _MARK in complete:
-            complete = without_usage_events(complete, usage)
-        if complete:
-            yield complete
-    if pending:  # an event the backend never ended: passed on as it came
-        yield pending
-
-
-def _last_end(data: bytes) -> int:
-    """Where the last complete event of ``data`` ends (0: none does)."""
-    found = 0
-    for blank in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        at = data.rfind(blank)
-        if at >= 0:
-            found = max(found, at + len(blank))
-    return found
+    async for events in whole_events(stream, MAX_PENDING_BYTES):
+        if _MARK in events:
+            events = without_usage_events(events, usage)
+        if events:
+            yield events
 
 
 def without_usage_events(data: bytes, usage: StreamUsage | None = None) -> bytes:

@@ -78,6 +78,8 @@ def check_tenants(tenants: Tenants) -> Found:
     found: Found = []
     if tenants.required and not tenants.keys:
         found.append(("keys", "`required: true` with no keys would refuse every request"))
+    if 0 < len(tenants.response_id_secret) < 16:
+        found.append(("response_id_secret", "must hold at least 16 characters"))
     names: dict[str, str] = {}
     limits: dict[str, RateLimit] = {}
     models: dict[str, tuple[str, ...]] = {}

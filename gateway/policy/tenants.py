@@ -60,6 +60,19 @@ class Tenants:
         ),
     )
     keys: tuple[TenantKey, ...] = field(default=(), metadata=doc("The tenants' keys."))
+    response_id_secret: str = field(
+        default="",
+        metadata=doc(
+            "Binds the Responses API's ids to the credentials that created them: each "
+            "`resp_...` id a client sees carries a tag (an HMAC under this secret), and a "
+            "request naming an id without its own tag (`GET /v1/responses/<id>`, "
+            "`previous_response_id`) is refused before any backend. At least 16 characters, "
+            "the same in every replica; from a Secret through `${ENV}`. Empty: ids pass "
+            "as the backend wrote them.",
+            secret=True,
+            env=True,
+        ),
+    )
 
     def by_digest(self) -> dict[str, str]:
         """Each listed key's sha256 (lower case) and its tenant's name."""

@@ -1,0 +1,254 @@
+"""The Responses API's stored responses, scoped to the tenant that created them
+(``tenants.response_id_secret``): each id a client sees is tagged for its credentials, and
+an id without its own tag is refused before any backend (``GET``/``DELETE``
+``/v1/responses/<id>``, ``/cancel``, ``previous_response_id``).  The official ``openai``
+SDK as the client, a model server on a real socket that stores responses as vLLM does with
+its store on, and two gateways sharing the secret as replicas do."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.openai.response_ids import ResponseIds
+from tests.helpers import problems_of, write_policy
+
+SECRET = "a-secret-of-more-than-16-chars"
+ALICE, BOB = "alice-key", "bob-key"
+
+
+class Store:
+    """Stores every response it makes, serves it back by id, continues a stored one."""
+
+    def __init__(self) -> None:
+        self.responses: dict[str, dict[str, Any]] = {}
+        self.asked: list[tuple[str, str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/responses", self.create)
+        app.router.add_get("/v1/responses/{rid}", self.get)
+        app.router.add_delete("/v1/responses/{rid}", self.delete)
+        app.router.add_post("/v1/responses/{rid}/cancel", self.get)
+        return app
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.asked.append(("POST", request.path, body))
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.responses:
+            return _error(400, f"Previous response with id '{previous}' not found.")
+        rid = f"resp_{len(self.responses) + 1:04d}"
+        text = f"answer {len(self.responses) + 1}"
+        made = {
+            "id": rid,
+            "object": "response",
+            "created_at": 1,
+            "status": "completed",
+            "model": body["model"],
+            "previous_response_id": previous,
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+            "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
+        }
+        self.responses[rid] = made
+        if not body.get("stream"):
+            return web.json_response(made)
+        events = [
+            ("response.created", {"type": "response.created", "response": {**made, "status": "in_progress", "output": []}}),
+            ("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": text}),
+            ("response.completed", {"type": "response.completed", "response": made}),
+        ]  # fmt: skip
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for name, data in events:  # an event split over two writes
+            raw = f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+            await response.write(raw[:30])
+            await response.write(raw[30:])
+        await response.write_eof()
+        return response
+
+    async def get(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        self.asked.append((request.method, request.path, None))
+        if rid not in self.responses:
+            return _error(404, f"Response with id '{rid}' not found.")
+        return web.json_response(self.responses[rid])
+
+    async def delete(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        self.asked.append(("DELETE", request.path, None))
+        if self.responses.pop(rid, None) is None:
+            return _error(404, f"Response with id '{rid}' not found.")
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
+
+
+def _error(status: int, message: str) -> web.Response:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return web.json_response({"error": error}, status=status)
+
+
+def policy(url: str, secret: str = SECRET) -> str:
+    tenants = f"tenants: {{response_id_secret: {secret}}}\n" if secret else ""
+    return f"backends: {{main: {{url: '{url}'}}}}\nroutes: [{{backend: main}}]\n{tenants}"
+
+
+@pytest.fixture
+async def served(serve_app, start_gateway, tmp_path):
+    store = Store()
+    url = await serve_app(store.app())
+    gw = await start_gateway(policy=write_policy(tmp_path, policy(url)))
+    return store, gw
+
+
+def sdk(gw: Any, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+
+
+async def test_a_tenant_reads_and_continues_its_own_responses(served):
+    store, gw = served
+    async with sdk(gw, ALICE) as alice:
+        first = await alice.responses.create(model="m", input="hi")
+        assert first.id.startswith("resp_0001~") and first.output_text == "answer 1"
+        again = await alice.responses.retrieve(first.id)
+        assert again.id == first.id
+        follow = await alice.responses.create(
+            model="m", input="more", previous_response_id=first.id
+        )
+        assert follow.previous_response_id == first.id  # the echo, tagged again
+        assert follow.id.startswith("resp_0002~")
+    assert store.asked[1][:2] == ("GET", "/v1/responses/resp_0001")
+    assert store.asked[2][2]["previous_response_id"] == "resp_0001"
+
+
+async def test_another_tenant_is_refused_every_id_it_did_not_get_and_the_backend_never_asked(
+    served,
+):
+    store, gw = served
+    async with sdk(gw, ALICE) as alice:
+        made = (await alice.responses.create(model="m", input="secret plans")).id
+    asked = len(store.asked)
+    raw = made.partition("~")[0]
+    forged = raw + "~" + "0" * 24
+    async with sdk(gw, BOB) as bob:
+        for rid in (made, raw, forged):
+            with pytest.raises(openai.NotFoundError) as refused:
+                await bob.responses.retrieve(rid)
+            assert refused.value.code == "response_not_found"
+            with pytest.raises(openai.NotFoundError):
+                await bob.responses.delete(rid)
+            with pytest.raises(openai.NotFoundError):
+                await bob.responses.cancel(rid)
+            with pytest.raises(openai.BadRequestError) as continued:
+                await bob.responses.create(model="m", input="x", previous_response_id=rid)
+            assert continued.value.code == "previous_response_not_found"
+    async with httpx.AsyncClient() as nobody:  # no credentials: a scope of its own
+        assert (await nobody.get(gw.url + "/v1/responses/" + made)).status_code == 404
+    assert len(store.asked) == asked
+    async with sdk(gw, ALICE) as alice:
+        await alice.responses.delete(made)
+    assert store.asked[-1] == ("DELETE", "/v1/responses/" + raw, None)
+
+
+async def test_every_id_of_a_streamed_answer_is_tagged(served):
+    _, gw = served
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(
+            gw.url + "/v1/responses",
+            json={"model": "m", "input": "hi", "stream": True},
+            headers={"Authorization": f"Bearer {ALICE}"},
+        )
+    ids = {
+        json.loads(line[5:])["response"]["id"]
+        for line in reply.content.splitlines()
+        if line.startswith(b"data:") and b'"response"' in line
+    }
+    assert len(ids) == 1 and next(iter(ids)).startswith("resp_0001~")
+    async with sdk(gw, ALICE) as alice:
+        assert (await alice.responses.retrieve(ids.pop())).output_text == "answer 1"
+
+
+async def test_replicas_sharing_the_secret_take_each_others_ids(serve_app, start_gateway, tmp_path):
+    store = Store()
+    url = await serve_app(store.app())
+    one = await start_gateway(policy=write_policy(tmp_path, policy(url), "one.yaml"))
+    two = await start_gateway(policy=write_policy(tmp_path, policy(url), "two.yaml"))
+    other = await start_gateway(
+        policy=write_policy(tmp_path, policy(url, "another-secret-16-chars"), "other.yaml")
+    )
+    async with sdk(one, ALICE) as alice:
+        made = (await alice.responses.create(model="m", input="hi")).id
+    async with sdk(two, ALICE) as alice:
+        assert (await alice.responses.retrieve(made)).id == made
+    async with sdk(other, ALICE) as alice:
+        with pytest.raises(openai.NotFoundError):
+            await alice.responses.retrieve(made)
+
+
+async def test_an_id_whose_tilde_is_percent_encoded_is_read_as_sent(served):
+    _, gw = served
+    async with sdk(gw, ALICE) as alice:
+        made = (await alice.responses.create(model="m", input="hi")).id
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(
+            gw.url + "/v1/responses/" + made.replace("~", "%7E"),
+            headers={"Authorization": f"Bearer {ALICE}"},
+        )
+    assert reply.status_code == 200 and reply.json()["id"] == made
+
+
+async def test_without_the_secret_ids_pass_as_the_backend_wrote_them(
+    serve_app, start_gateway, tmp_path
+):
+    store = Store()
+    url = await serve_app(store.app())
+    gw = await start_gateway(policy=write_policy(tmp_path, policy(url, secret="")))
+    async with sdk(gw, ALICE) as alice:
+        made = (await alice.responses.create(model="m", input="hi")).id
+    async with sdk(gw, BOB) as bob:
+        assert (await bob.responses.retrieve(made)).id == made == "resp_0001"
+
+
+def test_only_response_ids_in_their_keys_are_tagged():
+    ids = ResponseIds(SECRET)
+    body = {
+        "id": "resp_1",
+        "previous_response_id": "resp_0",
+        "output": [{"id": "msg_1", "text": "resp_1", "quoted": '"id": "resp_9"'}],
+        "metadata": {"note": "resp_2"},
+    }
+    tagged = json.loads(ids.tag_all("scope", json.dumps(body).encode()))
+    assert tagged["id"] == ids.tag("scope", "resp_1")
+    assert tagged["previous_response_id"] == ids.tag("scope", "resp_0")
+    assert tagged["output"] == body["output"] and tagged["metadata"] == body["metadata"]
+    again = json.dumps(tagged).encode()
+    assert ids.tag_all("scope", again) == again  # a tagged id is not tagged twice
+    assert ids.untag("scope", tagged["id"]) == "resp_1"
+    assert ids.untag("other", tagged["id"]) is None
+    assert ids.untag("scope", "resp_1") is None
+    assert ids.tag("scope", "resp_1") != ResponseIds(SECRET + "x").tag("scope", "resp_1")
+
+
+def test_a_short_secret_is_refused():
+    found = problems_of("tenants: {response_id_secret: too-short}\n")
+    assert any("response_id_secret" in p and "16 characters" in p for p in found), found
+
+
+async def test_the_secret_is_never_shown(served):
+    _, gw = served
+    async with httpx.AsyncClient() as client:
+        shown = await client.get(gw.admin_url + "/policy")
+    assert shown.status_code == 200 and SECRET not in shown.text
+    assert "response_id_secret" in shown.text
