@@ -133,7 +133,11 @@ class Gateway:
             trusted,
             tracer,
             tenants,
-            {name: AllowedModels(globs) for name, globs in named.models().items()} or None,
+            {
+                name: AllowedModels(globs, own_responses=bool(named.response_id_secret))
+                for name, globs in named.models().items()
+            }
+            or None,
         )
 
     def _tracer_for(self, settings: Tracing) -> Tracer | None:

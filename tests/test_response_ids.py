@@ -7,6 +7,7 @@ its store on, and two gateways sharing the secret as replicas do."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -252,3 +253,30 @@ async def test_the_secret_is_never_shown(served):
         shown = await client.get(gw.admin_url + "/policy")
     assert shown.status_code == 200 and SECRET not in shown.text
     assert "response_id_secret" in shown.text
+
+
+@pytest.mark.parametrize("bound", [True, False])
+async def test_a_tenant_held_to_some_models_reads_its_own_responses_once_ids_are_bound(
+    serve_app, start_gateway, tmp_path, bound
+):
+    """A tenant with ``models`` is refused every path that names no model (a 403); a stored
+    response of its own is one it may read once ids are bound to it, since it made it under
+    the model check."""
+    store = Store()
+    url = await serve_app(store.app())
+    digest = hashlib.sha256(ALICE.encode()).hexdigest()
+    secret = f"response_id_secret: {SECRET}, " if bound else ""
+    text = policy(url, secret="") + (
+        f"tenants: {{{secret}keys: [{{name: alice, sha256: {digest}, models: [m]}}]}}\n"
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    async with sdk(gw, ALICE) as alice:
+        made = (await alice.responses.create(model="m", input="hi")).id
+        with pytest.raises(openai.NotFoundError):
+            await alice.responses.create(model="other", input="hi")
+        if bound:
+            assert (await alice.responses.retrieve(made)).id == made
+            await alice.responses.delete(made)
+        else:
+            with pytest.raises(openai.PermissionDeniedError):
+                await alice.responses.retrieve(made)

@@ -35,6 +35,8 @@ LISTING = MODEL_LIST_PATH
 MODEL_IN_PATH = re.compile(r"/v2/models/([^/]+)(?:/.*)?|/v1/models/([^/]+)(?:/.*)?")
 """A KServe V2 path (``/v2/models/<m>...``), or a TF Serving / OpenAI one (``/v1/models/<m>``,
 ``<m>:predict``, ``<m>/versions/<v>:predict``, ``<m>/metadata``)."""
+OWN_RESPONSE = re.compile(r"/v1/responses/[^/]+(?:/cancel|/input_items)?")
+"""A stored response's paths (the Responses API)."""
 TF_SERVING_VERB = re.compile(r":(predict|classify|regress)\Z")
 """What TF Serving's ``<m>:predict`` adds to a model's name (an OpenAI id may hold ``:``)."""
 _STALE_AFTER_CUT = frozenset({"etag", "content-md5", "digest", "last-modified"})
@@ -68,13 +70,18 @@ class UnreadableListing(UpstreamError):
 
 
 class AllowedModels:
-    """One tenant's model globs (shell-style, case-sensitive, ``*`` crossing ``/``)."""
+    """One tenant's model globs (shell-style, case-sensitive, ``*`` crossing ``/``).
 
-    __slots__ = ("_matchers", "globs")
+    With ``own_responses`` (``tenants.response_id_secret`` set), the tenant may also read,
+    cancel and delete its stored responses (``OWN_RESPONSE``): their ids are bound to its
+    credentials (``response_ids``), and each was made under the model check."""
 
-    def __init__(self, globs: Iterable[str]) -> None:
+    __slots__ = ("_matchers", "globs", "own_responses")
+
+    def __init__(self, globs: Iterable[str], *, own_responses: bool = False) -> None:
         self.globs = tuple(globs)
         self._matchers = tuple(glob_regex(glob).match for glob in self.globs)
+        self.own_responses = own_responses
 
     def allows(self, model: str) -> bool:
         return any(match(model) is not None for match in self._matchers)
@@ -93,6 +100,8 @@ class AllowedModels:
             if method in ("GET", "HEAD"):
                 return
             raise PathNotAllowed(f"this key may only read {LISTING} (GET)")
+        if self.own_responses and OWN_RESPONSE.fullmatch(path) is not None:
+            return
         found = MODEL_IN_PATH.fullmatch(path)
         if found is None:
             raise PathNotAllowed(

@@ -66,7 +66,8 @@ class Tenants:
             "Binds the Responses API's ids to the credentials that created them: each "
             "`resp_...` id a client sees carries a tag (an HMAC under this secret), and a "
             "request naming an id without its own tag (`GET /v1/responses/<id>`, "
-            "`previous_response_id`) is refused before any backend. At least 16 characters, "
+            "`previous_response_id`) is refused before any backend; a tenant held to some "
+            "`models` may then read its own. At least 16 characters, "
             "the same in every replica; from a Secret through `${ENV}`. Empty: ids pass "
             "as the backend wrote them.",
             secret=True,
