@@ -33,6 +33,7 @@ class Store:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/responses", self.create)
+        app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
         app.router.add_get("/v1/responses/{rid}", self.get)
         app.router.add_delete("/v1/responses/{rid}", self.delete)
         app.router.add_post("/v1/responses/{rid}/cancel", self.get)
@@ -80,6 +81,10 @@ class Store:
             await response.write(raw[30:])
         await response.write_eof()
         return response
+
+    async def input_tokens(self, request: web.Request) -> web.Response:
+        self.asked.append(("POST", request.path, await request.json()))
+        return web.json_response({"object": "response.input_tokens", "input_tokens": 3})
 
     async def get(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
@@ -280,3 +285,31 @@ async def test_a_tenant_held_to_some_models_reads_its_own_responses_once_ids_are
         else:
             with pytest.raises(openai.PermissionDeniedError):
                 await alice.responses.retrieve(made)
+
+
+async def test_no_spelling_of_the_path_reaches_another_tenants_response(served):
+    """Encoded, with a trailing slash or a dot segment, the path still names the id, and
+    the id is still checked; ``/v1/responses/input_tokens`` is no id and passes."""
+    store, gw = served
+    async with sdk(gw, ALICE) as alice:
+        made = (await alice.responses.create(model="m", input="hi")).id
+    raw = made.partition("~")[0]
+    asked = len(store.asked)
+    bob = {"Authorization": f"Bearer {BOB}"}
+    async with httpx.AsyncClient() as client:
+        for path in (
+            raw.replace("_", "%5F"),
+            raw + "/",
+            raw + "/cancel/",
+            "x/../" + raw,
+            made.replace("~", "%7E"),
+            raw + "%2Fcancel",
+        ):
+            reply = await client.get(gw.url + "/v1/responses/" + path, headers=bob)
+            assert reply.status_code in (400, 404), (path, reply.status_code)
+        assert len(store.asked) == asked
+        counted = await client.post(
+            gw.url + "/v1/responses/input_tokens", json={"model": "m", "input": "hi"}, headers=bob
+        )
+    assert counted.json()["input_tokens"] == 3  # no id: passed through untouched
+    assert store.asked[-1][1] == "/v1/responses/input_tokens"

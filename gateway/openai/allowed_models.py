@@ -35,8 +35,9 @@ LISTING = MODEL_LIST_PATH
 MODEL_IN_PATH = re.compile(r"/v2/models/([^/]+)(?:/.*)?|/v1/models/([^/]+)(?:/.*)?")
 """A KServe V2 path (``/v2/models/<m>...``), or a TF Serving / OpenAI one (``/v1/models/<m>``,
 ``<m>:predict``, ``<m>/versions/<v>:predict``, ``<m>/metadata``)."""
-OWN_RESPONSE = re.compile(r"/v1/responses/[^/]+(?:/cancel|/input_items)?")
-"""A stored response's paths (the Responses API)."""
+OWN_RESPONSE = re.compile(r"/v1/responses/resp_[^/]+(?:/cancel|/input_items)?")
+"""A stored response's paths (the Responses API); not ``/v1/responses/input_tokens``, which
+names a model in its body."""
 TF_SERVING_VERB = re.compile(r":(predict|classify|regress)\Z")
 """What TF Serving's ``<m>:predict`` adds to a model's name (an OpenAI id may hold ``:``)."""
 _STALE_AFTER_CUT = frozenset({"etag", "content-md5", "digest", "last-modified"})

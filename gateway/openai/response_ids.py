@@ -36,7 +36,9 @@ RESPONSES_PATH = "/v1/responses"
 MIN_SECRET_CHARS = 16
 TAG_CHARS = 24
 SEPARATOR = "~"
-_BY_ID = re.compile(r"/v1/responses/([^/]+)(/[^/]+)?")
+_BY_ID = re.compile(r"/v1/responses/([^/]+)(/.*)?")
+"""A stored response's path, when its name is an id (``resp_...``: not
+``/v1/responses/input_tokens``, which passes as it came)."""
 _ID_VALUE = re.compile(
     rb'(?<!\\)("(?:id|previous_response_id|response_id)"\s*:\s*")(resp_[A-Za-z0-9_-]{1,256})"'
 )
@@ -98,7 +100,9 @@ class ResponseIdStage:
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         if call.path == RESPONSES_PATH:
             call = await self._untag_body(call)
-        elif (found := _BY_ID.fullmatch(call.path)) is not None:
+        elif (found := _BY_ID.fullmatch(call.path)) is not None and found.group(1).startswith(
+            "resp_"
+        ):
             call = self._untag_path(call, found)
         else:
             return await call_next(call)
