@@ -19,6 +19,7 @@ read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import re
@@ -39,11 +40,13 @@ SEPARATOR = "~"
 _BY_ID = re.compile(r"/v1/responses/([^/]+)(/.*)?")
 """A stored response's path, when its name is an id (``resp_...``: not
 ``/v1/responses/input_tokens``, which passes as it came)."""
-_ID_VALUE = re.compile(
-    rb'(?<!\\)("(?:id|previous_response_id|response_id)"\s*:\s*")(resp_[A-Za-z0-9_-]{1,256})"'
-)
-"""A response id as the value of a key at JSON level (inside a string its quotes would be
-escaped); an id already tagged does not match (``~`` ends it)."""
+_ID_VALUE = re.compile(rb'"(resp_[A-Za-z0-9_-]{1,256})"')
+"""A string that is a response id; an id already tagged does not match (``~`` ends it).
+(It opens with its literal, so it is searched at C speed; a look-behind would not be.)"""
+_KEY_BEFORE = re.compile(rb'(?<!\\)"(?:id|previous_response_id|response_id)"\s*:\s*\Z')
+"""What precedes an id that is one of these keys' value at JSON level (inside a string its
+quotes would be escaped)."""
+_KEY_REACH = 64
 
 
 class ResponseNotFound(RequestError):
@@ -63,13 +66,14 @@ class PreviousResponseNotFound(RequestError):
 class ResponseIds:
     """Tags ids for a scope, and checks them; see the module docstring."""
 
-    __slots__ = ("_secret",)
+    __slots__ = ("_keyed",)
 
     def __init__(self, secret: str) -> None:
-        self._secret = secret.encode()
+        self._keyed = hmac.new(secret.encode(), digestmod=hashlib.sha256)
 
     def tag(self, scope: str, rid: str) -> str:
-        mac = hmac.new(self._secret, f"{scope}\0{rid}".encode(), hashlib.sha256)
+        mac = self._keyed.copy()
+        mac.update(f"{scope}\0{rid}".encode())
         return f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
 
     def untag(self, scope: str, tagged: str) -> str | None:
@@ -85,8 +89,10 @@ class ResponseIds:
             return data
 
         def tagged(found: re.Match[bytes]) -> bytes:
-            rid = found.group(2).decode("ascii")
-            return found.group(1) + self.tag(scope, rid).encode("ascii") + b'"'
+            start = found.start()
+            if _KEY_BEFORE.search(data, max(0, start - _KEY_REACH), start) is None:
+                return found.group(0)
+            return b'"' + self.tag(scope, found.group(1).decode("ascii")).encode("ascii") + b'"'
 
         return _ID_VALUE.sub(tagged, data)
 
@@ -111,7 +117,7 @@ class ResponseIdStage:
         if reply.body is not None:
             return reply.replace(body=self._ids.tag_all(scope, reply.body))
         assert reply.stream is not None
-        tag: Callable[[bytes], bytes] = lambda events: self._ids.tag_all(scope, events)  # noqa: E731
+        tag = functools.partial(self._ids.tag_all, scope)
         return reply.replace(stream=_tagged(reply.stream, tag), content_length=None)
 
     async def _untag_body(self, call: Call) -> Call:
