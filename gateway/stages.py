@@ -38,7 +38,7 @@ def build(
         # 0. request-rate history of the routes that forecast it (prewarm)
         *gateway.pool.stage.build(policy, runtime),
         # 0. the Responses API's ids bound to their tenant (tenants.response_id_secret)
-        *gateway.openai.response_ids.build(policy),
+        *gateway.openai.response_ids.build(policy, runtime.metrics),
         # 0. the model the backend is asked for (target_models), drawn by weight
         *gateway.openai.target_models.build(policy, runtime.metrics),
         # 0. a stream's usage asked for where its client did not (stream_usage: ask)

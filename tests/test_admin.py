@@ -210,6 +210,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_refused_connections",
         "gateway_request_duration_seconds",
         "gateway_requests",
+        "gateway_response_ids_refused",
         "gateway_shed",
         "gateway_stream_first_byte_seconds",
         "gateway_target_model_requests",

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.openai.response_ids import ResponseIds
-from tests.helpers import problems_of, write_policy
+from tests.helpers import metric, problems_of, write_policy
 
 SECRET = "a-secret-of-more-than-16-chars"
 ALICE, BOB = "alice-key", "bob-key"
@@ -163,6 +163,11 @@ async def test_another_tenant_is_refused_every_id_it_did_not_get_and_the_backend
     async with httpx.AsyncClient() as nobody:  # no credentials: a scope of its own
         assert (await nobody.get(gw.url + "/v1/responses/" + made)).status_code == 404
     assert len(store.asked) == asked
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.admin_url + "/metrics")).text
+    counter = "gateway_response_ids_refused_total"
+    assert metric(text, counter, tenant="", where="path") == 3 * 3 + 1
+    assert metric(text, counter, tenant="", where="previous_response_id") == 3
     async with sdk(gw, ALICE) as alice:
         await alice.responses.delete(made)
     assert store.asked[-1] == ("DELETE", "/v1/responses/" + raw, None)

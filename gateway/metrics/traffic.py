@@ -49,6 +49,14 @@ class TrafficFamilies:
             ["route", "model"],
             registry=r,
         )
+        self.response_ids_refused = Counter(
+            "gateway_response_ids_refused",
+            "Requests refused for naming a stored response that is not theirs (tenants."
+            "response_id_secret): an id without its tenant's tag, in the path or in "
+            "previous_response_id. tenant: the named tenant, or empty.",
+            ["tenant", "where"],
+            registry=r,
+        )
         self.model_list_missing = Counter(
             "gateway_model_list_missing",
             "Merged model lists (a route's merge_models) served without a backend's models, "

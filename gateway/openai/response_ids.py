@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from urllib.parse import unquote
 
 from gateway.errors import RequestError
+from gateway.metrics import Metrics
 from gateway.openai.allowed_models import uncompressed
 from gateway.openai.body import dumps_yielding
 from gateway.openai.sse import whole_events
@@ -100,8 +101,9 @@ class ResponseIds:
 class ResponseIdStage:
     """The stage: untags what a request names, tags what its answer carries."""
 
-    def __init__(self, ids: ResponseIds) -> None:
+    def __init__(self, ids: ResponseIds, refused: Callable[[str, str], None]) -> None:
         self._ids = ids
+        self._refused = refused
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         if call.path == RESPONSES_PATH:
@@ -126,6 +128,7 @@ class ResponseIdStage:
             return call  # none, or not a string: the backend's to refuse
         rid = self._ids.untag(call.scope, named)
         if rid is None:
+            self._refused(call.tenant, "previous_response_id")
             raise PreviousResponseNotFound(
                 f"Previous response with id '{_shown(named)}' not found."
             )
@@ -137,6 +140,7 @@ class ResponseIdStage:
         named = unquote(found.group(1))
         rid = self._ids.untag(call.scope, named)
         if rid is None:
+            self._refused(call.tenant, "path")
             raise ResponseNotFound(f"Response with id '{_shown(named)}' not found.")
         path = f"{RESPONSES_PATH}/{rid}{found.group(2) or ''}"
         target = f"{path}?{call.query}" if call.query else path
@@ -157,7 +161,13 @@ def _shown(value: str) -> str:
     return value if len(value) <= 200 else value[:200] + "..."
 
 
-def build(policy: Policy) -> list[Stage]:
+def build(policy: Policy, metrics: Metrics) -> list[Stage]:
     """The stage, when the policy binds response ids to tenants."""
     secret = policy.tenants.response_id_secret
-    return [ResponseIdStage(ResponseIds(secret))] if secret else []
+    if not secret:
+        return []
+
+    def refused(tenant: str, where: str) -> None:
+        metrics.response_ids_refused.labels(tenant, where).inc()
+
+    return [ResponseIdStage(ResponseIds(secret), refused)]
