@@ -54,6 +54,7 @@ class Store:
             "status": "completed",
             "model": body["model"],
             "previous_response_id": previous,
+            "metadata": body.get("metadata"),
             "output": [
                 {
                     "type": "message",
@@ -232,24 +233,48 @@ async def test_without_the_secret_ids_pass_as_the_backend_wrote_them(
         assert (await bob.responses.retrieve(made)).id == made == "resp_0001"
 
 
-def test_only_response_ids_in_their_keys_are_tagged():
+def test_only_the_ids_a_caller_owns_are_tagged():
     ids = ResponseIds(SECRET)
     body = {
         "id": "resp_1",
         "previous_response_id": "resp_0",
-        "output": [{"id": "msg_1", "text": "resp_1", "quoted": '"id": "resp_9"'}],
-        "metadata": {"note": "resp_2"},
+        "output": [{"id": "msg_1", "text": "see resp_1", "quoted": '"id": "resp_1"'}],
+        "metadata": {"id": "resp_9"},
     }
-    tagged = json.loads(ids.tag_all("scope", json.dumps(body).encode()))
+    tagged = json.loads(ids.tag_owned("scope", json.dumps(body).encode(), ["resp_1", "resp_0"]))
     assert tagged["id"] == ids.tag("scope", "resp_1")
     assert tagged["previous_response_id"] == ids.tag("scope", "resp_0")
-    assert tagged["output"] == body["output"] and tagged["metadata"] == body["metadata"]
+    assert tagged["output"] == body["output"]  # inside other text: left as it was
+    assert tagged["metadata"] == {"id": "resp_9"}  # not the caller's: never signed
     again = json.dumps(tagged).encode()
-    assert ids.tag_all("scope", again) == again  # a tagged id is not tagged twice
+    assert ids.tag_owned("scope", again, ["resp_1", "resp_0"]) == again  # not tagged twice
     assert ids.untag("scope", tagged["id"]) == "resp_1"
     assert ids.untag("other", tagged["id"]) is None
     assert ids.untag("scope", "resp_1") is None
     assert ids.tag("scope", "resp_1") != ResponseIds(SECRET + "x").tag("scope", "resp_1")
+
+
+async def test_an_id_the_client_put_in_the_answer_is_never_signed_for_it(served):
+    """An id the client never got, echoed back in its ``metadata`` (the server repeats
+    it), stays as it was; and a body choosing its response's id (vLLM's ``request_id``) is
+    refused, so a client cannot have the gateway sign another tenant's id."""
+    store, gw = served
+    async with sdk(gw, ALICE) as alice:
+        victim = (await alice.responses.create(model="m", input="secret plans")).id
+    raw = victim.partition("~")[0]
+    asked = len(store.asked)
+    async with sdk(gw, BOB) as bob:
+        made = await bob.responses.create(
+            model="m", input="hi", metadata={"id": raw, "response_id": raw}
+        )
+        assert made.metadata == {"id": raw, "response_id": raw}
+        assert made.id.startswith("resp_0002~")
+        with pytest.raises(openai.BadRequestError) as chosen:
+            await bob.responses.create(model="m", input="hi", extra_body={"request_id": raw})
+        assert chosen.value.code == "response_id_chosen"
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.retrieve(raw)
+    assert len(store.asked) == asked + 1  # only bob's first creation reached the server
 
 
 def test_a_short_secret_is_refused():

@@ -4,13 +4,19 @@
 A server that stores responses (vLLM with its store on) serves ``GET /v1/responses/<id>``,
 ``DELETE``, ``/cancel``, ``/input_items`` and a continuation (``previous_response_id``) to
 whoever names the id: it knows no tenants.  With the secret set, the gateway shows each
-client only ids bound to its own credentials: every ``resp_...`` id an answer of these paths
-carries (``"id"``, ``"previous_response_id"``, ``"response_id"``, whole bodies and every
-event of a stream) becomes ``<id>~<tag>``, the tag an HMAC-SHA256 over the tenant scope
-(``Call.scope``, the same one the cache keys on) and the id, under the secret.  A request
-naming an id, in its path or in ``previous_response_id``, has the tag checked and taken off
-before it goes upstream; an id without a tag, or with another tenant's, is a 404 (in the
-path) or a 400 (in the body), answered before any backend is asked.  No state is kept: every
+client only ids bound to its own credentials: ``<id>~<tag>``, the tag an HMAC-SHA256 over
+the tenant scope (``Call.scope``, the same one the cache keys on) and the id, under the
+secret.  A request naming an id, in its path or in ``previous_response_id``, has the tag
+checked and taken off before it goes upstream; an id without a tag, or with another
+tenant's, is a 404 (in the path) or a 400 (in the body), answered before any backend is
+asked.
+
+Only ids the caller owns are tagged, wherever they stand in the answer: the id the server
+gave the response it made for this request (the answer's own ``id``, or its ``response``'s
+in the first stream event that carries one), and an id the request named and proved its own.
+Any other ``resp_...`` in an answer (echoed ``metadata``, input items) stays as it was, so a
+client cannot have the gateway sign an id it was never given; and a body that would choose
+the response's id itself (vLLM's ``request_id``) is refused.  No state is kept: every
 replica that shares the secret (a Secret, through ``${ENV}``) accepts the others' ids, and a
 restart keeps them valid.  Answers of these paths are asked for uncompressed, so they can be
 read.
@@ -19,11 +25,12 @@ read.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import hmac
+import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 from urllib.parse import unquote
 
 from gateway.errors import RequestError
@@ -35,19 +42,12 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
 
 RESPONSES_PATH = "/v1/responses"
-MIN_SECRET_CHARS = 16
 TAG_CHARS = 24
 SEPARATOR = "~"
-_BY_ID = re.compile(r"/v1/responses/([^/]+)(/.*)?")
-"""A stored response's path, when its name is an id (``resp_...``: not
-``/v1/responses/input_tokens``, which passes as it came)."""
-_ID_VALUE = re.compile(rb'"(resp_[A-Za-z0-9_-]{1,256})"')
-"""A string that is a response id; an id already tagged does not match (``~`` ends it).
-(It opens with its literal, so it is searched at C speed; a look-behind would not be.)"""
-_KEY_BEFORE = re.compile(rb'(?<!\\)"(?:id|previous_response_id|response_id)"\s*:\s*\Z')
-"""What precedes an id that is one of these keys' value at JSON level (inside a string its
-quotes would be escaped)."""
-_KEY_REACH = 64
+CHOSEN_ID_FIELDS = ("request_id",)
+"""Body fields through which a client would choose the response's id (vLLM's)."""
+_BY_ID = re.compile(r"/v1/responses/(resp_[^/]*)(/.*)?")
+"""A stored response's path (not ``/v1/responses/input_tokens``, which passes as it came)."""
 
 
 class ResponseNotFound(RequestError):
@@ -84,18 +84,19 @@ class ResponseIds:
             return None
         return rid if hmac.compare_digest(self.tag(scope, rid), tagged) else None
 
-    def tag_all(self, scope: str, data: bytes) -> bytes:
-        """``data`` with every response id the backend wrote tagged for ``scope``."""
-        if b'"resp_' not in data:
-            return data
+    def tag_owned(self, scope: str, data: bytes, rids: Iterable[str]) -> bytes:
+        """``data`` with each of ``rids`` (ids ``scope`` owns), as a JSON string, tagged."""
+        for rid in rids:
+            quoted = f'"{rid}"'.encode()
+            if quoted in data:  # never inside a string: its quotes would be escaped
+                data = data.replace(quoted, f'"{self.tag(scope, rid)}"'.encode())
+        return data
 
-        def tagged(found: re.Match[bytes]) -> bytes:
-            start = found.start()
-            if _KEY_BEFORE.search(data, max(0, start - _KEY_REACH), start) is None:
-                return found.group(0)
-            return b'"' + self.tag(scope, found.group(1).decode("ascii")).encode("ascii") + b'"'
 
-        return _ID_VALUE.sub(tagged, data)
+class ResponseIdChosen(RequestError):
+    """A body choosing the id of the response it asks for, while ids are bound."""
+
+    code = "response_id_chosen"
 
 
 class ResponseIdStage:
@@ -107,36 +108,44 @@ class ResponseIdStage:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         if call.path == RESPONSES_PATH:
-            call = await self._untag_body(call)
-        elif (found := _BY_ID.fullmatch(call.path)) is not None and found.group(1).startswith(
-            "resp_"
-        ):
-            call = self._untag_path(call, found)
+            call, named = await self._untag_body(call)
+            answer = _Answer(self._ids, call.scope, named, learn=call.method == "POST")
+        elif (found := _BY_ID.fullmatch(call.path)) is not None:
+            call, rid = self._untag_path(call, found)
+            answer = _Answer(self._ids, call.scope, [rid], learn=False)
         else:
             return await call_next(call)
         reply = await call_next(dataclasses.replace(call, headers=uncompressed(call.headers)))
-        scope = call.scope
         if reply.body is not None:
-            return reply.replace(body=self._ids.tag_all(scope, reply.body))
+            return reply.replace(body=answer.whole(reply.body))
         assert reply.stream is not None
-        tag = functools.partial(self._ids.tag_all, scope)
-        return reply.replace(stream=_tagged(reply.stream, tag), content_length=None)
+        return reply.replace(stream=answer.events(reply.stream), content_length=None)
 
-    async def _untag_body(self, call: Call) -> Call:
-        named = call.json.get("previous_response_id") if call.json is not None else None
+    async def _untag_body(self, call: Call) -> tuple[Call, list[str]]:
+        """The call with its ``previous_response_id`` untagged, and the ids it proved."""
+        data = call.json
+        if data is None:
+            return call, []
+        chosen = [name for name in CHOSEN_ID_FIELDS if name in data]
+        if chosen:
+            raise ResponseIdChosen(
+                f"'{chosen[0]}' may not be set: the server names each response, and its id "
+                "is bound to your credentials"
+            )
+        named = data.get("previous_response_id")
         if not isinstance(named, str):
-            return call  # none, or not a string: the backend's to refuse
+            return call, []  # none, or not a string: the backend's to refuse
         rid = self._ids.untag(call.scope, named)
         if rid is None:
             self._refused(call.tenant, "previous_response_id")
             raise PreviousResponseNotFound(
                 f"Previous response with id '{_shown(named)}' not found."
             )
-        assert call.json is not None
-        data = {**call.json, "previous_response_id": rid}
-        return dataclasses.replace(call, json=data, body=await dumps_yielding(data, len(call.body)))
+        data = {**data, "previous_response_id": rid}
+        body = await dumps_yielding(data, len(call.body))
+        return dataclasses.replace(call, json=data, body=body), [rid]
 
-    def _untag_path(self, call: Call, found: re.Match[str]) -> Call:
+    def _untag_path(self, call: Call, found: re.Match[str]) -> tuple[Call, str]:
         named = unquote(found.group(1))
         rid = self._ids.untag(call.scope, named)
         if rid is None:
@@ -144,17 +153,53 @@ class ResponseIdStage:
             raise ResponseNotFound(f"Response with id '{_shown(named)}' not found.")
         path = f"{RESPONSES_PATH}/{rid}{found.group(2) or ''}"
         target = f"{path}?{call.query}" if call.query else path
-        return dataclasses.replace(call, path=path, raw_target=target)
+        return dataclasses.replace(call, path=path, raw_target=target), rid
 
     def __repr__(self) -> str:
         return "<ResponseIdStage>"
 
 
-async def _tagged(
-    stream: AsyncIterator[bytes], tag: Callable[[bytes], bytes]
-) -> AsyncIterator[bytes]:
-    async for events in whole_events(stream):
-        yield tag(events)
+class _Answer:
+    """One answer's ids to tag: those the request proved its own, and, for a request that
+    makes a response (``learn``), the id the server gave it, read from the answer."""
+
+    __slots__ = ("_ids", "_learn", "_owned", "_scope")
+
+    def __init__(self, ids: ResponseIds, scope: str, owned: list[str], *, learn: bool) -> None:
+        self._ids, self._scope, self._owned, self._learn = ids, scope, owned, learn
+
+    def whole(self, body: bytes) -> bytes:
+        if self._learn:
+            self._made(_json(body))
+        return self._ids.tag_owned(self._scope, body, self._owned)
+
+    async def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for events in whole_events(stream):
+            if self._learn:  # until the first event that carries the response
+                for line in events.splitlines():
+                    if line.startswith(b"data:") and b'"response"' in line:
+                        event = _json(line[5:])
+                        if isinstance(event, dict) and self._made(event.get("response")):
+                            break
+            yield self._ids.tag_owned(self._scope, events, self._owned)
+
+    def _made(self, response: Any) -> bool:
+        """Learn the id of ``response``, when it is a response object with one."""
+        if not isinstance(response, dict) or response.get("object") != "response":
+            return False
+        rid = response.get("id")
+        if not isinstance(rid, str) or not rid.startswith("resp_"):
+            return False
+        self._owned = [*self._owned, rid]
+        self._learn = False
+        return True
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def _shown(value: str) -> str:
