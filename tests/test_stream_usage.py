@@ -246,7 +246,10 @@ async def test_llama_cpps_streams_are_counted_without_the_client_asking(
     the server reports when asked."""
     gw = await start_gateway(policy=write_policy(tmp_path, policy(llama.url)))
     body = {**chat("Count to three", max_tokens=6), "stream": True}
-    async with httpx.AsyncClient(timeout=60) as client:
+    # llama-server may close a kept-alive connection after a stream; httpx would then send
+    # the next POST on a dead connection and not retry it: one connection per request
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=60, limits=fresh) as client:
         direct = await client.post(llama.url + "/v1/chat/completions", json=body)
         asked = await client.post(
             llama.url + "/v1/chat/completions",
