@@ -231,8 +231,9 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             f"of the server asked directly, Anthropic's Messages API "
             f"{cost(OTHER_PATHS[3], OTHER_PATHS[4])}, and chat (the same parse) "
             f"{cost(CHAT_PATHS[0], CHAT_PATHS[1])}. Binding the Responses API's ids to the "
-            f"tenant (`tenants.response_id_secret`: the answer asked for uncompressed, its "
-            f"ids tagged by HMAC) costs {cost(OTHER_PATHS[1], OTHER_PATHS[2])} of the "
+            "tenant (`tenants.response_id_secret`: the answer asked for uncompressed and "
+            "read for the id the server gave it, which is tagged by HMAC) costs "
+            f"{cost(OTHER_PATHS[1], OTHER_PATHS[2])} of the "
             "gateway without it.",
         ]
     )
