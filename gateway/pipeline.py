@@ -104,6 +104,8 @@ class Call:
     tells of the request besides status and timing, written by the stage that decides it;
     None when nothing records it (the access log is off).  ``verdict`` is set on a merged
     batch call: its backend failures count only once the batcher has ruled on them.
+    ``pin`` names the one endpoint that holds what the call refers to (a stored response,
+    ``response_ids``), as a test of endpoint URLs; None for any endpoint.
     """
 
     id: str
@@ -124,6 +126,7 @@ class Call:
     _scope: str | None = field(default=None, repr=False)
     record: Record | None = None
     verdict: Verdict | None = None
+    pin: Callable[[str], bool] | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a request header, case-insensitively."""

@@ -179,6 +179,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_connections",
         "gateway_desired_endpoints",
         "gateway_endpoint_inflight",
+        "gateway_endpoint_pins",
         "gateway_endpoint_requests",
         "gateway_endpoint_signal",
         "gateway_endpoint_state",

@@ -622,3 +622,36 @@ async def test_kv_aware_affinity_gives_way_while_its_server_is_saturated(serve_a
         assert endpoints.pick(affinity="k") is home
     finally:
         await endpoints.aclose()
+
+
+async def test_a_pinned_request_goes_to_its_endpoint_and_to_no_other(serve_app) -> None:
+    """A request naming what one endpoint holds (``pin``) goes there whatever the balance
+    says, ejected or not; if that endpoint cannot be reached it is not tried elsewhere
+    (another would say it has no such thing); a pin no endpoint matches any more is
+    balanced as any request."""
+    a, b, gone = await serve_app(named("a")), await serve_app(named("b")), closed_port()
+    backend = Backend("m", endpoints=(a, b, gone), balance="round_robin")
+    metrics = Metrics()
+    endpoints = EndpointSet(backend, metrics)
+
+    async def pinned(url: str) -> str:
+        reply = await endpoints.send(
+            backend, "GET", "/", [], b"", streaming=False, pin=lambda u: u == url
+        )
+        assert reply.body is not None
+        return json.loads(reply.body)["served_by"]
+
+    try:
+        assert [await pinned(b) for _ in range(4)] == ["b"] * 4
+        endpoints.endpoints[1].ejected_until = float("inf")  # b ejected: still b's to answer
+        assert await pinned(b) == "b"
+        with pytest.raises(ConnectFailed):
+            await pinned(gone)
+        assert endpoints.endpoints[2].failures == 1  # tried once, and nothing else tried
+        assert endpoints.endpoints[0].pool.inflight == 0
+        assert await pinned("http://127.0.0.1:1") == "a"  # left: balanced (b is ejected)
+    finally:
+        await endpoints.aclose()
+    pins = metrics.endpoint_pins
+    assert pins.labels("m", "kept")._value.get() == 6
+    assert pins.labels("m", "gone")._value.get() == 1

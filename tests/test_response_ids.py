@@ -26,8 +26,10 @@ ALICE, BOB = "alice-key", "bob-key"
 class Store:
     """Stores every response it makes, serves it back by id, continues a stored one."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name  # said before each answer
         self.responses: dict[str, dict[str, Any]] = {}
+        self.made = 0
         self.asked: list[tuple[str, str, Any]] = []
 
     def app(self) -> web.Application:
@@ -45,8 +47,8 @@ class Store:
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.responses:
             return _error(400, f"Previous response with id '{previous}' not found.")
-        rid = f"resp_{len(self.responses) + 1:04d}"
-        text = f"answer {len(self.responses) + 1}"
+        self.made += 1
+        rid, text = f"resp_{self.made:04d}", f"{self.name}answer {self.made}"
         made = {
             "id": rid,
             "object": "response",
@@ -241,17 +243,33 @@ def test_only_the_ids_a_caller_owns_are_tagged():
         "output": [{"id": "msg_1", "text": "see resp_1", "quoted": '"id": "resp_1"'}],
         "metadata": {"id": "resp_9"},
     }
-    tagged = json.loads(ids.tag_owned("scope", json.dumps(body).encode(), ["resp_1", "resp_0"]))
-    assert tagged["id"] == ids.tag("scope", "resp_1")
+    owned = [("resp_1", "0a1b2c3d"), ("resp_0", "")]
+    tagged = json.loads(ids.tag_owned("scope", json.dumps(body).encode(), owned))
+    assert tagged["id"] == ids.tag("scope", "resp_1", "0a1b2c3d")
     assert tagged["previous_response_id"] == ids.tag("scope", "resp_0")
     assert tagged["output"] == body["output"]  # inside other text: left as it was
     assert tagged["metadata"] == {"id": "resp_9"}  # not the caller's: never signed
     again = json.dumps(tagged).encode()
-    assert ids.tag_owned("scope", again, ["resp_1", "resp_0"]) == again  # not tagged twice
-    assert ids.untag("scope", tagged["id"]) == "resp_1"
+    assert ids.tag_owned("scope", again, owned) == again  # not tagged twice
+    assert ids.untag("scope", tagged["id"]) == ("resp_1", "0a1b2c3d")
+    assert ids.untag("scope", tagged["previous_response_id"]) == ("resp_0", "")
     assert ids.untag("other", tagged["id"]) is None
     assert ids.untag("scope", "resp_1") is None
     assert ids.tag("scope", "resp_1") != ResponseIds(SECRET + "x").tag("scope", "resp_1")
+
+
+def test_the_endpoint_an_id_names_is_covered_by_its_tag():
+    ids = ResponseIds(SECRET)
+    url = "http://10.0.3.17:8000"
+    handle = ids.handle(url)
+    assert len(handle) == 8 and "10.0" not in handle
+    assert handle == ResponseIds(SECRET).handle(url) != ResponseIds(SECRET + "x").handle(url)
+    tagged = ids.tag("scope", "resp_1", handle)
+    rid, _, mac = tagged.split("~")
+    other = ids.handle("http://10.0.3.18:8000")
+    for moved in (f"{rid}~{other}~{mac}", f"{rid}~{mac}", f"{rid}~{handle}{mac}"):
+        assert ids.untag("scope", moved) is None, moved  # re-pinned, or unpinned: refused
+    assert ids.pin(handle)(url) and not ids.pin(handle)("http://10.0.3.18:8000")
 
 
 async def test_an_id_the_client_put_in_the_answer_is_never_signed_for_it(served):
@@ -343,3 +361,39 @@ async def test_no_spelling_of_the_path_reaches_another_tenants_response(served):
         )
     assert counted.json()["input_tokens"] == 3  # no id: passed through untouched
     assert store.asked[-1][1] == "/v1/responses/input_tokens"
+
+
+async def test_a_stored_response_is_asked_of_the_endpoint_that_holds_it(
+    serve_app, start_gateway, tmp_path
+):
+    """Two instances of one backend, each storing what it made (and naming it alike, as two
+    counters would): every read, continuation and deletion of a response reaches the
+    instance that made it, though the backend's balancing takes each in turn."""
+    stores = [Store("a: "), Store("b: ")]
+    urls = [await serve_app(store.app()) for store in stores]
+    text = (
+        f"backends: {{main: {{endpoints: {json.dumps(urls)}, balance: round_robin}}}}\n"
+        f"routes: [{{backend: main}}]\ntenants: {{response_id_secret: {SECRET}}}\n"
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    async with sdk(gw, ALICE) as alice:
+        made = [await alice.responses.create(model="m", input=f"q{i}") for i in range(4)]
+        assert len({m.id for m in made}) == 4  # resp_0001 twice, on two instances
+        assert all(len(s.responses) == 2 for s in stores)
+        for first in made:
+            assert (await alice.responses.retrieve(first.id)).output_text == first.output_text
+            follow = await alice.responses.create(
+                model="m", input="more", previous_response_id=first.id
+            )
+            assert follow.previous_response_id == first.id
+            assert (await alice.responses.retrieve(follow.id)).id == follow.id
+            await alice.responses.delete(first.id)
+        streamed = await alice.responses.create(
+            model="m", input="x", previous_response_id=follow.id, stream=True
+        )
+        async for _ in streamed:  # the continuation streamed from the follow-up's instance
+            pass
+    assert sum(len(s.responses) for s in stores) == 5  # the four follow-ups and the last
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.admin_url + "/metrics")).text
+    assert metric(text, "gateway_endpoint_pins_total", backend="main", outcome="kept") == 17

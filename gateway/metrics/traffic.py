@@ -57,6 +57,14 @@ class TrafficFamilies:
             ["tenant", "where"],
             registry=r,
         )
+        self.endpoint_pins = Counter(
+            "gateway_endpoint_pins",
+            "Requests naming what only one endpoint of a backend holds (a stored response, "
+            "with tenants.response_id_secret), by outcome: kept (sent to that endpoint), "
+            "gone (the backend has it no more; balanced, and the backend answered).",
+            ["backend", "outcome"],
+            registry=r,
+        )
         self.model_list_missing = Counter(
             "gateway_model_list_missing",
             "Merged model lists (a route's merge_models) served without a backend's models, "

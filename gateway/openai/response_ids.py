@@ -20,6 +20,13 @@ the response's id itself (vLLM's ``request_id``) is refused.  No state is kept: 
 replica that shares the secret (a Secret, through ``${ENV}``) accepts the others' ids, and a
 restart keeps them valid.  Answers of these paths are asked for uncompressed, so they can be
 read.
+
+A stored response lives on the instance that made it (vLLM keeps them in its memory), so
+the id also names that instance: ``<id>~<endpoint>~<tag>``, the endpoint a short HMAC of
+its URL under the secret (it tells nothing of the URL), covered by the tag.  A request
+naming the id is pinned to that endpoint (``Call.pin``), wherever the backend's balancing
+would have sent it.  Ids tagged before endpoints were named (``<id>~<tag>``) are still
+accepted, unpinned.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ from gateway.policy.model import Policy
 RESPONSES_PATH = "/v1/responses"
 TAG_CHARS = 24
 SEPARATOR = "~"
+HANDLE_CHARS = 8
+"""Hex characters of an endpoint's name in an id (a backend has at most 64 endpoints)."""
+MAX_HANDLES = 1024
+"""Endpoint names remembered (discovery may bring new URLs); all forgotten when full."""
 CHOSEN_ID_FIELDS = ("request_id",)
 """Body fields through which a client would choose the response's id (vLLM's)."""
 _BY_ID = re.compile(r"/v1/responses/(resp_[^/]*)(/.*)?")
@@ -64,32 +75,62 @@ class PreviousResponseNotFound(RequestError):
     code = "previous_response_not_found"
 
 
+Owned = tuple[str, str]
+"""An id a caller owns, and the name of the endpoint that holds it ("" for none known)."""
+
+
 class ResponseIds:
     """Tags ids for a scope, and checks them; see the module docstring."""
 
-    __slots__ = ("_keyed",)
+    __slots__ = ("_handles", "_keyed")
 
     def __init__(self, secret: str) -> None:
         self._keyed = hmac.new(secret.encode(), digestmod=hashlib.sha256)
+        self._handles: dict[str, str] = {}
 
-    def tag(self, scope: str, rid: str) -> str:
+    def handle(self, url: str) -> str:
+        """The name of the endpoint at ``url`` in the ids it holds."""
+        known = self._handles.get(url)
+        if known is None:
+            if len(self._handles) >= MAX_HANDLES:
+                self._handles.clear()
+            mac = self._keyed.copy()
+            mac.update(f"endpoint\0{url}".encode())
+            known = self._handles[url] = mac.hexdigest()[:HANDLE_CHARS]
+        return known
+
+    def pin(self, handle: str) -> Callable[[str], bool]:
+        """The test of endpoint URLs that picks the endpoint named ``handle``."""
+        return lambda url: self.handle(url) == handle
+
+    def tag(self, scope: str, rid: str, handle: str = "") -> str:
         mac = self._keyed.copy()
-        mac.update(f"{scope}\0{rid}".encode())
+        if handle:
+            mac.update(f"{scope}\0{rid}\0{handle}".encode())
+            return f"{rid}{SEPARATOR}{handle}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
+        mac.update(f"{scope}\0{rid}".encode())  # an id from before endpoints were named
         return f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
 
-    def untag(self, scope: str, tagged: str) -> str | None:
-        """The id ``tagged`` carries, if its tag is ``scope``'s; else None."""
-        rid, separator, _ = tagged.rpartition(SEPARATOR)
-        if not separator or not rid.startswith("resp_"):
+    def untag(self, scope: str, tagged: str) -> Owned | None:
+        """The id ``tagged`` carries and its endpoint's name, if its tag is ``scope``'s;
+        else None."""
+        shown, separator, _ = tagged.rpartition(SEPARATOR)
+        if not separator:
             return None
-        return rid if hmac.compare_digest(self.tag(scope, rid), tagged) else None
+        rid, separator, handle = shown.rpartition(SEPARATOR)
+        if separator and len(handle) == HANDLE_CHARS and rid.startswith("resp_"):
+            if hmac.compare_digest(self.tag(scope, rid, handle), tagged):
+                return rid, handle
+        if shown.startswith("resp_") and hmac.compare_digest(self.tag(scope, shown), tagged):
+            return shown, ""
+        return None
 
-    def tag_owned(self, scope: str, data: bytes, rids: Iterable[str]) -> bytes:
-        """``data`` with each of ``rids`` (ids ``scope`` owns), as a JSON string, tagged."""
-        for rid in rids:
+    def tag_owned(self, scope: str, data: bytes, owned: Iterable[Owned]) -> bytes:
+        """``data`` with each id ``scope`` owns, as a JSON string, tagged."""
+        for rid, handle in owned:
             quoted = f'"{rid}"'.encode()
             if quoted in data:  # never inside a string: its quotes would be escaped
-                data = data.replace(quoted, f'"{self.tag(scope, rid)}"'.encode())
+                data = data.replace(quoted, f'"{self.tag(scope, rid, handle)}"'.encode())
         return data
 
 
@@ -109,19 +150,23 @@ class ResponseIdStage:
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         if call.path == RESPONSES_PATH:
             call, named = await self._untag_body(call)
-            answer = _Answer(self._ids, call.scope, named, learn=call.method == "POST")
+            learn = call.method == "POST"
         elif (found := _BY_ID.fullmatch(call.path)) is not None:
-            call, rid = self._untag_path(call, found)
-            answer = _Answer(self._ids, call.scope, [rid], learn=False)
+            call, named = self._untag_path(call, found)
+            learn = False
         else:
             return await call_next(call)
+        if named and named[0][1]:
+            call = dataclasses.replace(call, pin=self._ids.pin(named[0][1]))
         reply = await call_next(dataclasses.replace(call, headers=uncompressed(call.headers)))
+        made_at = self._ids.handle(reply.endpoint) if reply.endpoint else ""
+        answer = _Answer(self._ids, call.scope, named, learn=learn, made_at=made_at)
         if reply.body is not None:
             return reply.replace(body=answer.whole(reply.body))
         assert reply.stream is not None
         return reply.replace(stream=answer.events(reply.stream), content_length=None)
 
-    async def _untag_body(self, call: Call) -> tuple[Call, list[str]]:
+    async def _untag_body(self, call: Call) -> tuple[Call, list[Owned]]:
         """The call with its ``previous_response_id`` untagged, and the ids it proved."""
         data = call.json
         if data is None:
@@ -135,25 +180,25 @@ class ResponseIdStage:
         named = data.get("previous_response_id")
         if not isinstance(named, str):
             return call, []  # none, or not a string: the backend's to refuse
-        rid = self._ids.untag(call.scope, named)
-        if rid is None:
+        owned = self._ids.untag(call.scope, named)
+        if owned is None:
             self._refused(call.tenant, "previous_response_id")
             raise PreviousResponseNotFound(
                 f"Previous response with id '{_shown(named)}' not found."
             )
-        data = {**data, "previous_response_id": rid}
+        data = {**data, "previous_response_id": owned[0]}
         body = await dumps_yielding(data, len(call.body))
-        return dataclasses.replace(call, json=data, body=body), [rid]
+        return dataclasses.replace(call, json=data, body=body), [owned]
 
-    def _untag_path(self, call: Call, found: re.Match[str]) -> tuple[Call, str]:
+    def _untag_path(self, call: Call, found: re.Match[str]) -> tuple[Call, list[Owned]]:
         named = unquote(found.group(1))
-        rid = self._ids.untag(call.scope, named)
-        if rid is None:
+        owned = self._ids.untag(call.scope, named)
+        if owned is None:
             self._refused(call.tenant, "path")
             raise ResponseNotFound(f"Response with id '{_shown(named)}' not found.")
-        path = f"{RESPONSES_PATH}/{rid}{found.group(2) or ''}"
+        path = f"{RESPONSES_PATH}/{owned[0]}{found.group(2) or ''}"
         target = f"{path}?{call.query}" if call.query else path
-        return dataclasses.replace(call, path=path, raw_target=target), rid
+        return dataclasses.replace(call, path=path, raw_target=target), [owned]
 
     def __repr__(self) -> str:
         return "<ResponseIdStage>"
@@ -161,12 +206,16 @@ class ResponseIdStage:
 
 class _Answer:
     """One answer's ids to tag: those the request proved its own, and, for a request that
-    makes a response (``learn``), the id the server gave it, read from the answer."""
+    makes a response (``learn``), the id the server gave it, read from the answer, held by
+    the endpoint named ``made_at``."""
 
-    __slots__ = ("_ids", "_learn", "_owned", "_scope")
+    __slots__ = ("_ids", "_learn", "_made_at", "_owned", "_scope")
 
-    def __init__(self, ids: ResponseIds, scope: str, owned: list[str], *, learn: bool) -> None:
+    def __init__(
+        self, ids: ResponseIds, scope: str, owned: list[Owned], *, learn: bool, made_at: str
+    ) -> None:
         self._ids, self._scope, self._owned, self._learn = ids, scope, owned, learn
+        self._made_at = made_at
 
     def whole(self, body: bytes) -> bytes:
         if self._learn:
@@ -190,7 +239,7 @@ class _Answer:
         rid = response.get("id")
         if not isinstance(rid, str) or not rid.startswith("resp_"):
             return False
-        self._owned = [*self._owned, rid]
+        self._owned = [*self._owned, (rid, self._made_at)]
         self._learn = False
         return True
 

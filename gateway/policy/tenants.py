@@ -67,7 +67,8 @@ class Tenants:
             "`resp_...` id a client sees carries a tag (an HMAC under this secret), and a "
             "request naming an id without its own tag (`GET /v1/responses/<id>`, "
             "`previous_response_id`) is refused before any backend; a tenant held to some "
-            "`models` may then read its own. At least 16 characters, "
+            "`models` may then read its own. The id also names the endpoint that stored "
+            "it, and a request naming it is sent there. At least 16 characters, "
             "the same in every replica; from a Secret through `${ENV}`. Empty: ids pass "
             "as the backend wrote them.",
             secret=True,

@@ -27,6 +27,8 @@ class Sent:
     streaming: bool
     affinity: str | None = None
     """The leading-context key, for a backend with ``prefix_affinity``."""
+    pin: Callable[[str], bool] | None = None
+    """The test of the endpoint that holds what the call names (``Call.pin``)."""
 
     def header(self, name: str) -> str | None:
         return first_header(self.headers, name)
@@ -91,8 +93,9 @@ class FakeTransport:
         *,
         streaming: bool,
         affinity: str | None = None,
+        pin: Callable[[str], bool] | None = None,
     ) -> Reply:
-        sent = Sent(backend.name, method, path_qs, tuple(headers), body, streaming, affinity)
+        sent = Sent(backend.name, method, path_qs, tuple(headers), body, streaming, affinity, pin)
         self.sent.append(sent)
         respond = (
             self._respond[backend.name] if isinstance(self._respond, Mapping) else self._respond

@@ -4,6 +4,8 @@ its requests in flight."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
@@ -86,14 +88,22 @@ class Upstreams:
         *,
         streaming: bool,
         affinity: str | None = None,
+        pin: Callable[[str], bool] | None = None,
     ) -> Reply:
         endpoints = self.pool(backend)
-        if endpoints.direct is not None:
+        if endpoints.direct is not None:  # one instance: it holds whatever a pin names
             return await endpoints.direct.send(
                 backend, method, path_qs, headers, body, streaming=streaming
             )
         return await endpoints.send(
-            backend, method, path_qs, headers, body, streaming=streaming, affinity=affinity
+            backend,
+            method,
+            path_qs,
+            headers,
+            body,
+            streaming=streaming,
+            affinity=affinity,
+            pin=pin,
         )
 
     async def aclose(self) -> None:

@@ -26,6 +26,13 @@ tried again (Envoy's panic mode), so the backend's own breaker, not the ejection
 whether the backend is down.  A request whose connection could not even be opened (so
 nothing was sent) is tried once more on another endpoint.
 
+A request that names something only one endpoint holds (a stored response of the
+Responses API: ``Call.pin``, set by ``openai.response_ids``) goes to that endpoint, ejected
+or not, and to no other if it cannot be reached (another would answer that it has no such
+thing); when no endpoint matches any more (the instance is gone, and what it held with
+it), it is balanced as any other, and the backend says what it has.  Both are counted
+(``gateway_endpoint_pins_total``).
+
 ``backends.Upstreams`` keeps one set per backend across reloads.
 """
 
@@ -35,7 +42,7 @@ import asyncio
 import contextlib
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import ConnectFailed, UpstreamError
@@ -308,13 +315,15 @@ class EndpointSet:
         *,
         streaming: bool,
         affinity: str | None = None,
+        pin: Callable[[str], bool] | None = None,
     ) -> Reply:
         if not self.resolved.is_set():  # discovery's first answer is on its way
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.resolved.wait(), backend.connect_timeout_s)
         tried: list[Endpoint] = []
+        pinned = self._pinned(pin) if pin is not None else None
         while True:
-            endpoint = self.pick(tried, affinity)
+            endpoint = pinned if pinned is not None else self.pick(tried, affinity)
             endpoint.last_used = self._clock.now()
             tried.append(endpoint)
             try:
@@ -323,7 +332,7 @@ class EndpointSet:
                 )
             except ConnectFailed:
                 self.observe(endpoint, "error", True)
-                if len(tried) >= min(2, len(self.endpoints)):
+                if pinned is not None or len(tried) >= min(2, len(self.endpoints)):
                     raise
                 continue  # nothing reached that endpoint: another may take it
             except UpstreamError:
@@ -332,6 +341,12 @@ class EndpointSet:
             status = reply.status
             self.observe(endpoint, f"{status // 100}xx", status >= 500 and status != 503)
             return reply
+
+    def _pinned(self, pin: Callable[[str], bool]) -> Endpoint | None:
+        """The endpoint ``pin`` names, if the backend still has it."""
+        found = next((e for e in self.endpoints if pin(e.url)), None)
+        self._metrics.endpoint_pins.labels(self.name, "kept" if found else "gone").inc()
+        return found
 
     def _stop(self) -> None:
         if self.sizing is not None:

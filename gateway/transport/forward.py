@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.openai.prefix import leading_key
 from gateway.pipeline import Call, Reply
 from gateway.transport.upstream import Transport
@@ -21,7 +23,10 @@ class Forward:
             headers = [(k, v) for k, v in headers if k.lower() not in names]
             headers.extend(backend.headers)
         path_qs = call.raw_target or call.path + ("?" + call.query if call.query else "")
-        if backend.prefix_affinity:
+        if backend.prefix_affinity or call.pin is not None:
+            steer: dict[str, Any] = {"pin": call.pin} if call.pin is not None else {}
+            if backend.prefix_affinity:
+                steer["affinity"] = leading_key(call.json)
             return await self._transport.send(
                 backend,
                 call.method,
@@ -29,7 +34,7 @@ class Forward:
                 headers,
                 call.body,
                 streaming=call.streaming,
-                affinity=leading_key(call.json),
+                **steer,
             )
         return await self._transport.send(
             backend, call.method, path_qs, headers, call.body, streaming=call.streaming

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -52,7 +52,9 @@ def resendable(method: str, path_qs: str, headers: list[tuple[str, str]]) -> boo
 class Transport(Protocol):
     """Sends a request to a backend and returns the reply (real: ``Upstreams``).
     ``affinity`` is the request's leading-context key, for a backend with
-    ``prefix_affinity`` (``openai.prefix.leading_key``); a transport may ignore it."""
+    ``prefix_affinity`` (``openai.prefix.leading_key``); a transport may ignore it.
+    ``pin`` (``Call.pin``) picks the endpoint that holds what the request names, when the
+    backend has several."""
 
     async def send(
         self,
@@ -64,6 +66,7 @@ class Transport(Protocol):
         *,
         streaming: bool,
         affinity: str | None = None,
+        pin: Callable[[str], bool] | None = None,
     ) -> Reply: ...
 
 
