@@ -38,7 +38,7 @@ from gateway.server.request import Request
 from gateway.snapshot import Live
 from gateway.transport.forwarding import forwarding_headers
 from gateway.transport.headers import REQUEST_OWNED, is_event_stream, strip
-from gateway.wire import error_body, error_headers
+from gateway.wire import error_body, error_event, error_headers
 
 if TYPE_CHECKING:
     from gateway.tracing.otel import Trace
@@ -126,7 +126,7 @@ class Edge:
                 if call is not None and isinstance(exc, UpstreamError):
                     call.backend = exc.backend or call.backend
                 headers = [*error_headers(exc, request_id), *exc.extra_headers]
-                request.respond(status, headers, error_body(exc))
+                request.respond(status, headers, error_body(exc, request.path))
                 return
             status = reply.status
             if trace is not None:
@@ -255,10 +255,12 @@ class Edge:
             reason="shutdown",
         )
         if not request.started:
-            request.respond(error.status, error_headers(error, request_id), error_body(error))
+            request.respond(
+                error.status, error_headers(error, request_id), error_body(error, request.path)
+            )
             return error.status
         if reply is not None and is_event_stream(reply.headers):
-            request.end_with(b"data: " + error_body(error) + b"\n\n")
+            request.end_with(error_event(error, request.path))
         else:
             request.cut()
         return status

@@ -1,8 +1,12 @@
-"""What the gateway itself writes on the wire: OpenAI-shaped error bodies, and HTTP/1.1
-response heads.
+"""What the gateway itself writes on the wire: error bodies in the shape the client's API
+uses, and HTTP/1.1 response heads.
 
 An error is ``{"error": {"message", "type", "code", "param"}}`` as the openai SDK and Spring
-AI parse it, with ``Retry-After`` (whole seconds) when the error says when to come back.
+AI parse it; on Anthropic's Messages API (``/v1/messages`` and below) it is Anthropic's
+``{"type": "error", "error": {"type", "message"}}``, its type named by the status as
+Anthropic names it (``rate_limit_error``, ``overloaded_error``...), with the gateway's
+``code`` beside.  ``Retry-After`` (whole seconds) comes with it when the error says when to
+come back.
 A response head is written once per answer; a header whose name or value would break the
 framing (CR, LF or NUL) is dropped, so nothing a backend or a stage put in a header can
 split a response.
@@ -31,11 +35,49 @@ def connection_options(value: str) -> set[str]:
     return {option.strip().lower() for option in value.split(",")}
 
 
-def error_body(exc: GatewayError) -> bytes:
-    """``{"error": {"message", "type", "code", "param"}}``."""
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+"""Anthropic's error types by status; any other is ``invalid_request_error`` below 500 and
+``api_error`` from it."""
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is Anthropic's Messages API, whose clients read its error shape."""
+    return path.startswith(ANTHROPIC_PATH) and path[
+        len(ANTHROPIC_PATH) : len(ANTHROPIC_PATH) + 1
+    ] in ("", "/")
+
+
+def error_body(exc: GatewayError, path: str = "") -> bytes:
+    """``{"error": {"message", "type", "code", "param"}}``; Anthropic's shape for a
+    ``path`` of its API."""
+    if path and anthropic_path(path):
+        kind = _ANTHROPIC_TYPES.get(exc.status) or (
+            "invalid_request_error" if exc.status < 500 else "api_error"
+        )
+        error = {"type": kind, "message": str(exc), "code": exc.code}
+        return json.dumps({"type": "error", "error": error}).encode()
     return json.dumps(
         {"error": {"message": str(exc), "type": exc.type, "code": exc.code, "param": None}}
     ).encode()
+
+
+def error_event(exc: GatewayError, path: str = "") -> bytes:
+    """``exc`` as the last event of an SSE stream: Anthropic's ``error`` event on its API's
+    path, else a ``data:`` line with the OpenAI error."""
+    body = error_body(exc, path)
+    return (
+        (b"event: error\n" if path and anthropic_path(path) else b"") + b"data: " + body + b"\n\n"
+    )
 
 
 def error_headers(exc: GatewayError, request_id: str = "") -> list[tuple[str, str]]:

@@ -18,9 +18,12 @@ import pytest
 from aiohttp import web
 
 from gateway.cache.keys import cacheability
+from gateway.errors import Overloaded
 from gateway.openai.prefix import leading_key
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.sim import SimConfig, start_sim
+from gateway.testing.llama import free_port
+from gateway.wire import anthropic_path, error_event
 from tests.helpers import metric, scrape_when_recorded, write_policy
 
 ACME_KEY = "acme-secret-key"
@@ -442,3 +445,59 @@ def test_a_client_cannot_hide_its_tokens_behind_echoed_fields():
     assert from_body(json.dumps(answer).encode()) == (11, 3)
     answer["usage"] = None
     assert from_body(json.dumps(answer).encode()) is None
+
+
+async def test_the_gateways_own_errors_on_anthropics_api_are_in_its_shape(
+    served, start_gateway, tmp_path
+):
+    """Anthropic's SDK and its clients (Claude Code among them) read an error's ``type``
+    (``rate_limit_error``, ``overloaded_error``...) from Anthropic's shape; what the gateway
+    itself answers on ``/v1/messages`` is in that shape, with its own ``code`` beside, while
+    chat's stay OpenAI's."""
+    *_, gw = served
+    async with anthropic_sdk(gw) as claude:
+        with pytest.raises(anthropic.NotFoundError) as hidden:
+            await claude.messages.create(model="secret-model", max_tokens=8, messages=HI)
+        with pytest.raises(anthropic.BadRequestError) as malformed:
+            await claude.messages.count_tokens(model="small-1", messages=[])
+    body: Any = hidden.value.body
+    assert body["type"] == "error" and "secret-model" in body["error"]["message"]
+    assert body["error"]["type"] == "not_found_error"
+    assert body["error"]["code"] == "model_not_found"
+    assert malformed.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    async with httpx.AsyncClient() as client:
+        chat = await client.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": "secret-model", "messages": HI},
+            headers={"Authorization": f"Bearer {ACME_KEY}"},
+        )
+    assert chat.status_code == 404 and "type" not in chat.json()
+    assert chat.json()["error"]["type"] == "invalid_request_error"
+
+    text = (
+        f"backends: {{small: {{url: 'http://127.0.0.1:{free_port()}'}}}}\n"
+        "routes: [{backend: small, rate_limit: {requests_per_s: 0.01, burst: 1}}]\n"
+    )
+    down = await start_gateway(policy=write_policy(tmp_path, text, "down.yaml"))
+    async with anthropic_sdk(down) as claude:
+        with pytest.raises(anthropic.APIStatusError) as unreachable:
+            await claude.messages.create(model="m", max_tokens=8, messages=HI)
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            await claude.messages.create(model="m", max_tokens=8, messages=HI)
+    assert unreachable.value.status_code == 502
+    assert unreachable.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    assert limited.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert limited.value.response.headers["Retry-After"]
+
+
+def test_an_error_ending_a_stream_is_an_event_of_the_streams_api():
+    busy = Overloaded("the gateway shut down", retry_after_s=1.0, reason="shutdown")
+    event = error_event(busy, "/v1/messages")
+    assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")
+    assert json.loads(event.split(b"data: ")[1])["error"]["type"] == "overloaded_error"
+    assert error_event(busy, "/v1/chat/completions").startswith(b'data: {"error": ')
+    assert [anthropic_path(p) for p in ("/v1/messages/count_tokens", "/v1/messagesx", "/")] == [
+        True,
+        False,
+        False,
+    ]

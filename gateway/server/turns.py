@@ -168,7 +168,9 @@ class Turns(asyncio.Protocol, ABC):
             if not request.started:
                 failed = GatewayError("the gateway failed to handle the request")
                 request._keep = False
-                request.respond(failed.status, error_headers(failed), error_body(failed))
+                request.respond(
+                    failed.status, error_headers(failed), error_body(failed, request.path)
+                )
             else:
                 request.cut()
         finally:
@@ -237,11 +239,10 @@ class Turns(asyncio.Protocol, ABC):
         for request in pending:
             self._release(request)
         error = shutting_down()
-        body = error_body(error)
         for i, request in enumerate(pending):
             self.server.answered_refusal(error.status)
             request._keep = i < len(pending) - 1
-            request.respond(error.status, error_headers(error), body)
+            request.respond(error.status, error_headers(error), error_body(error, request.path))
         self.close()
 
     def _refuse(self, error: GatewayError) -> None:
