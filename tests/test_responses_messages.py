@@ -261,23 +261,91 @@ async def test_a_malformed_body_is_a_400_that_never_reaches_a_backend(served, pa
 JSON = {"content-type": "application/json"}
 
 
-async def test_their_answers_are_not_cached_nor_shared(served):
+async def test_responses_answers_are_never_cached(served):
     """Stored under its id by the server, a Responses answer may continue a stored
     conversation (``previous_response_id``): it is never served from the cache, even at
     temperature 0 on a route that caches chat."""
     big, _, gw = served
     body = {"model": "big-1", "input": "hi", "temperature": 0}
-    ask = {"model": "big-1", "messages": HI, "max_tokens": 8, "temperature": 0}
     async with httpx.AsyncClient() as client:
         for _ in range(2):
             reply = await client.post(gw.url + "/v1/responses", json=body)
             assert reply.headers["X-Gateway-Cache"] == "bypass"
-            reply = await client.post(gw.url + "/v1/messages", json=ask)
-            assert reply.headers["X-Gateway-Cache"] == "bypass"
-    assert len(big.bodies) == 4
+    assert len(big.bodies) == 2
     assert not cacheability(body, "/v1/responses").ok
-    assert not cacheability(ask, "/v1/messages").ok
-    assert cacheability(ask, "/v1/chat/completions").ok
+
+
+async def test_anthropic_answers_at_temperature_0_are_cached_in_the_shape_asked(served):
+    """A whole answer, and a stream replayed byte for byte, each under a key of its own;
+    Anthropic's version and beta headers are in the key; without temperature 0 nothing is
+    cached; the tokens of a hit are the cache's, not the backend's."""
+    big, _, gw = served
+    ask = {"model": "big-1", "messages": HI, "max_tokens": 8, "temperature": 0}
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+    seen: list[tuple[str, bytes]] = []
+    async with httpx.AsyncClient(headers=acme) as client:
+        for body, extra in (
+            (ask, {}),
+            (ask, {}),
+            ({**ask, "stream": True}, {}),
+            ({**ask, "stream": True}, {}),
+            (ask, {"anthropic-beta": "some-feature-2026-01-01"}),
+            ({**ask, "temperature": 1}, {}),
+        ):
+            reply = await client.post(gw.url + "/v1/messages", json=body, headers=extra)
+            assert reply.status_code == 200
+            seen.append((reply.headers["X-Gateway-Cache"], reply.content))
+    assert [cache for cache, _ in seen] == ["miss", "hit", "miss", "hit", "miss", "bypass"]
+    assert seen[1][1] == seen[0][1] and json.loads(seen[1][1])["type"] == "message"
+    assert seen[3][1] == seen[2][1] == messages_stream("big-1")  # replayed as it came
+    assert len(big.bodies) == 4
+    async with anthropic_sdk(gw) as claude:  # its own anthropic-version: its own key
+        for _ in range(2):
+            async with claude.messages.stream(
+                model="big-1", max_tokens=8, messages=HI, extra_body={"temperature": 0}
+            ) as stream:
+                assert await stream.get_final_text() == "ok"
+    assert len(big.bodies) == 5  # the second, replayed, read by the SDK as the first
+    text = await scrape_when_recorded(gw.admin_url, 8)
+    assert (
+        metric(text, "gateway_tenant_tokens_total", tenant="acme", kind="prompt", source="cache")
+        == 30
+    )
+    assert cacheability(ask, "/v1/messages").ok
+    assert not cacheability({**ask, "temperature": None}, "/v1/messages").ok
+
+
+async def test_an_anthropic_stream_that_failed_or_was_cut_is_never_stored(
+    serve_app, start_gateway, tmp_path
+):
+    """A stream that carries an ``error`` event (an overloaded server, mid-answer, under a
+    200) or that never reached ``message_stop`` is relayed, and not stored."""
+    whole = messages_stream("m")
+    failed = whole.split(b"event: content_block_stop")[0] + sse(
+        [("error", {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})]
+    )
+    cut = whole.split(b"event: message_stop")[0]
+    answers = [failed, cut, whole]
+    asked = 0
+
+    async def messages(request: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        return web.Response(body=answers[min(asked, 3) - 1], content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    url = await serve_app(app)
+    text = f"backends: {{m: {{url: '{url}'}}}}\nroutes: [{{backend: m, cache: {{ttl_s: 60}}}}]\n"
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    ask = {"model": "m", "messages": HI, "max_tokens": 8, "temperature": 0, "stream": True}
+    cached = []
+    async with httpx.AsyncClient() as client:
+        for _ in range(5):
+            reply = await client.post(gw.url + "/v1/messages", json=ask)
+            cached.append(reply.headers["X-Gateway-Cache"])
+    assert cached == ["miss", "miss", "miss", "hit", "hit"]
+    assert asked == 3
 
 
 async def test_each_apis_tokens_are_counted_for_the_tenant_streamed_or_not(served):

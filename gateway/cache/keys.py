@@ -58,8 +58,14 @@ IGNORED_FIELDS = frozenset(
 CHAT_PATH_SUFFIX = "/chat/completions"
 MAX_NEAR_CHARS = 8192
 """The longest final user message the near-duplicate tiers compare (characters)."""
-CACHED_PATHS = ("/chat/completions", "/completions", "/embeddings")
-"""The endpoints (path ends) whose answers may be cached and shared by single flight."""
+MESSAGES_PATH = "/v1/messages"
+"""Anthropic's Messages API: cached by the exact tier, each shape (stream or whole) under a
+key of its own, since its events are replayed as they came (``replies.verbatim``)."""
+API_HEADERS = ("anthropic-version", "anthropic-beta")
+"""Request headers that change an Anthropic answer: in its key (``api_headers``)."""
+CACHED_PATHS = ("/chat/completions", "/completions", "/embeddings", MESSAGES_PATH)
+"""The endpoints (path ends) whose answers may be cached (and, but for Anthropic's, shared
+by single flight)."""
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which
@@ -101,10 +107,10 @@ def cacheability(
     Chat and text completions need an explicit ``temperature`` of 0 (a missing one means the
     API default of 1) unless ``allow_sampled``; ``n`` and ``best_of`` must be absent or 1.
     A message referring to a remote image (``http(s)://`` URL) is not cacheable: the image
-    behind the URL may change.  Embeddings requests are always deterministic.  Other
+    behind the URL may change.  Embeddings requests are always deterministic.  Anthropic's
+    Messages API is judged as chat (its ``temperature`` defaults to 1 too).  Other
     endpoints' answers are not cached (``CACHED_PATHS``): the Responses API's are stored by
-    the server under their ids and may continue a stored conversation, and neither its
-    streams nor Anthropic's can be joined by single flight as a chat stream can.
+    the server under their ids and may continue a stored conversation.
     """
     if not isinstance(body, Mapping):
         return Cacheability(False, "body is not a JSON object")
@@ -144,6 +150,8 @@ def request_key(
     the exact tier first and pays for the rest only on a miss)."""
     canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
     prefix = _prefix(scope, route, backend, model_version, path, query, vary)
+    if path.endswith(MESSAGES_PATH):  # its streams are stored as sent: a shape per key
+        prefix += ("stream" if body.get("stream") is True else "whole",)
     prompt = _near_prompt(body, path)
     if prompt is None:
         return RequestKey(scope, _digest("exact", *prefix, _dumps_canon(canon)))
@@ -177,6 +185,15 @@ def with_context(
     prefix = _prefix(key.scope, route, backend, model_version, path, query, vary)
     context = _context(prefix, blanked, prompt)
     return RequestKey(key.scope, key.exact, context, prompt, blanked)
+
+
+def api_headers(path: str, headers: Iterable[tuple[str, str]]) -> str:
+    """What the key of a request to ``path`` takes from its headers beside the backend's
+    ``Vary``: Anthropic's API version and beta features, which change its answers."""
+    if not path.endswith(MESSAGES_PATH):
+        return ""
+    wanted = [(k.lower(), v) for k, v in headers if k.lower() in API_HEADERS]
+    return "".join(f"\n{k}={v}" for k, v in sorted(wanted))
 
 
 def _prefix(

@@ -2,7 +2,10 @@
 miss's stream relayed untouched while it is recorded for storing.
 
 A hit is one ``Reply`` body: SSE events (OpenAI chunks ending in ``[DONE]``) for a streaming
-request, a JSON answer otherwise, whichever shape was stored.  A miss's stream goes through
+request, a JSON answer otherwise, whichever shape was stored.  Anthropic's Messages API's
+streams are stored and replayed byte for byte (``verbatim``), only once they ended with
+``message_stop`` and no ``error`` event; a whole answer is never made of them, nor they of
+one (their shape is in their key).  A miss's stream goes through
 ``Tee``, which hands each chunk on as it arrives and, only once the stream has ended
 normally, passes what it recorded to a callback that stores it.  A stream that breaks off
 (an upstream error) or that the client abandons never reaches the callback.
@@ -12,12 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.cache.entry import CachedResponse
+from gateway.cache.keys import MESSAGES_PATH
 from gateway.openai.sse import StreamRecorder, events_to_json, json_to_events, render_sse
 from gateway.pipeline import Headers, Reply
-from gateway.transport.headers import SSE_TYPE
+from gateway.transport.headers import SSE_TYPE, is_event_stream
 
 log = logging.getLogger("gateway.cache")
 
@@ -31,9 +36,36 @@ MAX_RECORDED_BYTES = 4 * 1024 * 1024
 JSON_TYPE = "application/json"
 
 
+def verbatim(path: str) -> bool:
+    """Whether a stream of ``path`` is stored and replayed as it came (Anthropic's)."""
+    return path.endswith(MESSAGES_PATH)
+
+
+_ENDED = re.compile(rb"^event: ?message_stop\r?$", re.MULTILINE)
+_FAILED = re.compile(rb"^event: ?error\r?$", re.MULTILINE)
+
+
+def whole_stream(
+    put: Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]],
+) -> Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]]:
+    """``put`` for a verbatim stream: only one that ended (``message_stop``) without an
+    ``error`` event is stored."""
+
+    async def checked(events: tuple[str, ...] | None, body: bytes | None) -> None:
+        if body is not None and _ENDED.search(body) and not _FAILED.search(body):
+            await put(None, body)
+
+    return checked
+
+
 def hit_body(entry: CachedResponse, *, streaming: bool, include_usage: bool) -> tuple[bytes, str]:
     """(body, content type) of a cached answer in the shape the client asked for;
     ``ValueError`` when a stored JSON answer cannot be converted."""
+    stored = _content_type(entry.headers) or ""
+    if entry.body is not None and is_event_stream((("content-type", stored),)):
+        if not streaming:  # a verbatim stream: its own shape only
+            raise ValueError("a stored stream is not a whole answer")
+        return entry.body, stored
     if streaming:
         if entry.events is not None:
             return render_sse(entry.events, include_usage=include_usage), SSE_TYPE

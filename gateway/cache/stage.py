@@ -47,7 +47,7 @@ from gateway.cache.embedding_seam import (
 from gateway.cache.entry import CachedResponse, select_headers
 from gateway.cache.item_stage import ItemCache, RouteRules
 from gateway.cache.items import ItemPlan, plan_items
-from gateway.cache.keys import RequestKey, cacheability, request_key, with_context
+from gateway.cache.keys import RequestKey, api_headers, cacheability, request_key, with_context
 from gateway.cache.replies import (
     BYPASS,
     CACHE_HEADER,
@@ -61,6 +61,8 @@ from gateway.cache.replies import (
     hit_body,
     hit_reply,
     once,
+    verbatim,
+    whole_stream,
 )
 from gateway.cache.simhash import MAX_DISTANCE
 from gateway.cache.state import CACHE_STATE, CacheState
@@ -260,7 +262,7 @@ class CacheStage:
             model_version=self._versions.get(backend, ""),
             path=call.path,
             query=call.query,
-            vary=vary,
+            vary=vary + api_headers(call.path, call.headers),
             near=near,
         )
 
@@ -370,29 +372,26 @@ class CacheStage:
             key = self._key(call, scope, backend, learned, near=key.context is not None)
         stored_headers = select_headers(reply.headers)
 
+        version = self._versions.get(backend, "")
+
         async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
             entry = CachedResponse(
-                200,
-                stored_headers,
-                body,
-                events,
-                self._clock.wall(),
-                backend,
-                self._versions.get(backend, ""),
-                call.route.name,
-                scope,
-            )
+                200, stored_headers, body, events, self._clock.wall(), backend, version,
+                call.route.name, scope,
+            )  # fmt: skip
             await self._put(rules, key, entry, ttl_s)
 
         events = is_event_stream(reply.headers)
-        if reply.body is not None and not events:
-            await put(None, reply.body)
+        as_sent = events and verbatim(call.path)  # stored as it came, once whole
+        store = whole_stream(put) if as_sent else put
+        if reply.body is not None and (not events or as_sent):
+            await store(None, reply.body)
         elif reply.body is not None:
-            tee = Tee(once(reply.body), events=True, on_complete=put)
-            async for _ in tee:
+            async for _ in Tee(once(reply.body), events=True, on_complete=put):
                 pass
         elif reply.stream is not None:
-            return reply.replace(stream=Tee(reply.stream, events=events, on_complete=put))
+            tee = Tee(reply.stream, events=events and not as_sent, on_complete=store)
+            return reply.replace(stream=tee)
         return reply
 
     async def _put(

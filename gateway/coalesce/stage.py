@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from gateway.cache.keys import cacheability, request_key
+from gateway.cache.keys import MESSAGES_PATH, cacheability, request_key
 from gateway.coalesce.singleflight import SingleFlight
 from gateway.errors import UpstreamUnavailable
 from gateway.openai.sse import StreamRecorder, events_to_json
@@ -64,6 +64,8 @@ def coalesce_key(call: Call) -> Hashable | None:
     body, route = call.json, call.route
     allow_sampled = route.cache is not None and route.cache.allow_sampled
     if body is None or not cacheability(body, call.path, allow_sampled=allow_sampled).ok:
+        return None
+    if call.path.endswith(MESSAGES_PATH):  # Anthropic's streams are not joined as chat's
         return None
     exact = request_key(
         body,
