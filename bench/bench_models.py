@@ -20,8 +20,10 @@ requests/s at 16; each figure the median over the rounds.
   route with ``stream_usage: ask`` (the usage chunk asked for, counted and taken out).
 - ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages`` (Anthropic's),
   small bodies: the server directly and through the gateway, which reads them as it reads
-  chat (parsed, routed on ``model``, their usage counted); and the Responses API through a
-  gateway that binds its ids to the tenant (``tenants.response_id_secret``).
+  chat (parsed, routed on ``model``, their usage counted); the Responses API through a
+  gateway that binds its ids to the tenant (``tenants.response_id_secret``); and
+  Anthropic's at temperature 0 on a caching route, whole and streamed: every request after
+  the first a hit (a stream replayed byte for byte).
 
 Writes docs/benchmarks.md.
 """
@@ -51,12 +53,17 @@ RESPONSES = '{"model":"assistant","input":"hello there"}'
 MESSAGES = (
     '{"model":"assistant","max_tokens":4,"messages":[{"role":"user","content":"hello there"}]}'
 )
+CACHED = MESSAGES[:-1] + ',"temperature":0}'
+CACHED_STREAM = CACHED[:-1] + ',"stream":true}'
 OTHER_PATHS = (
     "direct, Responses API",
     "gateway, Responses API",
     "gateway, Responses API, ids bound to the tenant",
     "direct, Anthropic Messages",
     "gateway, Anthropic Messages",
+    "gateway, Anthropic Messages at temperature 0, a cache hit",
+    "direct, Anthropic Messages streamed",
+    "gateway, Anthropic Messages streamed at temperature 0, a cache hit",
 )
 STREAM_PATHS = (
     "direct, streamed",
@@ -82,14 +89,17 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
         "match": {"path": "/v1/chat/completions", "model": "streamer"},
         "backend": "chat",
     }
+    routes = [listing, streams, chat, {"match": {"path": "/v1/*"}, "backend": "chat"}]
     if models:
+        cached = {"match": {"path": "/v1/messages"}, "backend": "chat", "cache": {"ttl_s": 3600}}
+        routes.insert(0, cached)
         listing["merge_models"] = ["embedder"]
         targets = [{"model": "llama-3.1-8b", "weight": 9}, {"model": "qwen2.5-7b", "weight": 1}]
         chat["target_models"] = targets
         streams["stream_usage"] = "ask"
     policy = {
         "backends": {k: {"url": v} for k, v in backends.items()},
-        "routes": [listing, streams, chat, {"match": {"path": "/v1/*"}, "backend": "chat"}],
+        "routes": routes,
     }
     if models:
         policy["tenants"] = {"response_id_secret": "a-bench-secret-0123456789"}
@@ -117,8 +127,14 @@ def main() -> None:
         script, streamed = Path(tmp) / "chat.lua", Path(tmp) / "stream.lua"
         asked = Path(tmp) / "asked.lua"
         responses, messages = Path(tmp) / "responses.lua", Path(tmp) / "messages.lua"
-        bodies = ((script, CHAT), (streamed, STREAM), (asked, ASKED))
-        for file, body in (*bodies, (responses, RESPONSES), (messages, MESSAGES)):
+        cached, cached_stream = Path(tmp) / "cached.lua", Path(tmp) / "cached-stream.lua"
+        bodies = ((script, CHAT), (streamed, STREAM), (asked, ASKED), (cached, CACHED))
+        for file, body in (
+            *bodies,
+            (responses, RESPONSES),
+            (messages, MESSAGES),
+            (cached_stream, CACHED_STREAM),
+        ):
             file.write_text(
                 f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
                 "wrk.headers['Content-Type'] = 'application/json'\n"
@@ -139,6 +155,9 @@ def main() -> None:
             OTHER_PATHS[2]: (models + "/v1/responses", responses),
             OTHER_PATHS[3]: (backends["chat"] + "/v1/messages", messages),
             OTHER_PATHS[4]: (plain + "/v1/messages", messages),
+            OTHER_PATHS[5]: (models + "/v1/messages", cached),
+            OTHER_PATHS[6]: (backends["chat"] + "/v1/messages", cached_stream),
+            OTHER_PATHS[7]: (models + "/v1/messages", cached_stream),
         }
         merged = httpx.get(models + "/v1/models").json()["data"]
         assert len(merged) == 5, merged
@@ -151,6 +170,9 @@ def main() -> None:
             assert read.status_code == 200 and read.json()["usage"], read.text
         bound = httpx.post(models + "/v1/responses", content=RESPONSES).json()["id"]
         assert "~" in bound, bound
+        for body in (CACHED, CACHED, CACHED_STREAM, CACHED_STREAM):
+            hit = httpx.post(models + "/v1/messages", content=body).headers["x-gateway-cache"]
+        assert hit == "hit", hit
         for url, lua in paths.values():  # warm: pools, imports
             wrk(url, connections=4, duration_s=1, script=lua)
         for _ in range(args.rounds):
@@ -234,7 +256,13 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             "tenant (`tenants.response_id_secret`: the answer asked for uncompressed and "
             "read for the id the server gave it, which is tagged by HMAC) costs "
             f"{cost(OTHER_PATHS[1], OTHER_PATHS[2])} of the "
-            "gateway without it.",
+            "gateway without it. An Anthropic answer at temperature 0 from the cache (the "
+            "exact tier in memory; the server is not asked) gives "
+            f"{cost(OTHER_PATHS[3], OTHER_PATHS[5])} of the server asked directly, and a "
+            "stream replayed byte for byte "
+            f"{cost(OTHER_PATHS[6], OTHER_PATHS[7])} of the server's stream (a simulated "
+            "server that answers at once: a real model's answer takes milliseconds to "
+            "seconds, which a hit saves).",
         ]
     )
 
