@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.openai.response_ids import ResponseIds
+from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, problems_of, write_policy
 
 SECRET = "a-secret-of-more-than-16-chars"
@@ -397,3 +398,38 @@ async def test_a_stored_response_is_asked_of_the_endpoint_that_holds_it(
     async with httpx.AsyncClient() as client:
         text = (await client.get(gw.admin_url + "/metrics")).text
     assert metric(text, "gateway_endpoint_pins_total", backend="main", outcome="kept") == 17
+
+
+async def test_gateway_sims_stored_responses_are_continued_on_their_own_instance(
+    start_gateway, tmp_path
+):
+    """``gateway sim`` stores responses as vLLM does, each instance its own: behind one
+    backend of two sims, a conversation continues turn after turn on the instance that
+    holds it (its input grows by the turns before), and a deleted response is gone."""
+    sims = [await start_sim(SimConfig(port=0, base_ms=0, token_ms=0)) for _ in range(2)]
+    try:
+        urls = json.dumps([s.url for s in sims])
+        text = (
+            f"backends: {{main: {{endpoints: {urls}, balance: round_robin}}}}\n"
+            f"routes: [{{backend: main}}]\ntenants: {{response_id_secret: {SECRET}}}\n"
+        )
+        gw = await start_gateway(policy=write_policy(tmp_path, text))
+        async with sdk(gw, ALICE) as alice:
+            turn = await alice.responses.create(model="m", input="hello")
+            for _ in range(4):
+                assert turn.usage is not None
+                before = turn.usage.total_tokens
+                turn = await alice.responses.create(
+                    model="m", input="and then?", previous_response_id=turn.id
+                )
+                assert turn.usage is not None and turn.usage.input_tokens > before
+            assert (await alice.responses.retrieve(turn.id)).id == turn.id
+            await alice.responses.delete(turn.id)
+            with pytest.raises(openai.NotFoundError):
+                await alice.responses.retrieve(turn.id)
+            unstored = await alice.responses.create(model="m", input="x", store=False)
+            with pytest.raises(openai.NotFoundError):
+                await alice.responses.retrieve(unstored.id)
+    finally:
+        for s in sims:
+            await s.close()

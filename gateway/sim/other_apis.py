@@ -3,17 +3,25 @@
 vLLM and llama.cpp's server answer beside chat, whole and streamed, with their own
 ``usage`` (the Responses API's ``input_tokens`` / ``output_tokens``, Anthropic's with its
 input in ``message_start`` and its output in ``message_delta``).  Paced like chat
-(``openai_api``); nothing is stored, so ``previous_response_id`` is refused."""
+(``openai_api``).
+
+Responses are stored as vLLM stores them with its store on (unless the body says
+``"store": false``): in this process's memory, the last ``MAX_STORED`` of them, served by
+``GET``/``DELETE /v1/responses/<id>`` and continued by ``previous_response_id`` (whose
+conversation's tokens then count in the new response's input).  Another instance of the sim
+has none of them, as another vLLM instance would not."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from gateway.errors import RequestError
 from gateway.sim import requests as req
 from gateway.sim.engine import Engine
 from gateway.sim.gpu import call_cost_ms, prefill_ms
@@ -27,14 +35,46 @@ from gateway.sim.openai_api import (
 )
 from gateway.sim.outputs import answer_tokens, count_tokens
 
+MAX_STORED = 4096
+"""Responses a sim keeps (the oldest forgotten first): its memory stays bounded."""
+Stored = OrderedDict[str, dict[str, Any]]
+STORED = web.AppKey("stored", OrderedDict)
+
+
+class NotStored(RequestError):
+    """An id this instance does not hold (OpenAI's and vLLM's answer)."""
+
+    status = 404
+    code = "response_not_found"
+
+
+def stored_of(request: web.Request) -> Stored:
+    stored: Stored = request.app[STORED]
+    return stored
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    """``GET`` (or ``DELETE``) ``/v1/responses/<id>``."""
+    rid, stored = request.match_info["rid"], stored_of(request)
+    found = stored.pop(rid, None) if request.method == "DELETE" else stored.get(rid)
+    if found is None:
+        raise NotStored(f"Response with id '{rid}' not found.")
+    if request.method == "DELETE":
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
+    return web.json_response(found)
+
 
 async def responses(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await req.read_body(request)
-    if body.get("previous_response_id") is not None:
-        raise req.BadRequest("the sim stores no responses: 'previous_response_id' is unknown")
     model = req.model_of(body, engine.config.model_names[0])
     prompt, prompt_tokens = _input_prompt(body)
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        earlier = stored_of(request).get(previous) if isinstance(previous, str) else None
+        if earlier is None:
+            raise req.BadRequest(f"Previous response with id '{previous}' not found.")
+        prompt_tokens += earlier["usage"]["total_tokens"]  # the conversation so far
     limit = req.max_tokens_of(body, "max_output_tokens")
     tokens = answer_tokens(model, prompt, _length(engine.config.answer_tokens, limit))
     if fault := engine.fault(1):
@@ -51,15 +91,22 @@ async def responses(request: web.Request) -> web.StreamResponse:
         part = {"type": "output_text", "text": text, "annotations": []}
         message = {"type": "message", "id": ids[1], "status": status, "role": "assistant"}
         done = status == "completed"
-        return {
+        made = {
             "id": ids[0],
             "object": "response",
             "created_at": created,
             "status": status,
             "model": model,
+            "previous_response_id": previous,
             "output": [{**message, "content": [part]}] if done else [],
             "usage": usage if done else None,
         }
+        if done and body.get("store", True) is not False:
+            stored = stored_of(request)
+            stored[ids[0]] = made
+            while len(stored) > MAX_STORED:
+                stored.popitem(last=False)
+        return made
 
     if not body.get("stream"):
         async with engine.call(1, len(tokens)) as cost_ms:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,7 +38,10 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/embeddings", openai_api.embeddings)
+    app[other_apis.STORED] = OrderedDict()
     app.router.add_post("/v1/responses", other_apis.responses)
+    app.router.add_get("/v1/responses/{rid}", other_apis.stored_response)
+    app.router.add_delete("/v1/responses/{rid}", other_apis.stored_response)
     app.router.add_post("/v1/messages", other_apis.messages)
     app.router.add_post("/v1/messages/count_tokens", other_apis.count_message_tokens)
     app.router.add_get("/v1/models", openai_api.models)
@@ -101,6 +105,7 @@ async def _post_config(request: web.Request) -> web.Response:
 async def _reset(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     engine.reset()
+    request.app[other_apis.STORED].clear()
     return web.json_response(engine.state())
 
 
