@@ -21,7 +21,10 @@ requests/s at 16; each figure the median over the rounds.
 - ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages`` (Anthropic's),
   small bodies: the server directly and through the gateway, which reads them as it reads
   chat (parsed, routed on ``model``, their usage counted); the Responses API through a
-  gateway that binds its ids to the tenant (``tenants.response_id_secret``); and
+  gateway that binds its ids to the tenant (``tenants.response_id_secret``); a continuation
+  (``previous_response_id``) of a stored response, directly and through that gateway to a
+  backend of two instances, where each continuation is pinned to the instance that holds
+  the response its id names; and
   Anthropic's at temperature 0 on a caching route, whole and streamed: every request after
   the first a hit (a stream replayed byte for byte).
 
@@ -49,7 +52,10 @@ LIST_PATHS = ("direct (one server)", "gateway, one server's list", "gateway, two
 CHAT_PATHS = ("direct", "gateway, body passed through", "gateway, model rewritten")
 STREAM = '{"model":"streamer","messages":[{"role":"user","content":"hello"}],"stream":true}'
 ASKED = STREAM[:-1] + ',"stream_options":{"include_usage":true}}'
-RESPONSES = '{"model":"assistant","input":"hello there"}'
+RESPONSES = '{"model":"assistant","input":"hello there","store":false}'
+PAIRED = '{"model":"paired","input":"hello there"}'
+"""Stored: the response the continuations continue.  Nothing else the bench asks is stored,
+so the servers' stores (the last 4096 responses) keep it."""
 MESSAGES = (
     '{"model":"assistant","max_tokens":4,"messages":[{"role":"user","content":"hello there"}]}'
 )
@@ -59,6 +65,8 @@ OTHER_PATHS = (
     "direct, Responses API",
     "gateway, Responses API",
     "gateway, Responses API, ids bound to the tenant",
+    "direct, Responses API continuation (previous_response_id)",
+    "gateway, Responses API continuation, ids bound, pinned to one of two endpoints",
     "direct, Anthropic Messages",
     "gateway, Anthropic Messages",
     "gateway, Anthropic Messages at temperature 0, a cache hit",
@@ -90,7 +98,12 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
         "backend": "chat",
     }
     routes = [listing, streams, chat, {"match": {"path": "/v1/*"}, "backend": "chat"}]
+    servers: dict[str, object] = {k: {"url": v} for k, v in backends.items()}
     if models:
+        servers["pair"] = {"endpoints": list(backends.values()), "balance": "round_robin"}
+        routes.insert(
+            0, {"match": {"path": "/v1/responses*", "model": "paired"}, "backend": "pair"}
+        )
         cached = {"match": {"path": "/v1/messages"}, "backend": "chat", "cache": {"ttl_s": 3600}}
         routes.insert(0, cached)
         listing["merge_models"] = ["embedder"]
@@ -98,7 +111,7 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
         chat["target_models"] = targets
         streams["stream_usage"] = "ask"
     policy = {
-        "backends": {k: {"url": v} for k, v in backends.items()},
+        "backends": servers,
         "routes": routes,
     }
     if models:
@@ -153,11 +166,13 @@ def main() -> None:
             OTHER_PATHS[0]: (backends["chat"] + "/v1/responses", responses),
             OTHER_PATHS[1]: (plain + "/v1/responses", responses),
             OTHER_PATHS[2]: (models + "/v1/responses", responses),
-            OTHER_PATHS[3]: (backends["chat"] + "/v1/messages", messages),
-            OTHER_PATHS[4]: (plain + "/v1/messages", messages),
-            OTHER_PATHS[5]: (models + "/v1/messages", cached),
-            OTHER_PATHS[6]: (backends["chat"] + "/v1/messages", cached_stream),
-            OTHER_PATHS[7]: (models + "/v1/messages", cached_stream),
+            OTHER_PATHS[3]: (backends["chat"] + "/v1/responses", Path(tmp) / "direct.lua"),
+            OTHER_PATHS[4]: (models + "/v1/responses", Path(tmp) / "pinned.lua"),
+            OTHER_PATHS[5]: (backends["chat"] + "/v1/messages", messages),
+            OTHER_PATHS[6]: (plain + "/v1/messages", messages),
+            OTHER_PATHS[7]: (models + "/v1/messages", cached),
+            OTHER_PATHS[8]: (backends["chat"] + "/v1/messages", cached_stream),
+            OTHER_PATHS[9]: (models + "/v1/messages", cached_stream),
         }
         merged = httpx.get(models + "/v1/models").json()["data"]
         assert len(merged) == 5, merged
@@ -170,6 +185,14 @@ def main() -> None:
             assert read.status_code == 200 and read.json()["usage"], read.text
         bound = httpx.post(models + "/v1/responses", content=RESPONSES).json()["id"]
         assert "~" in bound, bound
+        for name, base in (("direct", backends["chat"]), ("pinned", models)):
+            made = httpx.post(base + "/v1/responses", content=PAIRED).json()["id"]
+            body = PAIRED[:-1] + f',"previous_response_id":"{made}","store":false}}'
+            assert httpx.post(base + "/v1/responses", content=body).status_code == 200
+            (Path(tmp) / f"{name}.lua").write_text(
+                f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
+                "wrk.headers['Content-Type'] = 'application/json'\n"
+            )
         for body in (CACHED, CACHED, CACHED_STREAM, CACHED_STREAM):
             hit = httpx.post(models + "/v1/messages", content=body).headers["x-gateway-cache"]
         assert hit == "hit", hit
@@ -251,16 +274,20 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             f"{cost(STREAM_PATHS[0], STREAM_PATHS[1])} of its stream without it). Through "
             f"the gateway, the Responses API costs {cost(OTHER_PATHS[0], OTHER_PATHS[1])} "
             f"of the server asked directly, Anthropic's Messages API "
-            f"{cost(OTHER_PATHS[3], OTHER_PATHS[4])}, and chat (the same parse) "
+            f"{cost(OTHER_PATHS[5], OTHER_PATHS[6])}, and chat (the same parse) "
             f"{cost(CHAT_PATHS[0], CHAT_PATHS[1])}. Binding the Responses API's ids to the "
             "tenant (`tenants.response_id_secret`: the answer asked for uncompressed and "
             "read for the id the server gave it, which is tagged by HMAC) costs "
             f"{cost(OTHER_PATHS[1], OTHER_PATHS[2])} of the "
-            "gateway without it. An Anthropic answer at temperature 0 from the cache (the "
+            "gateway without it. A continuation through that gateway (its id's tag checked, "
+            "the id taken off, the body written again, the request pinned to the endpoint "
+            "the id names, the new id tagged) costs "
+            f"{cost(OTHER_PATHS[3], OTHER_PATHS[4])} of a continuation asked of the server "
+            "directly. An Anthropic answer at temperature 0 from the cache (the "
             "exact tier in memory; the server is not asked) gives "
-            f"{cost(OTHER_PATHS[3], OTHER_PATHS[5])} of the server asked directly, and a "
+            f"{cost(OTHER_PATHS[5], OTHER_PATHS[7])} of the server asked directly, and a "
             "stream replayed byte for byte "
-            f"{cost(OTHER_PATHS[6], OTHER_PATHS[7])} of the server's stream (a simulated "
+            f"{cost(OTHER_PATHS[8], OTHER_PATHS[9])} of the server's stream (a simulated "
             "server that answers at once: a real model's answer takes milliseconds to "
             "seconds, which a hit saves).",
         ]

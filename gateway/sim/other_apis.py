@@ -8,7 +8,8 @@ input in ``message_start`` and its output in ``message_delta``).  Paced like cha
 Responses are stored as vLLM stores them with its store on (unless the body says
 ``"store": false``): in this process's memory, the last ``MAX_STORED`` of them, served by
 ``GET``/``DELETE /v1/responses/<id>`` and continued by ``previous_response_id`` (whose
-conversation's tokens then count in the new response's input).  Another instance of the sim
+conversation's tokens then count in the new response's input); the least recently made or
+continued are forgotten first.  Another instance of the sim
 has none of them, as another vLLM instance would not."""
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         earlier = stored_of(request).get(previous) if isinstance(previous, str) else None
         if earlier is None:
             raise req.BadRequest(f"Previous response with id '{previous}' not found.")
+        stored_of(request).move_to_end(previous)  # the least recently used go first
         prompt_tokens += earlier["usage"]["total_tokens"]  # the conversation so far
     limit = req.max_tokens_of(body, "max_output_tokens")
     tokens = answer_tokens(model, prompt, _length(engine.config.answer_tokens, limit))
