@@ -31,6 +31,7 @@ class Store:
         self.name = name  # said before each answer
         self.responses: dict[str, dict[str, Any]] = {}
         self.made = 0
+        self.down = False  # answers every read with a 503
         self.asked: list[tuple[str, str, Any]] = []
 
     def app(self) -> web.Application:
@@ -93,6 +94,8 @@ class Store:
     async def get(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
         self.asked.append((request.method, request.path, None))
+        if self.down:
+            return _error(503, "overloaded")
         if rid not in self.responses:
             return _error(404, f"Response with id '{rid}' not found.")
         return web.json_response(self.responses[rid])
@@ -433,3 +436,25 @@ async def test_gateway_sims_stored_responses_are_continued_on_their_own_instance
     finally:
         for s in sims:
             await s.close()
+
+
+async def test_a_pinned_request_is_never_sent_to_a_fallback_backend(
+    serve_app, start_gateway, tmp_path
+):
+    """Only the instance that made a response holds it: when it fails, the client gets its
+    failure, not a fallback backend's "not found"."""
+    home, spare = Store(), Store()
+    urls = [await serve_app(home.app()), await serve_app(spare.app())]
+    text = (
+        f"backends: {{main: {{url: '{urls[0]}'}}, spare: {{url: '{urls[1]}'}}}}\n"
+        f"routes: [{{backend: main, fallback: [spare]}}]\n"
+        f"tenants: {{response_id_secret: {SECRET}}}\n"
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    async with sdk(gw, ALICE) as alice:
+        made = await alice.responses.create(model="m", input="hi")
+        home.down = True
+        with pytest.raises(openai.InternalServerError) as failed:
+            await alice.responses.retrieve(made.id)
+    assert failed.value.status_code == 503
+    assert spare.asked == []

@@ -15,7 +15,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.sim import SimConfig, SimServer, run_sim, start_sim
+from gateway.sim import SimConfig, SimServer, other_apis, run_sim, start_sim
 
 MakeSim = Callable[..., Awaitable[SimServer]]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "why is the sky blue"}]
@@ -404,3 +404,20 @@ async def test_run_sim_prints_its_address_and_serves_until_cancelled(
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def test_stored_responses_are_bounded_the_least_recently_used_forgotten_first(
+    make_sim: MakeSim, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(other_apis, "MAX_STORED", 3)
+    sim = await make_sim(base_ms=0, token_ms=0)
+    ask = {"model": "sim-model", "input": "hi"}
+    made = [(await post(http, sim, "/v1/responses", ask))[1]["id"] for _ in range(3)]
+    status, _, _ = await post(http, sim, "/v1/responses", {**ask, "previous_response_id": made[0]})
+    assert status == 200  # made[0] continued: used after made[1] and made[2]; a 4th stored
+    await post(http, sim, "/v1/responses", {**ask, "store": False})  # not stored
+    for rid, kept in zip(made, (True, False, True), strict=True):
+        async with http.get(f"{sim.url}/v1/responses/{rid}") as got:
+            assert (got.status == 200) is kept, rid
+            if not kept:
+                assert (await got.json())["error"]["code"] == "response_not_found"

@@ -5,7 +5,9 @@ For each call:
 
 1. The rate limits (``rates.py``): a route's per-tenant ``rate_limit`` and a named tenant's
    own; past one, 429 with ``Retry-After``.
-2. The candidates: the call's backend, then the route's ``fallback`` backends in order.
+2. The candidates: the call's backend, then the route's ``fallback`` backends in order
+   (none for a call pinned to the endpoint that holds what it names, ``Call.pin``: no
+   other backend has it).
 3. For each candidate, its guard (``guard.py``): the throttle's decision over the
    backend's telemetry (``reroute`` moves on; ``shed`` refuses all but high priority;
    ``limit`` caps concurrency and rate), the circuit breaker, and the admission queue,
@@ -111,7 +113,7 @@ class Resilience:
         route = call.route
         admitted = await self._rates.admit(call) if self._rates else None
         self._budget.record_request()
-        fallback = tuple(b for b in route.fallback if b != call.backend)
+        fallback = tuple(b for b in route.fallback if b != call.backend and call.pin is None)
         if not fallback and call.backend not in self._guards:
             reply = await call_next(call)
             served = self._served(call, reply, 0, None)

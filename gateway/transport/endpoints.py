@@ -43,6 +43,7 @@ import contextlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import ConnectFailed, UpstreamError
@@ -126,6 +127,7 @@ class EndpointSet:
         self.scraped_at: float | None = None  # the last round of telemetry scrapes
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
         self.affinity_hits = 0
+        self._pins: dict[str, Any] = {}  # outcome -> its counter child
         self._next = 0
         self._active = metrics.pool_active_endpoints.labels(backend.name)
         self._shown_active = -1
@@ -345,7 +347,11 @@ class EndpointSet:
     def _pinned(self, pin: Callable[[str], bool]) -> Endpoint | None:
         """The endpoint ``pin`` names, if the backend still has it."""
         found = next((e for e in self.endpoints if pin(e.url)), None)
-        self._metrics.endpoint_pins.labels(self.name, "kept" if found else "gone").inc()
+        outcome = "kept" if found else "gone"
+        counter = self._pins.get(outcome)  # looked up once: a label lookup takes a lock
+        if counter is None:
+            counter = self._pins[outcome] = self._metrics.endpoint_pins.labels(self.name, outcome)
+        counter.inc()
         return found
 
     def _stop(self) -> None:
