@@ -14,6 +14,7 @@ so ``bearer  K`` and ``Bearer K`` are one tenant.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -42,18 +43,34 @@ def scope_hash(headers: Iterable[tuple[str, str]], scope_headers: Iterable[str])
     """A hash of the scope headers' canonical values: equal only for the same tenant.
 
     A missing header and an empty one hash differently; an empty ``scope_headers`` makes one
-    scope shared by all clients (only for a single-tenant deployment).
+    scope shared by all clients (only for a single-tenant deployment).  Computed for every
+    request that is cached, coalesced, batched or binds ids, so its parts are prepared once
+    per set of scope headers (``_scope_parts``).
     """
-    wanted = [h.lower() for h in scope_headers]
-    values: dict[str, list[str]] = {h: [] for h in wanted}
+    wanted, heads = _scope_parts(
+        scope_headers if isinstance(scope_headers, tuple) else tuple(scope_headers)
+    )
+    values: dict[str, list[str]] = {}
     for name, value in headers:
         lower = name.lower()
-        if lower in values:
-            values[lower].append(canonical(lower, value))
-    digest = hashlib.sha256(b"scope\x00")
-    for name in wanted:
-        digest.update(name.encode() + b"\x00" + json.dumps(values[name]).encode() + b"\x00")
-    return digest.hexdigest()[:32]
+        if lower in wanted:
+            found = values.get(lower)
+            if found is None:
+                found = values[lower] = []
+            found.append(canonical(lower, value))
+    parts = [b"scope\x00"]
+    for name, head in heads:
+        found = values.get(name)
+        parts += (head, json.dumps(found).encode() if found else b"[]", b"\x00")
+    return hashlib.sha256(b"".join(parts)).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=64)
+def _scope_parts(scope_headers: tuple[str, ...]) -> tuple[frozenset[str], list[tuple[str, bytes]]]:
+    """The lower-case names of ``scope_headers``, and each name with what its value's part
+    of the hash opens with."""
+    names = [h.lower() for h in scope_headers]
+    return frozenset(names), [(n, n.encode() + b"\x00") for n in names]
 
 
 def credential_key(headers: Iterable[tuple[str, str]]) -> str | None:

@@ -8,6 +8,7 @@ import pytest
 
 from gateway.cache import cacheability, request_key, scope_hash
 from gateway.cache.keys import MAX_NEAR_CHARS, RequestKey, with_context
+from gateway.tenant import CREDENTIAL_HEADERS
 
 CHAT = "/v1/chat/completions"
 
@@ -142,6 +143,14 @@ def test_near_tier_skips_a_message_longer_than_max_near_chars() -> None:
     assert key.context is None and key.prompt is None and key.exact
     first = request_key(body, near=False, **WHERE)
     assert with_context(first, body, **PLACE).context is None
+
+
+def test_scope_hash_is_the_one_every_stored_key_was_made_with() -> None:
+    """Entries in a shared store outlive a gateway version: the scope hash of the same
+    credentials must not change, or every entry would be lost at an upgrade."""
+    headers = [("Authorization", "Bearer  sk-1"), ("Cookie", "a=b"), ("x-api-key", "k")]
+    assert scope_hash(headers, CREDENTIAL_HEADERS) == "405098158bc83aff518193f0f46fc8dd"
+    assert scope_hash([], ()) == "7588ad43d13a6a5a0343f50ed4e7542b"
 
 
 def test_scope_hash_hides_values_and_separates_tenants() -> None:
