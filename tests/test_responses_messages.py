@@ -17,7 +17,9 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway.cache.entry import CachedResponse
 from gateway.cache.keys import cacheability
+from gateway.cache.replies import hit_body
 from gateway.errors import Overloaded
 from gateway.openai.prefix import leading_key
 from gateway.openai.usage import StreamUsage, from_body
@@ -315,6 +317,47 @@ async def test_anthropic_answers_at_temperature_0_are_cached_in_the_shape_asked(
     assert not cacheability({**ask, "temperature": None}, "/v1/messages").ok
 
 
+async def test_a_reworded_anthropic_question_hits_the_near_duplicate_tier(
+    serve_app, start_gateway, tmp_path
+):
+    """Its ``system`` prompt is part of the context, as chat's system message is; a number
+    that differs is still a miss, and a stream never answers from a whole answer."""
+    server = Server()
+    url = await serve_app(server.app())
+    text = (
+        f"backends: {{m: {{url: '{url}'}}}}\n"
+        "routes: [{backend: m, cache: {ttl_s: 60, semantic: {method: simhash}}}]\n"
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    base = {"model": "m", "max_tokens": 8, "temperature": 0, "system": "Be brief."}
+
+    def ask(question: str, **extra: Any) -> dict[str, Any]:
+        return {**base, "messages": [{"role": "user", "content": question}], **extra}
+
+    asked = [
+        ask("How many GPUs does the cluster have in rack 12?"),
+        ask("how many gpus does the cluster have in rack 12"),
+        ask("How many GPUs does the cluster have in rack 13?"),
+        ask("how many gpus does the cluster have in rack 12", system="Be verbose."),
+        ask("how many gpus does the cluster have in rack 12", stream=True),
+    ]
+    seen = []
+    async with httpx.AsyncClient() as client:
+        for body in asked:
+            reply = await client.post(gw.url + "/v1/messages", json=body)
+            seen.append(
+                (reply.headers["X-Gateway-Cache"], reply.headers.get("X-Gateway-Cache-Match"))
+            )
+    assert seen == [
+        ("miss", None),
+        ("hit", "simhash"),
+        ("miss", None),
+        ("miss", None),
+        ("miss", None),
+    ]
+    assert len(server.bodies) == 4
+
+
 async def test_an_anthropic_stream_that_failed_or_was_cut_is_never_stored(
     serve_app, start_gateway, tmp_path
 ):
@@ -569,3 +612,36 @@ def test_an_error_ending_a_stream_is_an_event_of_the_streams_api():
         False,
         False,
     ]
+
+
+def test_an_answer_stored_as_sent_is_replayed_in_its_own_shape_only():
+    """The keys keep a stream and a whole answer of Anthropic's apart; were they ever to
+    meet, the answer is a miss, never one converted to chat's shape."""
+    whole = message_object("m")
+    stored = CachedResponse(
+        200,
+        (("Content-Type", "application/json"),),
+        json.dumps(whole).encode(),
+        None,
+        0,
+        "m",
+        "",
+        "r",
+        "s",
+    )
+    streamed = CachedResponse(
+        200,
+        (("Content-Type", "text/event-stream"),),
+        messages_stream("m"),
+        None,
+        0,
+        "m",
+        "",
+        "r",
+        "s",
+    )
+    assert hit_body(stored, streaming=False, include_usage=False, as_sent=True)[0] == stored.body
+    assert hit_body(streamed, streaming=True, include_usage=False, as_sent=True)[0] == streamed.body
+    for entry, streaming in ((stored, True), (streamed, False)):
+        with pytest.raises(ValueError):
+            hit_body(entry, streaming=streaming, include_usage=False, as_sent=True)

@@ -59,8 +59,9 @@ CHAT_PATH_SUFFIX = "/chat/completions"
 MAX_NEAR_CHARS = 8192
 """The longest final user message the near-duplicate tiers compare (characters)."""
 MESSAGES_PATH = "/v1/messages"
-"""Anthropic's Messages API: cached by the exact tier, each shape (stream or whole) under a
-key of its own, since its events are replayed as they came (``replies.verbatim``)."""
+"""Anthropic's Messages API: cached as chat is (its ``system`` in the context, as chat's
+system message is), each shape (stream or whole) under keys of its own, since its events
+are replayed as they came (``replies.verbatim``)."""
 API_HEADERS = ("anthropic-version", "anthropic-beta")
 """Request headers that change an Anthropic answer: in its key (``api_headers``)."""
 CACHED_PATHS = ("/chat/completions", "/completions", "/embeddings", MESSAGES_PATH)
@@ -87,7 +88,8 @@ class RequestKey:
     """Everything a store lookup needs about one cacheable request.
 
     ``context`` and ``prompt`` are set only when the near-duplicate tier applies: a chat
-    request whose last message is a user message with plain text content.  ``blanked``, set
+    (or Anthropic Messages) request whose last message is a user message with plain text
+    content.  ``blanked``, set
     whenever it could apply, is the canonical JSON the context key hashes, kept so that
     ``with_context`` need not serialise the body again.
     """
@@ -149,9 +151,7 @@ def request_key(
     (and ``near`` asks for them; ``with_context`` adds them later, for a caller that tries
     the exact tier first and pays for the rest only on a miss)."""
     canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
-    prefix = _prefix(scope, route, backend, model_version, path, query, vary)
-    if path.endswith(MESSAGES_PATH):  # its streams are stored as sent: a shape per key
-        prefix += ("stream" if body.get("stream") is True else "whole",)
+    prefix = _prefix(scope, route, backend, model_version, path, query, vary) + _shape(body, path)
     prompt = _near_prompt(body, path)
     if prompt is None:
         return RequestKey(scope, _digest("exact", *prefix, _dumps_canon(canon)))
@@ -183,7 +183,7 @@ def with_context(
     if blanked is None:  # a key built by hand
         blanked = _dumps_blanked(_canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS}))
     prefix = _prefix(key.scope, route, backend, model_version, path, query, vary)
-    context = _context(prefix, blanked, prompt)
+    context = _context(prefix + _shape(body, path), blanked, prompt)
     return RequestKey(key.scope, key.exact, context, prompt, blanked)
 
 
@@ -209,6 +209,14 @@ def _prefix(
     return prefix
 
 
+def _shape(body: Mapping[str, Any], path: str) -> tuple[str, ...]:
+    """What a key adds for the shape asked: Anthropic's streams are stored as sent, so a
+    stream and a whole answer never share an entry (exact or near)."""
+    if path.endswith(MESSAGES_PATH):
+        return ("stream" if body.get("stream") is True else "whole",)
+    return ()
+
+
 def normalise_query(query: str) -> str:
     """A query string with its parameters in name order (the values of one name keep
     their order: it may matter)."""
@@ -218,7 +226,7 @@ def normalise_query(query: str) -> str:
 
 
 def _near_prompt(body: Mapping[str, Any], path: str) -> str | None:
-    if not path.endswith(CHAT_PATH_SUFFIX):
+    if not path.endswith((CHAT_PATH_SUFFIX, MESSAGES_PATH)):
         return None
     text = final_user_text(body)
     return text if text is not None and len(text) <= MAX_NEAR_CHARS else None

@@ -58,13 +58,17 @@ def whole_stream(
     return checked
 
 
-def hit_body(entry: CachedResponse, *, streaming: bool, include_usage: bool) -> tuple[bytes, str]:
+def hit_body(
+    entry: CachedResponse, *, streaming: bool, include_usage: bool, as_sent: bool = False
+) -> tuple[bytes, str]:
     """(body, content type) of a cached answer in the shape the client asked for;
-    ``ValueError`` when a stored JSON answer cannot be converted."""
+    ``ValueError`` when a stored JSON answer cannot be converted, or when an answer stored
+    as sent (``as_sent``, ``verbatim``) is not in that shape."""
     stored = _content_type(entry.headers) or ""
-    if entry.body is not None and is_event_stream((("content-type", stored),)):
-        if not streaming:  # a verbatim stream: its own shape only
-            raise ValueError("a stored stream is not a whole answer")
+    sent_as_stream = entry.body is not None and is_event_stream((("content-type", stored),))
+    if as_sent or sent_as_stream:
+        if entry.body is None or sent_as_stream != streaming:  # its own shape only
+            raise ValueError("an answer stored as sent is replayed in its own shape only")
         return entry.body, stored
     if streaming:
         if entry.events is not None:

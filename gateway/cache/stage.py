@@ -339,9 +339,8 @@ class CacheStage:
             if not carries_usage(events):
                 return None  # a stream stored without usage cannot give it: a miss
         try:
-            body, content_type = hit_body(
-                hit.entry, streaming=call.streaming, include_usage=include_usage
-            )
+            shape = {"streaming": call.streaming, "as_sent": verbatim(call.path)}
+            body, content_type = hit_body(hit.entry, include_usage=include_usage, **shape)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("route %s: cached answer %s not replayable: %s", rules.name, hit.key, exc)
             return None
