@@ -6,12 +6,14 @@ and any request with an ``Idempotency-Key``; any other POST, a PUT, PATCH or DEL
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers import CHAT
+from gateway.transport.pool import SETTLE_S
+from tests.helpers import CHAT, until, write_policy
 from tests.upstreams import RawExchange
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -57,6 +59,7 @@ async def test_a_stale_connection_resends_only_what_may_be_repeated(
     body = CHAT if path == "/v1/chat/completions" else {"model": "m", "input": "x"}
     async with httpx.AsyncClient() as client:
         assert (await client.get(gw.url + "/v1/models")).status_code == 200
+        await asyncio.sleep(SETTLE_S * 3)  # a connection idle this long is reused for any
         kwargs: dict[str, Any] = {"json": body} if method in ("POST", "PUT", "PATCH") else {}
         r = await client.request(method, gw.url + path, headers=headers, **kwargs)
     if resent:
@@ -68,3 +71,58 @@ async def test_a_stale_connection_resends_only_what_may_be_repeated(
         assert r.json()["error"]["code"] == "upstream_unavailable"
         assert f"a {method} is not sent twice" in r.json()["error"]["message"]
         assert [e.connection for e in exchanges] == [1, 1]
+
+
+async def test_a_request_sent_once_is_never_written_on_a_connection_that_may_be_closing(
+    start_gateway, tmp_path
+):
+    """llama.cpp's server closes a connection right after a stream it framed as kept
+    alive.  A POST that may not be sent twice, waiting for the pool's one connection, is
+    not written on it the moment it comes back (it would be lost with it: a 502); it gets a
+    new one.  An idle connection that stayed open is still reused."""
+    gate, seen = asyncio.Event(), list[tuple[int, str]]()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = len({c for c, _ in seen}) + 1
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = [
+                int(x.split(b":")[1])
+                for x in head.lower().split(b"\r\n")
+                if x.startswith(b"content-length:")
+            ]
+            await reader.readexactly(length[0] if length else 0)
+            seen.append((number, head.split(b" ")[1].decode()))
+            if len(seen) == 1:
+                await gate.wait()
+            writer.write(OK)
+            await writer.drain()
+            if len(seen) == 1:  # the answer, then the close, as llama-server after a stream
+                break
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    text = (
+        f"backends: {{main: {{url: '{url}', max_connections: 1}}}}\nroutes: [{{backend: main}}]\n"
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    try:
+        async with httpx.AsyncClient() as client:
+            first = asyncio.create_task(client.get(gw.url + "/v1/models"))
+            await until(lambda: len(seen) == 1)
+            order = asyncio.create_task(client.post(gw.url + "/v1/orders", json={"n": 1}))
+            await asyncio.sleep(0.05)  # waiting for the pool's only connection
+            gate.set()
+            assert (await first).status_code == 200
+            assert (await order).status_code == 200
+            await asyncio.sleep(SETTLE_S * 3)
+            again = await client.post(gw.url + "/v1/orders", json={"n": 2})
+        assert again.status_code == 200
+        assert seen == [(1, "/v1/models"), (2, "/v1/orders"), (2, "/v1/orders")]
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -73,6 +73,7 @@ class Connection(asyncio.Protocol):
         self._loop = loop
         self.transport: asyncio.Transport | None = None
         self.exchanges = 0
+        self.idle_since = 0.0  # when its pool last took it back
         self.reusable = False
         self.closed = False
         self._state = _IDLE
@@ -97,8 +98,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._got_bytes = False
         self._last_data = 0.0
-        self._deadline = 0.0
-        self._idle_s = 0.0
+        self._deadline = self._idle_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self.on_close: Callable[[Connection], None] | None = None
 

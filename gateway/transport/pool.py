@@ -1,10 +1,14 @@
 """Keep-alive HTTP/1.1 connections to one backend host, for the client in ``connection``.
 
-At most ``limit`` connections are open; callers past it wait in line.  An idle connection
-is reused most recently used first, and one that the backend closed while idle leaves the
-pool.  Connecting is where the socket's errors become the gateway's: a connect timeout is
-``UpstreamTimeout``, any other socket or TLS error (refused, unreachable, a failed
-handshake) ``ConnectFailed`` (an ``UpstreamUnavailable``).
+At most ``limit`` connections are open; callers past it wait in line.  An idle connection is
+reused most recently used first, and one that the backend closed while idle leaves the pool.
+A request that may not be sent twice (``upstream.resendable``) is given only a connection
+idle for ``SETTLE_S`` or a new one: a server may close a connection right after an answer it
+framed as kept alive (llama.cpp's server does after every stream, its FIN some 50 us behind
+the last chunk), and a request written in between is lost with the connection, which only a
+request that may be repeated survives.  Connecting is where the socket's errors become the
+gateway's: a connect timeout is ``UpstreamTimeout``, any other socket or TLS error (refused,
+unreachable, a failed handshake) ``ConnectFailed`` (an ``UpstreamUnavailable``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import ssl
 
 from gateway.errors import ConnectFailed, UpstreamTimeout
 from gateway.transport.connection import Connection
+
+SETTLE_S = 0.01
+"""How long a connection must have been idle before a request that may not be sent twice
+is written on it: long past the FIN of a server that closes after its answer."""
 
 
 class HostPool:
@@ -48,25 +56,32 @@ class HostPool:
         """Callers waiting for a connection (every one of ``limit`` is in use)."""
         return len(self._waiters)
 
-    def idle_connection(self) -> Connection | None:
-        """An idle connection at once (most recently used first), or None."""
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
+    def idle_connection(self, *, settled: bool = False) -> Connection | None:
+        """An idle connection at once (most recently used first; with ``settled``, only
+        one idle for ``SETTLE_S``), or None."""
+        since = self.loop.time() - SETTLE_S if settled else float("inf")
+        for at in range(len(self._idle) - 1, -1, -1):
+            conn = self._idle[at]
+            if conn.closed:
+                del self._idle[at]
+                self._open -= 1
+            elif conn.idle_since <= since:
+                del self._idle[at]
                 return conn
-            self._open -= 1
         return None
 
-    async def acquire(self, *, fresh: bool = False) -> Connection:
-        """An idle connection (most recently used first) or a new one."""
+    async def acquire(self, *, fresh: bool = False, settled: bool = False) -> Connection:
+        """An idle connection (most recently used first; with ``settled``, one idle for
+        ``SETTLE_S``) or a new one (``fresh``: always new)."""
         while True:
-            while self._idle and not fresh:
-                conn = self._idle.pop()
-                if not conn.closed:
-                    return conn
-                self._open -= 1
+            if not fresh and (conn := self.idle_connection(settled=settled)) is not None:
+                return conn
             if self._open < self._limit:
                 break
+            if self._idle:  # only idle ones it may not have: one makes room for a new one
+                self._idle.pop(0).close()
+                self._open -= 1
+                continue
             waiter = self.loop.create_future()
             self._waiters.append(waiter)
             try:
@@ -75,8 +90,6 @@ class HostPool:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
                 raise
-            if fresh and self._idle:  # make room for a fresh one
-                self._idle.pop(0).close()
         self._open += 1
         try:
             return await self._connect()
@@ -115,6 +128,7 @@ class HostPool:
     def release(self, conn: Connection) -> None:
         """Hand a connection back: kept when its exchange completed cleanly, else closed."""
         if conn.reusable and conn.complete and not conn.closed and not self._closed:
+            conn.idle_since = self.loop.time()
             self._idle.append(conn)
         else:
             if not conn.closed:

@@ -6,11 +6,13 @@ that keeps them keeps the pool; one that changes them gets a fresh pool, and the
 closes once its in-flight requests are done.
 
 A pooled keep-alive connection that the backend closed before answering is the one case
-where a request is sent twice.  The backend may have run it before closing, so only
-requests that may be repeated are resent (``resendable``): safe methods, inference calls
-(the OpenAI endpoints, KServe/Triton V2 ``infer``, TF Serving ``:predict``, TEI and TGI:
-they run a model and change nothing), and any request with an ``Idempotency-Key``.  Any
-other POST, a PUT, PATCH or DELETE gets a 502 instead.
+where a request is sent twice (a request that may not be, ``pool.SETTLE_S``, is written only
+on a connection idle long enough to have heard a close, or on a new one).  The backend may
+have run it before closing, so only requests that may be repeated are resent
+(``resendable``): safe methods, inference calls (the OpenAI endpoints, KServe/Triton V2
+``infer``, TF Serving ``:predict``, TEI and TGI: they run a model and change nothing), and
+any request with an ``Idempotency-Key``.  Any other POST, a PUT, PATCH or DELETE gets a 502
+instead.
 """
 
 from __future__ import annotations
@@ -226,13 +228,14 @@ class BackendPool:
         for attempt in (1, 2):
             # Waiting for a free pooled connection counts against the exchange's time: a
             # pool full of long streams must not hold a request forever.
-            found = self._http.idle_connection() if attempt == 1 else None
+            settled = not resend  # written once: never on a connection that may be closing
+            found = self._http.idle_connection(settled=settled) if attempt == 1 else None
             try:
                 if found is not None:
                     conn = found
                 else:
                     async with asyncio.timeout_at(deadline):
-                        conn = await self._http.acquire(fresh=attempt == 2)
+                        conn = await self._http.acquire(fresh=attempt == 2, settled=settled)
             except TimeoutError as exc:
                 raise UpstreamTimeout(
                     f"no free connection to backend {self.name!r} within {timeout_s:g} s "
