@@ -35,7 +35,9 @@ def connection_options(value: str) -> set[str]:
     return {option.strip().lower() for option in value.split(",")}
 
 
-ANTHROPIC_PATH = "/v1/messages"
+MESSAGES_PATH = "/v1/messages"
+"""Anthropic's Messages API (its errors are in its shape; the cache stores its streams as
+they came, ``cache.replies.verbatim``)."""
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -52,15 +54,13 @@ _ANTHROPIC_TYPES = {
 
 def anthropic_path(path: str) -> bool:
     """Whether ``path`` is Anthropic's Messages API, whose clients read its error shape."""
-    return path.startswith(ANTHROPIC_PATH) and path[
-        len(ANTHROPIC_PATH) : len(ANTHROPIC_PATH) + 1
-    ] in ("", "/")
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 
 
 def error_body(exc: GatewayError, path: str = "") -> bytes:
     """``{"error": {"message", "type", "code", "param"}}``; Anthropic's shape for a
     ``path`` of its API."""
-    if path and anthropic_path(path):
+    if anthropic_path(path):
         kind = _ANTHROPIC_TYPES.get(exc.status) or (
             "invalid_request_error" if exc.status < 500 else "api_error"
         )
@@ -74,10 +74,8 @@ def error_body(exc: GatewayError, path: str = "") -> bytes:
 def error_event(exc: GatewayError, path: str = "") -> bytes:
     """``exc`` as the last event of an SSE stream: Anthropic's ``error`` event on its API's
     path, else a ``data:`` line with the OpenAI error."""
-    body = error_body(exc, path)
-    return (
-        (b"event: error\n" if path and anthropic_path(path) else b"") + b"data: " + body + b"\n\n"
-    )
+    opening = b"event: error\ndata: " if anthropic_path(path) else b"data: "
+    return opening + error_body(exc, path) + b"\n\n"
 
 
 def error_headers(exc: GatewayError, request_id: str = "") -> list[tuple[str, str]]:

@@ -356,6 +356,13 @@ async def test_a_reworded_anthropic_question_hits_the_near_duplicate_tier(
         ("miss", None),
     ]
     assert len(server.bodies) == 4
+    async with httpx.AsyncClient() as client:  # another beta feature: another answer
+        beta = await client.post(
+            gw.url + "/v1/messages",
+            json=asked[1],
+            headers={"anthropic-beta": "some-feature-2026-01-01"},
+        )
+    assert beta.headers["X-Gateway-Cache"] == "miss" and len(server.bodies) == 5
 
 
 async def test_an_anthropic_stream_that_failed_or_was_cut_is_never_stored(

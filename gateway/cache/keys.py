@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.cache.guard import signature
+from gateway.wire import MESSAGES_PATH
 
 IGNORED_FIELDS = frozenset(
     {
@@ -58,10 +59,9 @@ IGNORED_FIELDS = frozenset(
 CHAT_PATH_SUFFIX = "/chat/completions"
 MAX_NEAR_CHARS = 8192
 """The longest final user message the near-duplicate tiers compare (characters)."""
-MESSAGES_PATH = "/v1/messages"
-"""Anthropic's Messages API: cached as chat is (its ``system`` in the context, as chat's
-system message is), each shape (stream or whole) under keys of its own, since its events
-are replayed as they came (``replies.verbatim``)."""
+# Anthropic's Messages API (MESSAGES_PATH) is cached as chat is (its ``system`` in the
+# context, as chat's system message is), each shape (stream or whole) under keys of its own,
+# since its events are replayed as they came (``replies.verbatim``).
 API_HEADERS = ("anthropic-version", "anthropic-beta")
 """Request headers that change an Anthropic answer: in its key (``api_headers``)."""
 CACHED_PATHS = ("/chat/completions", "/completions", "/embeddings", MESSAGES_PATH)

@@ -19,10 +19,10 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.cache.entry import CachedResponse
-from gateway.cache.keys import MESSAGES_PATH
 from gateway.openai.sse import StreamRecorder, events_to_json, json_to_events, render_sse
 from gateway.pipeline import Headers, Reply
 from gateway.transport.headers import SSE_TYPE, is_event_stream
+from gateway.wire import MESSAGES_PATH
 
 log = logging.getLogger("gateway.cache")
 

@@ -205,7 +205,7 @@ class CacheStage:
             return await self._pass(rules, call, call_next)
         no_cache, no_store = asked_not_to(call.header("cache-control"))
         scope = call.scope
-        vary = rules.vary.key(call.received)
+        vary = rules.vary.key(call.received) + api_headers(call.path, call.headers)
         if call.path.endswith("/embeddings"):
 
             def plan_for(vary: str) -> ItemPlan | None:
@@ -262,7 +262,7 @@ class CacheStage:
             model_version=self._versions.get(backend, ""),
             path=call.path,
             query=call.query,
-            vary=vary + api_headers(call.path, call.headers),
+            vary=vary,
             near=near,
         )
 
@@ -339,8 +339,10 @@ class CacheStage:
             if not carries_usage(events):
                 return None  # a stream stored without usage cannot give it: a miss
         try:
-            shape = {"streaming": call.streaming, "as_sent": verbatim(call.path)}
-            body, content_type = hit_body(hit.entry, include_usage=include_usage, **shape)
+            as_sent = verbatim(call.path)
+            body, content_type = hit_body(
+                hit.entry, streaming=call.streaming, include_usage=include_usage, as_sent=as_sent
+            )
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("route %s: cached answer %s not replayable: %s", rules.name, hit.key, exc)
             return None
@@ -364,7 +366,7 @@ class CacheStage:
         ttl_s: float,
     ) -> Reply:
         backend = reply.backend or call.backend
-        learned = rules.vary.key(call.received)
+        learned = rules.vary.key(call.received) + api_headers(call.path, call.headers)
         if backend != call.backend or learned != vary:
             # A fallback answered (filed under its own key), or the answer named headers
             # it varies on that the lookup's key did not have yet.

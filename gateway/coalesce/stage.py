@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from gateway.cache.keys import MESSAGES_PATH, cacheability, request_key
+from gateway.cache.keys import cacheability, request_key
 from gateway.coalesce.singleflight import SingleFlight
 from gateway.errors import UpstreamUnavailable
 from gateway.openai.sse import StreamRecorder, events_to_json
@@ -33,6 +33,7 @@ from gateway.policy.model import Policy
 from gateway.runtime import Runtime
 from gateway.state import Kind
 from gateway.transport.headers import is_event_stream
+from gateway.wire import MESSAGES_PATH
 
 FLIGHTS: Kind[SingleFlight] = Kind("singleflight")
 COALESCED_HEADER = "X-Gateway-Coalesced"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from gateway.openai.prefix import leading_key
 from gateway.pipeline import Call, Reply
 from gateway.transport.upstream import Transport
@@ -23,21 +21,15 @@ class Forward:
             headers = [(k, v) for k, v in headers if k.lower() not in names]
             headers.extend(backend.headers)
         path_qs = call.raw_target or call.path + ("?" + call.query if call.query else "")
-        if backend.prefix_affinity or call.pin is not None:
-            steer: dict[str, Any] = {"pin": call.pin} if call.pin is not None else {}
-            if backend.prefix_affinity:
-                steer["affinity"] = leading_key(call.json)
-            return await self._transport.send(
-                backend,
-                call.method,
-                path_qs,
-                headers,
-                call.body,
-                streaming=call.streaming,
-                **steer,
-            )
         return await self._transport.send(
-            backend, call.method, path_qs, headers, call.body, streaming=call.streaming
+            backend,
+            call.method,
+            path_qs,
+            headers,
+            call.body,
+            streaming=call.streaming,
+            affinity=leading_key(call.json) if backend.prefix_affinity else None,
+            pin=call.pin,
         )
 
     def __repr__(self) -> str:

@@ -225,10 +225,10 @@ class BackendPool:
         resend: bool,
     ) -> tuple[Connection, ResponseHead]:
         deadline = self._http.loop.time() + timeout_s
+        settled = not resend  # written once: never on a connection that may be closing
         for attempt in (1, 2):
             # Waiting for a free pooled connection counts against the exchange's time: a
             # pool full of long streams must not hold a request forever.
-            settled = not resend  # written once: never on a connection that may be closing
             found = self._http.idle_connection(settled=settled) if attempt == 1 else None
             try:
                 if found is not None:
