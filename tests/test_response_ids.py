@@ -25,11 +25,13 @@ ALICE, BOB = "alice-key", "bob-key"
 
 
 class Store:
-    """Stores every response it makes, serves it back by id, continues a stored one."""
+    """Stores every response it makes, serves it back by id, continues a stored one; keeps
+    conversations (the Conversations API) and their items, a response joining one."""
 
     def __init__(self, name: str = "") -> None:
         self.name = name  # said before each answer
         self.responses: dict[str, dict[str, Any]] = {}
+        self.conversations: dict[str, list[dict[str, Any]]] = {}  # their items
         self.made = 0
         self.down = False  # answers every read with a 503
         self.asked: list[tuple[str, str, Any]] = []
@@ -41,7 +43,41 @@ class Store:
         app.router.add_get("/v1/responses/{rid}", self.get)
         app.router.add_delete("/v1/responses/{rid}", self.delete)
         app.router.add_post("/v1/responses/{rid}/cancel", self.get)
+        app.router.add_post("/v1/conversations", self.open)
+        for method in ("GET", "POST", "DELETE"):
+            app.router.add_route(method, "/v1/conversations/{cid}", self.conversation)
+        app.router.add_route("*", "/v1/conversations/{cid}/items", self.conversation)
+        app.router.add_get("/v1/conversations/{cid}/items/{iid}", self.conversation)
         return app
+
+    async def open(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.asked.append(("POST", request.path, body))
+        self.made += 1
+        cid = f"conv_{self.made:04d}"
+        self.conversations[cid] = list(body.get("items", []))
+        return web.json_response(_conversation(cid))
+
+    async def conversation(self, request: web.Request) -> web.Response:
+        """A conversation read, updated or deleted; its items listed, added or read."""
+        cid, iid = request.match_info["cid"], request.match_info.get("iid")
+        body = await request.json() if request.can_read_body else None
+        self.asked.append((request.method, request.path, body))
+        if cid not in self.conversations:
+            return _error(404, f"Conversation with id '{cid}' not found.")
+        items = self.conversations[cid]
+        if iid is not None:
+            found = [item for item in items if item.get("id") == iid]
+            return web.json_response(found[0]) if found else _error(404, "No such item.")
+        if request.path.endswith("/items"):
+            if request.method == "POST" and body is not None:
+                items.extend(body["items"])
+            page = {"object": "list", "data": items, "first_id": None, "last_id": None}
+            return web.json_response({**page, "has_more": False})
+        if request.method == "DELETE":
+            del self.conversations[cid]
+            return web.json_response({"id": cid, "object": "conversation.deleted", "deleted": True})
+        return web.json_response(_conversation(cid))
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -49,6 +85,10 @@ class Store:
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.responses:
             return _error(400, f"Previous response with id '{previous}' not found.")
+        joined = body.get("conversation")
+        cid = joined.get("id") if isinstance(joined, dict) else joined
+        if cid is not None and cid not in self.conversations:
+            return _error(404, f"Conversation with id '{cid}' not found.")
         self.made += 1
         rid, text = f"resp_{self.made:04d}", f"{self.name}answer {self.made}"
         made = {
@@ -69,8 +109,12 @@ class Store:
                 }
             ],
             "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
+            "conversation": {"id": cid} if cid else None,
         }
         self.responses[rid] = made
+        if cid:
+            said = {"type": "message", "role": "user", "content": body["input"]}
+            self.conversations[cid] += [said, made["output"][0]]
         if not body.get("stream"):
             return web.json_response(made)
         events = [
@@ -106,6 +150,10 @@ class Store:
         if self.responses.pop(rid, None) is None:
             return _error(404, f"Response with id '{rid}' not found.")
         return web.json_response({"id": rid, "object": "response", "deleted": True})
+
+
+def _conversation(cid: str) -> dict[str, Any]:
+    return {"id": cid, "object": "conversation", "created_at": 1, "metadata": {}}
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -38,6 +38,8 @@ MODEL_IN_PATH = re.compile(r"/v2/models/([^/]+)(?:/.*)?|/v1/models/([^/]+)(?:/.*
 OWN_RESPONSE = re.compile(r"/v1/responses/resp_[^/]+(?:/cancel|/input_items)?")
 """A stored response's paths (the Responses API); not ``/v1/responses/input_tokens``, which
 names a model in its body."""
+OWN_CONVERSATION = re.compile(r"/v1/conversations(?:/conv_[^/]+(?:/items(?:/[^/]+)?)?)?")
+"""The Conversations API's paths: making one, and one's own paths and items (no model)."""
 TF_SERVING_VERB = re.compile(r":(predict|classify|regress)\Z")
 """What TF Serving's ``<m>:predict`` adds to a model's name (an OpenAI id may hold ``:``)."""
 _STALE_AFTER_CUT = frozenset({"etag", "content-md5", "digest", "last-modified"})
@@ -75,7 +77,8 @@ class AllowedModels:
 
     With ``own_responses`` (``tenants.response_id_secret`` set), the tenant may also read,
     cancel and delete its stored responses (``OWN_RESPONSE``): their ids are bound to its
-    credentials (``response_ids``), and each was made under the model check."""
+    credentials (``response_ids``), and each was made under the model check; and it may
+    keep conversations (``OWN_CONVERSATION``), bound to it alike, which run no model."""
 
     __slots__ = ("_matchers", "globs", "own_responses")
 
@@ -101,7 +104,9 @@ class AllowedModels:
             if method in ("GET", "HEAD"):
                 return
             raise PathNotAllowed(f"this key may only read {LISTING} (GET)")
-        if self.own_responses and OWN_RESPONSE.fullmatch(path) is not None:
+        if self.own_responses and (
+            OWN_RESPONSE.fullmatch(path) is not None or OWN_CONVERSATION.fullmatch(path)
+        ):
             return
         found = MODEL_IN_PATH.fullmatch(path)
         if found is None:

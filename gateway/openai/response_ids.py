@@ -27,6 +27,13 @@ its URL under the secret (it tells nothing of the URL), covered by the tag.  A r
 naming the id is pinned to that endpoint (``Call.pin``), wherever the backend's balancing
 would have sent it.  Ids tagged before endpoints were named (``<id>~<tag>``) are still
 accepted, unpinned.
+
+The Conversations API's ids (``conv_...``) are bound the same way, on the same secret: the
+id of a conversation the server made (``POST /v1/conversations``), tagged with its tenant
+and instance; ``/v1/conversations/<id>`` and everything below it (its items), and a
+response's ``conversation`` (an id, or ``{"id": ...}``), checked, untagged and pinned; an id
+that is not the caller's is a 404 before any backend.  A tagged id of one kind never passes
+as the other's: the kind's prefix is part of what the tag covers.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
 
 RESPONSES_PATH = "/v1/responses"
+CONVERSATIONS_PATH = "/v1/conversations"
 TAG_CHARS = 24
 SEPARATOR = "~"
 HANDLE_CHARS = 8
@@ -57,8 +65,6 @@ MAX_HANDLES = 1024
 """Endpoint names remembered (discovery may bring new URLs); all forgotten when full."""
 CHOSEN_ID_FIELDS = ("request_id",)
 """Body fields through which a client would choose the response's id (vLLM's)."""
-_BY_ID = re.compile(r"/v1/responses/(resp_[^/]*)(/.*)?")
-"""A stored response's path (not ``/v1/responses/input_tokens``, which passes as it came)."""
 
 
 class ResponseNotFound(RequestError):
@@ -73,6 +79,45 @@ class PreviousResponseNotFound(RequestError):
     """A ``previous_response_id`` that is not this tenant's."""
 
     code = "previous_response_not_found"
+
+
+class ConversationNotFound(RequestError):
+    """A conversation id, in the path or a response's ``conversation``, that is not this
+    tenant's."""
+
+    status = 404
+    code = "conversation_not_found"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Kind:
+    """A kind of stored object whose ids are bound: its ids' prefix, its ``object`` name in
+    an answer, the path that makes one and the paths that name one (the id, then the rest)."""
+
+    prefix: str
+    object: str
+    path: str
+    by_id: re.Pattern[str]
+    noun: str
+    not_found: type[RequestError]
+
+
+RESPONSE = Kind(
+    "resp_",
+    "response",
+    RESPONSES_PATH,
+    re.compile(r"/v1/responses/(resp_[^/]*)(/.*)?"),  # not /v1/responses/input_tokens
+    "Response",
+    ResponseNotFound,
+)
+CONVERSATION = Kind(
+    "conv_",
+    "conversation",
+    CONVERSATIONS_PATH,
+    re.compile(r"/v1/conversations/([^/]*)(/.*)?"),  # each path below names one
+    "Conversation",
+    ConversationNotFound,
+)
 
 
 Owned = tuple[str, str]
@@ -111,17 +156,17 @@ class ResponseIds:
         mac.update(f"{scope}\0{rid}".encode())  # an id from before endpoints were named
         return f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
 
-    def untag(self, scope: str, tagged: str) -> Owned | None:
-        """The id ``tagged`` carries and its endpoint's name, if its tag is ``scope``'s;
-        else None."""
+    def untag(self, scope: str, tagged: str, kind: Kind = RESPONSE) -> Owned | None:
+        """The id of ``kind`` that ``tagged`` carries and its endpoint's name, if its tag is
+        ``scope``'s; else None."""
         shown, separator, _ = tagged.rpartition(SEPARATOR)
         if not separator:
             return None
         rid, separator, handle = shown.rpartition(SEPARATOR)
-        if separator and len(handle) == HANDLE_CHARS and rid.startswith("resp_"):
+        if separator and len(handle) == HANDLE_CHARS and rid.startswith(kind.prefix):
             if hmac.compare_digest(self.tag(scope, rid, handle), tagged):
                 return rid, handle
-        if shown.startswith("resp_") and hmac.compare_digest(self.tag(scope, shown), tagged):
+        if shown.startswith(kind.prefix) and hmac.compare_digest(self.tag(scope, shown), tagged):
             return shown, ""
         return None
 
@@ -148,26 +193,33 @@ class ResponseIdStage:
         self._refused = refused
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        makes: Kind | None = None
         if call.path == RESPONSES_PATH:
             call, named = await self._untag_body(call)
-            learn = call.method == "POST"
-        elif (found := _BY_ID.fullmatch(call.path)) is not None:
-            call, named = self._untag_path(call, found)
-            learn = False
+            makes = RESPONSE if call.method == "POST" else None
+        elif call.path == CONVERSATIONS_PATH:
+            named = []
+            makes = CONVERSATION if call.method == "POST" else None
+        elif (found := RESPONSE.by_id.fullmatch(call.path)) is not None:
+            call, named = self._untag_path(call, found, RESPONSE)
+        elif (found := CONVERSATION.by_id.fullmatch(call.path)) is not None:
+            call, named = self._untag_path(call, found, CONVERSATION)
         else:
             return await call_next(call)
-        if named and named[0][1]:
-            call = dataclasses.replace(call, pin=self._ids.pin(named[0][1]))
+        handles = [handle for _, handle in named if handle]
+        if handles:
+            call = dataclasses.replace(call, pin=self._ids.pin(handles[0]))
         reply = await call_next(dataclasses.replace(call, headers=uncompressed(call.headers)))
         made_at = self._ids.handle(reply.endpoint) if reply.endpoint else ""
-        answer = _Answer(self._ids, call.scope, named, learn=learn, made_at=made_at)
+        answer = _Answer(self._ids, call.scope, named, makes=makes, made_at=made_at)
         if reply.body is not None:
             return reply.replace(body=answer.whole(reply.body))
         assert reply.stream is not None
         return reply.replace(stream=answer.events(reply.stream), content_length=None)
 
     async def _untag_body(self, call: Call) -> tuple[Call, list[Owned]]:
-        """The call with its ``previous_response_id`` untagged, and the ids it proved."""
+        """The call with its ``previous_response_id`` and ``conversation`` untagged, and the
+        ids it proved."""
         data = call.json
         if data is None:
             return call, []
@@ -177,26 +229,42 @@ class ResponseIdStage:
                 f"'{chosen[0]}' may not be set: the server names each response, and its id "
                 "is bound to your credentials"
             )
-        named = data.get("previous_response_id")
-        if not isinstance(named, str):
-            return call, []  # none, or not a string: the backend's to refuse
-        owned = self._ids.untag(call.scope, named)
-        if owned is None:
-            self._refused(call.tenant, "previous_response_id")
-            raise PreviousResponseNotFound(
-                f"Previous response with id '{_shown(named)}' not found."
+        named: list[Owned] = []
+        changed: dict[str, Any] = {}
+        previous = data.get("previous_response_id")
+        if isinstance(previous, str):  # else none, or not a string: the backend's to refuse
+            owned = self._ids.untag(call.scope, previous)
+            if owned is None:
+                self._refused(call.tenant, "previous_response_id")
+                raise PreviousResponseNotFound(
+                    f"Previous response with id '{_shown(previous)}' not found."
+                )
+            changed["previous_response_id"] = owned[0]
+            named.append(owned)
+        conversation = data.get("conversation")
+        cid = conversation.get("id") if isinstance(conversation, dict) else conversation
+        if isinstance(cid, str):
+            owned = self._ids.untag(call.scope, cid, CONVERSATION)
+            if owned is None:
+                self._refused(call.tenant, "conversation")
+                raise ConversationNotFound(f"Conversation with id '{_shown(cid)}' not found.")
+            changed["conversation"] = (
+                {**conversation, "id": owned[0]} if isinstance(conversation, dict) else owned[0]
             )
-        data = {**data, "previous_response_id": owned[0]}
+            named.append(owned)
+        if not changed:
+            return call, []
+        data = {**data, **changed}
         body = await dumps_yielding(data, len(call.body))
-        return dataclasses.replace(call, json=data, body=body), [owned]
+        return dataclasses.replace(call, json=data, body=body), named
 
-    def _untag_path(self, call: Call, found: re.Match[str]) -> tuple[Call, list[Owned]]:
+    def _untag_path(self, call: Call, found: re.Match[str], kind: Kind) -> tuple[Call, list[Owned]]:
         named = unquote(found.group(1))
-        owned = self._ids.untag(call.scope, named)
+        owned = self._ids.untag(call.scope, named, kind)
         if owned is None:
             self._refused(call.tenant, "path")
-            raise ResponseNotFound(f"Response with id '{_shown(named)}' not found.")
-        path = f"{RESPONSES_PATH}/{owned[0]}{found.group(2) or ''}"
+            raise kind.not_found(f"{kind.noun} with id '{_shown(named)}' not found.")
+        path = f"{kind.path}/{owned[0]}{found.group(2) or ''}"
         target = f"{path}?{call.query}" if call.query else path
         return dataclasses.replace(call, path=path, raw_target=target), [owned]
 
@@ -206,25 +274,31 @@ class ResponseIdStage:
 
 class _Answer:
     """One answer's ids to tag: those the request proved its own, and, for a request that
-    makes a response (``learn``), the id the server gave it, read from the answer, held by
-    the endpoint named ``made_at``."""
+    makes a stored object (``makes``: a response, a conversation), the id the server gave
+    it, read from the answer, held by the endpoint named ``made_at``."""
 
-    __slots__ = ("_ids", "_learn", "_made_at", "_owned", "_scope")
+    __slots__ = ("_ids", "_made_at", "_makes", "_owned", "_scope")
 
     def __init__(
-        self, ids: ResponseIds, scope: str, owned: list[Owned], *, learn: bool, made_at: str
+        self,
+        ids: ResponseIds,
+        scope: str,
+        owned: list[Owned],
+        *,
+        makes: Kind | None,
+        made_at: str,
     ) -> None:
-        self._ids, self._scope, self._owned, self._learn = ids, scope, owned, learn
+        self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
         self._made_at = made_at
 
     def whole(self, body: bytes) -> bytes:
-        if self._learn:
+        if self._makes is not None:
             self._made(_json(body))
         return self._ids.tag_owned(self._scope, body, self._owned)
 
     async def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for events in whole_events(stream):
-            if self._learn:  # until the first event that carries the response
+            if self._makes is not None:  # until the first event that carries the response
                 for line in events.splitlines():
                     if line.startswith(b"data:") and b'"response"' in line:
                         event = _json(line[5:])
@@ -232,15 +306,16 @@ class _Answer:
                             break
             yield self._ids.tag_owned(self._scope, events, self._owned)
 
-    def _made(self, response: Any) -> bool:
-        """Learn the id of ``response``, when it is a response object with one."""
-        if not isinstance(response, dict) or response.get("object") != "response":
+    def _made(self, made: Any) -> bool:
+        """Learn the id of ``made``, when it is an object of the kind made, with an id."""
+        kind = self._makes
+        if kind is None or not isinstance(made, dict) or made.get("object") != kind.object:
             return False
-        rid = response.get("id")
-        if not isinstance(rid, str) or not rid.startswith("resp_"):
+        rid = made.get("id")
+        if not isinstance(rid, str) or not rid.startswith(kind.prefix):
             return False
         self._owned = [*self._owned, (rid, self._made_at)]
-        self._learn = False
+        self._makes = None
         return True
 
 

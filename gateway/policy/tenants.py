@@ -68,7 +68,9 @@ class Tenants:
             "request naming an id without its own tag (`GET /v1/responses/<id>`, "
             "`previous_response_id`) is refused before any backend; a tenant held to some "
             "`models` may then read its own. The id also names the endpoint that stored "
-            "it, and a request naming it is sent there. At least 16 characters, "
+            "it, and a request naming it is sent there. The Conversations API's `conv_...` "
+            "ids alike (`/v1/conversations/<id>` and below, a response's `conversation`). "
+            "At least 16 characters, "
             "the same in every replica; from a Secret through `${ENV}`. Empty: ids pass "
             "as the backend wrote them.",
             secret=True,
