@@ -2,7 +2,8 @@
 ``/v1/messages/count_tokens``), which vLLM and llama.cpp's server serve beside chat: their
 bodies are read like chat's, so they are validated, routed on ``model``, checked against a
 tenant's models, rewritten by ``target_models`` and counted per tenant, streamed or not;
-their answers are neither cached nor shared.  The official ``openai`` and ``anthropic``
+the Responses API's answers are neither cached nor shared, Anthropic's are both at
+temperature 0 (shared in ``test_coalesce_messages.py``).  The official ``openai`` and ``anthropic``
 SDKs as clients, model servers on real sockets, and llama.cpp's own server."""
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ non-streaming call only streams that carry usage, as its own answer would.  The 
 is cancelled only when every caller has gone; its failure, or a stream cut off, reaches every
 caller.  Joiners are counted in ``gateway_coalesced_requests_total`` and answered with
 ``X-Gateway-Coalesced: 1``.
+
+Anthropic's Messages API is coalesced too, at temperature 0: a stream joins only streams and
+a whole answer only whole answers (the shape is in the key, with ``anthropic-version`` and
+``anthropic-beta``), each handed as the backend sent it, byte for byte.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from gateway.cache.keys import cacheability, request_key
+from gateway.cache.keys import api_headers, cacheability, request_key
 from gateway.coalesce.singleflight import SingleFlight
 from gateway.errors import UpstreamUnavailable
 from gateway.openai.sse import StreamRecorder, events_to_json
@@ -53,7 +57,10 @@ class CoalesceStage:
         key = coalesce_key(call) if flights is not None else None
         if flights is None or key is None:
             return await call_next(call)
-        reply = await flights.do(key, lambda: call_next(call), stream=call.streaming)
+        # Anthropic's answers are handed as the backend sent them, never assembled: a whole
+        # answer and a stream have keys of their own (``keys._shape``).
+        as_sent = call.streaming or call.path.endswith(MESSAGES_PATH)
+        reply = await flights.do(key, lambda: call_next(call), stream=as_sent)
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
 
     def __repr__(self) -> str:
@@ -66,8 +73,6 @@ def coalesce_key(call: Call) -> Hashable | None:
     allow_sampled = route.cache is not None and route.cache.allow_sampled
     if body is None or not cacheability(body, call.path, allow_sampled=allow_sampled).ok:
         return None
-    if call.path.endswith(MESSAGES_PATH):  # Anthropic's streams are not joined as chat's
-        return None
     exact = request_key(
         body,
         scope=call.scope,
@@ -77,6 +82,8 @@ def coalesce_key(call: Call) -> Hashable | None:
         path=call.path,
         near=False,
     ).exact
+    if call.path.endswith(MESSAGES_PATH):  # its version and beta features change the answer
+        return (exact, call.query, api_headers(call.path, call.headers))
     if call.streaming:
         options = json.dumps(
             body.get("stream_options"), sort_keys=True, separators=(",", ":"), default=str
