@@ -126,3 +126,92 @@ async def test_a_request_sent_once_is_never_written_on_a_connection_that_may_be_
     finally:
         server.close()
         await server.wait_closed()
+
+
+class KeepAliveServer:
+    """Closes a connection idle past ``expires_s`` when the next request comes: a server
+    whose keep-alive timer ran out as the request crossed the wire (the race a gateway
+    meets when it reuses a connection the server is closing).  ``hint`` is the
+    ``Keep-Alive: timeout`` it sends, if any."""
+
+    def __init__(self, expires_s: float, hint: str = "") -> None:
+        self.expires_s = expires_s
+        self.answer = OK
+        if hint:
+            self.answer = OK.replace(b"\r\n\r\n", f"\r\nKeep-Alive: {hint}\r\n\r\n".encode())
+        self.seen: list[tuple[int, str]] = []
+        self.connections = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number, answered = self.connections, None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            lines = head.lower().split(b"\r\n")
+            length = [int(x.split(b":")[1]) for x in lines if x.startswith(b"content-length:")]
+            await reader.readexactly(length[0] if length else 0)
+            if answered is not None and loop.time() - answered > self.expires_s:
+                break  # timed out: closed unanswered
+            self.seen.append((number, head.split(b" ")[1].decode()))
+            writer.write(self.answer)
+            await writer.drain()
+            answered = loop.time()
+        writer.close()
+
+
+async def serve_keep_alive(server: KeepAliveServer) -> tuple[asyncio.Server, str]:
+    running = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+    return running, f"http://127.0.0.1:{running.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("keepalive", ["keepalive_s: 0.2", ""])
+async def test_a_connection_idle_past_keepalive_s_is_never_written_on(
+    start_gateway, tmp_path, keepalive
+):
+    """A backend that closes idle connections after 0.3 s: with ``keepalive_s`` under it,
+    a POST that may not be sent twice goes on a new connection after 0.4 s idle; with the
+    default (4 s, for uvicorn's 5) the gateway writes it on the connection the backend is
+    closing, and it is lost (a 502): the race the setting is there to avoid."""
+    backend = KeepAliveServer(expires_s=0.3)
+    server, url = await serve_keep_alive(backend)
+    text = f"backends: {{main: {{url: '{url}', {keepalive}}}}}\nroutes: [{{backend: main}}]\n"
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    try:
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(gw.url + "/v1/models")).status_code == 200
+            await asyncio.sleep(0.05)
+            assert (await client.post(gw.url + "/v1/orders", json={"n": 1})).status_code == 200
+            await asyncio.sleep(0.4)
+            late = await client.post(gw.url + "/v1/orders", json={"n": 2})
+    finally:
+        server.close()
+        await server.wait_closed()
+    if keepalive:
+        assert late.status_code == 200
+        assert backend.seen == [(1, "/v1/models"), (1, "/v1/orders"), (2, "/v1/orders")]
+    else:
+        assert late.status_code == 502
+        assert backend.seen == [(1, "/v1/models"), (1, "/v1/orders")]
+
+
+async def test_a_servers_keep_alive_hint_shortens_the_reuse(start_gateway, tmp_path):
+    """A server saying ``Keep-Alive: timeout=1`` (and closing after 0.6 s idle, early, as
+    its clock started before the gateway's): its connection is reused for 0.5 s at most."""
+    backend = KeepAliveServer(expires_s=0.6, hint="timeout=1, max=100")
+    server, url = await serve_keep_alive(backend)
+    text = f"backends: {{main: {{url: '{url}'}}}}\nroutes: [{{backend: main}}]\n"
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    try:
+        async with httpx.AsyncClient() as client:
+            for pause in (0.05, 0.1, 0.7):
+                await asyncio.sleep(pause)
+                reply = await client.post(gw.url + "/v1/orders", json={"n": 1})
+                assert reply.status_code == 200
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert [number for number, _ in backend.seen] == [1, 1, 2]

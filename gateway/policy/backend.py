@@ -14,6 +14,7 @@ DEFAULT_STREAM_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_IDLE_TIMEOUT_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_KEEPALIVE_S = 4.0
 DEFAULT_WARMUP_TIMEOUT_S = 300.0
 DEFAULT_TELEMETRY_INTERVAL_MS = 1000
 DEFAULT_QUEUE_CAPACITY = 50
@@ -272,6 +273,15 @@ class Backend:
         metadata=doc(
             "Longest silence between two chunks of a response (504 before the first "
             "byte, stream cut after it)."
+        ),
+    )
+    keepalive_s: float = field(
+        default=DEFAULT_KEEPALIVE_S,
+        metadata=doc(
+            "Longest an idle pooled connection is reused: keep it under the backend's own "
+            "keep-alive timeout (uvicorn's, under vLLM, is 5 s), so that no request is "
+            "written on a connection the backend is closing. A backend's `Keep-Alive: "
+            "timeout=N` shortens it to N - 1 s."
         ),
     )
     max_connections: int = field(

@@ -232,6 +232,7 @@ def check_backend(b: Backend) -> Found:
         "stream_timeout_s",
         "connect_timeout_s",
         "idle_timeout_s",
+        "keepalive_s",
         "warmup_timeout_s",
     ):
         if getattr(b, key) <= 0:

@@ -12,12 +12,11 @@ Trailer fields are never headers: they are read, bounded and dropped.
 
 A connection is reusable only after a clean exchange: the whole answer read, keep-alive
 agreed, not a 5xx (servers often close after an error without saying so), and not one byte
-more.  Any byte after the answer (or while idle in the pool)
-retires it.  A body delimited by the connection's close is complete only on a clean close
-(FIN); a reset cuts it.  The client also does what a proxy needs around the parser: one
-write per request, flow control, timeouts from a single timer per exchange, and whether a
-reused connection closed before any byte of its answer arrived (a stale keep-alive socket,
-safe to send again for requests that may be repeated).
+more.  Any byte after the answer (or while idle in the pool) retires it.  A body delimited
+by the connection's close is complete only on a clean close (FIN); a reset cuts it.  The
+client also does what a proxy needs around the parser: one write per request, flow
+control, timeouts from a single timer per exchange, and whether a reused connection closed
+before any byte of its answer arrived (a stale keep-alive socket, safe to send again).
 """
 
 from __future__ import annotations
@@ -74,6 +73,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.exchanges = 0
         self.idle_since = 0.0  # when its pool last took it back
+        self.keep_s = float("inf")  # how long it may idle: its server's hint (``pool.heard``)
         self.reusable = False
         self.closed = False
         self._state = _IDLE

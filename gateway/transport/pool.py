@@ -6,17 +6,25 @@ A request that may not be sent twice (``upstream.resendable``) is given only a c
 idle for ``SETTLE_S`` or a new one: a server may close a connection right after an answer it
 framed as kept alive (llama.cpp's server does after every stream, its FIN some 50 us behind
 the last chunk), and a request written in between is lost with the connection, which only a
-request that may be repeated survives.  Connecting is where the socket's errors become the
-gateway's: a connect timeout is ``UpstreamTimeout``, any other socket or TLS error (refused,
-unreachable, a failed handshake) ``ConnectFailed`` (an ``UpstreamUnavailable``).
+request that may be repeated survives.  Nor is any request written on a connection idle for
+its backend's ``keepalive_s`` (or the server's own ``Keep-Alive: timeout=N`` less
+``HINT_MARGIN_S``): a server closes an idle connection at its keep-alive timeout, and a
+request that crosses the close on the wire is lost (uvicorn, under vLLM, closes after 5 s
+and says nothing); such a connection is closed instead.
+
+Connecting is where the socket's errors become the gateway's: a connect timeout is
+``UpstreamTimeout``, any other socket or TLS error (refused, unreachable, a failed
+handshake) ``ConnectFailed`` (an ``UpstreamUnavailable``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import socket
 import ssl
+from collections.abc import Iterable
 
 from gateway.errors import ConnectFailed, UpstreamTimeout
 from gateway.transport.connection import Connection
@@ -24,6 +32,22 @@ from gateway.transport.connection import Connection
 SETTLE_S = 0.01
 """How long a connection must have been idle before a request that may not be sent twice
 is written on it: long past the FIN of a server that closes after its answer."""
+HINT_MARGIN_S = 1.0
+"""Taken off a server's keep-alive hint (as Node's undici does): its clock started before
+the gateway's, and a request must cross the wire before the server's timer runs out."""
+_TIMEOUT = re.compile(r"(?:^|[,;\s])timeout\s*=\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
+
+
+def heard(conn: Connection, headers: Iterable[tuple[str, str]]) -> None:
+    """Note on ``conn`` how long its server keeps it open idle, from a ``Keep-Alive:
+    timeout=N`` header of its answer (HTTP/1.1 servers such as llama.cpp's send one)."""
+    for name, value in headers:
+        if len(name) == 10 and name.lower() == "keep-alive":
+            found = _TIMEOUT.search(value)
+            if found is not None:
+                hint = float(found.group(1))
+                conn.keep_s = max(hint - HINT_MARGIN_S, hint / 2)
+            return
 
 
 class HostPool:
@@ -38,6 +62,7 @@ class HostPool:
         ssl_context: ssl.SSLContext | None,
         limit: int,
         connect_timeout_s: float,
+        keepalive_s: float = float("inf"),
     ) -> None:
         self.name = name
         self.host = host
@@ -46,6 +71,7 @@ class HostPool:
         self._ssl = ssl_context
         self._limit = limit
         self._connect_timeout_s = connect_timeout_s
+        self._keepalive_s = keepalive_s
         self._idle: list[Connection] = []
         self._open = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -58,13 +84,15 @@ class HostPool:
 
     def idle_connection(self, *, settled: bool = False) -> Connection | None:
         """An idle connection at once (most recently used first; with ``settled``, only
-        one idle for ``SETTLE_S``), or None."""
-        since = self.loop.time() - SETTLE_S if settled else float("inf")
+        one idle for ``SETTLE_S``), or None.  One idle past its keep-alive is closed."""
+        now = self.loop.time()
+        since = now - SETTLE_S if settled else float("inf")
         for at in range(len(self._idle) - 1, -1, -1):
             conn = self._idle[at]
-            if conn.closed:
+            if conn.closed or now - conn.idle_since >= min(conn.keep_s, self._keepalive_s):
                 del self._idle[at]
                 self._open -= 1
+                conn.close()
             elif conn.idle_since <= since:
                 del self._idle[at]
                 return conn

@@ -31,7 +31,7 @@ from gateway.policy.routing import INFERENCE_PATH
 from gateway.transport.connection import Connection, StaleConnection
 from gateway.transport.connection import Head as ResponseHead
 from gateway.transport.headers import RESPONSE_OWNED, SSE_TYPE, media_type, strip
-from gateway.transport.pool import HostPool
+from gateway.transport.pool import HostPool, heard
 
 # Answers up to this size that nobody reads piece by piece are read whole (by length,
 # chunked or to the close) and answered with a Content-Length; larger ones, SSE and NDJSON
@@ -81,6 +81,7 @@ def pool_key(backend: Backend, url: str | None = None) -> tuple[object, ...]:
         backend.verify_tls,
         backend.ca_bundle,
         backend.connect_timeout_s,
+        backend.keepalive_s,
     )
 
 
@@ -108,6 +109,7 @@ class BackendPool:
             ssl_context=_ssl_context(backend) if https else None,
             limit=backend.max_connections,
             connect_timeout_s=backend.connect_timeout_s,
+            keepalive_s=backend.keepalive_s,
         )
         self._retired = False
         self._closing = False
@@ -247,6 +249,7 @@ class BackendPool:
                 resp = await conn.send(
                     head, body, no_body=method == "HEAD", timeout_s=remaining_s, idle_s=idle_s
                 )
+                heard(conn, resp.headers)
                 return conn, resp
             except StaleConnection as exc:
                 # A pooled keep-alive socket the backend closed without answering: most
