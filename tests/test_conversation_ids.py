@@ -8,7 +8,6 @@ socket that keeps conversations as the Conversations API does."""
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import httpx
@@ -16,8 +15,9 @@ import openai
 import pytest
 
 from gateway.openai.response_ids import CONVERSATION, ResponseIds
+from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
-from tests.test_response_ids import ALICE, BOB, SECRET, Store, policy, sdk
+from tests.test_response_ids import ALICE, BOB, SECRET, Store, policy, round_robin, sdk
 
 
 @pytest.fixture
@@ -164,10 +164,7 @@ async def test_a_conversation_is_asked_of_the_instance_that_keeps_it(
     it."""
     stores = [Store("a: "), Store("b: ")]
     urls = [await serve_app(store.app()) for store in stores]
-    text = (
-        f"backends: {{main: {{endpoints: {json.dumps(urls)}, balance: round_robin}}}}\n"
-        f"routes: [{{backend: main}}]\ntenants: {{response_id_secret: {SECRET}}}\n"
-    )
+    text = round_robin(urls)
     gw = await start_gateway(policy=write_policy(tmp_path, text))
     async with sdk(gw, ALICE) as alice:
         made = [await alice.conversations.create() for _ in range(4)]
@@ -211,3 +208,35 @@ async def test_a_tenant_held_to_some_models_keeps_conversations_once_ids_are_bou
             await alice.responses.create(model="other", input="x", conversation=made.id)
         await alice.conversations.delete(made.id)
     assert not store.conversations
+
+
+async def test_gateway_sims_conversations_are_kept_on_their_own_instance(start_gateway, tmp_path):
+    """Two ``gateway sim``s behind round robin, each keeping its own conversations: every
+    turn of a conversation, its items and its deletion reach the instance that keeps it,
+    and its input grows turn after turn; another tenant is refused it."""
+    sims = [await start_sim(SimConfig(port=0, base_ms=0, token_ms=0)) for _ in range(2)]
+    try:
+        text = round_robin([s.url for s in sims])
+        gw = await start_gateway(policy=write_policy(tmp_path, text))
+        async with sdk(gw, ALICE) as alice:
+            made = [await alice.conversations.create(items=said("hello")) for _ in range(2)]
+            for conversation in made:
+                before = 0
+                for _ in range(3):
+                    turn = await alice.responses.create(
+                        model="m", input="and then?", conversation=conversation.id
+                    )
+                    assert turn.usage is not None and turn.usage.input_tokens > before
+                    before = turn.usage.input_tokens
+                listed = await alice.conversations.items.list(conversation.id)
+                assert len(listed.data) == 7
+            async with sdk(gw, BOB) as bob:
+                with pytest.raises(openai.NotFoundError):
+                    await bob.conversations.items.list(made[0].id)
+            for conversation in made:
+                await alice.conversations.delete(conversation.id)
+                with pytest.raises(openai.NotFoundError):
+                    await alice.conversations.retrieve(conversation.id)
+    finally:
+        for s in sims:
+            await s.close()

@@ -166,6 +166,14 @@ def policy(url: str, secret: str = SECRET) -> str:
     return f"backends: {{main: {{url: '{url}'}}}}\nroutes: [{{backend: main}}]\n{tenants}"
 
 
+def round_robin(urls: list[str]) -> str:
+    """A policy binding ids, over one backend of ``urls`` taken in turn."""
+    return (
+        f"backends: {{main: {{endpoints: {json.dumps(urls)}, balance: round_robin}}}}\n"
+        f"routes: [{{backend: main}}]\ntenants: {{response_id_secret: {SECRET}}}\n"
+    )
+
+
 @pytest.fixture
 async def served(serve_app, start_gateway, tmp_path):
     store = Store()
@@ -423,10 +431,7 @@ async def test_a_stored_response_is_asked_of_the_endpoint_that_holds_it(
     instance that made it, though the backend's balancing takes each in turn."""
     stores = [Store("a: "), Store("b: ")]
     urls = [await serve_app(store.app()) for store in stores]
-    text = (
-        f"backends: {{main: {{endpoints: {json.dumps(urls)}, balance: round_robin}}}}\n"
-        f"routes: [{{backend: main}}]\ntenants: {{response_id_secret: {SECRET}}}\n"
-    )
+    text = round_robin(urls)
     gw = await start_gateway(policy=write_policy(tmp_path, text))
     async with sdk(gw, ALICE) as alice:
         made = [await alice.responses.create(model="m", input=f"q{i}") for i in range(4)]
@@ -459,11 +464,7 @@ async def test_gateway_sims_stored_responses_are_continued_on_their_own_instance
     holds it (its input grows by the turns before), and a deleted response is gone."""
     sims = [await start_sim(SimConfig(port=0, base_ms=0, token_ms=0)) for _ in range(2)]
     try:
-        urls = json.dumps([s.url for s in sims])
-        text = (
-            f"backends: {{main: {{endpoints: {urls}, balance: round_robin}}}}\n"
-            f"routes: [{{backend: main}}]\ntenants: {{response_id_secret: {SECRET}}}\n"
-        )
+        text = round_robin([s.url for s in sims])
         gw = await start_gateway(policy=write_policy(tmp_path, text))
         async with sdk(gw, ALICE) as alice:
             turn = await alice.responses.create(model="m", input="hello")

@@ -15,7 +15,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.sim import SimConfig, SimServer, other_apis, run_sim, start_sim
+from gateway.sim import SimConfig, SimServer, conversations, other_apis, run_sim, start_sim
 
 MakeSim = Callable[..., Awaitable[SimServer]]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "why is the sky blue"}]
@@ -421,3 +421,50 @@ async def test_stored_responses_are_bounded_the_least_recently_used_forgotten_fi
             assert (got.status == 200) is kept, rid
             if not kept:
                 assert (await got.json())["error"]["code"] == "response_not_found"
+
+
+async def test_the_sim_keeps_conversations_as_the_conversations_api_does(
+    make_sim: MakeSim, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read by the official SDK: a conversation made with items, added to, answered within
+    (its tokens in each answer's input, the turn added to it), listed, updated, an item
+    deleted, then the conversation; bounded in items per request and in conversations."""
+    monkeypatch.setattr(conversations, "MAX_CONVERSATIONS", 2)
+    sim = await make_sim(base_ms=0, token_ms=0)
+    async with openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="k", max_retries=0) as sdk:
+        made = await sdk.conversations.create(
+            items=[{"type": "message", "role": "user", "content": "hello there"}],
+            metadata={"topic": "greeting"},
+        )
+        assert made.id.startswith("conv_") and made.metadata == {"topic": "greeting"}
+        added = await sdk.conversations.items.create(
+            made.id, items=[{"type": "message", "role": "user", "content": "and more"}]
+        )
+        assert len(added.data) == 1
+        inputs = []
+        for _ in range(2):
+            turn = await sdk.responses.create(model="m", input="go on", conversation=made.id)
+            assert turn.conversation is not None and turn.conversation.id == made.id
+            assert turn.usage is not None
+            inputs.append(turn.usage.input_tokens)
+        assert inputs[1] > inputs[0]  # the first turn's words are part of the conversation
+        listed = await sdk.conversations.items.list(made.id, order="asc")
+        assert len(listed.data) == 6  # two items, then each turn's question and answer
+        assert (await sdk.conversations.update(made.id, metadata={"a": "b"})).metadata == {"a": "b"}
+        first = listed.data[0].id
+        assert first is not None
+        await sdk.conversations.items.delete(first, conversation_id=made.id)
+        assert len((await sdk.conversations.items.list(made.id)).data) == 5
+        with pytest.raises(openai.BadRequestError):
+            await sdk.conversations.items.create(
+                made.id, items=[{"type": "message", "role": "user", "content": "x"}] * 21
+            )
+        assert (await sdk.conversations.delete(made.id)).deleted
+        with pytest.raises(openai.NotFoundError):
+            await sdk.conversations.retrieve(made.id)
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.create(model="m", input="x", conversation=made.id)
+        kept = [(await sdk.conversations.create()).id for _ in range(3)]
+        with pytest.raises(openai.NotFoundError):
+            await sdk.conversations.retrieve(kept[0])  # the oldest forgotten
+        assert (await sdk.conversations.retrieve(kept[2])).id == kept[2]

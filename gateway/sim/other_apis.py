@@ -10,7 +10,8 @@ Responses are stored as vLLM stores them with its store on (unless the body says
 ``GET``/``DELETE /v1/responses/<id>`` and continued by ``previous_response_id`` (whose
 conversation's tokens then count in the new response's input); the least recently made or
 continued are forgotten first.  Another instance of the sim
-has none of them, as another vLLM instance would not."""
+has none of them, as another vLLM instance would not.  A response may also join a
+conversation of the Conversations API (``conversations``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import RequestError
+from gateway.sim import conversations
 from gateway.sim import requests as req
 from gateway.sim.engine import Engine
 from gateway.sim.gpu import call_cost_ms, prefill_ms
@@ -77,6 +79,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
             raise req.BadRequest(f"Previous response with id '{previous}' not found.")
         stored_of(request).move_to_end(previous)  # the least recently used go first
         prompt_tokens += earlier["usage"]["total_tokens"]  # the conversation so far
+    conversation = conversations.joined(request, body)
+    if conversation is not None:
+        prompt_tokens += conversation.tokens
     limit = req.max_tokens_of(body, "max_output_tokens")
     tokens = answer_tokens(model, prompt, _length(engine.config.answer_tokens, limit))
     if fault := engine.fault(1):
@@ -100,9 +105,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "status": status,
             "model": model,
             "previous_response_id": previous,
+            "conversation": {"id": conversation.id} if conversation is not None else None,
             "output": [{**message, "content": [part]}] if done else [],
             "usage": usage if done else None,
         }
+        if done and conversation is not None:
+            given = body.get("input")
+            said: list[Any] = [{"role": "user", "content": given}]
+            if isinstance(given, list):  # else a string: ``_input_prompt`` took nothing else
+                said = [item for item in given if isinstance(item, dict)]
+            conversation.add([*said, {**message, "content": [part]}])
         if done and body.get("store", True) is not False:
             stored = stored_of(request)
             stored[ids[0]] = made

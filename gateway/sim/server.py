@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import BadRequest, GatewayError
-from gateway.sim import openai_api, other_apis
+from gateway.sim import conversations, openai_api, other_apis
 from gateway.sim.config import SimConfig
 from gateway.sim.engine import Engine
 from gateway.sim.metrics import CONTENT_TYPE, build_registry, render
@@ -42,6 +42,14 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_post("/v1/responses", other_apis.responses)
     app.router.add_get("/v1/responses/{rid}", other_apis.stored_response)
     app.router.add_delete("/v1/responses/{rid}", other_apis.stored_response)
+    app[conversations.CONVERSATIONS] = OrderedDict()
+    app.router.add_post("/v1/conversations", conversations.create)
+    for method in ("GET", "POST", "DELETE"):
+        app.router.add_route(method, "/v1/conversations/{cid}", conversations.conversation)
+    app.router.add_get("/v1/conversations/{cid}/items", conversations.items)
+    app.router.add_post("/v1/conversations/{cid}/items", conversations.items)
+    app.router.add_get("/v1/conversations/{cid}/items/{iid}", conversations.item)
+    app.router.add_delete("/v1/conversations/{cid}/items/{iid}", conversations.item)
     app.router.add_post("/v1/messages", other_apis.messages)
     app.router.add_post("/v1/messages/count_tokens", other_apis.count_message_tokens)
     app.router.add_get("/v1/models", openai_api.models)
@@ -106,6 +114,7 @@ async def _reset(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     engine.reset()
     request.app[other_apis.STORED].clear()
+    request.app[conversations.CONVERSATIONS].clear()
     return web.json_response(engine.state())
 
 
