@@ -24,7 +24,8 @@ requests/s at 16; each figure the median over the rounds.
   gateway that binds its ids to the tenant (``tenants.response_id_secret``); a continuation
   (``previous_response_id``) of a stored response, directly and through that gateway to a
   backend of two instances, where each continuation is pinned to the instance that holds
-  the response its id names; and
+  the response its id names; a conversation (the Conversations API) read directly and
+  through that gateway, pinned alike; and
   Anthropic's at temperature 0 on a caching route, whole and streamed: every request after
   the first a hit (a stream replayed byte for byte).
 
@@ -72,6 +73,8 @@ OTHER_PATHS = (
     "gateway, Anthropic Messages at temperature 0, a cache hit",
     "direct, Anthropic Messages streamed",
     "gateway, Anthropic Messages streamed at temperature 0, a cache hit",
+    "direct, a conversation read (Conversations API)",
+    "gateway, a conversation read, ids bound, pinned to one of two endpoints",
 )
 STREAM_PATHS = (
     "direct, streamed",
@@ -104,6 +107,7 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
         routes.insert(
             0, {"match": {"path": "/v1/responses*", "model": "paired"}, "backend": "pair"}
         )
+        routes.insert(0, {"match": {"path": "/v1/conversations*"}, "backend": "pair"})
         cached = {"match": {"path": "/v1/messages"}, "backend": "chat", "cache": {"ttl_s": 3600}}
         routes.insert(0, cached)
         listing["merge_models"] = ["embedder"]
@@ -174,6 +178,10 @@ def main() -> None:
             OTHER_PATHS[8]: (backends["chat"] + "/v1/messages", cached_stream),
             OTHER_PATHS[9]: (models + "/v1/messages", cached_stream),
         }
+        for at, base in ((10, backends["chat"]), (11, models)):
+            made = httpx.post(base + "/v1/conversations", json={}).json()["id"]
+            paths[OTHER_PATHS[at]] = (f"{base}/v1/conversations/{made}", None)
+            assert httpx.get(paths[OTHER_PATHS[at]][0]).json()["id"] == made
         merged = httpx.get(models + "/v1/models").json()["data"]
         assert len(merged) == 5, merged
         rewritten = httpx.post(models + "/v1/chat/completions", content=CHAT).headers
@@ -283,6 +291,8 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             "the id taken off, the body written again, the request pinned to the endpoint "
             "the id names, the new id tagged) costs "
             f"{cost(OTHER_PATHS[3], OTHER_PATHS[4])} of a continuation asked of the server "
+            "directly, and a conversation's read through it (the Conversations API: the same "
+            f"check, pin and tag) {cost(OTHER_PATHS[10], OTHER_PATHS[11])} of the read asked "
             "directly. An Anthropic answer at temperature 0 from the cache (the "
             "exact tier in memory; the server is not asked) gives "
             f"{cost(OTHER_PATHS[5], OTHER_PATHS[7])} of the server asked directly, and a "
