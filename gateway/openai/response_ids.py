@@ -127,11 +127,12 @@ Owned = tuple[str, str]
 class ResponseIds:
     """Tags ids for a scope, and checks them; see the module docstring."""
 
-    __slots__ = ("_handles", "_keyed")
+    __slots__ = ("_handles", "_keyed", "_proved")
 
     def __init__(self, secret: str) -> None:
         self._keyed = hmac.new(secret.encode(), digestmod=hashlib.sha256)
         self._handles: dict[str, str] = {}
+        self._proved: dict[tuple[str, str, str], str] = {}  # ids just proved, as shown
 
     def handle(self, url: str) -> str:
         """The name of the endpoint at ``url`` in the ids it holds."""
@@ -149,6 +150,9 @@ class ResponseIds:
         return lambda url: self.handle(url) == handle
 
     def tag(self, scope: str, rid: str, handle: str = "") -> str:
+        proved = self._proved.get((scope, rid, handle))
+        if proved is not None:  # an id a request named, tagged again in its answer
+            return proved
         mac = self._keyed.copy()
         if handle:
             mac.update(f"{scope}\0{rid}\0{handle}".encode())
@@ -165,10 +169,18 @@ class ResponseIds:
         rid, separator, handle = shown.rpartition(SEPARATOR)
         if separator and len(handle) == HANDLE_CHARS and rid.startswith(kind.prefix):
             if hmac.compare_digest(self.tag(scope, rid, handle), tagged):
-                return rid, handle
+                return self._proves(scope, rid, handle, tagged)
         if shown.startswith(kind.prefix) and hmac.compare_digest(self.tag(scope, shown), tagged):
-            return shown, ""
+            return self._proves(scope, shown, "", tagged)
         return None
+
+    def _proves(self, scope: str, rid: str, handle: str, tagged: str) -> Owned:
+        """``tagged`` is ``rid``'s tag for ``scope``: remembered, so that the answer that
+        carries the id again does not compute it again (the last ``MAX_HANDLES``)."""
+        if len(self._proved) >= MAX_HANDLES:
+            self._proved.clear()
+        self._proved[(scope, rid, handle)] = tagged
+        return rid, handle
 
     def tag_owned(self, scope: str, data: bytes, owned: Iterable[Owned]) -> bytes:
         """``data`` with each id ``scope`` owns, as a JSON string, tagged."""
@@ -195,34 +207,37 @@ class ResponseIdStage:
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         makes: Kind | None = None
         if call.path == RESPONSES_PATH:
-            call, named = await self._untag_body(call)
+            changes, named = await self._untag_body(call)
             makes = RESPONSE if call.method == "POST" else None
         elif call.path == CONVERSATIONS_PATH:
-            named = []
+            changes, named = {}, []
             makes = CONVERSATION if call.method == "POST" else None
         elif (found := RESPONSE.by_id.fullmatch(call.path)) is not None:
-            call, named = self._untag_path(call, found, RESPONSE)
+            changes, named = self._untag_path(call, found, RESPONSE)
         elif (found := CONVERSATION.by_id.fullmatch(call.path)) is not None:
-            call, named = self._untag_path(call, found, CONVERSATION)
+            changes, named = self._untag_path(call, found, CONVERSATION)
         else:
             return await call_next(call)
         handles = [handle for _, handle in named if handle]
         if handles:
-            call = dataclasses.replace(call, pin=self._ids.pin(handles[0]))
-        reply = await call_next(dataclasses.replace(call, headers=uncompressed(call.headers)))
+            changes["pin"] = self._ids.pin(handles[0])
+        scope = call.scope
+        reply = await call_next(
+            dataclasses.replace(call, headers=uncompressed(call.headers), **changes)
+        )
         made_at = self._ids.handle(reply.endpoint) if reply.endpoint else ""
-        answer = _Answer(self._ids, call.scope, named, makes=makes, made_at=made_at)
+        answer = _Answer(self._ids, scope, named, makes=makes, made_at=made_at)
         if reply.body is not None:
             return reply.replace(body=answer.whole(reply.body))
         assert reply.stream is not None
         return reply.replace(stream=answer.events(reply.stream), content_length=None)
 
-    async def _untag_body(self, call: Call) -> tuple[Call, list[Owned]]:
+    async def _untag_body(self, call: Call) -> tuple[dict[str, Any], list[Owned]]:
         """The call with its ``previous_response_id`` and ``conversation`` untagged, and the
         ids it proved."""
         data = call.json
         if data is None:
-            return call, []
+            return {}, []
         chosen = [name for name in CHOSEN_ID_FIELDS if name in data]
         if chosen:
             raise ResponseIdChosen(
@@ -253,12 +268,14 @@ class ResponseIdStage:
             )
             named.append(owned)
         if not changed:
-            return call, []
+            return {}, []
         data = {**data, **changed}
         body = await dumps_yielding(data, len(call.body))
-        return dataclasses.replace(call, json=data, body=body), named
+        return {"json": data, "body": body}, named
 
-    def _untag_path(self, call: Call, found: re.Match[str], kind: Kind) -> tuple[Call, list[Owned]]:
+    def _untag_path(
+        self, call: Call, found: re.Match[str], kind: Kind
+    ) -> tuple[dict[str, Any], list[Owned]]:
         named = unquote(found.group(1))
         owned = self._ids.untag(call.scope, named, kind)
         if owned is None:
@@ -266,7 +283,7 @@ class ResponseIdStage:
             raise kind.not_found(f"{kind.noun} with id '{_shown(named)}' not found.")
         path = f"{kind.path}/{owned[0]}{found.group(2) or ''}"
         target = f"{path}?{call.query}" if call.query else path
-        return dataclasses.replace(call, path=path, raw_target=target), [owned]
+        return {"path": path, "raw_target": target}, [owned]
 
     def __repr__(self) -> str:
         return "<ResponseIdStage>"
