@@ -14,6 +14,7 @@ split a response.
 
 from __future__ import annotations
 
+import functools
 import http
 import json
 import time
@@ -108,6 +109,14 @@ def http_date() -> str:
         _date_second = now
         _date_text = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now))
     return _date_text
+
+
+@functools.cache
+def keep_alive_line(timeout_s: float) -> str:
+    """``Keep-Alive: timeout=N`` (whole seconds, rounded down, as clients read it) and CRLF;
+    nothing under a second, which a client would read as "do not reuse"."""
+    whole = int(timeout_s)
+    return f"Keep-Alive: timeout={whole}\r\n" if whole >= 1 else ""
 
 
 def response_head(status: int, headers: Sequence[tuple[str, str]], framing: str) -> bytes:

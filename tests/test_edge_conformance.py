@@ -354,3 +354,16 @@ async def test_a_flood_of_pipelined_requests_is_capped(v1_only):
     assert statuses[-1] == 400 and set(statuses[:-1]) == {200}
     assert "pipelined" in answers[-1].json()["error"]["message"]
     assert len(recorder.seen) == len(statuses) - 1 < 100
+
+
+async def test_an_answer_that_keeps_the_connection_says_how_long_it_waits_idle(v1_only):
+    """``Keep-Alive: timeout=N`` (``server.keepalive_timeout_s``, 75 s by default) on every
+    answer that keeps the connection, as Node's and Apache's servers send it: a client that
+    reads it (Node's undici) closes an idle connection before the gateway does, rather than
+    write a request into the gateway's close.  An answer that closes says only that."""
+    _recorder, gw = v1_only
+    alive = b"GET /v1/models HTTP/1.0\r\nHost: gw\r\nConnection: keep-alive\r\n\r\n"
+    kept = b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
+    answers = await send_raw(gw.url, kept + alive + get("/v1/models"))
+    assert [a.headers.get("keep-alive") for a in answers] == ["timeout=75"] * 2 + [None]
+    assert answers[2].headers["connection"] == "close"

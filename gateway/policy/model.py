@@ -206,7 +206,10 @@ class Server:
     )
     keepalive_timeout_s: float = field(
         default=DEFAULT_KEEPALIVE_TIMEOUT_S,
-        metadata=doc("How long an idle keep-alive connection is kept open."),
+        metadata=doc(
+            "How long an idle keep-alive connection is kept open; announced on every answer "
+            "that keeps it (`Keep-Alive: timeout=N`), so that clients that read it close first."
+        ),
     )
     client_send_timeout_s: float = field(
         default=DEFAULT_CLIENT_SEND_TIMEOUT_S,

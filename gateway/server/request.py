@@ -37,6 +37,9 @@ class Wire(Protocol):
     @property
     def draining(self) -> bool: ...
 
+    @property
+    def keep_alive(self) -> str: ...
+
     def write(self, data: bytes) -> None: ...
 
     def writelines(self, parts: tuple[bytes, ...]) -> None: ...
@@ -238,7 +241,9 @@ class Request:
         if not self._keep:
             lines += "Connection: close\r\n"
         elif self.version == "1.0":
-            lines += "Connection: keep-alive\r\n"
+            lines += "Connection: keep-alive\r\n" + conn.keep_alive
+        else:
+            lines += conn.keep_alive
         return lines
 
     def respond(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:

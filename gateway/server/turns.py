@@ -22,7 +22,7 @@ from gateway.errors import GatewayError, MalformedRequest, Overloaded
 from gateway.policy.model import Server as Limits
 from gateway.server.clock import ConnectionClock, Deadline
 from gateway.server.request import Request, shutting_down
-from gateway.wire import error_body, error_headers, http_date, response_head
+from gateway.wire import error_body, error_headers, http_date, keep_alive_line, response_head
 
 log = logging.getLogger("gateway.server.listener")
 
@@ -121,6 +121,12 @@ class Turns(asyncio.Protocol, ABC):
     @property
     def draining(self) -> bool:
         return self.server.draining
+
+    @property
+    def keep_alive(self) -> str:
+        """The ``Keep-Alive`` line of an answer that keeps the connection: how long it then
+        waits idle, so that a client that reads it closes first, not into a request."""
+        return keep_alive_line(self._limits.keepalive_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -45,6 +45,7 @@ class MemoryWire:
     closing = False
     write_paused = False
     draining = False
+    keep_alive = ""  # no idle timeout to announce
 
     def __init__(self) -> None:
         self.data = bytearray()
