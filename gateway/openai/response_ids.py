@@ -233,8 +233,8 @@ class ResponseIdStage:
         return reply.replace(stream=answer.events(reply.stream), content_length=None)
 
     async def _untag_body(self, call: Call) -> tuple[dict[str, Any], list[Owned]]:
-        """The call with its ``previous_response_id`` and ``conversation`` untagged, and the
-        ids it proved."""
+        """What changes in the call (its body, with ``previous_response_id`` and
+        ``conversation`` untagged), and the ids it proved."""
         data = call.json
         if data is None:
             return {}, []
@@ -276,6 +276,7 @@ class ResponseIdStage:
     def _untag_path(
         self, call: Call, found: re.Match[str], kind: Kind
     ) -> tuple[dict[str, Any], list[Owned]]:
+        """What changes in the call (its path, with the id untagged), and the id it proved."""
         named = unquote(found.group(1))
         owned = self._ids.untag(call.scope, named, kind)
         if owned is None:
