@@ -223,6 +223,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_throttle_threshold",
         "gateway_throttle_transitions",
         "gateway_tokens",
+        "gateway_upstream_connections",
         "gateway_upstream_duration_seconds",
         "gateway_upstream_stale_retries",
         "process_cpu_seconds",

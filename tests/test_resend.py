@@ -190,10 +190,14 @@ async def test_a_connection_idle_past_keepalive_s_is_never_written_on(
     finally:
         server.close()
         await server.wait_closed()
+    connections = gw.gateway.metrics.upstream_connections
+    counted = [connections.labels("main", e)._value.get() for e in ("opened", "retired")]
     if keepalive:
         assert late.status_code == 200
         assert backend.seen == [(1, "/v1/models"), (1, "/v1/orders"), (2, "/v1/orders")]
+        assert counted == [2, 1]
     else:
+        assert counted == [1, 0]
         assert late.status_code == 502
         assert backend.seen == [(1, "/v1/models"), (1, "/v1/orders")]
 

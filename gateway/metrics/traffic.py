@@ -165,6 +165,15 @@ class TrafficFamilies:
             ["backend"],
             registry=r,
         )
+        self.upstream_connections = Counter(
+            "gateway_upstream_connections",
+            "Connections to backends, by event: opened, or retired (an idle one the gateway "
+            "closed before the backend's keep-alive timeout would: keepalive_s, or the "
+            "backend's Keep-Alive hint). Opened at nearly the rate of requests: connections "
+            "are not reused.",
+            ["backend", "event"],
+            registry=r,
+        )
 
     def _register_clients(self, r: CollectorRegistry) -> None:
         # -- the client side of the data plane (issue 11) --

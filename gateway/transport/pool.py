@@ -24,7 +24,7 @@ import collections
 import re
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from gateway.errors import ConnectFailed, UpstreamTimeout
 from gateway.transport.connection import Connection
@@ -63,6 +63,7 @@ class HostPool:
         limit: int,
         connect_timeout_s: float,
         keepalive_s: float = float("inf"),
+        counted: Callable[[str], None] = lambda event: None,
     ) -> None:
         self.name = name
         self.host = host
@@ -72,6 +73,7 @@ class HostPool:
         self._limit = limit
         self._connect_timeout_s = connect_timeout_s
         self._keepalive_s = keepalive_s
+        self._counted = counted  # "opened", "retired"
         self._idle: list[Connection] = []
         self._open = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -92,7 +94,9 @@ class HostPool:
             if conn.closed or now - conn.idle_since >= min(conn.keep_s, self._keepalive_s):
                 del self._idle[at]
                 self._open -= 1
-                conn.close()
+                if not conn.closed:
+                    conn.close()
+                    self._counted("retired")
             elif conn.idle_since <= since:
                 del self._idle[at]
                 return conn
@@ -145,6 +149,7 @@ class HostPool:
                 f"cannot connect to backend {self.name!r}: {exc}", self.name
             ) from exc
         conn.on_close = self.forget
+        self._counted("opened")
         sock = conn.transport.get_extra_info("socket") if conn.transport else None
         if sock is not None:
             try:

@@ -110,6 +110,7 @@ class BackendPool:
             limit=backend.max_connections,
             connect_timeout_s=backend.connect_timeout_s,
             keepalive_s=backend.keepalive_s,
+            counted=lambda event: metrics.upstream_connections.labels(backend.name, event).inc(),
         )
         self._retired = False
         self._closing = False
