@@ -281,7 +281,8 @@ class Backend:
             "Longest an idle pooled connection is reused: keep it under the backend's own "
             "keep-alive timeout (uvicorn's, under vLLM, is 5 s), so that no request is "
             "written on a connection the backend is closing. A backend's `Keep-Alive: "
-            "timeout=N` shortens it to N - 1 s."
+            "timeout=N` shortens it to N - 1 s. Raise it for a remote `https` backend that "
+            "keeps connections longer (nginx 75 s, Envoy 1 h): past it, a TLS handshake."
         ),
     )
     max_connections: int = field(
