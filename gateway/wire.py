@@ -37,6 +37,7 @@ def connection_options(value: str) -> set[str]:
 
 
 MESSAGES_PATH = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"
 """Anthropic's Messages API (its errors are in its shape; the cache stores its streams as
 they came, ``cache.replies.verbatim``)."""
 _ANTHROPIC_TYPES = {

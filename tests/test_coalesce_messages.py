@@ -1,5 +1,5 @@
-"""Single flight on Anthropic's Messages API: identical in-flight requests at temperature 0
-share one upstream call, a stream with streams and a whole answer with whole answers, each
+"""Single flight on Anthropic's Messages API (and the Responses API when the server stores
+nothing): identical in-flight requests at temperature 0 share one upstream call, a stream with streams and a whole answer with whole answers, each
 handed as the backend sent it; another ``anthropic-beta``, another tenant or a sampled
 request makes its own call.  The upstream holds its answers behind a gate, so the test
 decides when the shared call ends; the ``anthropic`` SDK reads the shared streams."""
@@ -19,7 +19,7 @@ from aiohttp import web
 from gateway.coalesce.singleflight import SingleFlight
 from gateway.coalesce.stage import FLIGHTS
 from tests.helpers import metric, scrape_when_recorded, until, write_policy
-from tests.test_responses_messages import HI, message_object, messages_stream
+from tests.test_responses_messages import HI, message_object, messages_stream, response_object
 
 KEYS = {"acme": "acme-secret-key", "umbrella": "umbrella-secret-key"}
 
@@ -34,7 +34,14 @@ class Gated:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/responses", self.responses)
         return app
+
+    async def responses(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append((body, ""))
+        await self.gate.wait()
+        return web.json_response(response_object(body["model"]))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -139,3 +146,25 @@ async def test_the_sdks_streams_read_one_shared_call(served):
     upstream.gate.set()
     assert await asyncio.gather(*tasks) == ["ok"] * 4
     assert len(upstream.calls) == 1
+
+
+async def test_identical_responses_the_server_does_not_store_share_one_call(served):
+    """``store: false``: nothing on the server to keep apart, so identical requests in
+    flight share one call; stored ones each make their own (each is the server's)."""
+    upstream, gw = served
+    ask = {"model": "m", "input": "hi", "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEYS['acme']}"}
+
+    async def post_response(body: dict[str, Any]) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await client.post(gw.url + "/v1/responses", json=body, headers=headers)
+
+    tasks = [asyncio.create_task(post_response({**ask, "store": False})) for _ in range(3)]
+    tasks += [asyncio.create_task(post_response(ask)) for _ in range(2)]
+    await until(lambda: len(upstream.calls) == 3)
+    upstream.gate.set()
+    replies = await asyncio.gather(*tasks)
+    assert all(reply.status_code == 200 for reply in replies)
+    assert len(upstream.calls) == 3
+    marks = [reply.headers.get("X-Gateway-Coalesced", "") for reply in replies]
+    assert sorted(marks[:3]) == ["", "1", "1"] and marks[3:] == ["", ""]

@@ -2,8 +2,8 @@
 ``/v1/messages/count_tokens``), which vLLM and llama.cpp's server serve beside chat: their
 bodies are read like chat's, so they are validated, routed on ``model``, checked against a
 tenant's models, rewritten by ``target_models`` and counted per tenant, streamed or not;
-the Responses API's answers are neither cached nor shared, Anthropic's are both at
-temperature 0 (shared in ``test_coalesce_messages.py``).  The official ``openai`` and ``anthropic``
+Anthropic's answers are cached and shared at temperature 0 (shared in
+``test_coalesce_messages.py``), the Responses API's too when the server stores nothing.  The official ``openai`` and ``anthropic``
 SDKs as clients, model servers on real sockets, and llama.cpp's own server."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gateway.cache.entry import CachedResponse
 from gateway.cache.keys import cacheability
-from gateway.cache.replies import hit_body
+from gateway.cache.replies import hit_body, whole_stream
 from gateway.errors import Overloaded
 from gateway.openai.prefix import leading_key
 from gateway.openai.usage import StreamUsage, from_body
@@ -264,18 +264,46 @@ async def test_a_malformed_body_is_a_400_that_never_reaches_a_backend(served, pa
 JSON = {"content-type": "application/json"}
 
 
-async def test_responses_answers_are_never_cached(served):
-    """Stored under its id by the server, a Responses answer may continue a stored
-    conversation (``previous_response_id``): it is never served from the cache, even at
-    temperature 0 on a route that caches chat."""
+async def test_a_responses_answer_is_cached_only_when_the_server_stores_nothing(served):
+    """A response the server stores is its own under its id (and a continuation reads what
+    it stored): never served from the cache.  With ``store: false`` at temperature 0 the
+    answer is cached as Anthropic's is, a whole answer and a stream apart, the stream
+    replayed byte for byte, and the fields it echoes (``metadata``) in its key; a
+    continuation, a hosted tool or a remote image is never cached."""
     big, _, gw = served
-    body = {"model": "big-1", "input": "hi", "temperature": 0}
+    stored = {"model": "big-1", "input": "hi", "temperature": 0}
+    ask = {**stored, "store": False}
+    seen: list[tuple[str, bytes]] = []
     async with httpx.AsyncClient() as client:
-        for _ in range(2):
+        for body in (
+            stored,
+            stored,
+            ask,
+            ask,
+            {**ask, "stream": True},
+            {**ask, "stream": True},
+            {**ask, "metadata": {"order": "7"}},
+            {**ask, "tools": [{"type": "web_search"}]},
+            {**ask, "previous_response_id": "resp_1"},
+            {**ask, "temperature": 1},
+        ):
             reply = await client.post(gw.url + "/v1/responses", json=body)
-            assert reply.headers["X-Gateway-Cache"] == "bypass"
-    assert len(big.bodies) == 2
-    assert not cacheability(body, "/v1/responses").ok
+            assert reply.status_code == 200
+            seen.append((reply.headers["X-Gateway-Cache"], reply.content))
+    assert [cache for cache, _ in seen] == [
+        *("bypass", "bypass", "miss", "hit", "miss", "hit", "miss"),
+        *("bypass", "bypass", "bypass"),
+    ]
+    assert seen[3][1] == seen[2][1] and json.loads(seen[3][1])["object"] == "response"
+    assert seen[5][1] == seen[4][1] == responses_stream("big-1")
+    assert len(big.bodies) == 8  # all but the two hits
+    assert not cacheability(stored, "/v1/responses").ok
+    image = {"type": "input_image", "image_url": "https://example.com/cat.png"}
+    remote = {**ask, "input": [{"role": "user", "content": [image]}]}
+    assert cacheability(ask, "/v1/responses").ok and not cacheability(remote, "/v1/responses").ok
+    assert not cacheability({**ask, "background": True}, "/v1/responses").ok
+    function = {"type": "function", "name": "f", "parameters": {}}
+    assert cacheability({**ask, "tools": [function]}, "/v1/responses").ok
 
 
 async def test_anthropic_answers_at_temperature_0_are_cached_in_the_shape_asked(served):
@@ -653,3 +681,25 @@ def test_an_answer_stored_as_sent_is_replayed_in_its_own_shape_only():
     for entry, streaming in ((stored, True), (streamed, False)):
         with pytest.raises(ValueError):
             hit_body(entry, streaming=streaming, include_usage=False, as_sent=True)
+
+
+@pytest.mark.parametrize(
+    ("last", "stored"),
+    [
+        ("response.completed", True),
+        ("response.incomplete", True),  # cut at max_output_tokens: as deterministic
+        ("response.failed", False),
+        ("error", False),
+        ("response.output_text.delta", False),  # cut off before its end
+    ],
+)
+async def test_a_responses_stream_is_stored_only_once_it_ended_well(last, stored):
+    kept: list[bytes | None] = []
+
+    async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
+        kept.append(body)
+
+    head = responses_stream("m").split(b"event: response.completed")[0]
+    body = head + f"event: {last}\ndata: {{}}\n\n".encode()
+    await whole_stream(put, "/v1/responses")(None, body)
+    assert kept == ([body] if stored else [])

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.cache.guard import signature
-from gateway.wire import MESSAGES_PATH
+from gateway.wire import MESSAGES_PATH, RESPONSES_PATH
 
 IGNORED_FIELDS = frozenset(
     {
@@ -64,9 +64,15 @@ MAX_NEAR_CHARS = 8192
 # since its events are replayed as they came (``replies.verbatim``).
 API_HEADERS = ("anthropic-version", "anthropic-beta")
 """Request headers that change an Anthropic answer: in its key (``api_headers``)."""
-CACHED_PATHS = ("/chat/completions", "/completions", "/embeddings", MESSAGES_PATH)
-"""The endpoints (path ends) whose answers may be cached (and, but for Anthropic's, shared
-by single flight)."""
+CACHED_PATHS = ("/chat/completions", "/completions", "/embeddings", MESSAGES_PATH, RESPONSES_PATH)
+"""The endpoints (path ends) whose answers may be cached and shared by single flight (the
+Responses API's only when the server stores nothing: ``store: false``)."""
+AS_SENT_PATHS = (MESSAGES_PATH, RESPONSES_PATH)
+"""The endpoints whose answers are stored, replayed and shared as they came, a whole answer
+and a stream apart: their streams are no chat's."""
+ECHOED_FIELDS = frozenset({"user", "metadata", "safety_identifier", "service_tier"})
+"""Fields the Responses API repeats in its answer: they key it, lest a hit repeat another
+request's."""
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which
@@ -110,9 +116,10 @@ def cacheability(
     API default of 1) unless ``allow_sampled``; ``n`` and ``best_of`` must be absent or 1.
     A message referring to a remote image (``http(s)://`` URL) is not cacheable: the image
     behind the URL may change.  Embeddings requests are always deterministic.  Anthropic's
-    Messages API is judged as chat (its ``temperature`` defaults to 1 too).  Other
-    endpoints' answers are not cached (``CACHED_PATHS``): the Responses API's are stored by
-    the server under their ids and may continue a stored conversation.
+    Messages API is judged as chat (its ``temperature`` defaults to 1 too), and so is the
+    Responses API's when the server stores nothing (``_stateful_response``): a stored
+    response is the server's under its id, and a continuation reads stored state.  Other
+    endpoints' answers are not cached (``CACHED_PATHS``).
     """
     if not isinstance(body, Mapping):
         return Cacheability(False, "body is not a JSON object")
@@ -120,6 +127,8 @@ def cacheability(
         return Cacheability(False, "answers of this endpoint are not cached")
     if path.endswith("/embeddings"):
         return Cacheability(True)
+    if path.endswith(RESPONSES_PATH) and (refused := _stateful_response(body)) is not None:
+        return Cacheability(False, refused)
     if not allow_sampled:
         temperature = body.get("temperature")
         if isinstance(temperature, bool) or not isinstance(temperature, int | float):
@@ -150,7 +159,8 @@ def request_key(
     """The exact key of ``body``, and its context key and prompt when near-dup applies
     (and ``near`` asks for them; ``with_context`` adds them later, for a caller that tries
     the exact tier first and pays for the rest only on a miss)."""
-    canon = _canon({k: v for k, v in body.items() if k not in IGNORED_FIELDS})
+    ignored = IGNORED_FIELDS - ECHOED_FIELDS if path.endswith(RESPONSES_PATH) else IGNORED_FIELDS
+    canon = _canon({k: v for k, v in body.items() if k not in ignored})
     prefix = _prefix(scope, route, backend, model_version, path, query, vary) + _shape(body, path)
     prompt = _near_prompt(body, path)
     if prompt is None:
@@ -210,9 +220,9 @@ def _prefix(
 
 
 def _shape(body: Mapping[str, Any], path: str) -> tuple[str, ...]:
-    """What a key adds for the shape asked: Anthropic's streams are stored as sent, so a
-    stream and a whole answer never share an entry (exact or near)."""
-    if path.endswith(MESSAGES_PATH):
+    """What a key adds for the shape asked: Anthropic's and the Responses API's streams are
+    stored as sent, so a stream and a whole answer never share an entry (exact or near)."""
+    if path.endswith(AS_SENT_PATHS):
         return ("stream" if body.get("stream") is True else "whole",)
     return ()
 
@@ -334,6 +344,45 @@ def _canon(value: Any) -> Any:
     if isinstance(value, float):
         return int(value) if value.is_integer() else value
     return value
+
+
+def _stateful_response(body: Mapping[str, Any]) -> str | None:
+    """Why a Responses API request's answer may not be reused, if it may not: the server
+    stores it, it reads stored state, it runs in the background, a hosted tool's results
+    change (web search, files, code), or it reads a remote file."""
+    if body.get("store") is not False:
+        return "the server stores the response (store is not false)"
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            return f"{name} reads what the server stored"
+    if body.get("background"):
+        return "a background response"
+    tools = body.get("tools")
+    if isinstance(tools, list) and any(
+        not isinstance(tool, dict) or tool.get("type") not in ("function", "custom")
+        for tool in tools
+    ):
+        return "a hosted tool's results change"
+    given = body.get("input")
+    if isinstance(given, list) and (_has_remote_media(given) or _names_remote_file(given)):
+        return "an input refers to a remote URL"
+    return None
+
+
+def _names_remote_file(items: list[Any]) -> bool:
+    """An input part naming a remote file by URL (``input_image``'s ``image_url``,
+    ``input_file``'s ``file_url``)."""
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and any(
+                key.endswith("_url")
+                and isinstance(value, str)
+                and value.startswith(("http://", "https://"))
+                for key, value in part.items()
+            ):
+                return True
+    return False
 
 
 def _has_remote_media(messages: Any) -> bool:

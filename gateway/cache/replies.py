@@ -19,6 +19,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.cache.entry import CachedResponse
+from gateway.cache.keys import AS_SENT_PATHS
 from gateway.openai.sse import StreamRecorder, events_to_json, json_to_events, render_sse
 from gateway.pipeline import Headers, Reply
 from gateway.transport.headers import SSE_TYPE, is_event_stream
@@ -37,22 +38,34 @@ JSON_TYPE = "application/json"
 
 
 def verbatim(path: str) -> bool:
-    """Whether a stream of ``path`` is stored and replayed as it came (Anthropic's)."""
-    return path.endswith(MESSAGES_PATH)
+    """Whether a stream of ``path`` is stored and replayed as it came (Anthropic's, the
+    Responses API's)."""
+    return path.endswith(AS_SENT_PATHS)
 
 
 _ENDED = re.compile(rb"^event: ?message_stop\r?$", re.MULTILINE)
 _FAILED = re.compile(rb"^event: ?error\r?$", re.MULTILINE)
+_RESPONSE_ENDED = re.compile(rb"^event: ?response\.(completed|incomplete)\r?$", re.MULTILINE)
+_RESPONSE_FAILED = re.compile(rb"^event: ?(error|response\.failed)\r?$", re.MULTILINE)
 
 
 def whole_stream(
-    put: Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]],
+    put: Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]], path: str
 ) -> Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]]:
-    """``put`` for a verbatim stream: only one that ended (``message_stop``) without an
-    ``error`` event is stored."""
+    """``put`` for a verbatim stream of ``path``: only one that ended (``message_stop``;
+    the Responses API's ``response.completed`` or ``response.incomplete``) without an
+    ``error`` event (or ``response.failed``) is stored."""
+    ended, failed = (
+        (_ENDED, _FAILED)
+        if path.endswith(MESSAGES_PATH)
+        else (
+            _RESPONSE_ENDED,
+            _RESPONSE_FAILED,
+        )
+    )
 
     async def checked(events: tuple[str, ...] | None, body: bytes | None) -> None:
-        if body is not None and _ENDED.search(body) and not _FAILED.search(body):
+        if body is not None and ended.search(body) and not failed.search(body):
             await put(None, body)
 
     return checked

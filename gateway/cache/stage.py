@@ -384,7 +384,7 @@ class CacheStage:
 
         events = is_event_stream(reply.headers)
         as_sent = events and verbatim(call.path)  # stored as it came, once whole
-        store = whole_stream(put) if as_sent else put
+        store = whole_stream(put, call.path) if as_sent else put
         if reply.body is not None and (not events or as_sent):
             await store(None, reply.body)
         elif reply.body is not None:

@@ -17,8 +17,9 @@ is cancelled only when every caller has gone; its failure, or a stream cut off, 
 caller.  Joiners are counted in ``gateway_coalesced_requests_total`` and answered with
 ``X-Gateway-Coalesced: 1``.
 
-Anthropic's Messages API is coalesced too, at temperature 0: a stream joins only streams and
-a whole answer only whole answers (the shape is in the key, with ``anthropic-version`` and
+Anthropic's Messages API is coalesced too, at temperature 0, and the Responses API when the
+server stores nothing (``store: false``): a stream joins only streams and a whole answer
+only whole answers (the shape is in the key, with Anthropic's ``anthropic-version`` and
 ``anthropic-beta``), each handed as the backend sent it, byte for byte.
 """
 
@@ -28,7 +29,7 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from gateway.cache.keys import api_headers, cacheability, request_key
+from gateway.cache.keys import AS_SENT_PATHS, api_headers, cacheability, request_key
 from gateway.coalesce.singleflight import SingleFlight
 from gateway.errors import UpstreamUnavailable
 from gateway.openai.sse import StreamRecorder, events_to_json
@@ -37,7 +38,6 @@ from gateway.policy.model import Policy
 from gateway.runtime import Runtime
 from gateway.state import Kind
 from gateway.transport.headers import is_event_stream
-from gateway.wire import MESSAGES_PATH
 
 FLIGHTS: Kind[SingleFlight] = Kind("singleflight")
 COALESCED_HEADER = "X-Gateway-Coalesced"
@@ -59,7 +59,7 @@ class CoalesceStage:
             return await call_next(call)
         # Anthropic's answers are handed as the backend sent them, never assembled: a whole
         # answer and a stream have keys of their own (``keys._shape``).
-        as_sent = call.streaming or call.path.endswith(MESSAGES_PATH)
+        as_sent = call.streaming or call.path.endswith(AS_SENT_PATHS)
         reply = await flights.do(key, lambda: call_next(call), stream=as_sent)
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
 
@@ -82,7 +82,7 @@ def coalesce_key(call: Call) -> Hashable | None:
         path=call.path,
         near=False,
     ).exact
-    if call.path.endswith(MESSAGES_PATH):  # its version and beta features change the answer
+    if call.path.endswith(AS_SENT_PATHS):  # Anthropic's version and beta features count
         return (exact, call.query, api_headers(call.path, call.headers))
     if call.streaming:
         options = json.dumps(

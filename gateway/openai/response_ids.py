@@ -54,8 +54,8 @@ from gateway.openai.body import dumps_yielding
 from gateway.openai.sse import whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
+from gateway.wire import RESPONSES_PATH
 
-RESPONSES_PATH = "/v1/responses"
 CONVERSATIONS_PATH = "/v1/conversations"
 TAG_CHARS = 24
 SEPARATOR = "~"
