@@ -25,7 +25,8 @@ requests/s at 16; each figure the median over the rounds.
   (``previous_response_id``) of a stored response, directly and through that gateway to a
   backend of two instances, where each continuation is pinned to the instance that holds
   the response its id names; a conversation (the Conversations API) read directly and
-  through that gateway, pinned alike; and
+  through that gateway, pinned alike; a Responses API answer the server does not store
+  (``store: false``) at temperature 0, from the cache; and
   Anthropic's at temperature 0 on a caching route, whole and streamed: every request after
   the first a hit (a stream replayed byte for byte).
 
@@ -54,6 +55,7 @@ CHAT_PATHS = ("direct", "gateway, body passed through", "gateway, model rewritte
 STREAM = '{"model":"streamer","messages":[{"role":"user","content":"hello"}],"stream":true}'
 ASKED = STREAM[:-1] + ',"stream_options":{"include_usage":true}}'
 RESPONSES = '{"model":"assistant","input":"hello there","store":false}'
+UNSTORED = '{"model":"unstored","input":"hello there","store":false,"temperature":0}'
 PAIRED = '{"model":"paired","input":"hello there"}'
 """Stored: the response the continuations continue.  Nothing else the bench asks is stored,
 so the servers' stores (the last 4096 responses) keep it."""
@@ -75,6 +77,7 @@ OTHER_PATHS = (
     "gateway, Anthropic Messages streamed at temperature 0, a cache hit",
     "direct, a conversation read (Conversations API)",
     "gateway, a conversation read, ids bound, pinned to one of two endpoints",
+    "gateway, Responses API not stored (store false) at temperature 0, a cache hit",
 )
 STREAM_PATHS = (
     "direct, streamed",
@@ -108,6 +111,8 @@ def gateway(stack: ExitStack, tmp: Path, backends: dict[str, str], models: bool)
             0, {"match": {"path": "/v1/responses*", "model": "paired"}, "backend": "pair"}
         )
         routes.insert(0, {"match": {"path": "/v1/conversations*"}, "backend": "pair"})
+        unstored = {"path": "/v1/responses", "model": "unstored"}
+        routes.insert(0, {"match": unstored, "backend": "chat", "cache": {"ttl_s": 3600}})
         cached = {"match": {"path": "/v1/messages"}, "backend": "chat", "cache": {"ttl_s": 3600}}
         routes.insert(0, cached)
         listing["merge_models"] = ["embedder"]
@@ -151,6 +156,7 @@ def main() -> None:
             (responses, RESPONSES),
             (messages, MESSAGES),
             (cached_stream, CACHED_STREAM),
+            (Path(tmp) / "unstored.lua", UNSTORED),
         ):
             file.write_text(
                 f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
@@ -177,6 +183,7 @@ def main() -> None:
             OTHER_PATHS[7]: (models + "/v1/messages", cached),
             OTHER_PATHS[8]: (backends["chat"] + "/v1/messages", cached_stream),
             OTHER_PATHS[9]: (models + "/v1/messages", cached_stream),
+            OTHER_PATHS[12]: (models + "/v1/responses", Path(tmp) / "unstored.lua"),
         }
         for at, base in ((10, backends["chat"]), (11, models)):
             made = httpx.post(base + "/v1/conversations", json={}).json()["id"]
@@ -203,6 +210,9 @@ def main() -> None:
             )
         for body in (CACHED, CACHED, CACHED_STREAM, CACHED_STREAM):
             hit = httpx.post(models + "/v1/messages", content=body).headers["x-gateway-cache"]
+        assert hit == "hit", hit
+        for _ in range(2):
+            hit = httpx.post(models + "/v1/responses", content=UNSTORED).headers["x-gateway-cache"]
         assert hit == "hit", hit
         for url, lua in paths.values():  # warm: pools, imports
             wrk(url, connections=4, duration_s=1, script=lua)
@@ -299,7 +309,9 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             "stream replayed byte for byte "
             f"{cost(OTHER_PATHS[8], OTHER_PATHS[9])} of the server's stream (a simulated "
             "server that answers at once: a real model's answer takes milliseconds to "
-            "seconds, which a hit saves).",
+            "seconds, which a hit saves). A Responses API answer the server does not store "
+            "(`store: false`, temperature 0) from the cache gives "
+            f"{cost(OTHER_PATHS[0], OTHER_PATHS[12])} of the server asked directly.",
         ]
     )
 
