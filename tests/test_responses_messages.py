@@ -302,6 +302,7 @@ async def test_a_responses_answer_is_cached_only_when_the_server_stores_nothing(
     remote = {**ask, "input": [{"role": "user", "content": [image]}]}
     assert cacheability(ask, "/v1/responses").ok and not cacheability(remote, "/v1/responses").ok
     assert not cacheability({**ask, "background": True}, "/v1/responses").ok
+    assert not cacheability({**ask, "prompt": {"id": "pmpt_1"}}, "/v1/responses").ok
     function = {"type": "function", "name": "f", "parameters": {}}
     assert cacheability({**ask, "tools": [function]}, "/v1/responses").ok
 

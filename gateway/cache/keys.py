@@ -348,11 +348,12 @@ def _canon(value: Any) -> Any:
 
 def _stateful_response(body: Mapping[str, Any]) -> str | None:
     """Why a Responses API request's answer may not be reused, if it may not: the server
-    stores it, it reads stored state, it runs in the background, a hosted tool's results
+    stores it, it reads stored state (a response, a conversation, a prompt template whose
+    latest version may change), it runs in the background, a hosted tool's results
     change (web search, files, code), or it reads a remote file."""
     if body.get("store") is not False:
         return "the server stores the response (store is not false)"
-    for name in ("previous_response_id", "conversation"):
+    for name in ("previous_response_id", "conversation", "prompt"):  # prompt: a stored template
         if body.get(name) is not None:
             return f"{name} reads what the server stored"
     if body.get("background"):
