@@ -37,9 +37,11 @@ def connection_options(value: str) -> set[str]:
 
 
 MESSAGES_PATH = "/v1/messages"
-RESPONSES_PATH = "/v1/responses"
 """Anthropic's Messages API (its errors are in its shape; the cache stores its streams as
 they came, ``cache.replies.verbatim``)."""
+RESPONSES_PATH = "/v1/responses"
+"""OpenAI's Responses API (its ids bound to tenants, ``openai.response_ids``; its streams
+stored as they came, as Anthropic's)."""
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -112,7 +114,7 @@ def http_date() -> str:
     return _date_text
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8)
 def keep_alive_line(timeout_s: float) -> str:
     """``Keep-Alive: timeout=N`` (whole seconds, rounded down, as clients read it) and CRLF;
     nothing under a second, which a client would read as "do not reuse"."""

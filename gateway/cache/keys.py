@@ -73,6 +73,7 @@ and a stream apart: their streams are no chat's."""
 ECHOED_FIELDS = frozenset({"user", "metadata", "safety_identifier", "service_tier"})
 """Fields the Responses API repeats in its answer: they key it, lest a hit repeat another
 request's."""
+_RESPONSES_IGNORED = IGNORED_FIELDS - ECHOED_FIELDS
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which
@@ -159,7 +160,7 @@ def request_key(
     """The exact key of ``body``, and its context key and prompt when near-dup applies
     (and ``near`` asks for them; ``with_context`` adds them later, for a caller that tries
     the exact tier first and pays for the rest only on a miss)."""
-    ignored = IGNORED_FIELDS - ECHOED_FIELDS if path.endswith(RESPONSES_PATH) else IGNORED_FIELDS
+    ignored = _RESPONSES_IGNORED if path.endswith(RESPONSES_PATH) else IGNORED_FIELDS
     canon = _canon({k: v for k, v in body.items() if k not in ignored})
     prefix = _prefix(scope, route, backend, model_version, path, query, vary) + _shape(body, path)
     prompt = _near_prompt(body, path)
@@ -365,28 +366,14 @@ def _stateful_response(body: Mapping[str, Any]) -> str | None:
     ):
         return "a hosted tool's results change"
     given = body.get("input")
-    if isinstance(given, list) and (_has_remote_media(given) or _names_remote_file(given)):
+    if _has_remote_media(given):
         return "an input refers to a remote URL"
     return None
 
 
-def _names_remote_file(items: list[Any]) -> bool:
-    """An input part naming a remote file by URL (``input_image``'s ``image_url``,
-    ``input_file``'s ``file_url``)."""
-    for item in items:
-        content = item.get("content") if isinstance(item, dict) else None
-        for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and any(
-                key.endswith("_url")
-                and isinstance(value, str)
-                and value.startswith(("http://", "https://"))
-                for key, value in part.items()
-            ):
-                return True
-    return False
-
-
 def _has_remote_media(messages: Any) -> bool:
+    """A content part naming something remote by URL: chat's ``{"image_url": {"url"}}``,
+    or the Responses API's ``image_url`` and ``file_url`` strings."""
     if not isinstance(messages, list):
         return False
     for message in messages:
@@ -396,8 +383,10 @@ def _has_remote_media(messages: Any) -> bool:
         for part in content:
             if not isinstance(part, dict):
                 continue
-            for value in part.values():
+            for key, value in part.items():
                 url = value.get("url") if isinstance(value, dict) else None
+                if url is None and key.endswith("_url"):
+                    url = value
                 if isinstance(url, str) and url.startswith(("http://", "https://")):
                     return True
     return False

@@ -43,10 +43,14 @@ def verbatim(path: str) -> bool:
     return path.endswith(AS_SENT_PATHS)
 
 
-_ENDED = re.compile(rb"^event: ?message_stop\r?$", re.MULTILINE)
-_FAILED = re.compile(rb"^event: ?error\r?$", re.MULTILINE)
-_RESPONSE_ENDED = re.compile(rb"^event: ?response\.(completed|incomplete)\r?$", re.MULTILINE)
-_RESPONSE_FAILED = re.compile(rb"^event: ?(error|response\.failed)\r?$", re.MULTILINE)
+_MESSAGES_END = (  # how a stream ends well, and the event that says it failed
+    re.compile(rb"^event: ?message_stop\r?$", re.MULTILINE),
+    re.compile(rb"^event: ?error\r?$", re.MULTILINE),
+)
+_RESPONSES_END = (
+    re.compile(rb"^event: ?response\.(completed|incomplete)\r?$", re.MULTILINE),
+    re.compile(rb"^event: ?(error|response\.failed)\r?$", re.MULTILINE),
+)
 
 
 def whole_stream(
@@ -55,14 +59,7 @@ def whole_stream(
     """``put`` for a verbatim stream of ``path``: only one that ended (``message_stop``;
     the Responses API's ``response.completed`` or ``response.incomplete``) without an
     ``error`` event (or ``response.failed``) is stored."""
-    ended, failed = (
-        (_ENDED, _FAILED)
-        if path.endswith(MESSAGES_PATH)
-        else (
-            _RESPONSE_ENDED,
-            _RESPONSE_FAILED,
-        )
-    )
+    ended, failed = _MESSAGES_END if path.endswith(MESSAGES_PATH) else _RESPONSES_END
 
     async def checked(events: tuple[str, ...] | None, body: bytes | None) -> None:
         if body is not None and ended.search(body) and not failed.search(body):

@@ -57,8 +57,8 @@ class CoalesceStage:
         key = coalesce_key(call) if flights is not None else None
         if flights is None or key is None:
             return await call_next(call)
-        # Anthropic's answers are handed as the backend sent them, never assembled: a whole
-        # answer and a stream have keys of their own (``keys._shape``).
+        # Anthropic's and the Responses API's answers are handed as the backend sent them,
+        # never assembled: a whole answer and a stream have keys of their own (``keys._shape``).
         as_sent = call.streaming or call.path.endswith(AS_SENT_PATHS)
         reply = await flights.do(key, lambda: call_next(call), stream=as_sent)
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply

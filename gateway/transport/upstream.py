@@ -102,6 +102,10 @@ class BackendPool:
         )
         self.inflight = 0
         self._limit = backend.max_connections
+        counters = {  # resolved once: a label lookup takes a lock
+            event: metrics.upstream_connections.labels(backend.name, event)
+            for event in ("opened", "retired")
+        }
         self._http = HostPool(
             backend.name,
             parts.hostname or "",
@@ -110,7 +114,7 @@ class BackendPool:
             limit=backend.max_connections,
             connect_timeout_s=backend.connect_timeout_s,
             keepalive_s=backend.keepalive_s,
-            counted=lambda event: metrics.upstream_connections.labels(backend.name, event).inc(),
+            counted=lambda event: counters[event].inc(),
         )
         self._retired = False
         self._closing = False
