@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.transport.pool import SETTLE_S
+from gateway.transport.connection import Connection
+from gateway.transport.pool import SETTLE_S, heard
 from tests.helpers import CHAT, until, write_policy
 from tests.upstreams import RawExchange
 
@@ -220,3 +221,21 @@ async def test_a_servers_keep_alive_hint_shortens_the_reuse(start_gateway, tmp_p
         server.close()
         await server.wait_closed()
     assert [number for number, _ in backend.seen] == [1, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("value", "keep_s"),
+    [
+        ("timeout=5, max=100", 4.0),  # llama.cpp's server
+        ("max=3, Timeout = 2.5", 1.5),
+        ("timeout=1", 0.5),  # half of a short hint, never nothing
+        ("timeout=0", 0.0),  # reuse nothing idle
+        ("timeout=abc", float("inf")),  # unreadable: the backend's keepalive_s holds
+        ("notimeout=5", float("inf")),
+        ("timeout=" + "9" * 400, float("inf")),  # absurd: read, and no shorter than ours
+    ],
+)
+async def test_a_servers_keep_alive_hint_is_read_and_a_broken_one_ignored(value, keep_s):
+    conn = Connection("main", asyncio.get_running_loop())
+    heard(conn, [("Content-Type", "application/json"), ("Keep-Alive", value)])
+    assert conn.keep_s == keep_s
