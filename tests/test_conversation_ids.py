@@ -14,18 +14,24 @@ import httpx
 import openai
 import pytest
 
-from gateway.openai.response_ids import CONVERSATION, ResponseIds
+from gateway.openai.bound_ids import CONVERSATION, ResponseIds
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
-from tests.test_response_ids import ALICE, BOB, SECRET, Store, policy, round_robin, sdk
+from tests.test_response_ids import (
+    ALICE,
+    BOB,
+    SECRET,
+    Store,
+    policy,
+    round_robin,
+    sdk,
+    serve_store,
+)
 
 
 @pytest.fixture
 async def served(serve_app, start_gateway, tmp_path):
-    store = Store()
-    url = await serve_app(store.app())
-    gw = await start_gateway(policy=write_policy(tmp_path, policy(url)))
-    return store, gw
+    return await serve_store(serve_app, start_gateway, tmp_path)
 
 
 def said(text: str) -> list[Any]:
@@ -45,8 +51,10 @@ async def test_a_tenant_keeps_its_conversation_and_answers_join_it(served):
         assert wrapped.conversation is not None and wrapped.conversation.id == made.id
         items = await alice.conversations.items.list(made.id)
         assert len(items.data) == 6  # hello, more, and two turns
-        item = await alice.conversations.items.retrieve("msg_1", conversation_id=made.id)
-        assert item.id == "msg_1"
+        shown = items.data[3].id  # the first answer's, tagged for alice
+        assert shown is not None and shown.startswith("msg_0002~")
+        item = await alice.conversations.items.retrieve(shown, conversation_id=made.id)
+        assert item.id == shown
         updated = await alice.conversations.update(made.id, metadata={"topic": "t"})
         assert updated.id == made.id
         deleted = await alice.conversations.delete(made.id)
@@ -59,7 +67,7 @@ async def test_a_tenant_keeps_its_conversation_and_answers_join_it(served):
         ("POST", "/v1/responses"),
         ("POST", "/v1/responses"),
         ("GET", f"/v1/conversations/{raw}/items"),
-        ("GET", f"/v1/conversations/{raw}/items/msg_1"),
+        ("GET", f"/v1/conversations/{raw}/items/msg_0002"),
         ("POST", f"/v1/conversations/{raw}"),
         ("DELETE", f"/v1/conversations/{raw}"),
     ]
@@ -151,7 +159,7 @@ async def test_no_path_below_conversations_passes_without_an_id_of_its_own(serve
 def test_a_conversation_id_untags_only_as_a_conversation():
     ids = ResponseIds(SECRET)
     tagged = ids.tag("scope", "conv_1", "0a1b2c3d")
-    assert ids.untag("scope", tagged, CONVERSATION) == ("conv_1", "0a1b2c3d")
+    assert ids.untag("scope", tagged, CONVERSATION) == ("conv_1", "0a1b2c3d", CONVERSATION)
     assert ids.untag("scope", tagged) is None  # not a response's
     assert ids.untag("other", tagged, CONVERSATION) is None
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.openai.response_ids import ResponseIds
+from gateway.openai.bound_ids import RESPONSE, Owned, ResponseIds
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, problems_of, write_policy
 
@@ -26,12 +26,16 @@ ALICE, BOB = "alice-key", "bob-key"
 
 class Store:
     """Stores every response it makes, serves it back by id, continues a stored one; keeps
-    conversations (the Conversations API) and their items, a response joining one."""
+    conversations (the Conversations API) and their items, a response joining one; and
+    every item under its id, resolving an input item named by id (``item_reference``, or an
+    item given with its ``id``) as OpenAI does, whoever made it."""
 
     def __init__(self, name: str = "") -> None:
         self.name = name  # said before each answer
         self.responses: dict[str, dict[str, Any]] = {}
         self.conversations: dict[str, list[dict[str, Any]]] = {}  # their items
+        self.items: dict[str, dict[str, Any]] = {}
+        self.inputs: dict[str, list[dict[str, Any]]] = {}  # each response's input items
         self.made = 0
         self.down = False  # answers every read with a 503
         self.asked: list[tuple[str, str, Any]] = []
@@ -41,6 +45,7 @@ class Store:
         app.router.add_post("/v1/responses", self.create)
         app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
         app.router.add_get("/v1/responses/{rid}", self.get)
+        app.router.add_get("/v1/responses/{rid}/input_items", self.input_items)
         app.router.add_delete("/v1/responses/{rid}", self.delete)
         app.router.add_post("/v1/responses/{rid}/cancel", self.get)
         app.router.add_post("/v1/conversations", self.open)
@@ -55,14 +60,14 @@ class Store:
         self.asked.append(("POST", request.path, body))
         self.made += 1
         cid = f"conv_{self.made:04d}"
-        self.conversations[cid] = list(body.get("items", []))
+        self.conversations[cid] = self._kept(body.get("items", []))
         return web.json_response(_conversation(cid))
 
     async def conversation(self, request: web.Request) -> web.Response:
         """A conversation read, updated or deleted; its items listed, added or read."""
         cid, iid = request.match_info["cid"], request.match_info.get("iid")
         body = await request.json() if request.can_read_body else None
-        self.asked.append((request.method, request.path, body))
+        self.asked.append((request.method, request.path_qs, body))
         if cid not in self.conversations:
             return _error(404, f"Conversation with id '{cid}' not found.")
         items = self.conversations[cid]
@@ -71,9 +76,8 @@ class Store:
             return web.json_response(found[0]) if found else _error(404, "No such item.")
         if request.path.endswith("/items"):
             if request.method == "POST" and body is not None:
-                items.extend(body["items"])
-            page = {"object": "list", "data": items, "first_id": None, "last_id": None}
-            return web.json_response({**page, "has_more": False})
+                items.extend(self._kept(body["items"]))
+            return web.json_response(_page(items, request.query.get("after")))
         if request.method == "DELETE":
             del self.conversations[cid]
             return web.json_response({"id": cid, "object": "conversation.deleted", "deleted": True})
@@ -89,8 +93,15 @@ class Store:
         cid = joined.get("id") if isinstance(joined, dict) else joined
         if cid is not None and cid not in self.conversations:
             return _error(404, f"Conversation with id '{cid}' not found.")
+        given = body["input"] if isinstance(body["input"], list) else []
+        unknown = [item["id"] for item in given if "id" in item and item["id"] not in self.items]
+        if unknown:
+            return _error(404, f"Item with id '{unknown[0]}' not found.")
         self.made += 1
         rid, text = f"resp_{self.made:04d}", f"{self.name}answer {self.made}"
+        self.inputs[rid] = self._kept(
+            [self.items[item["id"]] if "id" in item else item for item in given]
+        )
         made = {
             "id": rid,
             "object": "response",
@@ -102,7 +113,7 @@ class Store:
             "output": [
                 {
                     "type": "message",
-                    "id": "msg_1",
+                    "id": f"msg_{self.made:04d}",
                     "status": "completed",
                     "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": []}],
@@ -112,14 +123,16 @@ class Store:
             "conversation": {"id": cid} if cid else None,
         }
         self.responses[rid] = made
+        self.items[made["output"][0]["id"]] = made["output"][0]
         if cid:
             said = {"type": "message", "role": "user", "content": body["input"]}
-            self.conversations[cid] += [said, made["output"][0]]
+            self.conversations[cid] += [*self._kept([said]), made["output"][0]]
         if not body.get("stream"):
             return web.json_response(made)
         events = [
             ("response.created", {"type": "response.created", "response": {**made, "status": "in_progress", "output": []}}),
-            ("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": text}),
+            ("response.output_item.added", {"type": "response.output_item.added", "output_index": 0, "item": {**made["output"][0], "status": "in_progress", "content": []}}),
+            ("response.output_text.delta", {"type": "response.output_text.delta", "item_id": made["output"][0]["id"], "output_index": 0, "content_index": 0, "delta": text}),
             ("response.completed", {"type": "response.completed", "response": made}),
         ]  # fmt: skip
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -134,6 +147,22 @@ class Store:
     async def input_tokens(self, request: web.Request) -> web.Response:
         self.asked.append(("POST", request.path, await request.json()))
         return web.json_response({"object": "response.input_tokens", "input_tokens": 3})
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        self.asked.append((request.method, request.path_qs, None))
+        if rid not in self.inputs:
+            return _error(404, f"Response with id '{rid}' not found.")
+        return web.json_response(_page(self.inputs[rid], request.query.get("after")))
+
+    def _kept(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``items`` as stored: each under its id, one given to each without."""
+        kept = []
+        for item in items:
+            item = item if "id" in item else {"id": f"item_{len(self.items) + 1:04d}", **item}
+            self.items[item["id"]] = item
+            kept.append(item)
+        return kept
 
     async def get(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
@@ -150,6 +179,14 @@ class Store:
         if self.responses.pop(rid, None) is None:
             return _error(404, f"Response with id '{rid}' not found.")
         return web.json_response({"id": rid, "object": "response", "deleted": True})
+
+
+def _page(items: list[dict[str, Any]], after: str | None) -> dict[str, Any]:
+    """A list answer of ``items``, those after the item ``after`` names, if one does."""
+    ids = [item["id"] for item in items]
+    shown = items[ids.index(after) + 1 :] if after in ids else items
+    first, last = (shown[0]["id"], shown[-1]["id"]) if shown else (None, None)
+    return {"object": "list", "data": shown, "first_id": first, "last_id": last, "has_more": False}
 
 
 def _conversation(cid: str) -> dict[str, Any]:
@@ -174,12 +211,16 @@ def round_robin(urls: list[str]) -> str:
     )
 
 
-@pytest.fixture
-async def served(serve_app, start_gateway, tmp_path):
+async def serve_store(serve_app: Any, start_gateway: Any, tmp_path: Any) -> tuple[Store, Any]:
+    """A storing model server, and a gateway binding ids in front of it."""
     store = Store()
     url = await serve_app(store.app())
-    gw = await start_gateway(policy=write_policy(tmp_path, policy(url)))
-    return store, gw
+    return store, await start_gateway(policy=write_policy(tmp_path, policy(url)))
+
+
+@pytest.fixture
+async def served(serve_app, start_gateway, tmp_path):
+    return await serve_store(serve_app, start_gateway, tmp_path)
 
 
 def sdk(gw: Any, key: str) -> openai.AsyncOpenAI:
@@ -303,7 +344,7 @@ def test_only_the_ids_a_caller_owns_are_tagged():
         "output": [{"id": "msg_1", "text": "see resp_1", "quoted": '"id": "resp_1"'}],
         "metadata": {"id": "resp_9"},
     }
-    owned = [("resp_1", "0a1b2c3d"), ("resp_0", "")]
+    owned = [Owned("resp_1", "0a1b2c3d", RESPONSE), Owned("resp_0", "", RESPONSE)]
     tagged = json.loads(ids.tag_owned("scope", json.dumps(body).encode(), owned))
     assert tagged["id"] == ids.tag("scope", "resp_1", "0a1b2c3d")
     assert tagged["previous_response_id"] == ids.tag("scope", "resp_0")
@@ -311,8 +352,8 @@ def test_only_the_ids_a_caller_owns_are_tagged():
     assert tagged["metadata"] == {"id": "resp_9"}  # not the caller's: never signed
     again = json.dumps(tagged).encode()
     assert ids.tag_owned("scope", again, owned) == again  # not tagged twice
-    assert ids.untag("scope", tagged["id"]) == ("resp_1", "0a1b2c3d")
-    assert ids.untag("scope", tagged["previous_response_id"]) == ("resp_0", "")
+    assert ids.untag("scope", tagged["id"]) == owned[0]
+    assert ids.untag("scope", tagged["previous_response_id"]) == owned[1]
     assert ids.untag("other", tagged["id"]) is None
     assert ids.untag("scope", "resp_1") is None
     assert ids.tag("scope", "resp_1") != ResponseIds(SECRET + "x").tag("scope", "resp_1")

@@ -1,15 +1,13 @@
-"""The Responses API's ids bound to the tenant that created them
-(``tenants.response_id_secret``).
+"""The Responses API's and the Conversations API's ids bound to the tenant that created them
+(``tenants.response_id_secret``); the tags themselves are ``openai.bound_ids``.
 
 A server that stores responses (vLLM with its store on) serves ``GET /v1/responses/<id>``,
 ``DELETE``, ``/cancel``, ``/input_items`` and a continuation (``previous_response_id``) to
 whoever names the id: it knows no tenants.  With the secret set, the gateway shows each
-client only ids bound to its own credentials: ``<id>~<tag>``, the tag an HMAC-SHA256 over
-the tenant scope (``Call.scope``, the same one the cache keys on) and the id, under the
-secret.  A request naming an id, in its path or in ``previous_response_id``, has the tag
-checked and taken off before it goes upstream; an id without a tag, or with another
-tenant's, is a 404 (in the path) or a 400 (in the body), answered before any backend is
-asked.
+client only ids bound to its own credentials: ``<id>~<endpoint>~<tag>``.  A request naming
+an id, in its path or in ``previous_response_id``, has the tag checked and taken off before
+it goes upstream; an id without a tag, or with another tenant's, is a 404 (in the path) or a
+400 (in the body), answered before any backend is asked.
 
 Only ids the caller owns are tagged, wherever they stand in the answer: the id the server
 gave the response it made for this request (the answer's own ``id``, or its ``response``'s
@@ -22,179 +20,81 @@ restart keeps them valid.  Answers of these paths are asked for uncompressed, so
 read.
 
 A stored response lives on the instance that made it (vLLM keeps them in its memory), so
-the id also names that instance: ``<id>~<endpoint>~<tag>``, the endpoint a short HMAC of
-its URL under the secret (it tells nothing of the URL), covered by the tag.  A request
-naming the id is pinned to that endpoint (``Call.pin``), wherever the backend's balancing
-would have sent it.  Ids tagged before endpoints were named (``<id>~<tag>``) are still
-accepted, unpinned.
+the id also names that instance, and a request naming the id is pinned to that endpoint
+(``Call.pin``), wherever the backend's balancing would have sent it.
 
 The Conversations API's ids (``conv_...``) are bound the same way, on the same secret: the
 id of a conversation the server made (``POST /v1/conversations``), tagged with its tenant
 and instance; ``/v1/conversations/<id>`` and everything below it (its items), and a
 response's ``conversation`` (an id, or ``{"id": ...}``), checked, untagged and pinned; an id
-that is not the caller's is a 404 before any backend.  A tagged id of one kind never passes
-as the other's: the kind's prefix is part of what the tag covers.
+that is not the caller's is a 404 before any backend.
+
+So are items (``msg_...``, ``rs_...``, ``fc_...``): a server resolves an ``item_reference``
+in a response's input, or an input item given with its ``id``, to the item it stored under
+that id, whoever made it.  The items of an answer whose response or list the caller owns (a
+response's ``output``, a list's ``data``: input items, a conversation's items, streamed
+``item``\\ s) reach it tagged; every ``id`` among the items a request gives (a response's
+``input``, a conversation's ``items``), a conversation item's id in the path, and a list's
+``after`` and ``before`` cursors must be the caller's own, and are untagged; else a 404
+``item_not_found``.  Bodies on these paths that the edge does not read (a conversation's, a
+token count's) are read here.  The collections themselves are not listed
+(``GET /v1/responses``, ``GET /v1/conversations``: OpenAI has no such listing, and a backend
+that had one would show every tenant's).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import json
-import re
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote, unquote_plus
 
-from gateway.errors import RequestError
+from gateway.errors import BadRequest, RequestError
 from gateway.metrics import Metrics
 from gateway.openai.allowed_models import uncompressed
-from gateway.openai.body import dumps_yielding
+from gateway.openai.body import decode, dumps_yielding, loads_yielding
+from gateway.openai.bound_ids import (
+    CONVERSATION,
+    CONVERSATIONS_PATH,
+    ITEM,
+    RESPONSE,
+    ConversationNotFound,
+    Kind,
+    Owned,
+    PreviousResponseNotFound,
+    ResponseIds,
+)
 from gateway.openai.sse import whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
 from gateway.wire import RESPONSES_PATH
 
-CONVERSATIONS_PATH = "/v1/conversations"
-TAG_CHARS = 24
-SEPARATOR = "~"
-HANDLE_CHARS = 8
-"""Hex characters of an endpoint's name in an id (a backend has at most 64 endpoints)."""
-MAX_HANDLES = 1024
-"""Endpoint names remembered (discovery may bring new URLs); all forgotten when full."""
 CHOSEN_ID_FIELDS = ("request_id",)
 """Body fields through which a client would choose the response's id (vLLM's)."""
-
-
-class ResponseNotFound(RequestError):
-    """A response id in the path that is not this tenant's: OpenAI's answer for an id it
-    does not have."""
-
-    status = 404
-    code = "response_not_found"
-
-
-class PreviousResponseNotFound(RequestError):
-    """A ``previous_response_id`` that is not this tenant's."""
-
-    code = "previous_response_not_found"
-
-
-class ConversationNotFound(RequestError):
-    """A conversation id, in the path or a response's ``conversation``, that is not this
-    tenant's."""
-
-    status = 404
-    code = "conversation_not_found"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Kind:
-    """A kind of stored object whose ids are bound: its ids' prefix, its ``object`` name in
-    an answer, the path that makes one and the paths that name one (the id, then the rest)."""
-
-    prefix: str
-    object: str
-    path: str
-    by_id: re.Pattern[str]
-    noun: str
-    not_found: type[RequestError]
-
-
-RESPONSE = Kind(
-    "resp_",
-    "response",
-    RESPONSES_PATH,
-    re.compile(r"/v1/responses/(resp_[^/]*)(/.*)?"),  # not /v1/responses/input_tokens
-    "Response",
-    ResponseNotFound,
+RESPONSE_BODY_PATHS = frozenset(
+    {RESPONSES_PATH, f"{RESPONSES_PATH}/input_tokens", f"{RESPONSES_PATH}/compact"}
 )
-CONVERSATION = Kind(
-    "conv_",
-    "conversation",
-    CONVERSATIONS_PATH,
-    re.compile(r"/v1/conversations/([^/]*)(/.*)?"),  # each path below names one
-    "Conversation",
-    ConversationNotFound,
-)
-
-
-Owned = tuple[str, str]
-"""An id a caller owns, and the name of the endpoint that holds it ("" for none known)."""
-
-
-class ResponseIds:
-    """Tags ids for a scope, and checks them; see the module docstring."""
-
-    __slots__ = ("_handles", "_keyed", "_proved")
-
-    def __init__(self, secret: str) -> None:
-        self._keyed = hmac.new(secret.encode(), digestmod=hashlib.sha256)
-        self._handles: dict[str, str] = {}
-        self._proved: dict[tuple[str, str, str], str] = {}  # ids just proved, as shown
-
-    def handle(self, url: str) -> str:
-        """The name of the endpoint at ``url`` in the ids it holds."""
-        known = self._handles.get(url)
-        if known is None:
-            if len(self._handles) >= MAX_HANDLES:
-                self._handles.clear()
-            mac = self._keyed.copy()
-            mac.update(f"endpoint\0{url}".encode())
-            known = self._handles[url] = mac.hexdigest()[:HANDLE_CHARS]
-        return known
-
-    def pin(self, handle: str) -> Callable[[str], bool]:
-        """The test of endpoint URLs that picks the endpoint named ``handle``."""
-        return lambda url: self.handle(url) == handle
-
-    def tag(self, scope: str, rid: str, handle: str = "") -> str:
-        proved = self._proved.get((scope, rid, handle))
-        if proved is not None:  # an id a request named, tagged again in its answer
-            return proved
-        mac = self._keyed.copy()
-        if handle:
-            mac.update(f"{scope}\0{rid}\0{handle}".encode())
-            return f"{rid}{SEPARATOR}{handle}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
-        mac.update(f"{scope}\0{rid}".encode())  # an id from before endpoints were named
-        return f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
-
-    def untag(self, scope: str, tagged: str, kind: Kind = RESPONSE) -> Owned | None:
-        """The id of ``kind`` that ``tagged`` carries and its endpoint's name, if its tag is
-        ``scope``'s; else None."""
-        shown, separator, _ = tagged.rpartition(SEPARATOR)
-        if not separator:
-            return None
-        rid, separator, handle = shown.rpartition(SEPARATOR)
-        if separator and len(handle) == HANDLE_CHARS and rid.startswith(kind.prefix):
-            if hmac.compare_digest(self.tag(scope, rid, handle), tagged):
-                return self._proves(scope, rid, handle, tagged)
-        if shown.startswith(kind.prefix) and hmac.compare_digest(self.tag(scope, shown), tagged):
-            return self._proves(scope, shown, "", tagged)
-        return None
-
-    def _proves(self, scope: str, rid: str, handle: str, tagged: str) -> Owned:
-        """``tagged`` is ``rid``'s tag for ``scope``: remembered, so that the answer that
-        carries the id again does not compute it again (the last ``MAX_HANDLES``)."""
-        if len(self._proved) >= MAX_HANDLES:
-            self._proved.clear()
-        self._proved[(scope, rid, handle)] = tagged
-        return rid, handle
-
-    def tag_owned(self, scope: str, data: bytes, owned: Iterable[Owned]) -> bytes:
-        """``data`` with each id ``scope`` owns, as a JSON string, tagged."""
-        for rid, handle in owned:
-            quoted = f'"{rid}"'.encode()
-            if quoted in data:  # never inside a string: its quotes would be escaped
-                data = data.replace(quoted, f'"{self.tag(scope, rid, handle)}"'.encode())
-        return data
+"""Paths whose body is a response's request (its ids checked); only the first makes one."""
+ITEM_FIELDS = ("input", "items")
+"""Body fields holding items: a response's input, a conversation's first or added items."""
+LISTS = ("/items", "/input_items")
+"""What follows a stored response's or conversation's id in the path of its item list."""
+CURSORS = ("after", "before")
+"""Query parameters of item lists naming an item."""
 
 
 class ResponseIdChosen(RequestError):
     """A body choosing the id of the response it asks for, while ids are bound."""
 
     code = "response_id_chosen"
+
+
+class NotListed(RequestError):
+    """A listing of every stored response or conversation, while ids are bound."""
+
+    status = 404
+    code = "not_found"
 
 
 class ResponseIdStage:
@@ -206,25 +106,30 @@ class ResponseIdStage:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         makes: Kind | None = None
-        if call.path == RESPONSES_PATH:
+        if call.path in RESPONSE_BODY_PATHS or call.path == CONVERSATIONS_PATH:
+            made = RESPONSE if call.path == RESPONSES_PATH else CONVERSATION
+            if made.path == call.path and call.method != "POST":
+                raise NotListed(
+                    f"{made.noun}s are not listed here: their ids are bound to their "
+                    "tenants; name one by its id"
+                )
             changes, named = await self._untag_body(call)
-            makes = RESPONSE if call.method == "POST" else None
-        elif call.path == CONVERSATIONS_PATH:
-            changes, named = {}, []
-            makes = CONVERSATION if call.method == "POST" else None
+            makes = made if made.path == call.path else None
         elif (found := RESPONSE.by_id.fullmatch(call.path)) is not None:
-            changes, named = self._untag_path(call, found, RESPONSE)
+            changes, named = self._untag_path(call, found.group(1), found.group(2), RESPONSE)
         elif (found := CONVERSATION.by_id.fullmatch(call.path)) is not None:
-            changes, named = self._untag_path(call, found, CONVERSATION)
+            changes, named = self._untag_path(call, found.group(1), found.group(2), CONVERSATION)
+            if call.body:  # items added to it
+                more, items = await self._untag_body(call)
+                changes, named = {**changes, **more}, [*named, *items]
         else:
             return await call_next(call)
-        handles = [handle for _, handle in named if handle]
+        handles = [owned.handle for owned in named if owned.handle]
         if handles:
             changes["pin"] = self._ids.pin(handles[0])
         scope = call.scope
-        reply = await call_next(
-            dataclasses.replace(call, headers=uncompressed(call.headers), **changes)
-        )
+        headers = changes.pop("headers", call.headers)
+        reply = await call_next(dataclasses.replace(call, headers=uncompressed(headers), **changes))
         made_at = self._ids.handle(reply.endpoint) if reply.endpoint else ""
         answer = _Answer(self._ids, scope, named, makes=makes, made_at=made_at)
         if reply.body is not None:
@@ -233,13 +138,13 @@ class ResponseIdStage:
         return reply.replace(stream=answer.events(reply.stream), content_length=None)
 
     async def _untag_body(self, call: Call) -> tuple[dict[str, Any], list[Owned]]:
-        """What changes in the call (its body, with ``previous_response_id`` and
-        ``conversation`` untagged), and the ids it proved."""
-        data = call.json
+        """What changes in the call (its body, with ``previous_response_id``,
+        ``conversation`` and its items' ids untagged), and the ids it proved."""
+        data, changes = await _read(call)
         if data is None:
-            return {}, []
+            return changes, []
         chosen = [name for name in CHOSEN_ID_FIELDS if name in data]
-        if chosen:
+        if chosen and call.path in RESPONSE_BODY_PATHS:
             raise ResponseIdChosen(
                 f"'{chosen[0]}' may not be set: the server names each response, and its id "
                 "is bound to your credentials"
@@ -254,7 +159,7 @@ class ResponseIdStage:
                 raise PreviousResponseNotFound(
                     f"Previous response with id '{_shown(previous)}' not found."
                 )
-            changed["previous_response_id"] = owned[0]
+            changed["previous_response_id"] = owned.id
             named.append(owned)
         conversation = data.get("conversation")
         cid = conversation.get("id") if isinstance(conversation, dict) else conversation
@@ -264,38 +169,102 @@ class ResponseIdStage:
                 self._refused(call.tenant, "conversation")
                 raise ConversationNotFound(f"Conversation with id '{_shown(cid)}' not found.")
             changed["conversation"] = (
-                {**conversation, "id": owned[0]} if isinstance(conversation, dict) else owned[0]
+                {**conversation, "id": owned.id} if isinstance(conversation, dict) else owned.id
             )
             named.append(owned)
+        for field in ITEM_FIELDS:
+            items = self._untag_items(call, data.get(field), named)
+            if items is not None:
+                changed[field] = items
         if not changed:
-            return {}, []
+            return changes, named
         data = {**data, **changed}
         body = await dumps_yielding(data, len(call.body))
-        return {"json": data, "body": body}, named
+        if call.json is not None:  # the edge's reading, kept up to date
+            changes["json"] = data
+        return {**changes, "body": body}, named
+
+    def _untag_items(self, call: Call, items: Any, named: list[Owned]) -> list[Any] | None:
+        """``items`` with each item's ``id`` untagged (None when none has one), the ids
+        proved added to ``named``."""
+        if not isinstance(items, list):  # a string input, or the backend's to refuse
+            return None
+        untagged: list[Any] | None = None
+        for at, item in enumerate(items):
+            iid = item.get("id") if isinstance(item, dict) else None
+            if not isinstance(iid, str):
+                continue
+            owned = self._untag(call, iid, ITEM, "item")
+            if untagged is None:
+                untagged = list(items)
+            untagged[at] = {**item, "id": owned.id}
+            named.append(owned)
+        return untagged
 
     def _untag_path(
-        self, call: Call, found: re.Match[str], kind: Kind
+        self, call: Call, named: str, rest: str | None, kind: Kind
     ) -> tuple[dict[str, Any], list[Owned]]:
-        """What changes in the call (its path, with the id untagged), and the id it proved."""
-        named = unquote(found.group(1))
-        owned = self._ids.untag(call.scope, named, kind)
+        """What changes in the call (its path, with the ids in it and in its query
+        untagged), and the ids it proved."""
+        owned = [self._untag(call, unquote(named), kind, "path")]
+        rest = rest or ""
+        if kind is CONVERSATION and (item := ITEM.by_id.fullmatch(rest)) is not None:
+            owned.append(self._untag(call, unquote(item.group(1)), ITEM, "path"))
+            rest = f"/items/{quote(owned[-1].id, safe='')}{item.group(2) or ''}"
+        path = f"{kind.path}/{owned[0].id}{rest}"
+        query = self._untag_cursors(call, owned) if rest in LISTS else call.query
+        target = f"{path}?{query}" if query else path
+        return {"path": path, "query": query, "raw_target": target}, owned
+
+    def _untag_cursors(self, call: Call, named: list[Owned]) -> str:
+        """The query of an item list with its cursors (``after``, ``before``) untagged."""
+        if not call.query:
+            return call.query
+        params = call.query.split("&")
+        for at, param in enumerate(params):
+            name, _, value = param.partition("=")
+            if unquote_plus(name) in CURSORS:  # however the name is spelled
+                named.append(self._untag(call, unquote_plus(value), ITEM, "item"))
+                params[at] = f"{name}={quote(named[-1].id, safe='')}"
+        return "&".join(params)
+
+    def _untag(self, call: Call, tagged: str, kind: Kind, where: str) -> Owned:
+        """The id of ``kind`` that ``tagged`` carries, if the caller's; else its refusal."""
+        owned = self._ids.untag(call.scope, tagged, kind)
         if owned is None:
-            self._refused(call.tenant, "path")
-            raise kind.not_found(f"{kind.noun} with id '{_shown(named)}' not found.")
-        path = f"{kind.path}/{owned[0]}{found.group(2) or ''}"
-        target = f"{path}?{call.query}" if call.query else path
-        return {"path": path, "raw_target": target}, [owned]
+            self._refused(call.tenant, where)
+            raise kind.not_found(f"{kind.noun} with id '{_shown(tagged)}' not found.")
+        return owned
 
     def __repr__(self) -> str:
         return "<ResponseIdStage>"
 
 
-class _Answer:
-    """One answer's ids to tag: those the request proved its own, and, for a request that
-    makes a stored object (``makes``: a response, a conversation), the id the server gave
-    it, read from the answer, held by the endpoint named ``made_at``."""
+async def _read(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The call's JSON body (None for none), and what changes in the call to send it as
+    read: a body the edge did not read is decoded here, and must be a JSON object."""
+    if call.json is not None or not call.body:
+        return call.json, {}
+    body, changes = call.body, {}
+    encoding = call.header("content-encoding")
+    server = call.policy.server
+    if encoding is not None:
+        body = decode(body, encoding, server.max_body_bytes)
+        headers = tuple((k, v) for k, v in call.headers if k.lower() != "content-encoding")
+        changes = {"body": body, "headers": headers}
+    data = await loads_yielding(body, server.max_json_values)
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body of {call.path} must be a JSON object")
+    return data, changes
 
-    __slots__ = ("_ids", "_made_at", "_makes", "_owned", "_scope")
+
+class _Answer:
+    """One answer's ids to tag: those the request proved its own; for a request that makes
+    a stored object (``makes``: a response, a conversation), the id the server gave it; and
+    the items the answer carries (its response's, its list's).  Those it learns are held by
+    the endpoint named ``made_at``."""
+
+    __slots__ = ("_ids", "_items", "_made_at", "_makes", "_owned", "_scope")
 
     def __init__(
         self,
@@ -308,39 +277,53 @@ class _Answer:
     ) -> None:
         self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
         self._made_at = made_at
+        self._items = {each.id for each in owned if each.kind is ITEM}
 
     def whole(self, body: bytes) -> bytes:
-        if self._makes is not None:
-            self._made(_json(body))
+        data = _json(body)
+        if isinstance(data, dict):
+            self._made(data)
+            self._learn(data.get("output") if data.get("object") == "response" else None)
+            self._learn(data.get("data") if data.get("object") == "list" else None)
         return self._ids.tag_owned(self._scope, body, self._owned)
 
     async def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for events in whole_events(stream):
-            if self._makes is not None:  # until the first event that carries the response
-                for line in events.splitlines():
-                    if line.startswith(b"data:") and b'"response"' in line:
-                        event = _json(line[5:])
-                        if isinstance(event, dict) and self._made(event.get("response")):
-                            break
+            for line in events.splitlines():
+                if line.startswith(b"data:") and (b'"response"' in line or b'"item"' in line):
+                    event = _json(line[5:])
+                    if isinstance(event, dict):
+                        made = event.get("response")
+                        self._made(made)
+                        self._learn(made.get("output") if isinstance(made, dict) else None)
+                        self._learn([event.get("item")])
             yield self._ids.tag_owned(self._scope, events, self._owned)
 
-    def _made(self, made: Any) -> bool:
+    def _made(self, made: Any) -> None:
         """Learn the id of ``made``, when it is an object of the kind made, with an id."""
         kind = self._makes
         if kind is None or not isinstance(made, dict) or made.get("object") != kind.object:
-            return False
+            return
         rid = made.get("id")
-        if not isinstance(rid, str) or not rid.startswith(kind.prefix):
-            return False
-        self._owned = [*self._owned, (rid, self._made_at)]
-        self._makes = None
-        return True
+        if isinstance(rid, str) and rid.startswith(kind.prefix):
+            self._owned.append(Owned(rid, self._made_at, kind))
+            self._makes = None
+
+    def _learn(self, items: Any) -> None:
+        """Learn the ids of ``items`` (an answer's, whose response or list the caller owns)."""
+        if not isinstance(items, list):
+            return
+        for item in items:
+            iid = item.get("id") if isinstance(item, dict) else None
+            if isinstance(iid, str) and iid and iid not in self._items:
+                self._items.add(iid)
+                self._owned.append(Owned(iid, self._made_at, ITEM))
 
 
 def _json(data: bytes) -> Any:
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
 
 
