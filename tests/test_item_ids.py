@@ -24,6 +24,7 @@ from tests.test_response_ids import (
     BOB,
     SECRET,
     Store,
+    policy,
     round_robin,
     sdk,
     serve_store,
@@ -212,3 +213,36 @@ def test_an_item_id_untags_only_as_an_item():
     assert ids.untag("other", item, ITEM) is None
     unpinned = ids.tag("scope", "msg_1", "", ITEM)
     assert ids.untag("scope", unpinned, ITEM) == Owned("msg_1", "", ITEM)
+
+
+@pytest.mark.llm
+async def test_llama_cpps_items_are_tagged_and_passed_back_through_a_binding_gateway(
+    llama, start_gateway, tmp_path
+):
+    """llama.cpp's server stores nothing but names each output item: through a gateway
+    binding ids, a client gets those names tagged, alike in every event of a stream, and
+    passes a response's output back as input (state kept by the client), untagged on its
+    way to the server, which answers it."""
+    gw = await start_gateway(policy=write_policy(tmp_path, policy(llama.url)))
+    async with sdk(gw, ALICE) as alice:
+        first = await alice.responses.create(
+            model="gemma", input="Count to three", max_output_tokens=6
+        )
+        passed_back: list[Any] = [each.model_dump(exclude_none=True) for each in first.output]
+        asked: list[Any] = [{"role": "user", "content": "Count to three"}]
+        more: list[Any] = [{"role": "user", "content": "And four?"}]
+        stream = await alice.responses.create(
+            model="gemma", input=asked + passed_back + more, max_output_tokens=6, stream=True
+        )
+        events: list[Any] = [event async for event in stream]
+        named = {getattr(e, "item_id", None) or id_of(e.item) for e in events if _names_item(e)}
+        async with sdk(gw, BOB) as bob:
+            with pytest.raises(openai.NotFoundError):
+                await bob.responses.create(model="gemma", input=passed_back + more)
+    item = id_of(first.output[0])
+    assert item.startswith("msg_") and item.count("~") == 2
+    assert len(named) == 1 and next(iter(named)).count("~") == 2
+
+
+def _names_item(event: Any) -> bool:
+    return hasattr(event, "item") or hasattr(event, "item_id")
