@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from gateway.openai.bound_ids import CONVERSATION, ITEM, RESPONSE, Owned, ResponseIds
+from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
 from tests.test_response_ids import (
     ALICE,
@@ -213,6 +214,24 @@ def test_an_item_id_untags_only_as_an_item():
     assert ids.untag("other", item, ITEM) is None
     unpinned = ids.tag("scope", "msg_1", "", ITEM)
     assert ids.untag("scope", unpinned, ITEM) == Owned("msg_1", "", ITEM)
+
+
+async def test_a_stream_naming_its_item_only_in_deltas_is_tagged_alike(start_gateway, tmp_path):
+    """``gateway sim`` names its answer's item first in the deltas (``item_id``), with no
+    ``response.output_item.added`` before them: the id is learned there, and every event
+    carries it tagged alike."""
+    sim = await start_sim(SimConfig(port=0, base_ms=0, token_ms=0, answer_tokens=3))
+    try:
+        gw = await start_gateway(policy=write_policy(tmp_path, policy(sim.url)))
+        async with sdk(gw, ALICE) as alice:
+            stream = await alice.responses.create(model="m", input="hi", stream=True)
+            events: list[Any] = [event async for event in stream]
+    finally:
+        await sim.close()
+    named = {getattr(e, "item_id", None) for e in events if hasattr(e, "item_id")}
+    completed = next(e for e in events if e.type == "response.completed")
+    named.add(id_of(completed.response.output[0]))
+    assert len(named) == 1 and str(next(iter(named))).count("~") == 2
 
 
 @pytest.mark.llm

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote, unquote, unquote_plus
@@ -82,6 +83,9 @@ LISTS = ("/items", "/input_items")
 """What follows a stored response's or conversation's id in the path of its item list."""
 CURSORS = ("after", "before")
 """Query parameters of item lists naming an item."""
+ITEM_ID = re.compile(rb'"item_id":\s*"([^"\\]+)"')
+"""A stream event's name of the item it adds to (never inside a string, whose quotes are
+escaped)."""
 
 
 class ResponseIdChosen(RequestError):
@@ -261,8 +265,8 @@ async def _read(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
 class _Answer:
     """One answer's ids to tag: those the request proved its own; for a request that makes
     a stored object (``makes``: a response, a conversation), the id the server gave it; and
-    the items the answer carries (its response's, its list's).  Those it learns are held by
-    the endpoint named ``made_at``."""
+    the items the answer carries (its response's, its list's, a stream's events').  Those it
+    learns are held by the endpoint named ``made_at``."""
 
     __slots__ = ("_ids", "_items", "_made_at", "_makes", "_owned", "_scope")
 
@@ -297,6 +301,10 @@ class _Answer:
                         self._made(made)
                         self._learn(made.get("output") if isinstance(made, dict) else None)
                         self._learn([event.get("item")])
+            if b'"item_id"' in events:  # a server may name the item first in its deltas
+                self._learn(
+                    [{"id": iid.decode(errors="replace")} for iid in ITEM_ID.findall(events)]
+                )
             yield self._ids.tag_owned(self._scope, events, self._owned)
 
     def _made(self, made: Any) -> None:
