@@ -17,7 +17,14 @@ import httpx
 import openai
 import pytest
 
-from gateway.openai.bound_ids import CONVERSATION, ITEM, RESPONSE, Owned, ResponseIds
+from gateway.openai.bound_ids import (
+    CONVERSATION,
+    FEW_OWNED,
+    ITEM,
+    RESPONSE,
+    Owned,
+    ResponseIds,
+)
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
 from tests.test_response_ids import (
@@ -202,6 +209,49 @@ async def test_an_item_is_asked_of_the_instance_that_keeps_it(serve_app, start_g
             for at, item in enumerate(items):
                 again = await alice.responses.create(model="m", input=[reference(item)])
                 assert again.output_text[:3] == made[at].output_text[:3]
+
+
+async def test_a_list_too_large_to_come_whole_is_read_whole_and_every_item_tagged(served):
+    """A conversation's items past the transport's whole-answer buffer (1 MiB) come as a
+    stream: it is read whole (up to ``server.max_body_bytes``), and each item's id, and the
+    list's cursors, are tagged as in a small one."""
+    _, gw = served
+    big = "word " * 20_000  # 100 kB an item
+    async with sdk(gw, ALICE) as alice:
+        made = await alice.conversations.create()
+        for _ in range(2):
+            items: list[Any] = [{"role": "user", "content": big} for _ in range(10)]
+            await alice.conversations.items.create(made.id, items=items)
+        listed = await alice.conversations.items.list(made.id)
+        ids = [id_of(each) for each in listed.data]
+        assert len(ids) == 20 and all(iid.count("~") == 2 for iid in ids)
+        assert listed.last_id == ids[-1]
+        last = await alice.conversations.items.retrieve(ids[-1], conversation_id=made.id)
+        assert id_of(last) == ids[-1]
+
+
+def test_many_ids_are_tagged_in_one_pass_as_one_by_one():
+    """Past ``FEW_OWNED`` ids in one body, the ids are tagged in one pass over it, with the
+    same result: never inside another string, never an id the caller does not own, nor
+    after a stray quote in a stream's comment."""
+    ids = ResponseIds(SECRET)
+    owned = [Owned(f"msg_{n}", "0a1b2c3d", ITEM) for n in range(FEW_OWNED + 4)]
+    items = [
+        {"id": f"msg_{n}", "text": f'see "msg_{n}" and \\"msg_{n}\\"', "other": f"msg_{n + 50}"}
+        for n in range(40)
+    ]
+    body = json.dumps({"object": "list", "data": items}).encode()
+    one_pass = ids.tag_owned("scope", body, owned)
+    one_by_one = body
+    for each in owned:
+        one_by_one = ids.tag_owned("scope", one_by_one, [each])
+    assert one_pass == one_by_one != body
+    tagged = json.loads(one_pass)["data"]
+    assert all(item["id"].count("~") == 2 for item in tagged[: len(owned)])
+    assert [item["id"] for item in tagged[len(owned) :]] == [i["id"] for i in items[len(owned) :]]
+    assert [item["text"] for item in tagged] == [item["text"] for item in items]
+    event = b': a "stray quote\ndata: ' + json.dumps({"item_id": "msg_1"}).encode() + b"\n\n"
+    assert ids.tag_owned("scope", event, owned).count(b"~") == 2
 
 
 def test_an_item_id_untags_only_as_an_item():

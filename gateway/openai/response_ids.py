@@ -66,7 +66,7 @@ from gateway.openai.bound_ids import (
     PreviousResponseNotFound,
     ResponseIds,
 )
-from gateway.openai.sse import whole_events
+from gateway.openai.sse import is_event_stream, whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
 from gateway.wire import RESPONSES_PATH
@@ -136,6 +136,8 @@ class ResponseIdStage:
         reply = await call_next(dataclasses.replace(call, headers=uncompressed(headers), **changes))
         made_at = self._ids.handle(reply.endpoint) if reply.endpoint else ""
         answer = _Answer(self._ids, scope, named, makes=makes, made_at=made_at)
+        if reply.stream is not None and not is_event_stream(reply.headers):
+            reply = await _read_whole(reply, call.policy.server.max_body_bytes)
         if reply.body is not None:
             return reply.replace(body=answer.whole(reply.body))
         assert reply.stream is not None
@@ -260,6 +262,30 @@ async def _read(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     if not isinstance(data, dict):
         raise BadRequest(f"the body of {call.path} must be a JSON object")
     return data, changes
+
+
+async def _read_whole(reply: Reply, limit: int) -> Reply:
+    """An answer that is no event stream but came as one (larger than the transport reads
+    whole) read whole, up to ``limit`` bytes, so that its ids are found wherever they stand;
+    past it, the stream as it came (its ids then tagged piece by piece: one split between
+    two pieces stays as the server wrote it)."""
+    assert reply.stream is not None
+    stream = aiter(reply.stream)
+    pieces: list[bytes] = []
+    size = 0
+    async for piece in stream:
+        pieces.append(piece)
+        size += len(piece)
+        if size > limit:
+            return reply.replace(stream=_chained(pieces, stream))
+    return reply.replace(body=b"".join(pieces), stream=None, content_length=None)
+
+
+async def _chained(read: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for piece in read:
+        yield piece
+    async for piece in rest:
+        yield piece
 
 
 class _Answer:
