@@ -119,7 +119,9 @@ def cacheability(
     behind the URL may change.  Embeddings requests are always deterministic.  Anthropic's
     Messages API is judged as chat (its ``temperature`` defaults to 1 too), and so is the
     Responses API's when the server stores nothing (``_stateful_response``): a stored
-    response is the server's under its id, and a continuation reads stored state.  Other
+    response is the server's under its id, and a continuation reads stored state.  A chat
+    completion the server is asked to store (``store: true``, OpenAI's stored completions)
+    is not reused either: a hit would leave it unstored.  Other
     endpoints' answers are not cached (``CACHED_PATHS``).
     """
     if not isinstance(body, Mapping):
@@ -130,6 +132,8 @@ def cacheability(
         return Cacheability(True)
     if path.endswith(RESPONSES_PATH) and (refused := _stateful_response(body)) is not None:
         return Cacheability(False, refused)
+    if body.get("store") is True and path.endswith("/chat/completions"):  # OpenAI's store
+        return Cacheability(False, "the server stores the completion (store is true)")
     if not allow_sampled:
         temperature = body.get("temperature")
         if isinstance(temperature, bool) or not isinstance(temperature, int | float):

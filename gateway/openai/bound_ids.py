@@ -24,6 +24,7 @@ from gateway.errors import RequestError
 from gateway.wire import RESPONSES_PATH
 
 CONVERSATIONS_PATH = "/v1/conversations"
+CHAT_PATH = "/v1/chat/completions"
 TAG_CHARS = 24
 SEPARATOR = "~"
 HANDLE_CHARS = 8
@@ -62,6 +63,13 @@ class ItemNotFound(RequestError):
 
     status = 404
     code = "item_not_found"
+
+
+class ChatCompletionNotFound(RequestError):
+    """A stored chat completion's id in the path that is not this tenant's."""
+
+    status = 404
+    code = "chat_completion_not_found"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,6 +113,16 @@ ITEM = Kind(
     salt="item",
 )
 
+CHAT_COMPLETION = Kind(
+    "",  # chatcmpl-... at OpenAI, vLLM and llama.cpp; any, told apart by the salt
+    "chat.completion",  # a stream's chunks: chat.completion.chunk
+    CHAT_PATH,
+    re.compile(r"/v1/chat/completions/([^/]*)(/.*)?"),  # each path below names one
+    "Chat completion",
+    ChatCompletionNotFound,
+    salt="chat",
+)
+
 
 class Owned(NamedTuple):
     """An id a caller owns, the name of the endpoint that holds it ("" for none known), and
@@ -141,16 +159,20 @@ class ResponseIds:
         return lambda url: self.handle(url) == handle
 
     def tag(self, scope: str, rid: str, handle: str = "", kind: Kind = RESPONSE) -> str:
-        proved = self._proved.get((scope, rid, handle, kind.salt))
-        if proved is not None:  # an id a request named, tagged again in its answer
-            return proved
+        key = (scope, rid, handle, kind.salt)
+        known = self._proved.get(key)
+        if known is not None:  # an id just proved or tagged: a stream carries it again
+            return known
         mac = self._keyed.copy()
         salt = f"{kind.salt}\0" if kind.salt else ""
         if handle:
             mac.update(f"{salt}{scope}\0{rid}\0{handle}".encode())
-            return f"{rid}{SEPARATOR}{handle}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
-        mac.update(f"{salt}{scope}\0{rid}".encode())  # no endpoint: from before they were named
-        return f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
+            tagged = f"{rid}{SEPARATOR}{handle}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
+        else:  # no endpoint: from before they were named
+            mac.update(f"{salt}{scope}\0{rid}".encode())
+            tagged = f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
+        self._remember(key, tagged)
+        return tagged
 
     def untag(self, scope: str, tagged: str, kind: Kind = RESPONSE) -> Owned | None:
         """The id of ``kind`` that ``tagged`` carries and its endpoint's name, if its tag is
@@ -169,12 +191,16 @@ class ResponseIds:
         return None
 
     def _proves(self, scope: str, owned: Owned, tagged: str) -> Owned:
-        """``tagged`` is ``owned``'s tag for ``scope``: remembered, so that the answer that
-        carries the id again does not compute it again (the last ``MAX_HANDLES``)."""
+        """``tagged`` is ``owned``'s tag for ``scope``."""
+        self._remember((scope, owned.id, owned.handle, owned.kind.salt), tagged)
+        return owned
+
+    def _remember(self, key: tuple[str, str, str, str], tagged: str) -> None:
+        """Remember a tag, so that the answer that carries the id again (each chunk of a
+        chat stream does) does not compute it again: the last ``MAX_HANDLES``."""
         if len(self._proved) >= MAX_HANDLES:
             self._proved.clear()
-        self._proved[(scope, owned.id, owned.handle, owned.kind.salt)] = tagged
-        return owned
+        self._proved[key] = tagged
 
     def tag_owned(self, scope: str, data: bytes, owned: Sequence[Owned]) -> bytes:
         """``data`` with each id ``scope`` owns, as a JSON string, tagged."""

@@ -40,6 +40,12 @@ response's ``output``, a list's ``data``: input items, a conversation's items, s
 token count's) are read here.  The collections themselves are not listed
 (``GET /v1/responses``, ``GET /v1/conversations``: OpenAI has no such listing, and a backend
 that had one would show every tenant's).
+
+OpenAI's stored chat completions too (``"store": true``): the id of a completion stored for
+its request, whole or in each chunk of its stream, reaches its maker tagged, and every path
+below ``/v1/chat/completions/`` (read, update, delete, its messages) must carry the caller's
+own; their listing (``GET /v1/chat/completions``) is refused.  A chat request not stored
+passes straight on.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from gateway.metrics import Metrics
 from gateway.openai.allowed_models import uncompressed
 from gateway.openai.body import decode, dumps_yielding, loads_yielding
 from gateway.openai.bound_ids import (
+    CHAT_COMPLETION,
+    CHAT_PATH,
     CONVERSATION,
     CONVERSATIONS_PATH,
     ITEM,
@@ -110,13 +118,18 @@ class ResponseIdStage:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         makes: Kind | None = None
-        if call.path in RESPONSE_BODY_PATHS or call.path == CONVERSATIONS_PATH:
+        if call.path == CHAT_PATH:  # chat's hot path: only a stored completion is bound
+            if call.method != "POST":
+                raise _not_listed(CHAT_COMPLETION)
+            if call.json is None or call.json.get("store") is not True:
+                return await call_next(call)
+            changes: dict[str, Any] = {}
+            named: list[Owned] = []
+            makes = CHAT_COMPLETION
+        elif call.path in RESPONSE_BODY_PATHS or call.path == CONVERSATIONS_PATH:
             made = RESPONSE if call.path == RESPONSES_PATH else CONVERSATION
             if made.path == call.path and call.method != "POST":
-                raise NotListed(
-                    f"{made.noun}s are not listed here: their ids are bound to their "
-                    "tenants; name one by its id"
-                )
+                raise _not_listed(made)
             changes, named = await self._untag_body(call)
             makes = made if made.path == call.path else None
         elif (found := RESPONSE.by_id.fullmatch(call.path)) is not None:
@@ -126,6 +139,8 @@ class ResponseIdStage:
             if call.body:  # items added to it
                 more, items = await self._untag_body(call)
                 changes, named = {**changes, **more}, [*named, *items]
+        elif (found := CHAT_COMPLETION.by_id.fullmatch(call.path)) is not None:
+            changes, named = self._untag_path(call, found.group(1), found.group(2), CHAT_COMPLETION)
         else:
             return await call_next(call)
         handles = [owned.handle for owned in named if owned.handle]
@@ -246,6 +261,13 @@ class ResponseIdStage:
         return "<ResponseIdStage>"
 
 
+def _not_listed(kind: Kind) -> NotListed:
+    return NotListed(
+        f"{kind.noun}s are not listed here: their ids are bound to their tenants; name one by "
+        "its id"
+    )
+
+
 async def _read(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The call's JSON body (None for none), and what changes in the call to send it as
     read: a body the edge did not read is decoded here, and must be a JSON object."""
@@ -319,10 +341,15 @@ class _Answer:
 
     async def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for events in whole_events(stream):
+            chunk = self._makes is CHAT_COMPLETION  # its id in the chunk itself
             for line in events.splitlines():
-                if line.startswith(b"data:") and (b'"response"' in line or b'"item"' in line):
+                if line.startswith(b"data:") and (
+                    b'"response"' in line or b'"item"' in line or chunk
+                ):
                     event = _json(line[5:])
                     if isinstance(event, dict):
+                        self._made(event if chunk else None)
+                        chunk = self._makes is CHAT_COMPLETION
                         made = event.get("response")
                         self._made(made)
                         self._learn(made.get("output") if isinstance(made, dict) else None)
@@ -336,7 +363,9 @@ class _Answer:
     def _made(self, made: Any) -> None:
         """Learn the id of ``made``, when it is an object of the kind made, with an id."""
         kind = self._makes
-        if kind is None or not isinstance(made, dict) or made.get("object") != kind.object:
+        if kind is None or not isinstance(made, dict):
+            return
+        if made.get("object") not in (kind.object, f"{kind.object}.chunk"):  # chat streams
             return
         rid = made.get("id")
         if isinstance(rid, str) and rid.startswith(kind.prefix):
