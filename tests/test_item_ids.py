@@ -157,13 +157,18 @@ async def test_a_streamed_answers_items_are_tagged_in_every_event(served):
     assert delta.item_id == added.item.id == done.response.output[0].id
 
 
+PATHS = ("/v1/responses", "/v1/conversations")
+
+
 async def test_the_collections_are_not_listed(served):
     store, gw = served
     alice = {"Authorization": f"Bearer {ALICE}"}
     async with httpx.AsyncClient() as client:
-        for path in ("/v1/responses", "/v1/conversations"):
+        for path in PATHS:
             reply = await client.get(gw.url + path, headers=alice)
             assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"
+            preflight = await client.options(gw.url + path, headers=alice)
+            assert preflight.status_code == 405  # the server's own answer: passed on
     assert not store.asked
 
 

@@ -118,6 +118,8 @@ class ResponseIdStage:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         makes: Kind | None = None
+        if call.method == "OPTIONS":  # a CORS preflight names and reads nothing
+            return await call_next(call)
         if call.path == CHAT_PATH:  # chat's hot path: only a stored completion is bound
             if call.method != "POST":
                 raise _not_listed(CHAT_COMPLETION)
