@@ -181,7 +181,7 @@ def _check(args: argparse.Namespace) -> int:
                 print(f"error: {problem}", file=sys.stderr)
             continue
         for warning in loaded.warnings:
-            print(f"warning: {warning} (it must be set where the gateway runs)", file=sys.stderr)
+            print(f"warning: {warning}", file=sys.stderr)
         p = loaded.policy
         for note in _cache_warnings(p):
             print(f"warning: {path}: {note}", file=sys.stderr)

@@ -155,6 +155,29 @@ def test_gateway_check_exits_non_zero_naming_file_path_and_line(tmp_path, capsys
     assert f"error: {bad}:9: routes[0].backend: unknown backend 'nope'" in capsys.readouterr().err
 
 
+def test_gateway_check_says_where_to_set_only_of_an_unset_variable(tmp_path, capsys):
+    """An unset ``${NAME}`` is a warning that it must be set where the gateway runs; a
+    warning of another kind (a throttle rule whose signal the stock exporter lacks) is said
+    as it is."""
+    text = MINIMAL.replace(
+        "    timeout_s: 120\n",
+        "    timeout_s: 120\n"
+        "    telemetry: {source: prometheus, url: 'http://127.0.0.1:9400/metrics'}\n",
+    ) + (
+        "throttle:\n  - {name: power, backend: main, action: shed,\n"
+        "     when: {signal: gpu_power_ratio, above: 0.95, clear_below: 0.9}}\n"
+        'admin: {token: "${GATEWAY_UNSET_IN_TESTS}"}\n'
+    )
+    policy = tmp_path / "p.yaml"
+    policy.write_text(text)
+    assert main(["check", str(policy)]) == 0
+    said = capsys.readouterr().err.splitlines()
+    [unset] = [line for line in said if "GATEWAY_UNSET_IN_TESTS" in line]
+    [power] = [line for line in said if "gpu_power_ratio" in line]
+    assert unset.endswith("(it must be set where the gateway runs)")
+    assert "must be set" not in power
+
+
 def test_schema_is_valid_json_schema_that_accepts_the_examples(capsys):
     import jsonschema
     import yaml

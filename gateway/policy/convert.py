@@ -228,7 +228,9 @@ def _expand(text: str, path: str, found: Found) -> str:
         missing = Invalid(path, f"environment variable {name} is not set")
         if not found.lenient_env:
             raise missing
-        found.warnings.append(missing)
+        found.warnings.append(
+            Invalid(path, f"{missing.message} (it must be set where the gateway runs)")
+        )
         return ""
 
     return _ENV.sub(sub, text)
