@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.openai.bound_ids import RESPONSE, Owned, ResponseIds
+from gateway.policy.load import parse_sources
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, problems_of, write_policy
 
@@ -399,6 +400,26 @@ async def test_an_id_the_client_put_in_the_answer_is_never_signed_for_it(served)
 def test_a_short_secret_is_refused():
     found = problems_of("tenants: {response_id_secret: too-short}\n")
     assert any("response_id_secret" in p and "16 characters" in p for p in found), found
+
+
+def test_named_tenants_without_the_secret_are_warned_of():
+    """Named tenants and no secret: a warning (at load, and from ``gateway check``) that
+    stored objects lie open between them; none with the secret, none without tenants, and
+    none beside the warning of a secret whose variable is unset here."""
+    digest = hashlib.sha256(ALICE.encode()).hexdigest()
+    keys = f"keys: [{{name: alice, sha256: {digest}}}]"
+    base = "backends: {m: {url: 'http://m'}}\n"
+
+    def warned(tenants: str) -> list[str]:
+        loaded = parse_sources([("p.yaml", base + tenants)], lenient_env=True)
+        return [str(w) for w in loaded.warnings]
+
+    [open_ids] = warned(f"tenants: {{{keys}}}\n")
+    assert "tenants.response_id_secret" in open_ids and "is not set" in open_ids
+    assert warned(f"tenants: {{{keys}, response_id_secret: {SECRET}}}\n") == []
+    assert warned("tenants: {required: false}\n") == []
+    [unset] = warned(f"tenants: {{{keys}, response_id_secret: '${{UNSET_HERE_XYZ}}'}}\n")
+    assert "UNSET_HERE_XYZ" in unset
 
 
 async def test_the_secret_is_never_shown(served):

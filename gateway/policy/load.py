@@ -30,7 +30,16 @@ from gateway.policy.checks import (
     warn_throttle,
 )
 from gateway.policy.convert import Found, convert, join
-from gateway.policy.model import Backend, CacheStore, Match, Policy, Route, ThrottleRule, glob_regex
+from gateway.policy.model import (
+    Backend,
+    CacheStore,
+    Match,
+    Policy,
+    Route,
+    Tenants,
+    ThrottleRule,
+    glob_regex,
+)
 from gateway.policy.redis import Redis, check_redis, effective
 
 POLICY_SUFFIXES = (".yaml", ".yml")
@@ -216,6 +225,9 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
         setter = next((p for p in parts if key in p.keys), None)
         if setter is not None:
             _report(check(singles[key]), setter, key, problems)
+    tenants = next((p for p in parts if "tenants" in p.keys), None)
+    if tenants is not None and "tenants.response_id_secret" not in tenants.unset:
+        _report(_open_ids(singles["tenants"]), tenants, "tenants", warnings)
     _merge_redis(parts, singles, problems)
     return Policy(
         backends=tuple(backends.values()),
@@ -223,6 +235,21 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
         throttle=tuple(t for t, _, _ in throttles),
         **singles,
     )
+
+
+def _open_ids(tenants: Tenants) -> list[tuple[str, str]]:
+    """Tenants named with no ``response_id_secret``: their stored objects lie open to each
+    other (a warning, not an error: a backend may store nothing)."""
+    if not tenants.keys or tenants.response_id_secret:
+        return []
+    return [
+        (
+            "response_id_secret",
+            "is not set, so a backend that stores responses, conversations or chat "
+            "completions serves each to any tenant that names its id: set it (16 characters "
+            "or more, the same in every replica) unless the backends store nothing",
+        )
+    ]
 
 
 def _merge_redis(parts: list[_Part], singles: dict[str, Any], problems: list[Problem]) -> None:
