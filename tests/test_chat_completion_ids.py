@@ -96,7 +96,12 @@ class Completions:
         if cid not in self.stored:
             return _missing(cid)
         said = [{**m, "id": f"{cid}-{at}"} for at, m in enumerate(self.stored[cid]["request"])]
-        return web.json_response({"object": "list", "data": said, "has_more": False})
+        after = (
+            [m["id"] for m in said].index(request.query["after"])
+            if "after" in request.query
+            else -1
+        )
+        return web.json_response({"object": "list", "data": said[after + 1 :], "has_more": False})
 
 
 def _missing(cid: str) -> web.Response:
@@ -121,6 +126,9 @@ async def test_a_tenant_reads_updates_and_deletes_its_stored_completions(served)
         assert updated.id == made.id and updated.metadata == {"topic": "t"}
         said = await alice.chat.completions.messages.list(made.id)
         assert [m.content for m in said.data] == ["hi"]
+        assert said.data[0].id.count("~") == 2  # the messages' ids tagged, as items are
+        after = await alice.chat.completions.messages.list(made.id, after=said.data[0].id)
+        assert after.data == []
         stream = await alice.chat.completions.create(
             model="m", messages=HI, store=True, stream=True
         )
@@ -131,8 +139,8 @@ async def test_a_tenant_reads_updates_and_deletes_its_stored_completions(served)
         plain = await alice.chat.completions.create(model="m", messages=HI)
         assert plain.id == "chatcmpl-0003"  # not stored: as the server wrote it
     raw = "/v1/chat/completions/chatcmpl-0001"
-    read = [("GET", raw), ("POST", raw), ("GET", raw + "/messages")]
-    assert server.asked[1:6] == [*read, ("POST", "/v1/chat/completions"), ("DELETE", raw)]
+    read = [("GET", raw), ("POST", raw), ("GET", raw + "/messages"), ("GET", raw + "/messages")]
+    assert server.asked[1:7] == [*read, ("POST", "/v1/chat/completions"), ("DELETE", raw)]
 
 
 async def test_another_tenant_is_refused_every_stored_completion_and_the_listing(served):

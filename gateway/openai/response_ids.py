@@ -87,8 +87,9 @@ RESPONSE_BODY_PATHS = frozenset(
 """Paths whose body is a response's request (its ids checked); only the first makes one."""
 ITEM_FIELDS = ("input", "items")
 """Body fields holding items: a response's input, a conversation's first or added items."""
-LISTS = ("/items", "/input_items")
-"""What follows a stored response's or conversation's id in the path of its item list."""
+LISTS = ("/items", "/input_items", "/messages")
+"""What follows a stored object's id in the path of its list of items (a conversation's, a
+response's input, a stored chat completion's messages)."""
 CURSORS = ("after", "before")
 """Query parameters of item lists naming an item."""
 ITEM_ID = re.compile(rb'"item_id":\s*"([^"\\]+)"')
@@ -103,7 +104,8 @@ class ResponseIdChosen(RequestError):
 
 
 class NotListed(RequestError):
-    """A listing of every stored response or conversation, while ids are bound."""
+    """A listing of every stored response, conversation or chat completion, while ids are
+    bound."""
 
     status = 404
     code = "not_found"
