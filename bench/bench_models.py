@@ -26,7 +26,8 @@ requests/s at 16; each figure the median over the rounds.
   backend of two instances, where each continuation is pinned to the instance that holds
   the response its id names; a conversation (the Conversations API) read directly and
   through that gateway, pinned alike; a Responses API answer the server does not store
-  (``store: false``) at temperature 0, from the cache; and
+  (``store: false``) at temperature 0, from the cache; a chat completion asked to be
+  stored (``store: true``), its id bound, against the same route's chat not stored; and
   Anthropic's at temperature 0 on a caching route, whole and streamed: every request after
   the first a hit (a stream replayed byte for byte).
 
@@ -50,6 +51,7 @@ from bench.common import free_port, have, machine, process, python, update_secti
 CHAT_MODELS = "llama-3.1-8b,llama-3.1-70b,qwen2.5-7b"
 EMBEDDER_MODELS = "bge-small-en,e5-large"
 CHAT = '{"model":"assistant","messages":[{"role":"user","content":"hello there"}]}'
+STORED_CHAT = CHAT[:-1] + ',"store":true}'
 LIST_PATHS = ("direct (one server)", "gateway, one server's list", "gateway, two lists merged")
 CHAT_PATHS = ("direct", "gateway, body passed through", "gateway, model rewritten")
 STREAM = '{"model":"streamer","messages":[{"role":"user","content":"hello"}],"stream":true}'
@@ -78,6 +80,7 @@ OTHER_PATHS = (
     "direct, a conversation read (Conversations API)",
     "gateway, a conversation read, ids bound, pinned to one of two endpoints",
     "gateway, Responses API not stored (store false) at temperature 0, a cache hit",
+    "gateway, chat completion stored (store true), ids bound, model rewritten",
 )
 STREAM_PATHS = (
     "direct, streamed",
@@ -157,6 +160,7 @@ def main() -> None:
             (messages, MESSAGES),
             (cached_stream, CACHED_STREAM),
             (Path(tmp) / "unstored.lua", UNSTORED),
+            (Path(tmp) / "stored-chat.lua", STORED_CHAT),
         ):
             file.write_text(
                 f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
@@ -184,6 +188,7 @@ def main() -> None:
             OTHER_PATHS[8]: (backends["chat"] + "/v1/messages", cached_stream),
             OTHER_PATHS[9]: (models + "/v1/messages", cached_stream),
             OTHER_PATHS[12]: (models + "/v1/responses", Path(tmp) / "unstored.lua"),
+            OTHER_PATHS[13]: (models + "/v1/chat/completions", Path(tmp) / "stored-chat.lua"),
         }
         for at, base in ((10, backends["chat"]), (11, models)):
             made = httpx.post(base + "/v1/conversations", json={}).json()["id"]
@@ -200,6 +205,8 @@ def main() -> None:
             assert read.status_code == 200 and read.json()["usage"], read.text
         bound = httpx.post(models + "/v1/responses", content=RESPONSES).json()["id"]
         assert "~" in bound, bound
+        stored = httpx.post(models + "/v1/chat/completions", content=STORED_CHAT).json()["id"]
+        assert "~" in stored, stored
         for name, base in (("direct", backends["chat"]), ("pinned", models)):
             made = httpx.post(base + "/v1/responses", content=PAIRED).json()["id"]
             body = PAIRED[:-1] + f',"previous_response_id":"{made}","store":false}}'
@@ -312,7 +319,10 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             "server that answers at once: a real model's answer takes milliseconds to "
             "seconds, which a hit saves). A Responses API answer the server does not store "
             "(`store: false`, temperature 0) from the cache gives "
-            f"{cost(OTHER_PATHS[0], OTHER_PATHS[12])} of the server asked directly.",
+            f"{cost(OTHER_PATHS[0], OTHER_PATHS[12])} of the server asked directly. A chat "
+            "completion asked to be stored (`store: true`, OpenAI's stored completions) has "
+            "its id bound there too (the answer read for it, which is tagged): "
+            f"{cost(CHAT_PATHS[2], OTHER_PATHS[13])} of the same route's chat not stored.",
         ]
     )
 
