@@ -17,6 +17,7 @@ from gateway.policy.load import zero_config_policy
 from gateway.policy.watch import PolicySource
 from gateway.testing.harness import Pipeline
 from tests.llama import llama, llama_pair, require_llm  # noqa: F401
+from tests.test_response_ids import bound  # noqa: F401 (a storing server, a binding gateway)
 from tests.upstreams import Answer, RawBackend, RawExchange
 
 ServeApp = Callable[[web.Application], Awaitable[str]]

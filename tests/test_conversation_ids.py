@@ -17,29 +17,15 @@ import pytest
 from gateway.openai.bound_ids import CONVERSATION, ResponseIds
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
-from tests.test_response_ids import (
-    ALICE,
-    BOB,
-    SECRET,
-    Store,
-    policy,
-    round_robin,
-    sdk,
-    serve_store,
-)
-
-
-@pytest.fixture
-async def served(serve_app, start_gateway, tmp_path):
-    return await serve_store(serve_app, start_gateway, tmp_path)
+from tests.test_response_ids import ALICE, BOB, SECRET, Store, policy, round_robin, sdk
 
 
 def said(text: str) -> list[Any]:
     return [{"type": "message", "role": "user", "content": text}]
 
 
-async def test_a_tenant_keeps_its_conversation_and_answers_join_it(served):
-    store, gw = served
+async def test_a_tenant_keeps_its_conversation_and_answers_join_it(bound):
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = await alice.conversations.create(items=said("hello"))
         assert made.id.startswith("conv_0001~") and made.id.count("~") == 2
@@ -75,8 +61,8 @@ async def test_a_tenant_keeps_its_conversation_and_answers_join_it(served):
     assert store.asked[4][2]["conversation"] == {"id": raw}
 
 
-async def test_another_tenant_is_refused_every_conversation_it_did_not_make(served):
-    store, gw = served
+async def test_another_tenant_is_refused_every_conversation_it_did_not_make(bound):
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = (await alice.conversations.create(items=said("secret plans"))).id
     asked = len(store.asked)
@@ -110,12 +96,12 @@ async def test_another_tenant_is_refused_every_conversation_it_did_not_make(serv
     assert metric(text, counter, tenant="", where="conversation") == 3 * 2
 
 
-async def test_a_response_id_is_no_conversation_id_nor_the_other_way_round(served):
+async def test_a_response_id_is_no_conversation_id_nor_the_other_way_round(bound):
     """The two kinds share the secret, but the tag covers the id's prefix: a tenant's own
     response id is not accepted where a conversation's is expected, nor the reverse (a
     conversation's id in a response's path is no response id, and passes to the server,
     which has no such response)."""
-    store, gw = served
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         conversation = (await alice.conversations.create()).id
         response = (await alice.responses.create(model="m", input="hi")).id
@@ -131,10 +117,10 @@ async def test_a_response_id_is_no_conversation_id_nor_the_other_way_round(serve
             await alice.responses.retrieve(conversation)
 
 
-async def test_no_path_below_conversations_passes_without_an_id_of_its_own(served):
+async def test_no_path_below_conversations_passes_without_an_id_of_its_own(bound):
     """Every path below ``/v1/conversations/`` names a conversation: whatever stands there,
     spelled however, is checked, and anything but the caller's own id is refused."""
-    store, gw = served
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = (await alice.conversations.create()).id
     raw = made.partition("~")[0]

@@ -27,21 +27,7 @@ from gateway.openai.bound_ids import (
 )
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
-from tests.test_response_ids import (
-    ALICE,
-    BOB,
-    SECRET,
-    Store,
-    policy,
-    round_robin,
-    sdk,
-    serve_store,
-)
-
-
-@pytest.fixture
-async def served(serve_app, start_gateway, tmp_path):
-    return await serve_store(serve_app, start_gateway, tmp_path)
+from tests.test_response_ids import ALICE, BOB, SECRET, Store, policy, round_robin, sdk
 
 
 def reference(iid: str) -> Any:
@@ -54,8 +40,8 @@ def id_of(item: Any) -> str:
     return item.id
 
 
-async def test_a_tenant_names_its_own_items_and_the_server_gets_them_untagged(served):
-    store, gw = served
+async def test_a_tenant_names_its_own_items_and_the_server_gets_them_untagged(bound):
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         first = await alice.responses.create(model="m", input="hi")
         item = id_of(first.output[0])
@@ -75,9 +61,9 @@ async def test_a_tenant_names_its_own_items_and_the_server_gets_them_untagged(se
 
 
 async def test_another_tenant_is_refused_every_item_it_did_not_get_and_the_backend_never_asked(
-    served,
+    bound,
 ):
-    store, gw = served
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = await alice.responses.create(model="m", input="secret plans")
     item = id_of(made.output[0])
@@ -109,8 +95,8 @@ async def test_another_tenant_is_refused_every_item_it_did_not_get_and_the_backe
     assert metric(text, counter, tenant="", where="path") == 3
 
 
-async def test_a_conversations_items_are_tagged_and_read_back_by_their_tags(served):
-    store, gw = served
+async def test_a_conversations_items_are_tagged_and_read_back_by_their_tags(bound):
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = await alice.conversations.create(items=[{"role": "user", "content": "hello"}])
         await alice.responses.create(model="m", input="more", conversation=made.id)
@@ -141,10 +127,10 @@ async def test_a_conversations_items_are_tagged_and_read_back_by_their_tags(serv
         assert (await client.get(spelled, headers=bob)).status_code == 404
 
 
-async def test_a_streamed_answers_items_are_tagged_in_every_event(served):
+async def test_a_streamed_answers_items_are_tagged_in_every_event(bound):
     """The item's id is learned from the event that adds it: the deltas that name it
     (``item_id``) and the completed response carry the same tagged id."""
-    _, gw = served
+    _, gw = bound
     events = []
     async with sdk(gw, ALICE) as alice:
         stream = await alice.responses.create(model="m", input="hi", stream=True)
@@ -160,8 +146,8 @@ async def test_a_streamed_answers_items_are_tagged_in_every_event(served):
 PATHS = ("/v1/responses", "/v1/conversations")
 
 
-async def test_the_collections_are_not_listed(served):
-    store, gw = served
+async def test_the_collections_are_not_listed(bound):
+    store, gw = bound
     alice = {"Authorization": f"Bearer {ALICE}"}
     async with httpx.AsyncClient() as client:
         for path in PATHS:
@@ -172,10 +158,10 @@ async def test_the_collections_are_not_listed(served):
     assert not store.asked
 
 
-async def test_bodies_the_edge_does_not_read_are_checked_compressed_or_not(served):
+async def test_bodies_the_edge_does_not_read_are_checked_compressed_or_not(bound):
     """A token count (``/v1/responses/input_tokens``) and a conversation's items are read
     here: a gzip body is decoded and checked, and what goes upstream is the untagged JSON."""
-    store, gw = served
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = await alice.responses.create(model="m", input="hi")
     item, rid = id_of(made.output[0]), made.id
@@ -216,11 +202,11 @@ async def test_an_item_is_asked_of_the_instance_that_keeps_it(serve_app, start_g
                 assert again.output_text[:3] == made[at].output_text[:3]
 
 
-async def test_a_list_too_large_to_come_whole_is_read_whole_and_every_item_tagged(served):
+async def test_a_list_too_large_to_come_whole_is_read_whole_and_every_item_tagged(bound):
     """A conversation's items past the transport's whole-answer buffer (1 MiB) come as a
     stream: it is read whole (up to ``server.max_body_bytes``), and each item's id, and the
     list's cursors, are tagged as in a small one."""
-    _, gw = served
+    _, gw = bound
     big = "word " * 20_000  # 100 kB an item
     async with sdk(gw, ALICE) as alice:
         made = await alice.conversations.create()

@@ -212,24 +212,21 @@ def round_robin(urls: list[str]) -> str:
     )
 
 
-async def serve_store(serve_app: Any, start_gateway: Any, tmp_path: Any) -> tuple[Store, Any]:
-    """A storing model server, and a gateway binding ids in front of it."""
+@pytest.fixture
+async def bound(serve_app, start_gateway, tmp_path):
+    """A storing model server, and a gateway binding ids in front of it (shared by the
+    conversation and item tests)."""
     store = Store()
     url = await serve_app(store.app())
     return store, await start_gateway(policy=write_policy(tmp_path, policy(url)))
-
-
-@pytest.fixture
-async def served(serve_app, start_gateway, tmp_path):
-    return await serve_store(serve_app, start_gateway, tmp_path)
 
 
 def sdk(gw: Any, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
 
 
-async def test_a_tenant_reads_and_continues_its_own_responses(served):
-    store, gw = served
+async def test_a_tenant_reads_and_continues_its_own_responses(bound):
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         first = await alice.responses.create(model="m", input="hi")
         assert first.id.startswith("resp_0001~") and first.output_text == "answer 1"
@@ -245,9 +242,9 @@ async def test_a_tenant_reads_and_continues_its_own_responses(served):
 
 
 async def test_another_tenant_is_refused_every_id_it_did_not_get_and_the_backend_never_asked(
-    served,
+    bound,
 ):
-    store, gw = served
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = (await alice.responses.create(model="m", input="secret plans")).id
     asked = len(store.asked)
@@ -278,8 +275,8 @@ async def test_another_tenant_is_refused_every_id_it_did_not_get_and_the_backend
     assert store.asked[-1] == ("DELETE", "/v1/responses/" + raw, None)
 
 
-async def test_every_id_of_a_streamed_answer_is_tagged(served):
-    _, gw = served
+async def test_every_id_of_a_streamed_answer_is_tagged(bound):
+    _, gw = bound
     async with httpx.AsyncClient() as client:
         reply = await client.post(
             gw.url + "/v1/responses",
@@ -313,8 +310,8 @@ async def test_replicas_sharing_the_secret_take_each_others_ids(serve_app, start
             await alice.responses.retrieve(made)
 
 
-async def test_an_id_whose_tilde_is_percent_encoded_is_read_as_sent(served):
-    _, gw = served
+async def test_an_id_whose_tilde_is_percent_encoded_is_read_as_sent(bound):
+    _, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = (await alice.responses.create(model="m", input="hi")).id
     async with httpx.AsyncClient() as client:
@@ -374,11 +371,11 @@ def test_the_endpoint_an_id_names_is_covered_by_its_tag():
     assert ids.pin(handle)(url) and not ids.pin(handle)("http://10.0.3.18:8000")
 
 
-async def test_an_id_the_client_put_in_the_answer_is_never_signed_for_it(served):
+async def test_an_id_the_client_put_in_the_answer_is_never_signed_for_it(bound):
     """An id the client never got, echoed back in its ``metadata`` (the server repeats
     it), stays as it was; and a body choosing its response's id (vLLM's ``request_id``) is
     refused, so a client cannot have the gateway sign another tenant's id."""
-    store, gw = served
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         victim = (await alice.responses.create(model="m", input="secret plans")).id
     raw = victim.partition("~")[0]
@@ -422,8 +419,8 @@ def test_named_tenants_without_the_secret_are_warned_of():
     assert "UNSET_HERE_XYZ" in unset
 
 
-async def test_the_secret_is_never_shown(served):
-    _, gw = served
+async def test_the_secret_is_never_shown(bound):
+    _, gw = bound
     async with httpx.AsyncClient() as client:
         shown = await client.get(gw.admin_url + "/policy")
     assert shown.status_code == 200 and SECRET not in shown.text
@@ -457,10 +454,10 @@ async def test_a_tenant_held_to_some_models_reads_its_own_responses_once_ids_are
                 await alice.responses.retrieve(made)
 
 
-async def test_no_spelling_of_the_path_reaches_another_tenants_response(served):
+async def test_no_spelling_of_the_path_reaches_another_tenants_response(bound):
     """Encoded, with a trailing slash or a dot segment, the path still names the id, and
     the id is still checked; ``/v1/responses/input_tokens`` is no id and passes."""
-    store, gw = served
+    store, gw = bound
     async with sdk(gw, ALICE) as alice:
         made = (await alice.responses.create(model="m", input="hi")).id
     raw = made.partition("~")[0]
