@@ -95,6 +95,20 @@ async def test_another_tenant_is_refused_every_item_it_did_not_get_and_the_backe
     assert metric(text, counter, tenant="", where="path") == 3
 
 
+async def test_ten_thousand_items_given_by_id_are_each_untagged(bound):
+    """A body naming an item ten thousand times (more than ``YIELD_EVERY``, the loop runs
+    between them): every one reaches the server untagged."""
+    store, gw = bound
+    async with sdk(gw, ALICE) as alice:
+        item = id_of((await alice.responses.create(model="m", input="hi")).output[0])
+    body = {"model": "m", "input": [reference(item)] * 10_000}  # the SDK's checks take 10 s
+    async with httpx.AsyncClient() as client:
+        alice_h = {"Authorization": f"Bearer {ALICE}"}
+        answer = await client.post(gw.url + "/v1/responses", json=body, headers=alice_h)
+    assert answer.status_code == 200
+    assert store.asked[-1][2]["input"] == [reference("msg_0001")] * 10_000
+
+
 async def test_a_conversations_items_are_tagged_and_read_back_by_their_tags(bound):
     store, gw = bound
     async with sdk(gw, ALICE) as alice:

@@ -50,6 +50,7 @@ passes straight on.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -90,6 +91,8 @@ ITEM_FIELDS = ("input", "items")
 LISTS = ("/items", "/input_items", "/messages")
 """What follows a stored object's id in the path of its list of items (a conversation's, a
 response's input, a stored chat completion's messages)."""
+YIELD_EVERY = 4096
+"""Input items checked between turns of the event loop."""
 CURSORS = ("after", "before")
 """Query parameters of item lists naming an item."""
 ITEM_ID = re.compile(rb'"item_id":\s*"([^"\\]+)"')
@@ -198,7 +201,7 @@ class ResponseIdStage:
             )
             named.append(owned)
         for field in ITEM_FIELDS:
-            items = self._untag_items(call, data.get(field), named)
+            items = await self._untag_items(call, data.get(field), named)
             if items is not None:
                 changed[field] = items
         if not changed:
@@ -209,13 +212,16 @@ class ResponseIdStage:
             changes["json"] = data
         return {**changes, "body": body}, named
 
-    def _untag_items(self, call: Call, items: Any, named: list[Owned]) -> list[Any] | None:
+    async def _untag_items(self, call: Call, items: Any, named: list[Owned]) -> list[Any] | None:
         """``items`` with each item's ``id`` untagged (None when none has one), the ids
-        proved added to ``named``."""
+        proved added to ``named``; the loop runs between every ``YIELD_EVERY`` items (a body
+        may hold a hundred thousand)."""
         if not isinstance(items, list):  # a string input, or the backend's to refuse
             return None
         untagged: list[Any] | None = None
         for at, item in enumerate(items):
+            if at and not at % YIELD_EVERY:
+                await asyncio.sleep(0)
             iid = item.get("id") if isinstance(item, dict) else None
             if not isinstance(iid, str):
                 continue
