@@ -357,6 +357,19 @@ def test_only_the_ids_a_caller_owns_are_tagged():
     assert ids.tag("scope", "resp_1") != ResponseIds(SECRET + "x").tag("scope", "resp_1")
 
 
+def test_a_clients_guesses_are_never_remembered():
+    """Untagging remembers only an id it proved (so that its answer need not tag it anew):
+    a hostile client's guesses, however long, leave nothing behind."""
+    ids = ResponseIds(SECRET)
+    for n in range(50):
+        guess = "resp_" + "x" * 100_000 + f"~{n:08x}~" + "0" * 24
+        assert ids.untag("scope", guess) is None
+    assert not ids._proved  # the memo's own: nothing of the guesses in it
+    tagged = ids.tag("scope", "resp_1", "0a1b2c3d")
+    assert ids.untag("scope", tagged) == Owned("resp_1", "0a1b2c3d", RESPONSE)
+    assert len(ids._proved) == 1
+
+
 def test_the_endpoint_an_id_names_is_covered_by_its_tag():
     ids = ResponseIds(SECRET)
     url = "http://10.0.3.17:8000"

@@ -159,45 +159,49 @@ class ResponseIds:
         return lambda url: self.handle(url) == handle
 
     def tag(self, scope: str, rid: str, handle: str = "", kind: Kind = RESPONSE) -> str:
+        """``rid``'s tag for ``scope``, remembered: the answer that carries the id again
+        (each chunk of a chat stream does) does not compute it again."""
         key = (scope, rid, handle, kind.salt)
         known = self._proved.get(key)
-        if known is not None:  # an id just proved or tagged: a stream carries it again
-            return known
-        mac = self._keyed.copy()
-        salt = f"{kind.salt}\0" if kind.salt else ""
-        if handle:
-            mac.update(f"{salt}{scope}\0{rid}\0{handle}".encode())
-            tagged = f"{rid}{SEPARATOR}{handle}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
-        else:  # no endpoint: from before they were named
-            mac.update(f"{salt}{scope}\0{rid}".encode())
-            tagged = f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
-        self._remember(key, tagged)
-        return tagged
+        if known is None:
+            known = self._mac(scope, rid, handle, kind)
+            self._remember(key, known)
+        return known
 
     def untag(self, scope: str, tagged: str, kind: Kind = RESPONSE) -> Owned | None:
         """The id of ``kind`` that ``tagged`` carries and its endpoint's name, if its tag is
-        ``scope``'s; else None."""
+        ``scope``'s; else None.  Only an id proved is remembered: a client's guesses, of any
+        length, are not."""
         shown, separator, _ = tagged.rpartition(SEPARATOR)
         if not separator:
             return None
         rid, separator, handle = shown.rpartition(SEPARATOR)
-        if separator and len(handle) == HANDLE_CHARS and rid.startswith(kind.prefix):
-            if hmac.compare_digest(self.tag(scope, rid, handle, kind), tagged):
-                return self._proves(scope, Owned(rid, handle, kind), tagged)
-        if shown.startswith(kind.prefix) and hmac.compare_digest(
-            self.tag(scope, shown, "", kind), tagged
-        ):
-            return self._proves(scope, Owned(shown, "", kind), tagged)
+        readings = (  # with its endpoint's name, or one from before endpoints were named
+            Owned(rid, handle, kind) if separator and len(handle) == HANDLE_CHARS else None,
+            Owned(shown, "", kind),
+        )
+        for owned in readings:
+            if owned is None or not owned.id.startswith(kind.prefix):
+                continue
+            key = (scope, owned.id, owned.handle, kind.salt)
+            known = self._proved.get(key) or self._mac(scope, owned.id, owned.handle, kind)
+            if hmac.compare_digest(known, tagged):
+                self._remember(key, known)
+                return owned
         return None
 
-    def _proves(self, scope: str, owned: Owned, tagged: str) -> Owned:
-        """``tagged`` is ``owned``'s tag for ``scope``."""
-        self._remember((scope, owned.id, owned.handle, owned.kind.salt), tagged)
-        return owned
+    def _mac(self, scope: str, rid: str, handle: str, kind: Kind) -> str:
+        """``rid`` tagged for ``scope`` (and the endpoint ``handle``, if any)."""
+        mac = self._keyed.copy()
+        salt = f"{kind.salt}\0" if kind.salt else ""
+        if handle:
+            mac.update(f"{salt}{scope}\0{rid}\0{handle}".encode())
+            return f"{rid}{SEPARATOR}{handle}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
+        mac.update(f"{salt}{scope}\0{rid}".encode())  # no endpoint: from before they were named
+        return f"{rid}{SEPARATOR}{mac.hexdigest()[:TAG_CHARS]}"
 
     def _remember(self, key: tuple[str, str, str, str], tagged: str) -> None:
-        """Remember a tag, so that the answer that carries the id again (each chunk of a
-        chat stream does) does not compute it again: the last ``MAX_HANDLES``."""
+        """Remember a tag (the last ``MAX_HANDLES``)."""
         if len(self._proved) >= MAX_HANDLES:
             self._proved.clear()
         self._proved[key] = tagged
