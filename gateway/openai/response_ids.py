@@ -86,6 +86,9 @@ RESPONSE_BODY_PATHS = frozenset(
     {RESPONSES_PATH, f"{RESPONSES_PATH}/input_tokens", f"{RESPONSES_PATH}/compact"}
 )
 """Paths whose body is a response's request (its ids checked); only the first makes one."""
+BODY_PATHS = RESPONSE_BODY_PATHS | {CONVERSATIONS_PATH}
+COLLECTIONS = {RESPONSES_PATH: RESPONSE, CONVERSATIONS_PATH: CONVERSATION}
+"""The paths where a POST makes a stored object (never listed)."""
 ITEM_FIELDS = ("input", "items")
 """Body fields holding items: a response's input, a conversation's first or added items."""
 LISTS = ("/items", "/input_items", "/messages")
@@ -133,12 +136,11 @@ class ResponseIdStage:
             changes: dict[str, Any] = {}
             named: list[Owned] = []
             makes = CHAT_COMPLETION
-        elif call.path in RESPONSE_BODY_PATHS or call.path == CONVERSATIONS_PATH:
-            made = RESPONSE if call.path == RESPONSES_PATH else CONVERSATION
-            if made.path == call.path and call.method != "POST":
-                raise _not_listed(made)
+        elif call.path in BODY_PATHS:
+            makes = COLLECTIONS.get(call.path)  # a POST there makes one, a GET would list all
+            if makes is not None and call.method != "POST":
+                raise _not_listed(makes)
             changes, named = await self._untag_body(call)
-            makes = made if made.path == call.path else None
         elif (found := RESPONSE.by_id.fullmatch(call.path)) is not None:
             changes, named = self._untag_path(call, found.group(1), found.group(2), RESPONSE)
         elif (found := CONVERSATION.by_id.fullmatch(call.path)) is not None:
