@@ -15,6 +15,7 @@ from __future__ import annotations
 import gateway.batching.stage
 import gateway.cache.stage
 import gateway.coalesce.stage
+import gateway.openai.file_ids
 import gateway.openai.model_lists
 import gateway.openai.response_ids
 import gateway.openai.stream_usage
@@ -37,6 +38,8 @@ def build(
     return [
         # 0. request-rate history of the routes that forecast it (prewarm)
         *gateway.pool.stage.build(policy, runtime),
+        # 0. files, batches and uploads bound to their tenant (tenants.response_id_secret)
+        *gateway.openai.file_ids.build(policy, runtime.metrics),
         # 0. the Responses API's ids bound to their tenant (tenants.response_id_secret)
         *gateway.openai.response_ids.build(policy, runtime.metrics),
         # 0. the model the backend is asked for (target_models), drawn by weight

@@ -51,11 +51,12 @@ class TrafficFamilies:
         )
         self.response_ids_refused = Counter(
             "gateway_response_ids_refused",
-            "Requests refused for naming a stored response, conversation, item or chat "
-            "completion that is not theirs (tenants.response_id_secret): an id without its "
-            "tenant's tag, in the path (where=path), previous_response_id, a response's "
-            "conversation, or an item given by id or a list's cursor (where=item). tenant: "
-            "the named tenant, or empty.",
+            "Requests refused for naming a stored response, conversation, item, chat "
+            "completion, file, batch or upload that is not theirs "
+            "(tenants.response_id_secret): an id without its tenant's tag, in the path "
+            "(where=path), previous_response_id, a response's conversation, an item given by "
+            "id or a list's cursor (where=item), or a file named in a body (where=file). "
+            "tenant: the named tenant, or empty.",
             ["tenant", "where"],
             registry=r,
         )

@@ -51,8 +51,6 @@ passes straight on.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -60,8 +58,8 @@ from urllib.parse import quote, unquote, unquote_plus
 
 from gateway.errors import BadRequest, RequestError
 from gateway.metrics import Metrics
-from gateway.openai.allowed_models import uncompressed
 from gateway.openai.body import decode, dumps_yielding, loads_yielding
+from gateway.openai.bound_answers import answer_json, forward, refuser
 from gateway.openai.bound_ids import (
     CHAT_COMPLETION,
     CHAT_PATH,
@@ -75,7 +73,7 @@ from gateway.openai.bound_ids import (
     PreviousResponseNotFound,
     ResponseIds,
 )
-from gateway.openai.sse import is_event_stream, whole_events
+from gateway.openai.sse import whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
 from gateway.wire import RESPONSES_PATH
@@ -130,7 +128,7 @@ class ResponseIdStage:
             return await call_next(call)
         if call.path == CHAT_PATH:  # chat's hot path: only a stored completion is bound
             if call.method != "POST":
-                raise _not_listed(CHAT_COMPLETION)
+                raise not_listed(CHAT_COMPLETION)
             if call.json is None or call.json.get("store") is not True:
                 return await call_next(call)
             changes: dict[str, Any] = {}
@@ -139,7 +137,7 @@ class ResponseIdStage:
         elif call.path in BODY_PATHS:
             makes = COLLECTIONS.get(call.path)  # a POST there makes one, a GET would list all
             if makes is not None and call.method != "POST":
-                raise _not_listed(makes)
+                raise not_listed(makes)
             changes, named = await self._untag_body(call)
         elif (found := RESPONSE.by_id.fullmatch(call.path)) is not None:
             changes, named = self._untag_path(call, found.group(1), found.group(2), RESPONSE)
@@ -152,25 +150,20 @@ class ResponseIdStage:
             changes, named = self._untag_path(call, found.group(1), found.group(2), CHAT_COMPLETION)
         else:
             return await call_next(call)
-        handles = [owned.handle for owned in named if owned.handle]
-        if handles:
-            changes["pin"] = self._ids.pin(handles[0])
         scope = call.scope
-        headers = changes.pop("headers", call.headers)
-        reply = await call_next(dataclasses.replace(call, headers=uncompressed(headers), **changes))
-        made_at = self._ids.handle(reply.endpoint) if reply.endpoint else ""
-        answer = _Answer(self._ids, scope, named, makes=makes, made_at=made_at)
-        if reply.stream is not None and not is_event_stream(reply.headers):
-            reply = await _read_whole(reply, call.policy.server.max_body_bytes)
-        if reply.body is not None:
-            return reply.replace(body=answer.whole(reply.body))
-        assert reply.stream is not None
-        return reply.replace(stream=answer.events(reply.stream), content_length=None)
+        return await forward(
+            call,
+            changes,
+            named,
+            call_next,
+            self._ids,
+            lambda made_at: _Answer(self._ids, scope, named, makes=makes, made_at=made_at),
+        )
 
     async def _untag_body(self, call: Call) -> tuple[dict[str, Any], list[Owned]]:
         """What changes in the call (its body, with ``previous_response_id``,
         ``conversation`` and its items' ids untagged), and the ids it proved."""
-        data, changes = await _read(call)
+        data, changes = await read_json(call)
         if data is None:
             return changes, []
         chosen = [name for name in CHOSEN_ID_FIELDS if name in data]
@@ -187,7 +180,7 @@ class ResponseIdStage:
             if owned is None:
                 self._refused(call.tenant, "previous_response_id")
                 raise PreviousResponseNotFound(
-                    f"Previous response with id '{_shown(previous)}' not found."
+                    f"Previous response with id '{shown(previous)}' not found."
                 )
             changed["previous_response_id"] = owned.id
             named.append(owned)
@@ -197,7 +190,7 @@ class ResponseIdStage:
             owned = self._ids.untag(call.scope, cid, CONVERSATION)
             if owned is None:
                 self._refused(call.tenant, "conversation")
-                raise ConversationNotFound(f"Conversation with id '{_shown(cid)}' not found.")
+                raise ConversationNotFound(f"Conversation with id '{shown(cid)}' not found.")
             changed["conversation"] = (
                 {**conversation, "id": owned.id} if isinstance(conversation, dict) else owned.id
             )
@@ -266,21 +259,21 @@ class ResponseIdStage:
         owned = self._ids.untag(call.scope, tagged, kind)
         if owned is None:
             self._refused(call.tenant, where)
-            raise kind.not_found(f"{kind.noun} with id '{_shown(tagged)}' not found.")
+            raise kind.not_found(f"{kind.noun} with id '{shown(tagged)}' not found.")
         return owned
 
     def __repr__(self) -> str:
         return "<ResponseIdStage>"
 
 
-def _not_listed(kind: Kind) -> NotListed:
+def not_listed(kind: Kind) -> NotListed:
+    plural = f"{kind.noun}{'es' if kind.noun.endswith('ch') else 's'}"
     return NotListed(
-        f"{kind.noun}s are not listed here: their ids are bound to their tenants; name one by "
-        "its id"
+        f"{plural} are not listed here: their ids are bound to their tenants; name one by its id"
     )
 
 
-async def _read(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+async def read_json(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The call's JSON body (None for none), and what changes in the call to send it as
     read: a body the edge did not read is decoded here, and must be a JSON object."""
     if call.json is not None or not call.body:
@@ -296,30 +289,6 @@ async def _read(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     if not isinstance(data, dict):
         raise BadRequest(f"the body of {call.path} must be a JSON object")
     return data, changes
-
-
-async def _read_whole(reply: Reply, limit: int) -> Reply:
-    """An answer that is no event stream but came as one (larger than the transport reads
-    whole) read whole, up to ``limit`` bytes, so that its ids are found wherever they stand;
-    past it, the stream as it came (its ids then tagged piece by piece: one split between
-    two pieces stays as the server wrote it)."""
-    assert reply.stream is not None
-    stream = aiter(reply.stream)
-    pieces: list[bytes] = []
-    size = 0
-    async for piece in stream:
-        pieces.append(piece)
-        size += len(piece)
-        if size > limit:
-            return reply.replace(stream=_chained(pieces, stream))
-    return reply.replace(body=b"".join(pieces), stream=None, content_length=None)
-
-
-async def _chained(read: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for piece in read:
-        yield piece
-    async for piece in rest:
-        yield piece
 
 
 class _Answer:
@@ -344,7 +313,7 @@ class _Answer:
         self._items = {each.id for each in owned if each.kind is ITEM}
 
     def whole(self, body: bytes) -> bytes:
-        data = _json(body)
+        data = answer_json(body)
         if isinstance(data, dict):
             self._made(data)
             self._learn(data.get("output") if data.get("object") == "response" else None)
@@ -358,7 +327,7 @@ class _Answer:
                 if line.startswith(b"data:") and (
                     b'"response"' in line or b'"item"' in line or chunk
                 ):
-                    event = _json(line[5:])
+                    event = answer_json(line[5:])
                     if isinstance(event, dict):
                         self._made(event if chunk else None)
                         chunk = self._makes is CHAT_COMPLETION
@@ -395,14 +364,7 @@ class _Answer:
                 self._owned.append(Owned(iid, self._made_at, ITEM))
 
 
-def _json(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-
-
-def _shown(value: str) -> str:
+def shown(value: str) -> str:
     return value if len(value) <= 200 else value[:200] + "..."
 
 
@@ -411,8 +373,4 @@ def build(policy: Policy, metrics: Metrics) -> list[Stage]:
     secret = policy.tenants.response_id_secret
     if not secret:
         return []
-
-    def refused(tenant: str, where: str) -> None:
-        metrics.response_ids_refused.labels(tenant, where).inc()
-
-    return [ResponseIdStage(ResponseIds(secret), refused)]
+    return [ResponseIdStage(ResponseIds(secret), refuser(metrics))]

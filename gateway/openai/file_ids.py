@@ -1,0 +1,278 @@
+"""Files, batches and uploads bound to the tenant that made them and the instance that keeps
+them (``tenants.response_id_secret``), as stored responses are (``openai.response_ids``).
+
+A server with OpenAI's Files API (OpenAI itself, LocalAI, a LiteLLM proxy; Anthropic's Files
+API has the same path) serves ``/v1/files/<id>`` and its content to whoever names the id, and
+resolves a ``file_id`` in a chat message, a response's input or a batch to any tenant's file.
+With the secret set:
+
+- the id of a file the server made for the request (``POST /v1/files``, or an upload
+  completed), of a batch (``POST /v1/batches``) and of an upload (``POST /v1/uploads``)
+  reaches its maker tagged; so do a batch's files (its input, output and error files) in
+  every answer about a batch the caller owns;
+- a path naming one (``/v1/files/<id>`` and its ``/content``, ``/v1/batches/<id>`` and its
+  ``/cancel``, ``/v1/uploads/<id>/parts``, ``/complete``, ``/cancel``) must carry the
+  caller's own; it is untagged and pinned to the instance that keeps it, else a 404 before
+  any backend;
+- every ``file_id``, ``input_file_id`` and ``file_ids`` in a JSON body, however deep (a chat
+  message's file part, a response's ``input_file``, a batch's input, a code interpreter's
+  files, a vector store's), must be the caller's own, and is untagged; else a 404
+  ``file_not_found``;
+- the collections are not listed (``GET /v1/files``, ``GET /v1/batches``).
+
+A file's content passes as the server wrote it.  The ids of vector stores, containers and
+the Assistants API's objects are not bound: they pass as they are (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+from urllib.parse import quote, unquote
+
+from gateway.errors import RequestError
+from gateway.metrics import Metrics
+from gateway.openai.body import dumps_yielding
+from gateway.openai.bound_answers import answer_json, forward, pinned, refuser
+from gateway.openai.bound_ids import Kind, Owned, ResponseIds
+from gateway.openai.response_ids import YIELD_EVERY, not_listed, read_json, shown
+from gateway.openai.sse import whole_events
+from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.policy.model import Policy
+
+
+class FileNotFound(RequestError):
+    """A file id, in the path or a body, that is not this tenant's."""
+
+    status = 404
+    code = "file_not_found"
+
+
+class BatchNotFound(RequestError):
+    """A batch id in the path that is not this tenant's."""
+
+    status = 404
+    code = "batch_not_found"
+
+
+class UploadNotFound(RequestError):
+    """An upload id in the path that is not this tenant's."""
+
+    status = 404
+    code = "upload_not_found"
+
+
+FILE = Kind(
+    "",  # file-... at OpenAI, file_... at Anthropic: any, told apart by the salt
+    "file",
+    "/v1/files",
+    re.compile(r"/v1/files/([^/]*)(/.*)?"),
+    "File",
+    FileNotFound,
+    salt="file",
+)
+BATCH = Kind(
+    "",
+    "batch",
+    "/v1/batches",
+    re.compile(r"/v1/batches/([^/]*)(/.*)?"),
+    "Batch",
+    BatchNotFound,
+    salt="batch",
+)
+UPLOAD = Kind(
+    "",
+    "upload",
+    "/v1/uploads",
+    re.compile(r"/v1/uploads/([^/]*)(/.*)?"),
+    "Upload",
+    UploadNotFound,
+    salt="upload",
+)
+KINDS = (FILE, BATCH, UPLOAD)
+MADE = {kind.path: kind for kind in KINDS}
+"""The paths where a POST makes one; a GET there would list every tenant's."""
+FILE_FIELDS = frozenset({"file_id", "input_file_id"})
+"""Body fields naming one file, wherever they stand."""
+FILE_LISTS = frozenset({"file_ids"})
+"""Body fields naming a list of files."""
+BATCH_FILES = ("input_file_id", "output_file_id", "error_file_id")
+"""A batch's files, its owner's too."""
+JSON_TYPES = ("json",)
+"""A ``Content-Type`` naming one of these is read (so is a body without one: FastAPI reads
+that as JSON)."""
+
+
+class FileIdStage:
+    """The stage: untags the files, batches and uploads a request names, tags those its
+    answer carries."""
+
+    def __init__(self, ids: ResponseIds, refused: Callable[[str, str], None]) -> None:
+        self._ids = ids
+        self._refused = refused
+
+    async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        if call.method == "OPTIONS" or not call.path.startswith("/v1/"):
+            return await call_next(call)
+        makes = MADE.get(call.path)
+        named: list[Owned] = []
+        changes: dict[str, Any] = {}
+        content = False  # a file's content: passed as it is
+        if makes is not None:
+            if call.method != "POST":
+                raise not_listed(makes)
+            if makes is not FILE:  # a file comes as a form, a batch and an upload as JSON
+                changes = await self._untag_body(call, named)
+        elif (kind_found := _by_id(call.path)) is not None:
+            kind, found = kind_found
+            owned = self._untag(call, unquote(found.group(1)), kind, "path")
+            named.append(owned)
+            rest = found.group(2) or ""
+            content = kind is FILE and rest == "/content"
+            path = f"{kind.path}/{quote(owned.id, safe='')}{rest}"
+            target = f"{path}?{call.query}" if call.query else path
+            changes = {"path": path, "raw_target": target}
+            if call.body and not (kind is UPLOAD and rest == "/parts"):  # a part is a form
+                more = await self._untag_body(dataclasses.replace(call, **changes), named)
+                changes = {**changes, **more}
+        elif call.body and _is_json(call):
+            changes = await self._untag_body(call, named)
+            if not named:  # no file named: nothing to tag in the answer
+                return await call_next(dataclasses.replace(call, **changes) if changes else call)
+        else:
+            return await call_next(call)
+        if content:
+            return await call_next(dataclasses.replace(call, **pinned(changes, named, self._ids)))
+        scope = call.scope
+        return await forward(
+            call,
+            changes,
+            named,
+            call_next,
+            self._ids,
+            lambda made_at: _Answer(self._ids, scope, named, makes=makes, made_at=made_at),
+        )
+
+    async def _untag_body(self, call: Call, named: list[Owned]) -> dict[str, Any]:
+        """What changes in the call for its body's files untagged (none when it names
+        none); the files proved are added to ``named``."""
+        plain = call.json is not None or call.header("content-encoding") is None
+        if plain and b"file" not in call.body and b"\\u" not in call.body:
+            return {}  # names no file (nor spells a key with \\u escapes): nothing to read
+        data, changes = await read_json(call)
+        if data is None:
+            return changes
+        places = await _files_in(data)
+        if not places:
+            return changes
+        for holder, key in places:  # changed in place: this call's reading, no one else's
+            owned = self._untag(call, holder[key], FILE, "file")
+            holder[key] = owned.id
+            named.append(owned)
+        body = await dumps_yielding(data, len(call.body))
+        if call.json is not None:
+            changes["json"] = data
+        return {**changes, "body": body}
+
+    def _untag(self, call: Call, tagged: Any, kind: Kind, where: str) -> Owned:
+        """The id of ``kind`` that ``tagged`` carries, if the caller's; else its refusal."""
+        owned = self._ids.untag(call.scope, tagged, kind) if isinstance(tagged, str) else None
+        if owned is None:
+            self._refused(call.tenant, where)
+            raise kind.not_found(f"{kind.noun} with id '{shown(str(tagged))}' not found.")
+        return owned
+
+    def __repr__(self) -> str:
+        return "<FileIdStage>"
+
+
+def _by_id(path: str) -> tuple[Kind, re.Match[str]] | None:
+    for kind in KINDS:
+        found = kind.by_id.fullmatch(path)
+        if found is not None:
+            return kind, found
+    return None
+
+
+def _is_json(call: Call) -> bool:
+    if call.json is not None:
+        return True
+    kind = call.header("content-type")
+    return kind is None or any(each in kind.lower() for each in JSON_TYPES)
+
+
+async def _files_in(data: Any) -> list[tuple[Any, Any]]:
+    """Where ``data`` names files: (its holder, the key or index), every one however deep;
+    the loop runs between every ``YIELD_EVERY`` values."""
+    places: list[tuple[Any, Any]] = []
+    stack = [data]
+    seen = 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if not seen % YIELD_EVERY:
+            await asyncio.sleep(0)
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in FILE_FIELDS and value is not None:
+                    places.append((node, key))
+                elif key in FILE_LISTS and isinstance(value, list):
+                    places += [(value, at) for at in range(len(value))]
+                elif isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack += [each for each in node if isinstance(each, (dict, list))]
+    return places
+
+
+class _Answer:
+    """One answer's ids to tag: those the request proved its own, the object it made (a
+    file, a batch, an upload), and the files of a batch or an upload the caller owns."""
+
+    __slots__ = ("_ids", "_made_at", "_makes", "_owned", "_scope")
+
+    def __init__(
+        self, ids: ResponseIds, scope: str, owned: list[Owned], *, makes: Kind | None, made_at: str
+    ) -> None:
+        self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
+        self._made_at = made_at
+
+    def whole(self, body: bytes) -> bytes:
+        data = answer_json(body)
+        if isinstance(data, dict) and "error" not in data:
+            self._learn(data)
+        return self._ids.tag_owned(self._scope, body, self._owned)
+
+    async def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for events in whole_events(stream):
+            yield self._ids.tag_owned(self._scope, events, self._owned)
+
+    def _learn(self, data: dict[str, Any]) -> None:
+        """Learn the id of the object made, and the files of a batch or upload owned."""
+        kind = data.get("object", data.get("type"))
+        owns = {each.id for each in self._owned if each.kind.object == kind}
+        made = self._makes
+        rid = data.get("id")
+        if made is not None and kind == made.object and isinstance(rid, str) and rid:
+            self._owned.append(Owned(rid, self._made_at, made))
+            owns.add(rid)
+        if rid not in owns:
+            return
+        files = [data.get(key) for key in BATCH_FILES] if kind == BATCH.object else []
+        upload_file = data.get("file") if kind == UPLOAD.object else None
+        if isinstance(upload_file, dict):
+            files.append(upload_file.get("id"))
+        for fid in files:
+            if isinstance(fid, str) and fid:
+                self._owned.append(Owned(fid, self._made_at, FILE))
+
+
+def build(policy: Policy, metrics: Metrics) -> list[Stage]:
+    """The stage, when the policy binds ids to tenants."""
+    secret = policy.tenants.response_id_secret
+    if not secret:
+        return []
+    return [FileIdStage(ResponseIds(secret), refuser(metrics))]

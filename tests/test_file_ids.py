@@ -1,0 +1,410 @@
+"""Files, batches and uploads bound to the tenant that made them and the instance that keeps
+them (``tenants.response_id_secret``), as stored responses are: each id reaches its maker
+tagged, a path naming one must carry the caller's own, and so must every ``file_id`` in a
+body (a chat message's file, a response's ``input_file``, a batch's input), however deep
+and however its key is spelled.  The official ``openai`` SDK as the client, a server on a
+real socket that keeps files, batches and uploads as OpenAI does."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from tests.helpers import metric, write_policy
+from tests.test_response_ids import ALICE, BOB, policy, round_robin, sdk
+
+JSONL = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+
+
+class Files:
+    """Keeps files, runs each batch at once (its output a new file), assembles uploads; a
+    chat or response naming a file reads it, and says which it read."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.files: dict[str, dict[str, Any]] = {}
+        self.contents: dict[str, bytes] = {}
+        self.batches: dict[str, dict[str, Any]] = {}
+        self.uploads: dict[str, dict[str, Any]] = {}
+        self.made = 0
+        self.asked: list[tuple[str, str]] = []
+        self.read: list[str] = []  # the file ids a chat or a response named
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/v1/files", self.file_collection)
+        app.router.add_route("*", "/v1/files/{fid}", self.file)
+        app.router.add_get("/v1/files/{fid}/content", self.content)
+        app.router.add_route("*", "/v1/batches", self.batch_collection)
+        app.router.add_get("/v1/batches/{bid}", self.batch)
+        app.router.add_post("/v1/batches/{bid}/cancel", self.batch)
+        app.router.add_post("/v1/uploads", self.upload)
+        app.router.add_post("/v1/uploads/{uid}/parts", self.part)
+        app.router.add_post("/v1/uploads/{uid}/complete", self.complete)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/responses", self.respond)
+        return app
+
+    def _id(self, prefix: str) -> str:
+        self.made += 1
+        return f"{prefix}{self.made:04d}"
+
+    def _keep(self, name: str, content: bytes, purpose: str) -> dict[str, Any]:
+        fid = self._id("file-")
+        self.contents[fid] = content
+        self.files[fid] = {
+            "id": fid,
+            "object": "file",
+            "bytes": len(content),
+            "created_at": 1,
+            "filename": f"{self.name}{name}",
+            "purpose": purpose,
+            "status": "processed",
+        }
+        return self.files[fid]
+
+    async def file_collection(self, request: web.Request) -> web.Response:
+        self.asked.append((request.method, request.path))
+        if request.method == "GET":
+            return web.json_response({"object": "list", "data": list(self.files.values())})
+        form = await request.post()
+        upload: Any = form["file"]
+        return web.json_response(
+            self._keep(upload.filename, upload.file.read(), str(form["purpose"]))
+        )
+
+    async def file(self, request: web.Request) -> web.Response:
+        fid = request.match_info["fid"]
+        self.asked.append((request.method, request.path))
+        if fid not in self.files:
+            return _missing(f"No such File object: {fid}")
+        if request.method == "DELETE":
+            del self.files[fid]
+            return web.json_response({"id": fid, "object": "file", "deleted": True})
+        return web.json_response(self.files[fid])
+
+    async def content(self, request: web.Request) -> web.Response:
+        fid = request.match_info["fid"]
+        self.asked.append((request.method, request.path))
+        if fid not in self.files:
+            return _missing(f"No such File object: {fid}")
+        return web.Response(body=self.contents[fid], content_type="application/octet-stream")
+
+    async def batch_collection(self, request: web.Request) -> web.Response:
+        self.asked.append((request.method, request.path))
+        if request.method == "GET":
+            return web.json_response({"object": "list", "data": list(self.batches.values())})
+        body = await request.json()
+        source = body["input_file_id"]
+        if source not in self.files:
+            return _missing(f"No such File object: {source}")
+        output = self._keep("output.jsonl", b'{"id": "batch_req_1", "custom_id": "a"}\n', "batch")
+        bid = self._id("batch_")
+        self.batches[bid] = {
+            "id": bid,
+            "object": "batch",
+            "endpoint": body["endpoint"],
+            "input_file_id": source,
+            "output_file_id": output["id"],
+            "error_file_id": None,
+            "completion_window": body["completion_window"],
+            "status": "completed",
+            "created_at": 1,
+        }
+        return web.json_response(self.batches[bid])
+
+    async def batch(self, request: web.Request) -> web.Response:
+        bid = request.match_info["bid"]
+        self.asked.append((request.method, request.path))
+        if bid not in self.batches:
+            return _missing(f"No such Batch object: {bid}")
+        if request.method == "POST":
+            self.batches[bid]["status"] = "cancelling"
+        return web.json_response(self.batches[bid])
+
+    async def upload(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.asked.append((request.method, request.path))
+        uid = self._id("upload_")
+        self.uploads[uid] = {
+            "id": uid,
+            "object": "upload",
+            "bytes": body["bytes"],
+            "created_at": 1,
+            "expires_at": 2,
+            "filename": body["filename"],
+            "purpose": body["purpose"],
+            "status": "pending",
+            "parts": {},
+        }
+        return web.json_response({k: v for k, v in self.uploads[uid].items() if k != "parts"})
+
+    async def part(self, request: web.Request) -> web.Response:
+        uid = request.match_info["uid"]
+        self.asked.append((request.method, request.path))
+        if uid not in self.uploads:
+            return _missing(f"No such Upload object: {uid}")
+        data: Any = (await request.post())["data"]
+        pid = self._id("part_")
+        self.uploads[uid]["parts"][pid] = data.file.read()
+        return web.json_response(
+            {"id": pid, "object": "upload.part", "upload_id": uid, "created_at": 1}
+        )
+
+    async def complete(self, request: web.Request) -> web.Response:
+        uid = request.match_info["uid"]
+        self.asked.append((request.method, request.path))
+        if uid not in self.uploads:
+            return _missing(f"No such Upload object: {uid}")
+        upload = self.uploads[uid]
+        content = b"".join(upload["parts"][pid] for pid in (await request.json())["part_ids"])
+        made = self._keep(upload["filename"], content, upload["purpose"])
+        shown = {k: v for k, v in upload.items() if k != "parts"}
+        return web.json_response({**shown, "status": "completed", "file": made})
+
+    def _named(self, fids: list[str]) -> web.Response | None:
+        self.read += fids
+        missing = [fid for fid in fids if fid not in self.files]
+        return _missing(f"No such File object: {missing[0]}") if missing else None
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.asked.append((request.method, request.path))
+        parts = [p for m in body["messages"] for p in m["content"] if isinstance(p, dict)]
+        fids = [p["file"]["file_id"] for p in parts if p.get("type") == "file"]
+        fids += [
+            f for t in body.get("tools", []) for f in t.get("container", {}).get("file_ids", [])
+        ]
+        refused = self._named(fids)
+        if refused is not None:
+            return refused
+        message = {"role": "assistant", "content": f"{self.name}read {' '.join(fids)}"}
+        return web.json_response(
+            {
+                "id": self._id("chatcmpl-"),
+                "object": "chat.completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            }
+        )
+
+    async def respond(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.asked.append((request.method, request.path))
+        parts = [p for item in body["input"] for p in item["content"]]
+        fids = [p["file_id"] for p in parts if p.get("type") == "input_file"]
+        refused = self._named(fids)
+        if refused is not None:
+            return refused
+        said = {"type": "output_text", "text": f"read {' '.join(fids)}", "annotations": []}
+        output = [{"id": "msg_1", "type": "message", "role": "assistant", "content": [said]}]
+        return web.json_response(
+            {
+                "id": self._id("resp_"),
+                "object": "response",
+                "created_at": 1,
+                "model": body["model"],
+                "status": "completed",
+                "output": output,
+                "input": body["input"],  # an echo of what it read: the ids tagged again
+            }
+        )
+
+
+def _missing(message: str) -> web.Response:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return web.json_response({"error": error}, status=404)
+
+
+def _file_part(fid: str) -> Any:
+    return [{"role": "user", "content": [{"type": "file", "file": {"file_id": fid}}]}]
+
+
+@pytest.fixture
+async def kept(serve_app, start_gateway, tmp_path):
+    server = Files()
+    url = await serve_app(server.app())
+    return server, await start_gateway(policy=write_policy(tmp_path, policy(url)))
+
+
+async def test_a_tenant_uses_its_own_files_batches_and_uploads(kept):
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        made = await alice.files.create(file=("in.jsonl", JSONL), purpose="batch")
+        assert made.id.startswith("file-0001~") and made.id.count("~") == 2
+        assert (await alice.files.retrieve(made.id)).id == made.id
+        assert (await alice.files.content(made.id)).content == JSONL
+        read = await alice.chat.completions.create(model="m", messages=_file_part(made.id))
+        assert read.choices[0].message.content == "read file-0001"  # the server's own id
+        batch = await alice.batches.create(
+            input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.id.startswith("batch_0004~") and batch.input_file_id == made.id
+        assert batch.output_file_id is not None and batch.output_file_id.startswith("file-0003~")
+        again = await alice.batches.retrieve(batch.id)
+        assert (again.id, again.output_file_id) == (batch.id, batch.output_file_id)
+        assert again.output_file_id is not None
+        output = await alice.files.content(again.output_file_id)
+        assert output.content == b'{"id": "batch_req_1", "custom_id": "a"}\n'
+        assert (await alice.batches.cancel(batch.id)).status == "cancelling"
+        upload = await alice.uploads.create(
+            bytes=6, filename="big.txt", mime_type="text/plain", purpose="assistants"
+        )
+        assert upload.id.startswith("upload_0005~")
+        part = await alice.uploads.parts.create(upload.id, data=b"abcdef")
+        assert part.upload_id == upload.id and part.id == "part_0006"  # parts are not bound
+        done = await alice.uploads.complete(upload.id, part_ids=[part.id])
+        assert done.id == upload.id and done.file is not None
+        assert done.file.id.startswith("file-0007~")
+        assert (await alice.files.content(done.file.id)).content == b"abcdef"
+        answer = await alice.responses.create(
+            model="m",
+            input=[{"role": "user", "content": [{"type": "input_file", "file_id": made.id}]}],
+        )
+        assert answer.output_text == "read file-0001" and answer.id.count("~") == 2
+        deleted = await alice.files.delete(made.id)
+        assert deleted.id == made.id and deleted.deleted
+    assert server.read == ["file-0001", "file-0001"]
+    assert ("DELETE", "/v1/files/file-0001") in server.asked
+
+
+async def test_another_tenant_is_refused_every_file_batch_and_upload_it_did_not_get(kept):
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        fid = (await alice.files.create(file=("in.jsonl", JSONL), purpose="batch")).id
+        batch = await alice.batches.create(
+            input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        uid = (
+            await alice.uploads.create(
+                bytes=1, filename="a", mime_type="text/plain", purpose="user_data"
+            )
+        ).id
+    asked = len(server.asked)
+    async with sdk(gw, BOB) as bob:
+        for spelled in (fid, fid.partition("~")[0], fid.rpartition("~")[0] + "~" + "0" * 24):
+            calls: list[Any] = [
+                bob.files.retrieve(spelled),
+                bob.files.content(spelled),
+                bob.files.delete(spelled),
+                bob.chat.completions.create(model="m", messages=_file_part(spelled)),
+                bob.batches.create(
+                    input_file_id=spelled, endpoint="/v1/chat/completions", completion_window="24h"
+                ),
+            ]
+            for call in calls:
+                with pytest.raises(openai.NotFoundError) as refused:
+                    await call
+                assert refused.value.code == "file_not_found"
+        for bid in (batch.id, batch.id.partition("~")[0]):
+            for call in (bob.batches.retrieve(bid), bob.batches.cancel(bid)):
+                with pytest.raises(openai.NotFoundError) as refused:
+                    await call
+                assert refused.value.code == "batch_not_found"
+        # the files of a batch are its owner's: another tenant cannot read the output
+        with pytest.raises(openai.NotFoundError):
+            await bob.files.content(batch.output_file_id or "")
+        uploads: list[Any] = [
+            bob.uploads.parts.create(uid, data=b"x"),
+            bob.uploads.complete(uid, part_ids=[]),
+        ]
+        for call in uploads:
+            with pytest.raises(openai.NotFoundError) as refused:
+                await call
+            assert refused.value.code == "upload_not_found"
+    assert len(server.asked) == asked  # the server never asked
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.admin_url + "/metrics")).text
+    counter = "gateway_response_ids_refused_total"
+    assert metric(text, counter, tenant="", where="file") == 3 * 2  # chat and batch bodies
+    assert metric(text, counter, tenant="", where="path") == 3 * 3 + 4 + 1 + 2
+
+
+async def test_the_collections_are_not_listed(kept):
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        await alice.files.create(file=("in.jsonl", JSONL), purpose="batch")
+        for listing in (alice.files.list(), alice.batches.list()):
+            with pytest.raises(openai.NotFoundError) as refused:
+                await listing
+            assert refused.value.code == "not_found"
+    assert [method for method, _ in server.asked] == ["POST"]
+
+
+async def test_a_file_named_anywhere_in_a_body_however_spelled_is_checked(kept):
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        fid = (await alice.files.create(file=("a.txt", b"a"), purpose="user_data")).id
+    raw = fid.partition("~")[0]
+    headers = {"Authorization": f"Bearer {BOB}", "Content-Type": "application/json"}
+    escaped = json.dumps({"model": "m", "messages": _file_part(raw)})
+    escaped = escaped.replace("file", "fi\\u006ce")  # no "file" in its bytes
+    async with httpx.AsyncClient() as client:
+        sneaked = await client.post(
+            gw.url + "/v1/chat/completions", content=escaped, headers=headers
+        )
+        assert sneaked.status_code == 404 and sneaked.json()["error"]["code"] == "file_not_found"
+        batch = {
+            "input_file_id": raw,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        zipped = await client.post(
+            gw.url + "/v1/batches",
+            content=gzip.compress(json.dumps(batch).encode()),
+            headers={**headers, "Content-Encoding": "gzip"},
+        )
+        assert zipped.status_code == 404
+        owner = {**headers, "Authorization": f"Bearer {ALICE}"}
+        deep = {  # a code interpreter's files, in a list, in a tool
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+            "tools": [{"type": "code_interpreter", "container": {"file_ids": [fid]}}],
+        }
+        owned = await client.post(gw.url + "/v1/chat/completions", json=deep, headers=owner)
+        assert owned.status_code == 200 and server.read == [raw]
+        batch["input_file_id"] = fid
+        zipped_own = await client.post(
+            gw.url + "/v1/batches",
+            content=gzip.compress(json.dumps(batch).encode()),
+            headers={**owner, "Content-Encoding": "gzip"},
+        )
+        assert zipped_own.status_code == 200, zipped_own.text
+        assert zipped_own.json()["input_file_id"] == fid
+
+
+async def test_a_files_content_passes_as_the_server_wrote_it(kept):
+    _, gw = kept
+    content = b'{"made": "file-0001"}\n'  # its own id, quoted, as a JSON string would be
+    async with sdk(gw, ALICE) as alice:
+        made = await alice.files.create(file=("a.jsonl", content), purpose="batch")
+        assert (await alice.files.content(made.id)).content == content
+
+
+async def test_files_are_pinned_to_the_instance_that_keeps_them(serve_app, start_gateway, tmp_path):
+    one, two = Files("one:"), Files("two:")
+    urls = [await serve_app(one.app()), await serve_app(two.app())]
+    gw = await start_gateway(policy=write_policy(tmp_path, round_robin(urls)))
+    async with sdk(gw, ALICE) as alice:
+        made = await alice.files.create(file=("a.txt", b"a"), purpose="user_data")
+        for _ in range(3):  # round robin alone would send one of these to the other
+            assert (await alice.files.retrieve(made.id)).filename == made.filename
+        read = await alice.chat.completions.create(model="m", messages=_file_part(made.id))
+        assert read.choices[0].message.content == f"{made.filename[:4]}read file-0001"
+
+
+async def test_without_the_secret_ids_pass_as_they_are(serve_app, start_gateway, tmp_path):
+    server = Files()
+    url = await serve_app(server.app())
+    gw = await start_gateway(policy=write_policy(tmp_path, policy(url, secret="")))
+    async with sdk(gw, ALICE) as alice:
+        made = await alice.files.create(file=("a.txt", b"a"), purpose="user_data")
+        assert made.id == "file-0001"
+        assert len((await alice.files.list()).data) == 1
