@@ -408,3 +408,19 @@ async def test_without_the_secret_ids_pass_as_they_are(serve_app, start_gateway,
         made = await alice.files.create(file=("a.txt", b"a"), purpose="user_data")
         assert made.id == "file-0001"
         assert len((await alice.files.list()).data) == 1
+
+
+async def test_ten_thousand_files_named_in_one_body_are_each_untagged(kept):
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        fid = (await alice.files.create(file=("a.txt", b"a"), purpose="user_data")).id
+    body = {  # the SDK's own checks of so large a body take seconds: plain HTTP
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+        "tools": [{"type": "code_interpreter", "container": {"file_ids": [fid] * 10_000}}],
+    }
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    async with httpx.AsyncClient(timeout=60) as client:
+        reply = await client.post(gw.url + "/v1/chat/completions", json=body, headers=headers)
+    assert reply.status_code == 200, reply.text
+    assert server.read == ["file-0001"] * 10_000

@@ -168,7 +168,9 @@ class FileIdStage:
         places = await _files_in(data)
         if not places:
             return changes
-        for holder, key in places:  # changed in place: this call's reading, no one else's
+        for at, (holder, key) in enumerate(places):  # in place: this call's reading alone
+            if at and not at % YIELD_EVERY:  # a body may name a hundred thousand
+                await asyncio.sleep(0)
             owned = self._untag(call, holder[key], FILE, "file")
             holder[key] = owned.id
             named.append(owned)
