@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.replies import CACHE_HEADER, HIT
+from gateway.control_paths import control_server, refusal
 from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
@@ -114,6 +115,8 @@ class Edge:
             try:
                 if snap.tenants is not None:
                     tenant = snap.tenants.identify(request.headers)
+                if snap.policy.server.control_paths == "refuse":
+                    self._check_control(request, tenant)
                 call = await self._to_call(request, snap, request_id, started, trace, tenant)
                 reply = await snap.handler(call)
                 access = snap.models.get(call.tenant) if snap.models is not None else None
@@ -147,6 +150,13 @@ class Edge:
             )
             if trace is not None:
                 trace.end(call, reply, status or CLIENT_CLOSED, tokens)
+
+    def _check_control(self, request: Request, tenant: str) -> None:
+        """Refuse a model server's control endpoint (``control_paths``)."""
+        server = control_server(request.method, request.path)
+        if server is not None:
+            self._gateway.metrics.control_paths_refused.labels(tenant, server).inc()
+            raise refusal(request.method, request.path, server)
 
     async def _to_call(
         self,

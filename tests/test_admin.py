@@ -177,6 +177,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_client_timeouts",
         "gateway_coalesced_requests",
         "gateway_connections",
+        "gateway_control_paths_refused",
         "gateway_desired_endpoints",
         "gateway_endpoint_inflight",
         "gateway_endpoint_pins",

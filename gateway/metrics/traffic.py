@@ -60,6 +60,14 @@ class TrafficFamilies:
             ["tenant", "where"],
             registry=r,
         )
+        self.control_paths_refused = Counter(
+            "gateway_control_paths_refused",
+            "Requests refused for asking a model server's own control endpoint "
+            "(server.control_paths: refuse): server is the kind whose endpoint it was "
+            "(llama.cpp, vllm, sglang, ollama, kserve). tenant: the named tenant, or empty.",
+            ["tenant", "server"],
+            registry=r,
+        )
         self.endpoint_pins = Counter(
             "gateway_endpoint_pins",
             "Requests naming what only one endpoint of a backend holds (a stored response, "

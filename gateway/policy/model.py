@@ -204,6 +204,19 @@ class Server:
             "(CONNECT and TRACE are never served)."
         ),
     )
+    control_paths: Literal["refuse", "pass"] = field(
+        default="refuse",
+        metadata=doc(
+            "`refuse`: the model servers' own control endpoints, which act on the server for "
+            "every client (llama.cpp's `/slots` and a POST to `/props` or `/lora-adapters`; "
+            "vLLM's `/sleep`, `/reset_prefix_cache`, `/v1/load_lora_adapter`...; SGLang's "
+            "`/flush_cache`, `/update_weights_from_*`...; Ollama's `/api/pull`, `/api/delete`"
+            "...; KServe V2's `/v2/repository/*` and shared memory), are a 403 "
+            "`control_path_refused` before any route, whatever the route would match. "
+            "`pass`: forwarded as any path, for an operator who drives them through the "
+            "gateway."
+        ),
+    )
     keepalive_timeout_s: float = field(
         default=DEFAULT_KEEPALIVE_TIMEOUT_S,
         metadata=doc(
