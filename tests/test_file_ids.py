@@ -32,6 +32,7 @@ class Files:
         self.contents: dict[str, bytes] = {}
         self.batches: dict[str, dict[str, Any]] = {}
         self.uploads: dict[str, dict[str, Any]] = {}
+        self.stores: dict[str, list[str]] = {}  # each vector store's files
         self.made = 0
         self.asked: list[tuple[str, str]] = []
         self.read: list[str] = []  # the file ids a chat or a response named
@@ -47,6 +48,11 @@ class Files:
         app.router.add_post("/v1/uploads", self.upload)
         app.router.add_post("/v1/uploads/{uid}/parts", self.part)
         app.router.add_post("/v1/uploads/{uid}/complete", self.complete)
+        app.router.add_route("*", "/v1/vector_stores", self.store_collection)
+        app.router.add_route("*", "/v1/vector_stores/{vs}", self.store)
+        app.router.add_route("*", "/v1/vector_stores/{vs}/files", self.store_files)
+        app.router.add_route("*", "/v1/vector_stores/{vs}/files/{fid}", self.store_files)
+        app.router.add_post("/v1/vector_stores/{vs}/search", self.search)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.respond)
         return app
@@ -168,6 +174,62 @@ class Files:
         shown = {k: v for k, v in upload.items() if k != "parts"}
         return web.json_response({**shown, "status": "completed", "file": made})
 
+    async def store_collection(self, request: web.Request) -> web.Response:
+        self.asked.append((request.method, request.path))
+        if request.method == "GET":
+            return web.json_response({"object": "list", "data": list(self.stores)})
+        fids = (await request.json()).get("file_ids", [])
+        refused = self._named(fids)
+        if refused is not None:
+            return refused
+        vs = self._id("vs_")
+        self.stores[vs] = list(fids)
+        return web.json_response(_store(vs, self.stores[vs]))
+
+    async def store(self, request: web.Request) -> web.Response:
+        vs = request.match_info["vs"]
+        self.asked.append((request.method, request.path))
+        if vs not in self.stores:
+            return _missing(f"No such vector store: {vs}")
+        if request.method == "DELETE":
+            del self.stores[vs]
+            return web.json_response({"id": vs, "object": "vector_store.deleted", "deleted": True})
+        return web.json_response(_store(vs, self.stores[vs]))
+
+    async def store_files(self, request: web.Request) -> web.Response:
+        vs, fid = request.match_info["vs"], request.match_info.get("fid")
+        self.asked.append((request.method, request.path_qs))
+        if vs not in self.stores:
+            return _missing(f"No such vector store: {vs}")
+        if request.method == "POST" and fid is None:  # a file added
+            fid = (await request.json())["file_id"]
+            refused = self._named([fid])
+            if refused is not None:
+                return refused
+            self.stores[vs].append(fid)
+        if fid is not None:
+            if fid not in self.stores[vs]:
+                return _missing(f"No such file in {vs}: {fid}")
+            return web.json_response(_store_file(vs, fid))
+        listed = self.stores[vs]
+        after = request.query.get("after")
+        shown = listed[listed.index(after) + 1 :] if after in listed else listed
+        data = [_store_file(vs, each) for each in shown]
+        return web.json_response({"object": "list", "data": data, "has_more": False})
+
+    async def search(self, request: web.Request) -> web.Response:
+        vs = request.match_info["vs"]
+        self.asked.append((request.method, request.path))
+        if vs not in self.stores:
+            return _missing(f"No such vector store: {vs}")
+        data = [
+            {"file_id": fid, "filename": self.files[fid]["filename"], "score": 0.5, "content": []}
+            for fid in self.stores[vs]
+        ]
+        query = (await request.json())["query"]
+        page = {"object": "vector_store.search_results.page", "search_query": [query]}
+        return web.json_response({**page, "data": data, "has_more": False, "next_page": None})
+
     def _named(self, fids: list[str]) -> web.Response | None:
         self.read += fids
         missing = [fid for fid in fids if fid not in self.files]
@@ -200,6 +262,10 @@ class Files:
         self.asked.append((request.method, request.path))
         parts = [p for item in body["input"] for p in item["content"]]
         fids = [p["file_id"] for p in parts if p.get("type") == "input_file"]
+        stores = [s for t in body.get("tools", []) for s in t.get("vector_store_ids", [])]
+        if any(vs not in self.stores for vs in stores):
+            return _missing("No such vector store")
+        fids += [fid for vs in stores for fid in self.stores[vs]]  # what a search would read
         refused = self._named(fids)
         if refused is not None:
             return refused
@@ -216,6 +282,17 @@ class Files:
                 "input": body["input"],  # an echo of what it read: the ids tagged again
             }
         )
+
+
+def _store(vs: str, fids: list[str]) -> dict[str, Any]:
+    counts = {"completed": len(fids), "total": len(fids)}
+    made = {"id": vs, "object": "vector_store", "created_at": 1, "name": "docs"}
+    return {**made, "status": "completed", "file_counts": counts, "usage_bytes": 0}
+
+
+def _store_file(vs: str, fid: str) -> dict[str, Any]:
+    made = {"id": fid, "object": "vector_store.file", "created_at": 1, "vector_store_id": vs}
+    return {**made, "status": "completed", "usage_bytes": 1, "last_error": None}
 
 
 def _missing(message: str) -> web.Response:
@@ -424,3 +501,73 @@ async def test_ten_thousand_files_named_in_one_body_are_each_untagged(kept):
         reply = await client.post(gw.url + "/v1/chat/completions", json=body, headers=headers)
     assert reply.status_code == 200, reply.text
     assert server.read == ["file-0001"] * 10_000
+
+
+async def test_a_tenant_keeps_and_searches_its_own_vector_stores(kept):
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        one = (await alice.files.create(file=("a.txt", b"a"), purpose="assistants")).id
+        two = (await alice.files.create(file=("b.txt", b"b"), purpose="assistants")).id
+        store = await alice.vector_stores.create(name="docs", file_ids=[one])
+        assert store.id.startswith("vs_0003~") and store.id.count("~") == 2
+        assert (await alice.vector_stores.retrieve(store.id)).id == store.id
+        added = await alice.vector_stores.files.create(store.id, file_id=two)
+        assert (added.id, added.vector_store_id) == (two, store.id)
+        listed = await alice.vector_stores.files.list(store.id)
+        assert [f.id for f in listed.data] == [one, two]  # its files, tagged as they were
+        after = await alice.vector_stores.files.list(store.id, after=one)
+        assert [f.id for f in after.data] == [two]
+        assert (await alice.vector_stores.files.retrieve(two, vector_store_id=store.id)).id == two
+        found = await alice.vector_stores.search(store.id, query="a")
+        assert [hit.file_id for hit in found.data] == [one, two]
+        answer = await alice.responses.create(
+            model="m",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "a?"}]}],
+            tools=[{"type": "file_search", "vector_store_ids": [store.id]}],
+        )
+        assert answer.output_text == "read file-0001 file-0002"
+        with pytest.raises(openai.NotFoundError) as listing:
+            await alice.vector_stores.list()
+        assert listing.value.code == "not_found"
+        assert (await alice.vector_stores.delete(store.id)).deleted
+    assert ("GET", "/v1/vector_stores/vs_0003/files?after=file-0001") in server.asked
+
+
+async def test_another_tenant_is_refused_every_vector_store_and_its_files(kept):
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        fid = (await alice.files.create(file=("a.txt", b"a"), purpose="assistants")).id
+        vs = (await alice.vector_stores.create(name="docs", file_ids=[fid])).id
+    asked = len(server.asked)
+    async with sdk(gw, BOB) as bob:
+        bobs = (await bob.files.create(file=("b.txt", b"b"), purpose="assistants")).id
+        asked += 1
+        for spelled in (vs, vs.partition("~")[0]):
+            calls: list[Any] = [
+                bob.vector_stores.retrieve(spelled),
+                bob.vector_stores.delete(spelled),
+                bob.vector_stores.search(spelled, query="a"),
+                bob.vector_stores.files.list(spelled),
+                bob.vector_stores.files.create(spelled, file_id=bobs),
+                bob.responses.create(
+                    model="m",
+                    input="a?",
+                    tools=[{"type": "file_search", "vector_store_ids": [spelled]}],
+                ),
+            ]
+            for call in calls:
+                with pytest.raises(openai.NotFoundError) as refused:
+                    await call
+                assert refused.value.code == "vector_store_not_found"
+        # his own store cannot take her file, nor name it in its files' path
+        mine = (await bob.vector_stores.create(name="mine")).id
+        asked += 1
+        for call in (
+            bob.vector_stores.files.create(mine, file_id=fid),
+            bob.vector_stores.files.retrieve(fid, vector_store_id=mine),
+            bob.vector_stores.files.list(mine, after=fid),
+        ):
+            with pytest.raises(openai.NotFoundError) as refused:
+                await call
+            assert refused.value.code == "file_not_found"
+    assert len(server.asked) == asked  # the server never asked

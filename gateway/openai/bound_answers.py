@@ -9,12 +9,16 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
+from urllib.parse import quote, unquote_plus
 
 from gateway.metrics import Metrics
 from gateway.openai.allowed_models import uncompressed
 from gateway.openai.bound_ids import Owned, ResponseIds
 from gateway.openai.sse import is_event_stream
 from gateway.pipeline import Call, Handler, Reply
+
+CURSORS = ("after", "before")
+"""Query parameters of lists naming an item of the list."""
 
 
 def refuser(metrics: Metrics) -> Callable[[str, str], None]:
@@ -87,6 +91,20 @@ async def _chained(read: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterat
         yield piece
     async for piece in rest:
         yield piece
+
+
+def untag_cursors(query: str, untag: Callable[[str], Owned], named: list[Owned]) -> str:
+    """``query`` with a list's cursors (``after``, ``before``) untagged by ``untag``, the ids
+    proved added to ``named``."""
+    if not query:
+        return query
+    params = query.split("&")
+    for at, param in enumerate(params):
+        name, _, value = param.partition("=")
+        if unquote_plus(name) in CURSORS:  # however the name is spelled
+            named.append(untag(unquote_plus(value)))
+            params[at] = f"{name}={quote(named[-1].id, safe='')}"
+    return "&".join(params)
 
 
 def answer_json(data: bytes) -> Any:

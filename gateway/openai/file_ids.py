@@ -1,27 +1,31 @@
-"""Files, batches and uploads bound to the tenant that made them and the instance that keeps
-them (``tenants.response_id_secret``), as stored responses are (``openai.response_ids``).
+"""Files, batches, uploads and vector stores bound to the tenant that made them and the
+instance that keeps them (``tenants.response_id_secret``), as stored responses are
+(``openai.response_ids``).
 
 A server with OpenAI's Files API (OpenAI itself, LocalAI, a LiteLLM proxy; Anthropic's Files
 API has the same path) serves ``/v1/files/<id>`` and its content to whoever names the id, and
-resolves a ``file_id`` in a chat message, a response's input or a batch to any tenant's file.
-With the secret set:
+resolves a ``file_id`` in a chat message, a response's input or a batch to any tenant's file;
+a vector store is searched by whoever names it.  With the secret set:
 
 - the id of a file the server made for the request (``POST /v1/files``, or an upload
-  completed), of a batch (``POST /v1/batches``) and of an upload (``POST /v1/uploads``)
-  reaches its maker tagged; so do a batch's files (its input, output and error files) in
-  every answer about a batch the caller owns;
+  completed), of a batch (``POST /v1/batches``), an upload (``POST /v1/uploads``) and a
+  vector store (``POST /v1/vector_stores``) reaches its maker tagged; so do a batch's files
+  (its input, output and error files) in every answer about a batch the caller owns, and the
+  files of a vector store it owns (its files list, a search's results);
 - a path naming one (``/v1/files/<id>`` and its ``/content``, ``/v1/batches/<id>`` and its
-  ``/cancel``, ``/v1/uploads/<id>/parts``, ``/complete``, ``/cancel``) must carry the
-  caller's own; it is untagged and pinned to the instance that keeps it, else a 404 before
-  any backend;
-- every ``file_id``, ``input_file_id`` and ``file_ids`` in a JSON body, however deep (a chat
-  message's file part, a response's ``input_file``, a batch's input, a code interpreter's
-  files, a vector store's), must be the caller's own, and is untagged; else a 404
-  ``file_not_found``;
-- the collections are not listed (``GET /v1/files``, ``GET /v1/batches``).
+  ``/cancel``, ``/v1/uploads/<id>/parts``, ``/complete``, ``/cancel``,
+  ``/v1/vector_stores/<id>`` and all below it, a file there, a list's cursors) must carry
+  the caller's own; it is untagged and pinned to the instance that keeps it, else a 404
+  before any backend;
+- every ``file_id``, ``input_file_id``, ``file_ids``, ``vector_store_id`` and
+  ``vector_store_ids`` in a JSON body, however deep (a chat message's file part, a
+  response's ``input_file`` or ``file_search`` tool, a batch's input, a code interpreter's
+  files), must be the caller's own, and is untagged; else a 404;
+- the collections are not listed (``GET /v1/files``, ``/v1/batches``, ``/v1/vector_stores``).
 
-A file's content passes as the server wrote it.  The ids of vector stores, containers and
-the Assistants API's objects are not bound: they pass as they are (docs/security.md).
+A file's content passes as the server wrote it.  A vector store's file batches are named
+below the store, which is checked.  The ids of containers and of the Assistants API's
+objects are not bound: they pass as they are (docs/security.md).
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ import asyncio
 import dataclasses
 import re
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import quote, unquote
 
 from gateway.errors import RequestError
 from gateway.metrics import Metrics
 from gateway.openai.body import dumps_yielding
-from gateway.openai.bound_answers import answer_json, forward, pinned, refuser
+from gateway.openai.bound_answers import answer_json, forward, pinned, refuser, untag_cursors
 from gateway.openai.bound_ids import Kind, Owned, ResponseIds
 from gateway.openai.response_ids import YIELD_EVERY, not_listed, read_json, shown
 from gateway.openai.sse import whole_events
@@ -56,6 +61,13 @@ class BatchNotFound(RequestError):
 
     status = 404
     code = "batch_not_found"
+
+
+class VectorStoreNotFound(RequestError):
+    """A vector store id, in the path or a body, that is not this tenant's."""
+
+    status = 404
+    code = "vector_store_not_found"
 
 
 class UploadNotFound(RequestError):
@@ -92,13 +104,28 @@ UPLOAD = Kind(
     UploadNotFound,
     salt="upload",
 )
-KINDS = (FILE, BATCH, UPLOAD)
+VECTOR_STORE = Kind(
+    "",
+    "vector_store",
+    "/v1/vector_stores",
+    re.compile(r"/v1/vector_stores/([^/]*)(/.*)?"),
+    "Vector store",
+    VectorStoreNotFound,
+    salt="vector_store",
+)
+KINDS = (FILE, BATCH, UPLOAD, VECTOR_STORE)
 MADE = {kind.path: kind for kind in KINDS}
 """The paths where a POST makes one; a GET there would list every tenant's."""
-FILE_FIELDS = frozenset({"file_id", "input_file_id"})
-"""Body fields naming one file, wherever they stand."""
-FILE_LISTS = frozenset({"file_ids"})
-"""Body fields naming a list of files."""
+FIELDS = {"file_id": FILE, "input_file_id": FILE, "vector_store_id": VECTOR_STORE}
+"""Body fields naming one file or vector store, wherever they stand."""
+LISTS = {"file_ids": FILE, "vector_store_ids": VECTOR_STORE}
+"""Body fields naming a list of them."""
+NAMES = (b"file", b"vector_store", b"\\u")
+"""What a body's bytes hold if it names one (or spells a key with ``\\u`` escapes)."""
+STORE_FILE = re.compile(r"/files/([^/]*)(/content)?")
+"""A file in a vector store's path."""
+STORE_FILE_OBJECT = "vector_store.file"
+"""A file in a vector store, named by the file's own id."""
 BATCH_FILES = ("input_file_id", "output_file_id", "error_file_id")
 """A batch's files, its owner's too."""
 JSON_TYPES = ("json",)
@@ -132,9 +159,12 @@ class FileIdStage:
             named.append(owned)
             rest = found.group(2) or ""
             content = kind is FILE and rest == "/content"
+            query = call.query
+            if kind is VECTOR_STORE:  # its files, by their ids
+                rest, query = self._untag_store_files(call, rest, named)
             path = f"{kind.path}/{quote(owned.id, safe='')}{rest}"
-            target = f"{path}?{call.query}" if call.query else path
-            changes = {"path": path, "raw_target": target}
+            target = f"{path}?{query}" if query else path
+            changes = {"path": path, "query": query, "raw_target": target}
             if call.body and not (kind is UPLOAD and rest == "/parts"):  # a part is a form
                 more = await self._untag_body(dataclasses.replace(call, **changes), named)
                 changes = {**changes, **more}
@@ -160,24 +190,36 @@ class FileIdStage:
         """What changes in the call for its body's files untagged (none when it names
         none); the files proved are added to ``named``."""
         plain = call.json is not None or call.header("content-encoding") is None
-        if plain and b"file" not in call.body and b"\\u" not in call.body:
-            return {}  # names no file (nor spells a key with \\u escapes): nothing to read
+        if plain and not any(name in call.body for name in NAMES):
+            return {}  # names none: nothing to read
         data, changes = await read_json(call)
         if data is None:
             return changes
         places = await _files_in(data)
         if not places:
             return changes
-        for at, (holder, key) in enumerate(places):  # in place: this call's reading alone
+        for at, (holder, key, kind) in enumerate(places):  # in place: this call's reading
             if at and not at % YIELD_EVERY:  # a body may name a hundred thousand
                 await asyncio.sleep(0)
-            owned = self._untag(call, holder[key], FILE, "file")
+            owned = self._untag(call, holder[key], kind, kind.object)
             holder[key] = owned.id
             named.append(owned)
         body = await dumps_yielding(data, len(call.body))
         if call.json is not None:
             changes["json"] = data
         return {**changes, "body": body}
+
+    def _untag_store_files(self, call: Call, rest: str, named: list[Owned]) -> tuple[str, str]:
+        """A vector store's path below its id, and the query, with the file it names (in
+        the path, or a list's cursors) untagged."""
+        found = STORE_FILE.fullmatch(rest)
+        if found is not None:
+            named.append(self._untag(call, unquote(found.group(1)), FILE, "path"))
+            rest = f"/files/{quote(named[-1].id, safe='')}{found.group(2) or ''}"
+        if not rest.endswith("/files"):  # a list of its files, or a batch's
+            return rest, call.query
+        untag = partial(self._untag, call, kind=FILE, where="path")
+        return rest, untag_cursors(call.query, untag, named)
 
     def _untag(self, call: Call, tagged: Any, kind: Kind, where: str) -> Owned:
         """The id of ``kind`` that ``tagged`` carries, if the caller's; else its refusal."""
@@ -206,10 +248,10 @@ def _is_json(call: Call) -> bool:
     return kind is None or any(each in kind.lower() for each in JSON_TYPES)
 
 
-async def _files_in(data: Any) -> list[tuple[Any, Any]]:
-    """Where ``data`` names files: (its holder, the key or index), every one however deep;
-    the loop runs between every ``YIELD_EVERY`` values."""
-    places: list[tuple[Any, Any]] = []
+async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
+    """Where ``data`` names files or vector stores: (its holder, the key or index, the
+    kind), every one however deep; the loop runs between every ``YIELD_EVERY`` values."""
+    places: list[tuple[Any, Any, Kind]] = []
     stack = [data]
     seen = 0
     while stack:
@@ -219,10 +261,10 @@ async def _files_in(data: Any) -> list[tuple[Any, Any]]:
             await asyncio.sleep(0)
         if isinstance(node, dict):
             for key, value in node.items():
-                if key in FILE_FIELDS and value is not None:
-                    places.append((node, key))
-                elif key in FILE_LISTS and isinstance(value, list):
-                    places += [(value, at) for at in range(len(value))]
+                if key in FIELDS and value is not None:
+                    places.append((node, key, FIELDS[key]))
+                elif key in LISTS and isinstance(value, list):
+                    places += [(value, at, LISTS[key]) for at in range(len(value))]
                 elif isinstance(value, (dict, list)):
                     stack.append(value)
         elif isinstance(node, list):
@@ -253,20 +295,26 @@ class _Answer:
             yield self._ids.tag_owned(self._scope, events, self._owned)
 
     def _learn(self, data: dict[str, Any]) -> None:
-        """Learn the id of the object made, and the files of a batch or upload owned."""
+        """Learn the id of the object made, and the files of a batch, an upload or a vector
+        store the caller owns."""
         kind = data.get("object", data.get("type"))
-        owns = {each.id for each in self._owned if each.kind.object == kind}
         made = self._makes
         rid = data.get("id")
         if made is not None and kind == made.object and isinstance(rid, str) and rid:
             self._owned.append(Owned(rid, self._made_at, made))
-            owns.add(rid)
-        if rid not in owns:
-            return
-        files = [data.get(key) for key in BATCH_FILES] if kind == BATCH.object else []
-        upload_file = data.get("file") if kind == UPLOAD.object else None
+        owns = {each.id for each in self._owned if each.kind.object == kind}
+        files: list[Any] = []
+        if kind == BATCH.object and rid in owns:
+            files += [data.get(key) for key in BATCH_FILES]
+        upload_file = data.get("file") if kind == UPLOAD.object and rid in owns else None
         if isinstance(upload_file, dict):
             files.append(upload_file.get("id"))
+        if any(each.kind is VECTOR_STORE for each in self._owned):  # its files, its owner's
+            listed = data.get("data")
+            for item in listed if isinstance(listed, list) else [data]:
+                if isinstance(item, dict):
+                    files.append(item.get("file_id"))
+                    files += [item.get("id")] if item.get("object") == STORE_FILE_OBJECT else []
         for fid in files:
             if isinstance(fid, str) and fid:
                 self._owned.append(Owned(fid, self._made_at, FILE))

@@ -54,12 +54,12 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import quote, unquote, unquote_plus
+from urllib.parse import quote, unquote
 
 from gateway.errors import BadRequest, RequestError
 from gateway.metrics import Metrics
 from gateway.openai.body import decode, dumps_yielding, loads_yielding
-from gateway.openai.bound_answers import answer_json, forward, refuser
+from gateway.openai.bound_answers import answer_json, forward, refuser, untag_cursors
 from gateway.openai.bound_ids import (
     CHAT_COMPLETION,
     CHAT_PATH,
@@ -94,8 +94,6 @@ LISTS = ("/items", "/input_items", "/messages")
 response's input, a stored chat completion's messages)."""
 YIELD_EVERY = 4096
 """Input items checked between turns of the event loop."""
-CURSORS = ("after", "before")
-"""Query parameters of item lists naming an item."""
 ITEM_ID = re.compile(rb'"item_id":\s*"([^"\\]+)"')
 """A stream event's name of the item it adds to (never inside a string, whose quotes are
 escaped)."""
@@ -238,21 +236,11 @@ class ResponseIdStage:
             owned.append(self._untag(call, unquote(item.group(1)), ITEM, "path"))
             rest = f"/items/{quote(owned[-1].id, safe='')}{item.group(2) or ''}"
         path = f"{kind.path}/{owned[0].id}{rest}"
-        query = self._untag_cursors(call, owned) if rest in LISTS else call.query
+        query = call.query
+        if rest in LISTS:
+            query = untag_cursors(query, lambda v: self._untag(call, v, ITEM, "item"), owned)
         target = f"{path}?{query}" if query else path
         return {"path": path, "query": query, "raw_target": target}, owned
-
-    def _untag_cursors(self, call: Call, named: list[Owned]) -> str:
-        """The query of an item list with its cursors (``after``, ``before``) untagged."""
-        if not call.query:
-            return call.query
-        params = call.query.split("&")
-        for at, param in enumerate(params):
-            name, _, value = param.partition("=")
-            if unquote_plus(name) in CURSORS:  # however the name is spelled
-                named.append(self._untag(call, unquote_plus(value), ITEM, "item"))
-                params[at] = f"{name}={quote(named[-1].id, safe='')}"
-        return "&".join(params)
 
     def _untag(self, call: Call, tagged: str, kind: Kind, where: str) -> Owned:
         """The id of ``kind`` that ``tagged`` carries, if the caller's; else its refusal."""
