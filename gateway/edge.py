@@ -29,12 +29,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.replies import CACHE_HEADER, HIT
-from gateway.control_paths import control_server, refusal
 from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
 from gateway.policy.routing import OPENAI_JSON_PATHS
+from gateway.server.control_paths import control_server, refusal
 from gateway.server.request import Request
 from gateway.snapshot import Live
 from gateway.transport.forwarding import forwarding_headers

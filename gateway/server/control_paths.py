@@ -16,7 +16,7 @@ With ``server.control_paths: refuse`` (the default) the gateway answers these wi
 ``GET /props`` and ``/lora-adapters``, Ollama's ``/api/tags`` and ``/api/show``, a KServe
 model's metadata and statistics, vLLM's ``/is_sleeping``).  ``pass`` forwards them as any
 other path, for an operator who drives the server through the gateway.  The path matched is
-the one forwarded, normalised at the edge (``server.target``): no other spelling of it
+the one forwarded, normalised at the edge (``target``): no other spelling of it
 reaches a backend.
 """
 
