@@ -571,3 +571,28 @@ async def test_another_tenant_is_refused_every_vector_store_and_its_files(kept):
                 await call
             assert refused.value.code == "file_not_found"
     assert len(server.asked) == asked  # the server never asked
+
+
+async def test_a_tool_taking_a_file_id_and_the_clients_own_metadata_pass_as_they_are(kept):
+    server, gw = kept
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "parameters": {
+                "type": "object",
+                "properties": {"file_id": {"type": "string", "default": "file-9"}},
+            },
+        },
+    }
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "read it"}]}],
+        "tools": [tool],
+        "metadata": {"file_id": "mine-to-name"},
+    }
+    headers = {"Authorization": f"Bearer {BOB}"}
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(gw.url + "/v1/chat/completions", json=body, headers=headers)
+    assert reply.status_code == 200, reply.text
+    assert server.read == []

@@ -120,6 +120,9 @@ FIELDS = {"file_id": FILE, "input_file_id": FILE, "vector_store_id": VECTOR_STOR
 """Body fields naming one file or vector store, wherever they stand."""
 LISTS = {"file_ids": FILE, "vector_store_ids": VECTOR_STORE}
 """Body fields naming a list of them."""
+OPAQUE = frozenset({"metadata", "parameters", "input_schema", "schema", "json_schema"})
+"""Fields whose values name no object of the server's: the client's own metadata, and the
+JSON schemas of tools and structured output (a tool may well take a ``file_id``)."""
 NAMES = (b"file", b"vector_store", b"\\u")
 """What a body's bytes hold if it names one (or spells a key with ``\\u`` escapes)."""
 STORE_FILE = re.compile(r"/files/([^/]*)(/content)?")
@@ -221,12 +224,12 @@ class FileIdStage:
         untag = partial(self._untag, call, kind=FILE, where="path")
         return rest, untag_cursors(call.query, untag, named)
 
-    def _untag(self, call: Call, tagged: Any, kind: Kind, where: str) -> Owned:
+    def _untag(self, call: Call, tagged: str, kind: Kind, where: str) -> Owned:
         """The id of ``kind`` that ``tagged`` carries, if the caller's; else its refusal."""
-        owned = self._ids.untag(call.scope, tagged, kind) if isinstance(tagged, str) else None
+        owned = self._ids.untag(call.scope, tagged, kind)
         if owned is None:
             self._refused(call.tenant, where)
-            raise kind.not_found(f"{kind.noun} with id '{shown(str(tagged))}' not found.")
+            raise kind.not_found(f"{kind.noun} with id '{shown(tagged)}' not found.")
         return owned
 
     def __repr__(self) -> str:
@@ -261,15 +264,19 @@ async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
             await asyncio.sleep(0)
         if isinstance(node, dict):
             for key, value in node.items():
-                if key in FIELDS and value is not None:
+                if key in FIELDS and isinstance(value, str):
                     places.append((node, key, FIELDS[key]))
                 elif key in LISTS and isinstance(value, list):
-                    places += [(value, at, LISTS[key]) for at in range(len(value))]
-                elif isinstance(value, (dict, list)):
+                    places += [(value, at, LISTS[key]) for at, v in enumerate(value) if _str(v)]
+                elif isinstance(value, (dict, list)) and key not in OPAQUE:
                     stack.append(value)
         elif isinstance(node, list):
             stack += [each for each in node if isinstance(each, (dict, list))]
     return places
+
+
+def _str(value: Any) -> bool:
+    return isinstance(value, str)
 
 
 class _Answer:
