@@ -34,6 +34,7 @@ CONTROL = [  # (method, path, the server kind counted)
     ("POST", "/v2/systemsharedmemory/region/r/register", "kserve"),
     ("POST", "/v2/logging", "kserve"),
     ("POST", "/v2/models/m/trace/setting", "kserve"),
+    ("POST", "/sim/config", "sim"),
 ]
 READS = [  # pass whatever control_paths says
     ("GET", "/props"),
@@ -46,6 +47,7 @@ READS = [  # pass whatever control_paths says
     ("POST", "/v2/models/m/infer"),
     ("GET", "/metrics"),
     ("GET", "/slotsmachine"),  # a name that only starts like one
+    ("GET", "/sim/state"),
 ]
 
 
@@ -90,7 +92,7 @@ async def test_every_control_endpoint_is_refused_before_any_backend(
         text = (await client.get(gw.admin_url + "/metrics")).text
     assert recorder.asked == [(method, path) for method, path in READS]
     counter = "gateway_control_paths_refused_total"
-    for kind in ("llama.cpp", "vllm", "sglang", "ollama", "kserve"):
+    for kind in ("llama.cpp", "vllm", "sglang", "ollama", "kserve", "sim"):
         expected = sum(1 for *_, each in CONTROL if each == kind)
         assert metric(text, counter, tenant="", server=kind) == expected
 

@@ -65,7 +65,7 @@ class TrafficFamilies:
             "gateway_control_paths_refused",
             "Requests refused for asking a model server's own control endpoint "
             "(server.control_paths: refuse): server is the kind whose endpoint it was "
-            "(llama.cpp, vllm, sglang, ollama, kserve). tenant: the named tenant, or empty.",
+            "(llama.cpp, vllm, sglang, ollama, kserve, sim). tenant: the named tenant, or empty.",
             ["tenant", "server"],
             registry=r,
         )

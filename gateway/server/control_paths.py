@@ -6,7 +6,8 @@ slots and sets the LoRA scales of every request; vLLM sleeps, wakes, pauses, res
 prefix cache, runs RPCs on its workers and loads LoRA adapters (where its dev mode or runtime
 LoRA updates are on); SGLang flushes its cache and swaps its weights; Ollama pulls, pushes,
 copies and deletes models; Triton and MLServer load and unload models and register shared
-memory, and Triton's log and trace settings change with a POST.  A route that sends every
+memory, and Triton's log and trace settings change with a POST (so do ``gateway sim``'s
+faults and simulated GPU).  A route that sends every
 path to such a server (``routes: [{backend: main}]``, the usual sidecar's) would hand all of
 that to any client.
 
@@ -50,6 +51,7 @@ ANY_METHOD: Rules = (
 """Control endpoints whatever the method: (the server kind, the path)."""
 WRITE_METHODS: Rules = (
     ("llama.cpp", r"/props|/lora-adapters"),  # a GET reads them
+    ("sim", r"/sim/(?:config|reset)"),  # gateway sim's faults and GPU, set for every client
     ("kserve", r"/v2/logging|/v2(?:/models/[^/]+(?:/versions/[^/]+)?)?/trace/setting"),
 )
 """Control endpoints when written to (``WRITES``); read, they pass."""
