@@ -27,9 +27,10 @@ requests/s at 16; each figure the median over the rounds.
   the response its id names; a conversation (the Conversations API) read directly and
   through that gateway, pinned alike; a Responses API answer the server does not store
   (``store: false``) at temperature 0, from the cache; a chat completion asked to be
-  stored (``store: true``), its id bound, against the same route's chat not stored; and
+  stored (``store: true``), its id bound, against the same route's chat not stored;
   Anthropic's at temperature 0 on a caching route, whole and streamed: every request after
-  the first a hit (a stream replayed byte for byte).
+  the first a hit (a stream replayed byte for byte); and a file (the Files API) read by its
+  id, and a chat naming it in a ``file`` part, directly and through the binding gateway.
 
 Writes docs/benchmarks.md.
 """
@@ -65,6 +66,10 @@ MESSAGES = (
     '{"model":"assistant","max_tokens":4,"messages":[{"role":"user","content":"hello there"}]}'
 )
 CACHED = MESSAGES[:-1] + ',"temperature":0}'
+FILE_CHAT = (
+    '{"model":"assistant","messages":[{"role":"user","content":[{"type":"text","text":'
+    '"hello there"},{"type":"file","file":{"file_id":"%s"}}]}]}'
+)
 CACHED_STREAM = CACHED[:-1] + ',"stream":true}'
 OTHER_PATHS = (
     "direct, Responses API",
@@ -81,6 +86,10 @@ OTHER_PATHS = (
     "gateway, a conversation read, ids bound, pinned to one of two endpoints",
     "gateway, Responses API not stored (store false) at temperature 0, a cache hit",
     "gateway, chat completion stored (store true), ids bound, model rewritten",
+    "direct, a file read (Files API)",
+    "gateway, a file read, ids bound",
+    "direct, chat naming a file",
+    "gateway, chat naming a file, ids bound, model rewritten",
 )
 STREAM_PATHS = (
     "direct, streamed",
@@ -215,6 +224,20 @@ def main() -> None:
                 f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
                 "wrk.headers['Content-Type'] = 'application/json'\n"
             )
+        for at, base in ((14, backends["chat"]), (16, models)):
+            form = {"file": ("notes.txt", b"hello there")}
+            fid = httpx.post(base + "/v1/files", files=form, data={"purpose": "user_data"})
+            made = fid.json()["id"]
+            assert ("~" in made) == (base == models), made
+            paths[OTHER_PATHS[at]] = (f"{base}/v1/files/{made}", None)
+            named_lua = Path(tmp) / f"file-chat-{at}.lua"
+            named_lua.write_text(
+                f"wrk.method = 'POST'\nwrk.body = '{FILE_CHAT % made}'\n"
+                "wrk.headers['Content-Type'] = 'application/json'\n"
+            )
+            paths[OTHER_PATHS[at + 1]] = (base + "/v1/chat/completions", named_lua)
+            named = httpx.post(base + "/v1/chat/completions", content=FILE_CHAT % made)
+            assert named.status_code == 200, named.text
         for body in (CACHED, CACHED, CACHED_STREAM, CACHED_STREAM):
             hit = httpx.post(models + "/v1/messages", content=body).headers["x-gateway-cache"]
         assert hit == "hit", hit
@@ -322,7 +345,13 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
             f"{cost(OTHER_PATHS[0], OTHER_PATHS[12])} of the server asked directly. A chat "
             "completion asked to be stored (`store: true`, OpenAI's stored completions) has "
             "its id bound there too (the answer read for it, which is tagged): "
-            f"{cost(CHAT_PATHS[2], OTHER_PATHS[13])} of the same route's chat not stored.",
+            f"{cost(CHAT_PATHS[2], OTHER_PATHS[13])} of the same route's chat not stored. "
+            "With files bound (`gateway/openai/file_ids.py`), a file read by its id (the "
+            "tag checked, the request pinned, the answer read and its id tagged) costs "
+            f"{cost(OTHER_PATHS[14], OTHER_PATHS[15])} of the read asked directly, and a "
+            "chat naming a file (its body read for the id, untagged, written again, and the "
+            f"answer read for it) {cost(CHAT_PATHS[2], OTHER_PATHS[17])} of the same "
+            "route's chat naming none.",
         ]
     )
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
 from tests.test_response_ids import ALICE, BOB, policy, round_robin, sdk
 
@@ -596,3 +597,52 @@ async def test_a_tool_taking_a_file_id_and_the_clients_own_metadata_pass_as_they
         reply = await client.post(gw.url + "/v1/chat/completions", json=body, headers=headers)
     assert reply.status_code == 200, reply.text
     assert server.read == []
+
+
+async def test_gateway_sims_files_are_kept_on_their_own_instance(start_gateway, tmp_path):
+    """Two ``gateway sim``s behind round robin, each keeping its own files: every read of a
+    file, its content, a chat naming it and its deletion reach the instance that keeps it;
+    another tenant is refused it."""
+    sims = [await start_sim(SimConfig(port=0, base_ms=0, token_ms=0)) for _ in range(2)]
+    try:
+        gw = await start_gateway(policy=write_policy(tmp_path, round_robin([s.url for s in sims])))
+        async with sdk(gw, ALICE) as alice:
+            made = [
+                await alice.files.create(
+                    file=(f"{n}.txt", f"text {n}".encode()), purpose="user_data"
+                )
+                for n in range(2)
+            ]
+            for at, each in enumerate(made):
+                assert each.id.startswith("file-") and each.id.count("~") == 2
+                for _ in range(2):  # round robin alone would send one of each to the other
+                    assert (await alice.files.content(each.id)).content == f"text {at}".encode()
+                said = await alice.chat.completions.create(
+                    model="m", messages=_file_part(each.id), max_tokens=2
+                )
+                assert said.choices[0].message.content
+            async with sdk(gw, BOB) as bob:
+                with pytest.raises(openai.NotFoundError):
+                    await bob.files.retrieve(made[0].id)
+            for each in made:
+                assert (await alice.files.delete(each.id)).deleted
+                with pytest.raises(openai.NotFoundError):
+                    await alice.files.retrieve(each.id)
+    finally:
+        for s in sims:
+            await s.close()
+
+
+async def test_gateway_sims_files_are_bounded():
+    sim = await start_sim(SimConfig(port=0, base_ms=0, token_ms=0))
+    try:
+        async with httpx.AsyncClient() as client:
+            not_a_form = await client.post(sim.url + "/v1/files", json={"file": "x"})
+            assert not_a_form.status_code == 400
+            big = {"file": ("big.bin", b"x" * (2 * 1024 * 1024))}
+            too_big = await client.post(sim.url + "/v1/files", files=big, data={"purpose": "x"})
+            assert too_big.status_code in (400, 413)
+            missing = await client.get(sim.url + "/v1/files/file-none")
+            assert missing.json()["error"]["code"] == "file_not_found"
+    finally:
+        await sim.close()

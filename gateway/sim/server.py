@@ -1,8 +1,9 @@
 """The sim as an aiohttp application, and the ways to run it (in-process or from the CLI).
 
-Routes: the OpenAI endpoints (``openai_api``), ``/health``, ``/metrics``, and the control
-endpoints ``GET /sim/state``, ``GET|POST /sim/config`` and ``POST /sim/reset``.  Errors leave
-as OpenAI-shaped JSON, as a real model server's would.
+Routes: the OpenAI endpoints (``openai_api``, ``other_apis``, ``conversations``,
+``files``), ``/health``, ``/metrics``, and the control endpoints ``GET /sim/state``,
+``GET|POST /sim/config`` and ``POST /sim/reset``.  Errors leave as OpenAI-shaped JSON, as a
+real model server's would.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import BadRequest, GatewayError
-from gateway.sim import conversations, openai_api, other_apis
+from gateway.sim import conversations, files, openai_api, other_apis
 from gateway.sim.config import SimConfig
 from gateway.sim.engine import Engine
 from gateway.sim.metrics import CONTENT_TYPE, build_registry, render
@@ -50,6 +51,10 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_post("/v1/conversations/{cid}/items", conversations.items)
     app.router.add_get("/v1/conversations/{cid}/items/{iid}", conversations.item)
     app.router.add_delete("/v1/conversations/{cid}/items/{iid}", conversations.item)
+    app[files.FILES] = OrderedDict()
+    app.router.add_route("*", "/v1/files", _files)
+    app.router.add_route("*", "/v1/files/{fid}", files.one)
+    app.router.add_get("/v1/files/{fid}/content", files.content)
     app.router.add_post("/v1/messages", other_apis.messages)
     app.router.add_post("/v1/messages/count_tokens", other_apis.count_message_tokens)
     app.router.add_get("/v1/models", openai_api.models)
@@ -75,6 +80,15 @@ async def _openai_errors(request: web.Request, handler: _Handler) -> web.StreamR
         code = exc.reason.lower().replace(" ", "_")
         body = error_body(exc.reason, "invalid_request_error", code)
         return web.json_response(body, status=exc.status)
+
+
+async def _files(request: web.Request) -> web.Response:
+    """``POST /v1/files`` makes one, ``GET`` lists them."""
+    if request.method == "POST":
+        return await files.create(request)
+    if request.method == "GET":
+        return await files.listing(request)
+    raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
 
 
 async def _health(request: web.Request) -> web.Response:
