@@ -24,6 +24,10 @@ its precision, shipping nothing (docs/caching.md compares 3 layers).  ``--layers
 --distill`` starts the smaller reader from the shipped file's lowest N layers (its int8
 weights dequantized) and output, and trains it to answer the shipped file's logits (mean
 squared error) on the same pairs, in the same order: ``bench/out/cross-LN-distilled/``.
+``--epochs N`` makes N passes over the pairs (each in its own seeded order, the learning
+rate decaying over all of them) into ``bench/out/cross-L6-EN/``, shipping nothing
+(docs/caching.md compares 2).  A trial keeps its int8 file's logits on ``qqp_dev.tsv`` beside
+it (``qqp_dev_logits.npy``).
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ def train(
     resume: Path | None = None,
     layers: int = LAYERS,
     distill: bool = False,
+    epochs: int = EPOCHS,
 ) -> object:
     import torch
     from tokenizers import Tokenizer
@@ -151,7 +156,7 @@ def train(
     labels = torch.tensor([float(p.label) for p in used])
     if distill:  # the shipped file's logits on the pairs as the student reads them
         labels = torch.tensor(cross.CrossEncoder(threads=THREADS).logits(texts))
-    plan = [b for _ in range(EPOCHS) for b in batches([len(e.ids) for e in encoded], rng)]
+    plan = [b for _ in range(epochs) for b in batches([len(e.ids) for e in encoded], rng)]
     if steps is not None:
         plan = plan[:steps]
     print(
@@ -264,19 +269,29 @@ def main() -> None:
         action="store_true",
         help="with --layers: start from the shipped file's layers, train on its logits",
     )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=EPOCHS,
+        help="passes over the pairs (the learning rate decays over all): compared, not shipped",
+    )
     args = parser.parse_args()
     if args.distill and args.layers >= LAYERS:
         parser.error("--distill trains a smaller reader: give --layers below 6")
     started = time.perf_counter()
-    if args.layers != LAYERS:
-        work = OUT / f"cross-L{args.layers}{'-distilled' if args.distill else ''}"
+    trial = args.layers != LAYERS or args.epochs != EPOCHS  # compared, never shipped
+    if trial:
+        epochs = "" if args.epochs == EPOCHS else f"-E{args.epochs}"
+        work = OUT / f"cross-L{args.layers}{'-distilled' if args.distill else ''}{epochs}"
     elif args.steps is not None or args.check:
         work = OUT / "cross-trial"
     else:
         work = OUT / "cross"
     saved = work / "model.pt"
     resume = saved if args.export_only else None
-    model = train(base_model(work / "base"), args.steps, resume, args.layers, args.distill)
+    model = train(
+        base_model(work / "base"), args.steps, resume, args.layers, args.distill, args.epochs
+    )
     import torch
 
     torch.save(model.state_dict(), saved)  # type: ignore[attr-defined]
@@ -291,7 +306,8 @@ def main() -> None:
     points = curve(list(1 / (1 + np.exp(-logits))), [bool(v) for v in labels])
     for r in (0.3, 0.45):
         print(f"qqp_dev precision at recall {r}: {precision_at_recall(points, r)}")
-    if args.layers != LAYERS:
+    if trial:
+        np.save(work / "qqp_dev_logits.npy", logits)
         return
     if args.check:
         shipped, _ = dev_logits(None)
