@@ -13,7 +13,7 @@ from urllib.parse import quote, unquote_plus
 
 from gateway.metrics import Metrics
 from gateway.openai.allowed_models import uncompressed
-from gateway.openai.bound_ids import Owned, ResponseIds
+from gateway.openai.bound_ids import Kind, Owned, ResponseIds
 from gateway.openai.sse import is_event_stream
 from gateway.pipeline import Call, Handler, Reply
 
@@ -105,6 +105,28 @@ def untag_cursors(query: str, untag: Callable[[str], Owned], named: list[Owned])
             named.append(untag(unquote_plus(value)))
             params[at] = f"{name}={quote(named[-1].id, safe='')}"
     return "&".join(params)
+
+
+def untag_or_refuse(
+    ids: ResponseIds,
+    refused: Callable[[str, str], None],
+    call: Call,
+    tagged: str,
+    kind: Kind,
+    where: str,
+) -> Owned:
+    """The id of ``kind`` that ``tagged`` carries, if ``call``'s caller's; else its refusal
+    (a 404 in ``kind``'s words), counted by ``refused`` under ``where``."""
+    owned = ids.untag(call.scope, tagged, kind)
+    if owned is None:
+        refused(call.tenant, where)
+        raise kind.not_found(f"{kind.noun} with id '{shown(tagged)}' not found.")
+    return owned
+
+
+def shown(value: str) -> str:
+    """``value`` cut to 200 characters, for an error message."""
+    return value if len(value) <= 200 else value[:200] + "..."
 
 
 def answer_json(data: bytes) -> Any:

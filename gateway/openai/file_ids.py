@@ -41,9 +41,16 @@ from urllib.parse import quote, unquote
 from gateway.errors import RequestError
 from gateway.metrics import Metrics
 from gateway.openai.body import dumps_yielding
-from gateway.openai.bound_answers import answer_json, forward, pinned, refuser, untag_cursors
+from gateway.openai.bound_answers import (
+    answer_json,
+    forward,
+    pinned,
+    refuser,
+    untag_cursors,
+    untag_or_refuse,
+)
 from gateway.openai.bound_ids import Kind, Owned, ResponseIds
-from gateway.openai.response_ids import YIELD_EVERY, not_listed, read_json, shown
+from gateway.openai.response_ids import YIELD_EVERY, not_listed, read_json
 from gateway.openai.sse import whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
@@ -226,11 +233,7 @@ class FileIdStage:
 
     def _untag(self, call: Call, tagged: str, kind: Kind, where: str) -> Owned:
         """The id of ``kind`` that ``tagged`` carries, if the caller's; else its refusal."""
-        owned = self._ids.untag(call.scope, tagged, kind)
-        if owned is None:
-            self._refused(call.tenant, where)
-            raise kind.not_found(f"{kind.noun} with id '{shown(tagged)}' not found.")
-        return owned
+        return untag_or_refuse(self._ids, self._refused, call, tagged, kind, where)
 
     def __repr__(self) -> str:
         return "<FileIdStage>"

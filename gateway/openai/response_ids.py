@@ -59,7 +59,14 @@ from urllib.parse import quote, unquote
 from gateway.errors import BadRequest, RequestError
 from gateway.metrics import Metrics
 from gateway.openai.body import decode, dumps_yielding, loads_yielding
-from gateway.openai.bound_answers import answer_json, forward, refuser, untag_cursors
+from gateway.openai.bound_answers import (
+    answer_json,
+    forward,
+    refuser,
+    shown,
+    untag_cursors,
+    untag_or_refuse,
+)
 from gateway.openai.bound_ids import (
     CHAT_COMPLETION,
     CHAT_PATH,
@@ -244,11 +251,7 @@ class ResponseIdStage:
 
     def _untag(self, call: Call, tagged: str, kind: Kind, where: str) -> Owned:
         """The id of ``kind`` that ``tagged`` carries, if the caller's; else its refusal."""
-        owned = self._ids.untag(call.scope, tagged, kind)
-        if owned is None:
-            self._refused(call.tenant, where)
-            raise kind.not_found(f"{kind.noun} with id '{shown(tagged)}' not found.")
-        return owned
+        return untag_or_refuse(self._ids, self._refused, call, tagged, kind, where)
 
     def __repr__(self) -> str:
         return "<ResponseIdStage>"
@@ -350,10 +353,6 @@ class _Answer:
             if isinstance(iid, str) and iid and iid not in self._items:
                 self._items.add(iid)
                 self._owned.append(Owned(iid, self._made_at, ITEM))
-
-
-def shown(value: str) -> str:
-    return value if len(value) <= 200 else value[:200] + "..."
 
 
 def build(policy: Policy, metrics: Metrics) -> list[Stage]:
