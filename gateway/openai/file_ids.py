@@ -138,9 +138,6 @@ STORE_FILE_OBJECT = "vector_store.file"
 """A file in a vector store, named by the file's own id."""
 BATCH_FILES = ("input_file_id", "output_file_id", "error_file_id")
 """A batch's files, its owner's too."""
-JSON_TYPES = ("json",)
-"""A ``Content-Type`` naming one of these is read (so is a body without one: FastAPI reads
-that as JSON)."""
 
 
 class FileIdStage:
@@ -251,7 +248,7 @@ def _is_json(call: Call) -> bool:
     if call.json is not None:
         return True
     kind = call.header("content-type")
-    return kind is None or any(each in kind.lower() for each in JSON_TYPES)
+    return kind is None or "json" in kind.lower()  # FastAPI reads a body without one as JSON
 
 
 async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
@@ -270,16 +267,14 @@ async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
                 if key in FIELDS and isinstance(value, str):
                     places.append((node, key, FIELDS[key]))
                 elif key in LISTS and isinstance(value, list):
-                    places += [(value, at, LISTS[key]) for at, v in enumerate(value) if _str(v)]
+                    places += [
+                        (value, at, LISTS[key]) for at, v in enumerate(value) if isinstance(v, str)
+                    ]
                 elif isinstance(value, (dict, list)) and key not in OPAQUE:
                     stack.append(value)
         elif isinstance(node, list):
             stack += [each for each in node if isinstance(each, (dict, list))]
     return places
-
-
-def _str(value: Any) -> bool:
-    return isinstance(value, str)
 
 
 class _Answer:

@@ -74,7 +74,6 @@ from gateway.openai.bound_ids import (
     CONVERSATIONS_PATH,
     ITEM,
     RESPONSE,
-    ConversationNotFound,
     Kind,
     Owned,
     PreviousResponseNotFound,
@@ -192,10 +191,7 @@ class ResponseIdStage:
         conversation = data.get("conversation")
         cid = conversation.get("id") if isinstance(conversation, dict) else conversation
         if isinstance(cid, str):
-            owned = self._ids.untag(call.scope, cid, CONVERSATION)
-            if owned is None:
-                self._refused(call.tenant, "conversation")
-                raise ConversationNotFound(f"Conversation with id '{shown(cid)}' not found.")
+            owned = self._untag(call, cid, CONVERSATION, "conversation")
             changed["conversation"] = (
                 {**conversation, "id": owned.id} if isinstance(conversation, dict) else owned.id
             )
