@@ -107,7 +107,11 @@ class Files:
         self.asked.append((request.method, request.path))
         if request.method == "GET":
             return web.json_response({"object": "list", "data": list(self.batches.values())})
-        body = await request.json()
+        try:
+            body = await request.json()  # whatever the body's type, as aiohttp reads it
+        except ValueError:
+            error = {"message": "not JSON", "type": "invalid_request_error", "code": None}
+            return web.json_response({"error": error}, status=400)
         source = body["input_file_id"]
         if source not in self.files:
             return _missing(f"No such File object: {source}")
@@ -456,6 +460,53 @@ async def test_a_file_named_anywhere_in_a_body_however_spelled_is_checked(kept):
         )
         assert zipped_own.status_code == 200, zipped_own.text
         assert zipped_own.json()["input_file_id"] == fid
+
+
+async def test_a_body_typed_or_encoded_otherwise_is_checked_all_the_same(kept):
+    """A lenient server reads JSON whatever the body's type (aiohttp's ``json()``,
+    Starlette's ``Request.json()``), and Python's parser reads UTF-16 and 32: neither may
+    carry another tenant's file past the check."""
+    server, gw = kept
+    async with sdk(gw, ALICE) as alice:
+        raw = (await alice.files.create(file=("a.txt", b"a"), purpose="user_data")).id
+    raw = raw.partition("~")[0]
+    batch = {"input_file_id": raw, "endpoint": "/v1/chat/completions", "completion_window": "1d"}
+    items = {"items": [{"role": "user", "content": [{"type": "input_file", "file_id": raw}]}]}
+    asked = len(server.asked)
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {BOB}"}) as client:
+        for path, body in (("/v1/batches", batch), ("/v1/conversations", items)):
+            text = json.dumps(body)
+            for kind, content in (
+                ("text/plain", text.encode()),
+                ("application/x-www-form-urlencoded", (" \r\n" + text).encode()),
+                (None, text.encode()),
+            ):
+                headers = {"Content-Type": kind} if kind else {}
+                got = await client.post(gw.url + path, content=content, headers=headers)
+                assert got.status_code == 404, (path, kind, got.text)
+                assert got.json()["error"]["code"] == "file_not_found"
+            for encoding in (
+                "utf-16-le",
+                "utf-16-be",
+                "utf-32-le",
+                "utf-32-be",
+                "utf-16",
+                "utf-8-sig",
+            ):
+                for kind in ("application/json", "text/plain"):
+                    got = await client.post(
+                        gw.url + path, content=text.encode(encoding), headers={"Content-Type": kind}
+                    )
+                    assert got.status_code == 400, (path, encoding, kind, got.text)
+                    assert "must be UTF-8" in got.json()["error"]["message"]
+        assert len(server.asked) == asked  # never the server's to resolve
+        # a body that is no JSON object passes as it is, whatever it says
+        for kind, content in (("text/plain", b"the file_id is " + raw.encode()),):
+            got = await client.post(
+                gw.url + "/v1/batches", content=content, headers={"Content-Type": kind}
+            )
+            assert got.status_code == 400 and got.json()["error"]["message"] == "not JSON"
+    assert server.asked[-1] == ("POST", "/v1/batches")
 
 
 async def test_a_files_content_passes_as_the_server_wrote_it(kept):

@@ -18,7 +18,9 @@ from gateway.openai.body import (
     YIELD_FROM_BYTES,
     dumps,
     dumps_yielding,
+    json_object,
     loads,
+    utf8,
 )
 
 
@@ -124,3 +126,18 @@ async def test_a_large_body_is_written_with_the_event_loop_turning_between_passe
     task.cancel()
     assert written == dumps(body)
     assert turns >= len(written.decode()) // PASS_BYTES  # once a pass of 256 Ki characters
+
+
+@pytest.mark.parametrize(
+    "encoding",
+    ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"],
+)
+def test_a_json_object_is_told_in_every_encoding_pythons_parser_reads(encoding):
+    for text in ('{"a": 1}', ' \r\n\t{"a": 1}'):
+        body = text.encode(encoding)
+        assert json.loads(body) == {"a": 1}  # what a lenient server reads
+        assert json_object(body)
+        assert utf8(body) == (encoding == "utf-8")
+    for text in ('["a"]', '"a"', "1", "--boundary\r\n", "a {", ""):
+        assert not json_object(text.encode(encoding))
+    assert not json_object(b"\x00\x00\x00 \x00\x00\x00x")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -154,6 +155,30 @@ async def dumps_yielding(data: dict[str, Any], size_hint: int) -> bytes:
             parts.append("]")
     parts.append("}" if data else "{}")
     return "".join(parts).encode()
+
+
+_OBJECT = re.compile(
+    rb"(?:\xef\xbb\xbf)?[ \t\r\n]*\{"  # UTF-8, with or without a BOM
+    rb"|(?:\xff\xfe)?(?:[ \t\r\n]\x00)*\{\x00"  # UTF-16 LE
+    rb"|(?:\xff\xfe\x00\x00)?(?:[ \t\r\n]\x00\x00\x00)*\{\x00\x00\x00"  # UTF-32 LE
+    rb"|(?:\xfe\xff)?(?:\x00[ \t\r\n])*\x00\{"  # UTF-16 BE
+    rb"|(?:\x00\x00\xfe\xff)?(?:\x00\x00\x00[ \t\r\n])*\x00\x00\x00\{"  # UTF-32 BE
+)
+
+
+def json_object(body: bytes) -> bool:
+    """Whether ``body`` opens as a JSON object in any encoding Python's parser reads (UTF-8
+    with or without a BOM, UTF-16, UTF-32): the test of a body not typed as JSON that a
+    lenient server may read as JSON all the same."""
+    return _OBJECT.match(body) is not None
+
+
+def utf8(body: bytes) -> bool:
+    """Whether ``body``, read as JSON, is UTF-8: a search of its bytes finds its keys (in
+    UTF-16 or 32 a NUL stands between their letters)."""
+    if body[:1] == b"{" and body[1:2] != b"\0":  # most bodies, as in ``_shapes``
+        return True
+    return json.detect_encoding(body) == "utf-8"
 
 
 def _shapes(body: bytes) -> bytes:

@@ -20,7 +20,8 @@ a vector store is searched by whoever names it.  With the secret set:
 - every ``file_id``, ``input_file_id``, ``file_ids``, ``vector_store_id`` and
   ``vector_store_ids`` in a JSON body, however deep (a chat message's file part, a
   response's ``input_file`` or ``file_search`` tool, a batch's input, a code interpreter's
-  files), must be the caller's own, and is untagged; else a 404;
+  files), must be the caller's own, and is untagged; else a 404 (a body is read whatever
+  its type: a lenient server reads JSON under any; one in UTF-16 or 32 is a 400);
 - the collections are not listed (``GET /v1/files``, ``/v1/batches``, ``/v1/vector_stores``).
 
 A file's content passes as the server wrote it.  A vector store's file batches are named
@@ -40,7 +41,7 @@ from urllib.parse import quote, unquote
 
 from gateway.errors import RequestError
 from gateway.metrics import Metrics
-from gateway.openai.body import dumps_yielding
+from gateway.openai.body import dumps_yielding, json_object, utf8
 from gateway.openai.bound_answers import (
     answer_json,
     forward,
@@ -175,7 +176,7 @@ class FileIdStage:
             if call.body and not (kind is UPLOAD and rest == "/parts"):  # a part is a form
                 more = await self._untag_body(dataclasses.replace(call, **changes), named)
                 changes = {**changes, **more}
-        elif call.body and _is_json(call):
+        elif call.body:  # whatever its type: a lenient server reads JSON under any
             changes = await self._untag_body(call, named)
             if not named:  # no file named: nothing to tag in the answer
                 return await call_next(dataclasses.replace(call, **changes) if changes else call)
@@ -196,10 +197,14 @@ class FileIdStage:
     async def _untag_body(self, call: Call, named: list[Owned]) -> dict[str, Any]:
         """What changes in the call for its body's files untagged (none when it names
         none); the files proved are added to ``named``."""
-        plain = call.json is not None or call.header("content-encoding") is None
-        if plain and not any(name in call.body for name in NAMES):
-            return {}  # names none: nothing to read
-        data, changes = await read_json(call)
+        strict = _is_json(call)
+        if call.json is not None or call.header("content-encoding") is None:
+            body = call.body
+            if call.json is None and not strict and not json_object(body):
+                return {}  # a form, audio, text: no JSON object a server could read
+            if not any(name in body for name in NAMES) and utf8(body):
+                return {}  # names none: nothing to read
+        data, changes = await read_json(call, strict=strict)
         if data is None:
             return changes
         places = await _files_in(data)

@@ -58,7 +58,7 @@ from urllib.parse import quote, unquote
 
 from gateway.errors import BadRequest, RequestError
 from gateway.metrics import Metrics
-from gateway.openai.body import decode, dumps_yielding, loads_yielding
+from gateway.openai.body import decode, dumps_yielding, json_object, loads_yielding
 from gateway.openai.bound_answers import (
     answer_json,
     forward,
@@ -260,19 +260,26 @@ def not_listed(kind: Kind) -> NotListed:
     )
 
 
-async def read_json(call: Call) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+async def read_json(
+    call: Call, *, strict: bool = True
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The call's JSON body (None for none), and what changes in the call to send it as
-    read: a body the edge did not read is decoded here, and must be a JSON object."""
+    read: a body the edge did not read is decoded here, and must be a JSON object.  Not
+    ``strict`` (a body not typed as JSON, which a lenient server may read as JSON all the
+    same): one that does not open as a JSON object is None, to be passed as it is; one that
+    does is read as strictly as any."""
     if call.json is not None or not call.body:
         return call.json, {}
     body, changes = call.body, {}
     encoding = call.header("content-encoding")
     server = call.policy.server
-    if encoding is not None:
+    if encoding is not None:  # one the gateway cannot decode is refused, whatever the type
         body = decode(body, encoding, server.max_body_bytes)
         headers = tuple((k, v) for k, v in call.headers if k.lower() != "content-encoding")
         changes = {"body": body, "headers": headers}
-    data = await loads_yielding(body, server.max_json_values)
+    if not strict and not json_object(body):  # a form, audio, text: no JSON object at all
+        return None, {}
+    data = await loads_yielding(body, server.max_json_values)  # not UTF-8: refused
     if not isinstance(data, dict):
         raise BadRequest(f"the body of {call.path} must be a JSON object")
     return data, changes
