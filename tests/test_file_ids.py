@@ -262,7 +262,7 @@ class Files:
             }
         )
 
-    async def respond(self, request: web.Request) -> web.Response:
+    async def respond(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.asked.append((request.method, request.path))
         parts = [p for item in body["input"] for p in item["content"]]

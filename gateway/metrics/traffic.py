@@ -52,11 +52,11 @@ class TrafficFamilies:
         self.response_ids_refused = Counter(
             "gateway_response_ids_refused",
             "Requests refused for naming a stored response, conversation, item, chat "
-            "completion, file, batch, upload or vector store that is not theirs "
+            "completion, file, batch, upload, vector store or container that is not theirs "
             "(tenants.response_id_secret): an id without its tenant's tag, in the path "
             "(where=path), previous_response_id, a response's conversation, an item given by "
-            "id or a list's cursor (where=item), or a file or vector store named in a body "
-            "(where=file, where=vector_store). "
+            "id or a list's cursor (where=item), or a file, vector store or container named "
+            "in a body (where=file, where=vector_store, where=container). "
             "tenant: the named tenant, or empty.",
             ["tenant", "where"],
             registry=r,

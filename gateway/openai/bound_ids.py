@@ -65,6 +65,13 @@ class ItemNotFound(RequestError):
     code = "item_not_found"
 
 
+class ContainerNotFound(RequestError):
+    """A container id, in the path or a body, that is not this tenant's."""
+
+    status = 404
+    code = "container_not_found"
+
+
 class ChatCompletionNotFound(RequestError):
     """A stored chat completion's id in the path that is not this tenant's."""
 
@@ -122,6 +129,17 @@ CHAT_COMPLETION = Kind(
     ChatCompletionNotFound,
     salt="chat",
 )
+CONTAINER = Kind(
+    "",  # cntr_... at OpenAI; any, told apart by the salt
+    "container",
+    "/v1/containers",
+    re.compile(r"/v1/containers/([^/]*)(/.*)?"),  # each path below names one
+    "Container",
+    ContainerNotFound,
+    salt="container",
+)
+"""A code interpreter's container: made by a POST, or by a response whose tool asked for one
+(``"container": {"type": "auto"}``); its files are named below it."""
 
 
 class Owned(NamedTuple):

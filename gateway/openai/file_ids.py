@@ -1,32 +1,39 @@
-"""Files, batches, uploads and vector stores bound to the tenant that made them and the
-instance that keeps them (``tenants.response_id_secret``), as stored responses are
+"""Files, batches, uploads, vector stores and containers bound to the tenant that made them
+and the instance that keeps them (``tenants.response_id_secret``), as stored responses are
 (``openai.response_ids``).
 
 A server with OpenAI's Files API (OpenAI itself, LocalAI, a LiteLLM proxy; Anthropic's Files
 API has the same path) serves ``/v1/files/<id>`` and its content to whoever names the id, and
 resolves a ``file_id`` in a chat message, a response's input or a batch to any tenant's file;
-a vector store is searched by whoever names it.  With the secret set:
+a vector store is searched by whoever names it, and a code interpreter's container (its
+files, what its code wrote) is read and run in by whoever names it.  With the secret set:
 
 - the id of a file the server made for the request (``POST /v1/files``, or an upload
-  completed), of a batch (``POST /v1/batches``), an upload (``POST /v1/uploads``) and a
-  vector store (``POST /v1/vector_stores``) reaches its maker tagged; so do a batch's files
+  completed), of a batch (``POST /v1/batches``), an upload (``POST /v1/uploads``), a
+  vector store (``POST /v1/vector_stores``) and a container (``POST /v1/containers``, or a
+  response's code interpreter: ``openai.response_ids``) reaches its maker tagged; so do a
+  batch's files
   (its input, output and error files) in every answer about a batch the caller owns, and the
   files of a vector store it owns (its files list, a search's results);
 - a path naming one (``/v1/files/<id>`` and its ``/content``, ``/v1/batches/<id>`` and its
   ``/cancel``, ``/v1/uploads/<id>/parts``, ``/complete``, ``/cancel``,
-  ``/v1/vector_stores/<id>`` and all below it, a file there, a list's cursors) must carry
+  ``/v1/vector_stores/<id>`` and all below it, a file there, a list's cursors,
+  ``/v1/containers/<id>`` and all below it) must carry
   the caller's own; it is untagged and pinned to the instance that keeps it, else a 404
   before any backend;
-- every ``file_id``, ``input_file_id``, ``file_ids``, ``vector_store_id`` and
-  ``vector_store_ids`` in a JSON body, however deep (a chat message's file part, a
-  response's ``input_file`` or ``file_search`` tool, a batch's input, a code interpreter's
-  files), must be the caller's own, and is untagged; else a 404 (a body is read whatever
+- every ``file_id``, ``input_file_id``, ``file_ids``, ``vector_store_id``,
+  ``vector_store_ids`` and ``container_id`` in a JSON body, however deep (a chat message's
+  file part, a response's ``input_file`` or ``file_search`` tool, a batch's input, a code
+  interpreter's files, an output item given back), and a code interpreter's ``container``,
+  must be the caller's own, and is untagged; else a 404 (a body is read whatever
   its type: a lenient server reads JSON under any; one in UTF-16 or 32 is a 400);
-- the collections are not listed (``GET /v1/files``, ``/v1/batches``, ``/v1/vector_stores``).
+- the collections are not listed (``GET /v1/files``, ``/v1/batches``, ``/v1/vector_stores``,
+  ``/v1/containers``).
 
-A file's content passes as the server wrote it.  A vector store's file batches are named
-below the store, which is checked.  The ids of containers and of the Assistants API's
-objects are not bound: they pass as they are (docs/security.md).
+A file's content passes as the server wrote it.  A vector store's file batches and a
+container's files are named below their store or container, which is checked.  The ids of
+the Assistants API's objects and of Anthropic's containers are not bound: they pass as
+they are (docs/security.md).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from gateway.openai.bound_answers import (
     untag_cursors,
     untag_or_refuse,
 )
-from gateway.openai.bound_ids import Kind, Owned, ResponseIds
+from gateway.openai.bound_ids import CONTAINER, Kind, Owned, ResponseIds
 from gateway.openai.response_ids import YIELD_EVERY, not_listed, read_json
 from gateway.openai.sse import whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
@@ -121,17 +128,24 @@ VECTOR_STORE = Kind(
     VectorStoreNotFound,
     salt="vector_store",
 )
-KINDS = (FILE, BATCH, UPLOAD, VECTOR_STORE)
+KINDS = (FILE, BATCH, UPLOAD, VECTOR_STORE, CONTAINER)
 MADE = {kind.path: kind for kind in KINDS}
 """The paths where a POST makes one; a GET there would list every tenant's."""
-FIELDS = {"file_id": FILE, "input_file_id": FILE, "vector_store_id": VECTOR_STORE}
-"""Body fields naming one file or vector store, wherever they stand."""
+FIELDS = {
+    "file_id": FILE,
+    "input_file_id": FILE,
+    "vector_store_id": VECTOR_STORE,
+    "container_id": CONTAINER,
+}
+"""Body fields naming one file, vector store or container, wherever they stand."""
+TOOL_CONTAINER = ("container", "code_interpreter")
+"""A code interpreter's ``container``: a container's id (or ``{"type": "auto"}``)."""
 LISTS = {"file_ids": FILE, "vector_store_ids": VECTOR_STORE}
 """Body fields naming a list of them."""
 OPAQUE = frozenset({"metadata", "parameters", "input_schema", "schema", "json_schema"})
 """Fields whose values name no object of the server's: the client's own metadata, and the
 JSON schemas of tools and structured output (a tool may well take a ``file_id``)."""
-NAMES = (b"file", b"vector_store", b"\\u")
+NAMES = (b"file", b"vector_store", b"container", b"\\u")
 """What a body's bytes hold if it names one (or spells a key with ``\\u`` escapes)."""
 STORE_FILE = re.compile(r"/files/([^/]*)(/content)?")
 """A file in a vector store's path."""
@@ -155,7 +169,7 @@ class FileIdStage:
         makes = MADE.get(call.path)
         named: list[Owned] = []
         changes: dict[str, Any] = {}
-        content = False  # a file's content: passed as it is
+        content = False  # a file's content (or a container's file's): passed as it is
         if makes is not None:
             if call.method != "POST":
                 raise not_listed(makes)
@@ -166,7 +180,7 @@ class FileIdStage:
             owned = self._untag(call, unquote(found.group(1)), kind, "path")
             named.append(owned)
             rest = found.group(2) or ""
-            content = kind is FILE and rest == "/content"
+            content = rest.endswith("/content") and kind in (FILE, CONTAINER)  # a file's
             query = call.query
             if kind is VECTOR_STORE:  # its files, by their ids
                 rest, query = self._untag_store_files(call, rest, named)
@@ -257,7 +271,7 @@ def _is_json(call: Call) -> bool:
 
 
 async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
-    """Where ``data`` names files or vector stores: (its holder, the key or index, the
+    """Where ``data`` names files, vector stores or containers: (its holder, the key or index, the
     kind), every one however deep; the loop runs between every ``YIELD_EVERY`` values."""
     places: list[tuple[Any, Any, Kind]] = []
     stack = [data]
@@ -271,6 +285,8 @@ async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
             for key, value in node.items():
                 if key in FIELDS and isinstance(value, str):
                     places.append((node, key, FIELDS[key]))
+                elif (key, node.get("type")) == TOOL_CONTAINER and isinstance(value, str):
+                    places.append((node, key, CONTAINER))
                 elif key in LISTS and isinstance(value, list):
                     places += [
                         (value, at, LISTS[key]) for at, v in enumerate(value) if isinstance(v, str)

@@ -36,10 +36,12 @@ response's ``output``, a list's ``data``: input items, a conversation's items, s
 ``item``\\ s) reach it tagged; every ``id`` among the items a request gives (a response's
 ``input``, a conversation's ``items``), a conversation item's id in the path, and a list's
 ``after`` and ``before`` cursors must be the caller's own, and are untagged; else a 404
-``item_not_found``.  Bodies on these paths that the edge does not read (a conversation's, a
-token count's) are read here.  The collections themselves are not listed
-(``GET /v1/responses``, ``GET /v1/conversations``: OpenAI has no such listing, and a backend
-that had one would show every tenant's).
+``item_not_found``.  The container a code interpreter ran in (an item's ``container_id``:
+one the server made for the response, ``"container": {"type": "auto"}``) reaches it tagged
+as a container (``openai.file_ids`` checks where one is named).  Bodies on these paths that
+the edge does not read (a conversation's, a token count's) are read here.  The collections
+themselves are not listed (``GET /v1/responses``, ``GET /v1/conversations``: OpenAI has no
+such listing, and a backend that had one would show every tenant's).
 
 OpenAI's stored chat completions too (``"store": true``): the id of a completion stored for
 its request, whole or in each chunk of its stream, reaches its maker tagged, and every path
@@ -70,6 +72,7 @@ from gateway.openai.bound_answers import (
 from gateway.openai.bound_ids import (
     CHAT_COMPLETION,
     CHAT_PATH,
+    CONTAINER,
     CONVERSATION,
     CONVERSATIONS_PATH,
     ITEM,
@@ -291,7 +294,7 @@ class _Answer:
     the items the answer carries (its response's, its list's, a stream's events').  Those it
     learns are held by the endpoint named ``made_at``."""
 
-    __slots__ = ("_ids", "_items", "_made_at", "_makes", "_owned", "_scope")
+    __slots__ = ("_ids", "_learned", "_made_at", "_makes", "_owned", "_scope")
 
     def __init__(
         self,
@@ -304,7 +307,7 @@ class _Answer:
     ) -> None:
         self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
         self._made_at = made_at
-        self._items = {each.id for each in owned if each.kind is ITEM}
+        self._learned = {each.id for each in owned if each.kind in (ITEM, CONTAINER)}
 
     def whole(self, body: bytes) -> bytes:
         data = answer_json(body)
@@ -352,10 +355,16 @@ class _Answer:
         if not isinstance(items, list):
             return
         for item in items:
-            iid = item.get("id") if isinstance(item, dict) else None
-            if isinstance(iid, str) and iid and iid not in self._items:
-                self._items.add(iid)
+            if not isinstance(item, dict):
+                continue
+            iid = item.get("id")
+            if isinstance(iid, str) and iid and iid not in self._learned:
+                self._learned.add(iid)
                 self._owned.append(Owned(iid, self._made_at, ITEM))
+            container = item.get("container_id")  # a code interpreter's
+            if isinstance(container, str) and container and container not in self._learned:
+                self._learned.add(container)
+                self._owned.append(Owned(container, self._made_at, CONTAINER))
 
 
 def build(policy: Policy, metrics: Metrics) -> list[Stage]:
