@@ -7,7 +7,6 @@ client, a server on a real socket that keeps containers as OpenAI does."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import metric, write_policy
-from tests.test_file_ids import Files, _missing
+from tests.test_file_ids import Files, _missing, sse
 from tests.test_response_ids import ALICE, BOB, policy, round_robin, sdk
 
 
@@ -128,12 +127,7 @@ class Containers(Files):
             {"type": "response.output_item.added", "output_index": 1, "item": output[1]},
             {"type": "response.completed", "response": made},
         ]
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for event in events:
-            await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
-        await response.write_eof()
-        return response
+        return await sse(request, events)
 
 
 @pytest.fixture

@@ -274,19 +274,44 @@ class Files:
         refused = self._named(fids)
         if refused is not None:
             return refused
-        said = {"type": "output_text", "text": f"read {' '.join(fids)}", "annotations": []}
-        output = [{"id": "msg_1", "type": "message", "role": "assistant", "content": [said]}]
-        return web.json_response(
-            {
-                "id": self._id("resp_"),
-                "object": "response",
-                "created_at": 1,
-                "model": body["model"],
-                "status": "completed",
-                "output": output,
-                "input": body["input"],  # an echo of what it read: the ids tagged again
-            }
-        )
+        found = [fid for vs in stores for fid in self.stores[vs]]  # what a search found
+        cited = [
+            {"type": "file_citation", "file_id": f, "filename": "x", "index": 0} for f in found
+        ]
+        said = {"type": "output_text", "text": f"read {' '.join(fids)}", "annotations": cited}
+        output: list[dict[str, Any]] = [
+            {"id": "msg_1", "type": "message", "role": "assistant", "content": [said]}
+        ]
+        if stores:
+            hits = [{"file_id": f, "filename": "x", "score": 1.0, "text": "a"} for f in found]
+            search = {"id": "fs_1", "type": "file_search_call", "status": "completed"}
+            output.insert(0, {**search, "queries": ["a"], "results": hits})
+        made = {"id": self._id("resp_"), "object": "response", "created_at": 1}
+        made |= {"model": body["model"], "status": "completed", "output": output}
+        made["input"] = body["input"]  # an echo of what it read: the ids tagged again
+        if not body.get("stream"):
+            return web.json_response(made)
+        events: list[dict[str, Any]] = [
+            {"type": "response.created", "response": {**made, "output": []}},
+            {"type": "response.output_item.added", "output_index": 0, "item": output[0]},
+        ]
+        events += [
+            {"type": "response.output_text.annotation.added", "item_id": "msg_1"}
+            | {"output_index": 1, "content_index": 0, "annotation_index": at, "annotation": a}
+            for at, a in enumerate(cited)
+        ]
+        events.append({"type": "response.completed", "response": made})
+        return await sse(request, events)
+
+
+async def sse(request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+    """``events`` streamed as the Responses API streams them."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+    await response.write_eof()
+    return response
 
 
 def _store(vs: str, fids: list[str]) -> dict[str, Any]:
@@ -433,6 +458,13 @@ async def test_a_file_named_anywhere_in_a_body_however_spelled_is_checked(kept):
             gw.url + "/v1/chat/completions", content=escaped, headers=headers
         )
         assert sneaked.status_code == 404 and sneaked.json()["error"]["code"] == "file_not_found"
+        note = {"type": "file_citation", "file_id": raw, "filename": "a.txt", "index": 0}
+        said = {"type": "output_text", "text": "x", "annotations": [note]}
+        given_back = {"type": "message", "role": "assistant", "content": [said]}
+        cites = await client.post(  # a citation given back is checked: its echo is tagged
+            gw.url + "/v1/responses", json={"model": "m", "input": [given_back]}, headers=headers
+        )
+        assert cites.status_code == 404 and cites.json()["error"]["code"] == "file_not_found"
         batch = {
             "input_file_id": raw,
             "endpoint": "/v1/chat/completions",
@@ -578,6 +610,22 @@ async def test_a_tenant_keeps_and_searches_its_own_vector_stores(kept):
             tools=[{"type": "file_search", "vector_store_ids": [store.id]}],
         )
         assert answer.output_text == "read file-0001 file-0002"
+        # what the search found and the answer cites: the store's owner's files, tagged
+        searched, message = answer.model_dump()["output"]
+        assert [hit["file_id"] for hit in searched["results"]] == [one, two]
+        assert [note["file_id"] for note in message["content"][0]["annotations"]] == [one, two]
+        assert (await alice.files.content(two)).content == b"b"
+        streamed = await alice.responses.create(
+            model="m",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "a?"}]}],
+            tools=[{"type": "file_search", "vector_store_ids": [store.id]}],
+            stream=True,
+        )
+        events = [event.model_dump() async for event in streamed]
+        notes = [e["annotation"] for e in events if e["type"].endswith("annotation.added")]
+        assert [note["file_id"] for note in notes] == [one, two]
+        items = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+        assert [hit["file_id"] for hit in items[0]["results"]] == [one, two]
         with pytest.raises(openai.NotFoundError) as listing:
             await alice.vector_stores.list()
         assert listing.value.code == "not_found"

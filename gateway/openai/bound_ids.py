@@ -65,6 +65,13 @@ class ItemNotFound(RequestError):
     code = "item_not_found"
 
 
+class FileNotFound(RequestError):
+    """A file id, in the path or a body, that is not this tenant's."""
+
+    status = 404
+    code = "file_not_found"
+
+
 class ContainerNotFound(RequestError):
     """A container id, in the path or a body, that is not this tenant's."""
 
@@ -129,6 +136,17 @@ CHAT_COMPLETION = Kind(
     ChatCompletionNotFound,
     salt="chat",
 )
+FILE = Kind(
+    "",  # file-... at OpenAI, file_... at Anthropic: any, told apart by the salt
+    "file",
+    "/v1/files",
+    re.compile(r"/v1/files/([^/]*)(/.*)?"),
+    "File",
+    FileNotFound,
+    salt="file",
+)
+"""A file: made by ``POST /v1/files`` or an upload completed (``openai.file_ids``), cited by a
+response's file search (``openai.response_ids``)."""
 CONTAINER = Kind(
     "",  # cntr_... at OpenAI; any, told apart by the salt
     "container",

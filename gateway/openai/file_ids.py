@@ -57,18 +57,11 @@ from gateway.openai.bound_answers import (
     untag_cursors,
     untag_or_refuse,
 )
-from gateway.openai.bound_ids import CONTAINER, Kind, Owned, ResponseIds
+from gateway.openai.bound_ids import CONTAINER, FILE, Kind, Owned, ResponseIds
 from gateway.openai.response_ids import YIELD_EVERY, not_listed, read_json
 from gateway.openai.sse import whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
-
-
-class FileNotFound(RequestError):
-    """A file id, in the path or a body, that is not this tenant's."""
-
-    status = 404
-    code = "file_not_found"
 
 
 class BatchNotFound(RequestError):
@@ -92,15 +85,6 @@ class UploadNotFound(RequestError):
     code = "upload_not_found"
 
 
-FILE = Kind(
-    "",  # file-... at OpenAI, file_... at Anthropic: any, told apart by the salt
-    "file",
-    "/v1/files",
-    re.compile(r"/v1/files/([^/]*)(/.*)?"),
-    "File",
-    FileNotFound,
-    salt="file",
-)
 BATCH = Kind(
     "",
     "batch",

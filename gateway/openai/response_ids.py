@@ -38,7 +38,8 @@ response's ``output``, a list's ``data``: input items, a conversation's items, s
 ``after`` and ``before`` cursors must be the caller's own, and are untagged; else a 404
 ``item_not_found``.  The container a code interpreter ran in (an item's ``container_id``:
 one the server made for the response, ``"container": {"type": "auto"}``) reaches it tagged
-as a container (``openai.file_ids`` checks where one is named).  Bodies on these paths that
+as a container, and the files an item cites (a file search's results, a ``file_citation``)
+as files (``openai.file_ids`` checks where either is named).  Bodies on these paths that
 the edge does not read (a conversation's, a token count's) are read here.  The collections
 themselves are not listed (``GET /v1/responses``, ``GET /v1/conversations``: OpenAI has no
 such listing, and a backend that had one would show every tenant's).
@@ -54,7 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -75,6 +76,7 @@ from gateway.openai.bound_ids import (
     CONTAINER,
     CONVERSATION,
     CONVERSATIONS_PATH,
+    FILE,
     ITEM,
     RESPONSE,
     Kind,
@@ -103,6 +105,8 @@ LISTS = ("/items", "/input_items", "/messages")
 response's input, a stored chat completion's messages)."""
 YIELD_EVERY = 4096
 """Input items checked between turns of the event loop."""
+CITING = frozenset({"file_citation", "file_path"})
+"""Annotations citing a file by its ``file_id`` (a container's files are named below it)."""
 ITEM_ID = re.compile(rb'"item_id":\s*"([^"\\]+)"')
 """A stream event's name of the item it adds to (never inside a string, whose quotes are
 escaped)."""
@@ -322,7 +326,7 @@ class _Answer:
             chunk = self._makes is CHAT_COMPLETION  # its id in the chunk itself
             for line in events.splitlines():
                 if line.startswith(b"data:") and (
-                    b'"response"' in line or b'"item"' in line or chunk
+                    b'"response"' in line or b'"item"' in line or b'"annotation"' in line or chunk
                 ):
                     event = answer_json(line[5:])
                     if isinstance(event, dict):
@@ -332,6 +336,8 @@ class _Answer:
                         self._made(made)
                         self._learn(made.get("output") if isinstance(made, dict) else None)
                         self._learn([event.get("item")])
+                        for fid in _annotated([event.get("annotation")]):  # one added
+                            self._own(fid, FILE)
             if b'"item_id"' in events:  # a server may name the item first in its deltas
                 self._learn(
                     [{"id": iid.decode(errors="replace")} for iid in ITEM_ID.findall(events)]
@@ -351,20 +357,41 @@ class _Answer:
             self._makes = None
 
     def _learn(self, items: Any) -> None:
-        """Learn the ids of ``items`` (an answer's, whose response or list the caller owns)."""
+        """Learn the ids of ``items`` (an answer's, whose response or list the caller owns),
+        the container each ran in and the files each cites."""
         if not isinstance(items, list):
             return
         for item in items:
             if not isinstance(item, dict):
                 continue
-            iid = item.get("id")
-            if isinstance(iid, str) and iid and iid not in self._learned:
-                self._learned.add(iid)
-                self._owned.append(Owned(iid, self._made_at, ITEM))
-            container = item.get("container_id")  # a code interpreter's
-            if isinstance(container, str) and container and container not in self._learned:
-                self._learned.add(container)
-                self._owned.append(Owned(container, self._made_at, CONTAINER))
+            self._own(item.get("id"), ITEM)
+            self._own(item.get("container_id"), CONTAINER)  # a code interpreter's
+            for fid in _cited(item):
+                self._own(fid, FILE)
+
+    def _own(self, oid: Any, kind: Kind) -> None:
+        if isinstance(oid, str) and oid and oid not in self._learned:
+            self._learned.add(oid)
+            self._owned.append(Owned(oid, self._made_at, kind))
+
+
+def _cited(item: dict[str, Any]) -> Iterator[Any]:
+    """The files an item cites: a message's file citations, a file search's results.  A
+    request naming one is checked (``openai.file_ids``), so one given back is the caller's."""
+    results = item.get("results")
+    if item.get("type") == "file_search_call" and isinstance(results, list):
+        yield from (each.get("file_id") for each in results if isinstance(each, dict))
+    content = item.get("content")
+    for part in content if isinstance(content, list) else ():
+        notes = part.get("annotations") if isinstance(part, dict) else None
+        yield from _annotated(notes)
+
+
+def _annotated(notes: Any) -> Iterator[Any]:
+    """The files ``notes`` (an output text's annotations) cite."""
+    for note in notes if isinstance(notes, list) else ():
+        if isinstance(note, dict) and note.get("type") in CITING:
+            yield note.get("file_id")
 
 
 def build(policy: Policy, metrics: Metrics) -> list[Stage]:
