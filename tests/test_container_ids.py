@@ -117,8 +117,9 @@ class Containers(Files):
             | {"code": "print(1)", "status": "completed", "outputs": []},
             {"id": self._id("msg_"), "type": "message", "role": "assistant", "content": [said]},
         ]
-        made = {"id": self._id("resp_"), "object": "response", "created_at": 1}
+        made: dict[str, Any] = {"id": self._id("resp_"), "object": "response", "created_at": 1}
         made |= {"model": body["model"], "status": "completed", "output": output}
+        self.responses[made["id"]] = made
         if not body.get("stream"):
             return web.json_response(made)
         events: list[dict[str, Any]] = [
@@ -177,6 +178,8 @@ async def test_a_tenant_makes_and_uses_its_own_containers(kept):
         made_for_it = _container(auto.output[0])
         assert "~" in made_for_it and made_for_it != cid
         assert (await alice.containers.retrieve(made_for_it)).name == "auto"
+        read_again = await alice.responses.retrieve(auto.id)
+        assert _container(read_again.output[0]) == made_for_it
         streamed = await alice.responses.create(
             model="m", input="plot", tools=_interpreter(made_for_it), stream=True
         )

@@ -37,6 +37,7 @@ class Files:
         self.made = 0
         self.asked: list[tuple[str, str]] = []
         self.read: list[str] = []  # the file ids a chat or a response named
+        self.responses: dict[str, dict[str, Any]] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -56,6 +57,7 @@ class Files:
         app.router.add_post("/v1/vector_stores/{vs}/search", self.search)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.respond)
+        app.router.add_get("/v1/responses/{rid}", self.response)
         return app
 
     def _id(self, prefix: str) -> str:
@@ -286,9 +288,10 @@ class Files:
             hits = [{"file_id": f, "filename": "x", "score": 1.0, "text": "a"} for f in found]
             search = {"id": "fs_1", "type": "file_search_call", "status": "completed"}
             output.insert(0, {**search, "queries": ["a"], "results": hits})
-        made = {"id": self._id("resp_"), "object": "response", "created_at": 1}
+        made: dict[str, Any] = {"id": self._id("resp_"), "object": "response", "created_at": 1}
         made |= {"model": body["model"], "status": "completed", "output": output}
         made["input"] = body["input"]  # an echo of what it read: the ids tagged again
+        self.responses[made["id"]] = made
         if not body.get("stream"):
             return web.json_response(made)
         events: list[dict[str, Any]] = [
@@ -302,6 +305,12 @@ class Files:
         ]
         events.append({"type": "response.completed", "response": made})
         return await sse(request, events)
+
+    async def response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        if rid not in self.responses:
+            return _missing(f"Response with id '{rid}' not found.")
+        return web.json_response(self.responses[rid])
 
 
 async def sse(request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
@@ -615,6 +624,8 @@ async def test_a_tenant_keeps_and_searches_its_own_vector_stores(kept):
         assert [hit["file_id"] for hit in searched["results"]] == [one, two]
         assert [note["file_id"] for note in message["content"][0]["annotations"]] == [one, two]
         assert (await alice.files.content(two)).content == b"b"
+        again = (await alice.responses.retrieve(answer.id)).model_dump()["output"]
+        assert [note["file_id"] for note in again[1]["content"][0]["annotations"]] == [one, two]
         streamed = await alice.responses.create(
             model="m",
             input=[{"role": "user", "content": [{"type": "input_text", "text": "a?"}]}],
