@@ -434,8 +434,11 @@ async def test_two_gateways_on_one_redis_answer_each_others_paraphrases(
             assert other.json()["id"] != stored.json()["id"]
             published = (await http.get(first.admin_url + "/metrics")).text
             seen = (await http.get(second.admin_url + "/metrics")).text
-        assert 'gateway_cache_embedding_shared_total{event="published",route="chat"} 1.0' in (
-            published
+        # a loaded machine can keep the XADD past its 50 ms budget: counted as publish_error
+        # while the command runs on, and published all the same (the other replica indexed it)
+        assert any(
+            f'gateway_cache_embedding_shared_total{{event="{event}",route="chat"}} 1.0' in published
+            for event in ("published", "publish_error")
         )
         assert 'gateway_cache_embedding_shared_total{event="indexed",route="chat"} 1.0' in seen
         assert 'gateway_cache_embedding_entries{route="chat"} 2.0' in seen  # alice's and bob's
