@@ -35,6 +35,8 @@ from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
 from gateway.policy.routing import OPENAI_JSON_PATHS
 from gateway.server.control_paths import control_server, refusal
+from gateway.server.path_case import case_variant
+from gateway.server.path_case import refusal as case_refusal
 from gateway.server.request import Request
 from gateway.snapshot import Live
 from gateway.transport.forwarding import forwarding_headers
@@ -115,6 +117,8 @@ class Edge:
             try:
                 if snap.tenants is not None:
                     tenant = snap.tenants.identify(request.headers)
+                if (known := case_variant(request.path)) is not None:
+                    raise case_refusal(request.method, request.path, known)
                 if snap.policy.server.control_paths == "refuse":
                     self._check_control(request, tenant)
                 call = await self._to_call(request, snap, request_id, started, trace, tenant)

@@ -66,8 +66,10 @@ class ControlPathRefused(RequestError):
 
 def _compiled(rules: Rules) -> re.Pattern[str]:
     """One pattern for ``rules``, a named group per rule (a trailing ``/`` allowed: FastAPI
-    redirects it to the path without)."""
-    return re.compile("|".join(f"(?P<r{at}>(?:{path})/?)" for at, (_, path) in enumerate(rules)))
+    redirects it to the path without), in any case (Express, ASP.NET Core and Fiber route
+    ``/SLOTS`` to ``/slots``)."""
+    alternatives = "|".join(f"(?P<r{at}>(?:{path})/?)" for at, (_, path) in enumerate(rules))
+    return re.compile(alternatives, re.IGNORECASE)  # a server may route without regard to case
 
 
 _ANY = _compiled(ANY_METHOD)
