@@ -7,8 +7,10 @@ client, a server on a real socket that keeps containers as OpenAI does."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -34,6 +36,7 @@ class Containers(Files):
         app.router.add_route("*", "/v1/containers/{cid}", self.container)
         app.router.add_route("*", "/v1/containers/{cid}/files", self.files_of)
         app.router.add_get("/v1/containers/{cid}/files/{cf}/content", self.file_content)
+        app.router.add_post("/v1/messages", self.message)
         return app
 
     def _make(self, name: str, fids: list[str]) -> dict[str, Any]:
@@ -127,6 +130,40 @@ class Containers(Files):
             {"type": "response.output_item.added", "output_index": 0, "item": output[0]},
             {"type": "response.output_item.added", "output_index": 1, "item": output[1]},
             {"type": "response.completed", "response": made},
+        ]
+        return await sse(request, events)
+
+    async def message(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API: with its code execution tool, the code runs in the
+        container the body names (an id, or ``{"id": ...}``), or in one made for it."""
+        body = await request.json()
+        self.asked.append((request.method, request.path))
+        tools = body.get("tools", [])
+        runs = any(str(t.get("type", "")).startswith("code_execution") for t in tools)
+        container = body.get("container")
+        cid = container.get("id") if isinstance(container, dict) else container
+        if cid is not None and cid not in self.containers:
+            error = {"type": "not_found_error", "message": f"container {cid} not found"}
+            return web.json_response({"type": "error", "error": error}, status=404)
+        if runs and cid is None:
+            cid = self._make("anthropic", [])["id"]
+        ran = {"id": cid, "expires_at": "2026-12-04T00:00:00Z"} if cid else None
+        said = {"type": "text", "text": f"{self.name}ran"}
+        made: dict[str, Any] = {"id": self._id("msg_"), "type": "message", "role": "assistant"}
+        made |= {"model": body["model"], "content": [said], "stop_reason": "end_turn"}
+        made |= {"stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+        if not body.get("stream"):
+            return web.json_response({**made, "container": ran})
+        begun = {**made, "content": [], "stop_reason": None, "container": None}
+        done = {"stop_reason": "end_turn", "stop_sequence": None, "container": ran}
+        events: list[dict[str, Any]] = [
+            {"type": "message_start", "message": begun},
+            {"type": "content_block_start", "index": 0, "content_block": {**said, "text": ""}},
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta"}}
+            | {"delta": {"type": "text_delta", "text": said["text"]}},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": done, "usage": {"output_tokens": 1}},
+            {"type": "message_stop"},
         ]
         return await sse(request, events)
 
@@ -249,9 +286,10 @@ async def test_another_tenant_is_refused_every_container(kept):
     assert metric(text, counter, tenant="", where="path") == 2 * 3 * 4 + 1
 
 
-async def test_an_anthropic_container_and_a_tools_own_container_pass_as_they_are(kept):
-    """Only a code interpreter's ``container`` is one of these: Anthropic's (a body's own
-    ``container``) and any other tool's field of that name are the client's."""
+async def test_another_tools_container_and_another_apis_pass_as_they_are(kept):
+    """Only a code interpreter's ``container`` (and an Anthropic Messages body's own, below)
+    is one of these: any other tool's field of that name, and a Responses body's own, are
+    the client's."""
     _, gw = kept
     headers = {"Authorization": f"Bearer {ALICE}"}
     async with httpx.AsyncClient(headers=headers) as client:
@@ -278,3 +316,42 @@ async def test_containers_are_pinned_to_the_instance_that_keeps_them(
             ran = await alice.responses.create(model="m", input="x", tools=_interpreter(cid))
             keeper = container.name.partition(":")[0]
             assert ran.output_text == f"{keeper}:ran"
+
+
+CODE_EXECUTION = [{"type": "code_execution_20250825", "name": "code_execution"}]
+
+
+async def test_an_anthropic_messages_container_is_its_makers(kept):
+    """Anthropic's code execution runs in a container the answer names (made for the
+    request unless one was named): tagged for its maker, whole and streamed; another tenant
+    naming it (an id, or ``{"id": ...}``) is refused."""
+    server, gw = kept
+    ask: dict[str, Any] = {"model": "claude", "max_tokens": 8, "tools": CODE_EXECUTION}
+    ask["messages"] = [{"role": "user", "content": "plot"}]
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=ALICE, max_retries=0) as alice:
+        first = await alice.messages.create(**ask)
+        assert first.container is not None
+        cid = first.container.id
+        assert "~" in cid and cid.partition("~")[0] in server.containers
+        again = await alice.messages.create(**ask, container=cid)
+        assert again.container is not None and again.container.id == cid
+    headers = {"Authorization": f"Bearer {ALICE}", "anthropic-version": "2023-06-01"}  # as the SDK
+    async with httpx.AsyncClient(headers=headers) as client:
+        streamed = await client.post(
+            gw.url + "/v1/messages", json={**ask, "container": {"id": cid}, "stream": True}
+        )
+        assert streamed.status_code == 200, streamed.text
+        assert json.dumps(cid) in streamed.text  # in message_delta, tagged
+        assert json.dumps(cid.partition("~")[0]) not in streamed.text
+        asked = len(server.asked)
+        bob = {**headers, "Authorization": f"Bearer {BOB}"}
+        for spelled in (cid, cid.partition("~")[0]):
+            for container in (spelled, {"id": spelled}):
+                refused = await client.post(
+                    gw.url + "/v1/messages", json={**ask, "container": container}, headers=bob
+                )
+                assert refused.status_code == 404, refused.text
+                assert "container" in refused.text
+        assert len(server.asked) == asked  # never the server's to resolve
+        plain = await client.post(gw.url + "/v1/messages", json={**ask, "tools": []})
+        assert plain.json()["container"] is None  # no code run: nothing read or made

@@ -39,6 +39,20 @@ class Tagging(Protocol):
     def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]: ...
 
 
+class Answer:
+    """What a stage's ``Tagging`` of one answer starts from: the ids, the caller's scope, the
+    ids it owns (those the request proved, and those the answer teaches: ``owned`` grows),
+    the kind of object the request makes (None for none) and the endpoint that answered."""
+
+    __slots__ = ("_ids", "_made_at", "_makes", "_owned", "_scope")
+
+    def __init__(
+        self, ids: ResponseIds, scope: str, owned: list[Owned], *, makes: Kind | None, made_at: str
+    ) -> None:
+        self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
+        self._made_at = made_at
+
+
 def pinned(changes: dict[str, Any], named: Sequence[Owned], ids: ResponseIds) -> dict[str, Any]:
     """``changes`` with the call pinned to the endpoint of the first of ``named`` that names
     one (none: as they were)."""

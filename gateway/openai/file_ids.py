@@ -10,9 +10,9 @@ files, what its code wrote) is read and run in by whoever names it.  With the se
 
 - the id of a file the server made for the request (``POST /v1/files``, or an upload
   completed), of a batch (``POST /v1/batches``), an upload (``POST /v1/uploads``), a
-  vector store (``POST /v1/vector_stores``) and a container (``POST /v1/containers``, or a
-  response's code interpreter: ``openai.response_ids``) reaches its maker tagged; so do a
-  batch's files
+  vector store (``POST /v1/vector_stores``) and a container (``POST /v1/containers``, a
+  response's code interpreter: ``openai.response_ids``, or an Anthropic message's code
+  execution) reaches its maker tagged; so do a batch's files
   (its input, output and error files) in every answer about a batch the caller owns, and the
   files of a vector store it owns (its files list, a search's results);
 - a path naming one (``/v1/files/<id>`` and its ``/content``, ``/v1/batches/<id>`` and its
@@ -24,16 +24,16 @@ files, what its code wrote) is read and run in by whoever names it.  With the se
 - every ``file_id``, ``input_file_id``, ``file_ids``, ``vector_store_id``,
   ``vector_store_ids`` and ``container_id`` in a JSON body, however deep (a chat message's
   file part, a response's ``input_file`` or ``file_search`` tool, a batch's input, a code
-  interpreter's files, an output item given back), and a code interpreter's ``container``,
-  must be the caller's own, and is untagged; else a 404 (a body is read whatever
+  interpreter's files, an output item given back), a code interpreter's ``container`` and
+  an Anthropic Messages body's own ``container`` (an id, or ``{"id": ...}``), must be the
+  caller's own, and is untagged; else a 404 (a body is read whatever
   its type: a lenient server reads JSON under any; one in UTF-16 or 32 is a 400);
 - the collections are not listed (``GET /v1/files``, ``/v1/batches``, ``/v1/vector_stores``,
   ``/v1/containers``).
 
 A file's content passes as the server wrote it.  A vector store's file batches and a
 container's files are named below their store or container, which is checked.  The ids of
-the Assistants API's objects and of Anthropic's containers are not bound: they pass as
-they are (docs/security.md).
+the Assistants API's objects are not bound: they pass as they are (docs/security.md).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from gateway.errors import RequestError
 from gateway.metrics import Metrics
 from gateway.openai.body import dumps_yielding, json_object, utf8
 from gateway.openai.bound_answers import (
+    Answer,
     answer_json,
     forward,
     pinned,
@@ -62,6 +63,7 @@ from gateway.openai.response_ids import YIELD_EVERY, not_listed, read_json
 from gateway.openai.sse import whole_events
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy
+from gateway.wire import MESSAGES_PATH
 
 
 class BatchNotFound(RequestError):
@@ -124,6 +126,11 @@ FIELDS = {
 """Body fields naming one file, vector store or container, wherever they stand."""
 TOOL_CONTAINER = ("container", "code_interpreter")
 """A code interpreter's ``container``: a container's id (or ``{"type": "auto"}``)."""
+MESSAGES_CONTAINER = "container"
+"""An Anthropic Messages body's own container, for its code execution tool: an id, or
+``{"id": ..., "skills": [...]}``; the answer names the one used (``{"id", "expires_at"}``)."""
+CODE_EXECUTION = "code_execution"
+"""How the type of Anthropic's code execution tool begins (``code_execution_20250825``)."""
 LISTS = {"file_ids": FILE, "vector_store_ids": VECTOR_STORE}
 """Body fields naming a list of them."""
 OPAQUE = frozenset({"metadata", "parameters", "input_schema", "schema", "json_schema"})
@@ -154,6 +161,7 @@ class FileIdStage:
         named: list[Owned] = []
         changes: dict[str, Any] = {}
         content = False  # a file's content (or a container's file's): passed as it is
+        messages = False  # an Anthropic message running code: its container learned
         if makes is not None:
             if call.method != "POST":
                 raise not_listed(makes)
@@ -176,7 +184,8 @@ class FileIdStage:
                 changes = {**changes, **more}
         elif call.body:  # whatever its type: a lenient server reads JSON under any
             changes = await self._untag_body(call, named)
-            if not named:  # no file named: nothing to tag in the answer
+            messages = call.path == MESSAGES_PATH and _runs_code(changes.get("json", call.json))
+            if not named and not messages:  # nothing named or made: nothing to tag
                 return await call_next(dataclasses.replace(call, **changes) if changes else call)
         else:
             return await call_next(call)
@@ -189,7 +198,9 @@ class FileIdStage:
             named,
             call_next,
             self._ids,
-            lambda made_at: _Answer(self._ids, scope, named, makes=makes, made_at=made_at),
+            lambda made_at: _Answer(
+                self._ids, scope, named, makes=makes, made_at=made_at, messages=messages
+            ),
         )
 
     async def _untag_body(self, call: Call, named: list[Owned]) -> dict[str, Any]:
@@ -205,7 +216,7 @@ class FileIdStage:
         data, changes = await read_json(call, strict=strict)
         if data is None:
             return changes
-        places = await _files_in(data)
+        places = await _files_in(data, messages=call.path == MESSAGES_PATH)
         if not places:
             return changes
         for at, (holder, key, kind) in enumerate(places):  # in place: this call's reading
@@ -254,10 +265,25 @@ def _is_json(call: Call) -> bool:
     return kind is None or "json" in kind.lower()  # FastAPI reads a body without one as JSON
 
 
-async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
-    """Where ``data`` names files, vector stores or containers: (its holder, the key or index, the
-    kind), every one however deep; the loop runs between every ``YIELD_EVERY`` values."""
+def _runs_code(data: Any) -> bool:
+    """Whether an Anthropic Messages body gives the model its code execution tool: the
+    answer then names the container it ran in, made for it unless one was named."""
+    tools = data.get("tools") if isinstance(data, dict) else None
+    return isinstance(tools, list) and any(
+        isinstance(t, dict) and str(t.get("type", "")).startswith(CODE_EXECUTION) for t in tools
+    )
+
+
+async def _files_in(data: Any, *, messages: bool = False) -> list[tuple[Any, Any, Kind]]:
+    """Where ``data`` names files, vector stores or containers: (its holder, the key or
+    index, the kind), every one however deep, and an Anthropic Messages body's own
+    ``container`` (``messages``); the loop runs between every ``YIELD_EVERY`` values."""
     places: list[tuple[Any, Any, Kind]] = []
+    own = data.get(MESSAGES_CONTAINER) if messages and isinstance(data, dict) else None
+    if isinstance(own, str):  # a container's id
+        places.append((data, MESSAGES_CONTAINER, CONTAINER))
+    elif isinstance(own, dict) and isinstance(own.get("id"), str):  # its id and its skills
+        places.append((own, "id", CONTAINER))
     stack = [data]
     seen = 0
     while stack:
@@ -282,27 +308,51 @@ async def _files_in(data: Any) -> list[tuple[Any, Any, Kind]]:
     return places
 
 
-class _Answer:
+class _Answer(Answer):
     """One answer's ids to tag: those the request proved its own, the object it made (a
-    file, a batch, an upload), and the files of a batch or an upload the caller owns."""
+    file, a batch, an upload), the files of a batch or an upload the caller owns, and the
+    container an Anthropic message's code ran in (``messages``)."""
 
-    __slots__ = ("_ids", "_made_at", "_makes", "_owned", "_scope")
+    __slots__ = ("_messages",)
 
     def __init__(
-        self, ids: ResponseIds, scope: str, owned: list[Owned], *, makes: Kind | None, made_at: str
+        self,
+        ids: ResponseIds,
+        scope: str,
+        owned: list[Owned],
+        *,
+        makes: Kind | None,
+        made_at: str,
+        messages: bool = False,
     ) -> None:
-        self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
-        self._made_at = made_at
+        super().__init__(ids, scope, owned, makes=makes, made_at=made_at)
+        self._messages = messages
 
     def whole(self, body: bytes) -> bytes:
         data = answer_json(body)
         if isinstance(data, dict) and "error" not in data:
             self._learn(data)
+            if self._messages:
+                self._ran_in(data.get(MESSAGES_CONTAINER))
         return self._ids.tag_owned(self._scope, body, self._owned)
 
     async def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for events in whole_events(stream):
+            if self._messages and b'"container"' in events:  # message_start, message_delta
+                for line in events.splitlines():
+                    event = answer_json(line[5:]) if line.startswith(b"data:") else None
+                    for part in ("message", "delta"):
+                        held = event.get(part) if isinstance(event, dict) else None
+                        if isinstance(held, dict):
+                            self._ran_in(held.get(MESSAGES_CONTAINER))
             yield self._ids.tag_owned(self._scope, events, self._owned)
+
+    def _ran_in(self, container: Any) -> None:
+        """Learn the container a message's code ran in (``{"id", "expires_at"}``): the one
+        the request named, or one made for it."""
+        cid = container.get("id") if isinstance(container, dict) else None
+        if isinstance(cid, str) and cid and all(cid != each.id for each in self._owned):
+            self._owned.append(Owned(cid, self._made_at, CONTAINER))
 
     def _learn(self, data: dict[str, Any]) -> None:
         """Learn the id of the object made, and the files of a batch, an upload or a vector

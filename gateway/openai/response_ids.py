@@ -63,6 +63,7 @@ from gateway.errors import BadRequest, RequestError
 from gateway.metrics import Metrics
 from gateway.openai.body import decode, dumps_yielding, json_object, loads_yielding
 from gateway.openai.bound_answers import (
+    Answer,
     answer_json,
     forward,
     refuser,
@@ -292,25 +293,18 @@ async def read_json(
     return data, changes
 
 
-class _Answer:
+class _Answer(Answer):
     """One answer's ids to tag: those the request proved its own; for a request that makes
     a stored object (``makes``: a response, a conversation), the id the server gave it; and
     the items the answer carries (its response's, its list's, a stream's events').  Those it
     learns are held by the endpoint named ``made_at``."""
 
-    __slots__ = ("_ids", "_learned", "_made_at", "_makes", "_owned", "_scope")
+    __slots__ = ("_learned",)
 
     def __init__(
-        self,
-        ids: ResponseIds,
-        scope: str,
-        owned: list[Owned],
-        *,
-        makes: Kind | None,
-        made_at: str,
+        self, ids: ResponseIds, scope: str, owned: list[Owned], *, makes: Kind | None, made_at: str
     ) -> None:
-        self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
-        self._made_at = made_at
+        super().__init__(ids, scope, owned, makes=makes, made_at=made_at)
         self._learned = {each.id for each in owned if each.kind in (ITEM, CONTAINER)}
 
     def whole(self, body: bytes) -> bytes:
