@@ -149,8 +149,22 @@ class Containers(Files):
             cid = self._make("anthropic", [])["id"]
         ran = {"id": cid, "expires_at": "2026-12-04T00:00:00Z"} if cid else None
         said = {"type": "text", "text": f"{self.name}ran"}
+        blocks: list[dict[str, Any]] = [said]
+        if runs:  # its code wrote a file, kept in the Files API
+            written = self._keep("plot.png", b"png", "user_data")["id"]
+            output = {"type": "bash_code_execution_output", "file_id": written}
+            result: dict[str, Any] = {
+                "type": "bash_code_execution_result",
+                "stdout": "",
+                "stderr": "",
+            }
+            result |= {"return_code": 0, "content": [output]}
+            blocks.append(
+                {"type": "bash_code_execution_tool_result", "tool_use_id": "srvtoolu_1"}
+                | {"content": result}
+            )
         made: dict[str, Any] = {"id": self._id("msg_"), "type": "message", "role": "assistant"}
-        made |= {"model": body["model"], "content": [said], "stop_reason": "end_turn"}
+        made |= {"model": body["model"], "content": blocks, "stop_reason": "end_turn"}
         made |= {"stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
         if not body.get("stream"):
             return web.json_response({**made, "container": ran})
@@ -162,6 +176,10 @@ class Containers(Files):
             {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta"}}
             | {"delta": {"type": "text_delta", "text": said["text"]}},
             {"type": "content_block_stop", "index": 0},
+            *(
+                {"type": "content_block_start", "index": 1, "content_block": block}
+                for block in blocks[1:]
+            ),
             {"type": "message_delta", "delta": done, "usage": {"output_tokens": 1}},
             {"type": "message_stop"},
         ]
@@ -335,6 +353,10 @@ async def test_an_anthropic_messages_container_is_its_makers(kept):
         assert "~" in cid and cid.partition("~")[0] in server.containers
         again = await alice.messages.create(**ask, container=cid)
         assert again.container is not None and again.container.id == cid
+        ran = again.model_dump()["content"][1]["content"]["content"][0]
+        assert "~" in ran["file_id"]  # the file its code wrote: the maker's, tagged
+    async with sdk(gw, ALICE) as files:
+        assert (await files.files.content(ran["file_id"])).content == b"png"
     headers = {"Authorization": f"Bearer {ALICE}", "anthropic-version": "2023-06-01"}  # as the SDK
     async with httpx.AsyncClient(headers=headers) as client:
         streamed = await client.post(
@@ -343,6 +365,10 @@ async def test_an_anthropic_messages_container_is_its_makers(kept):
         assert streamed.status_code == 200, streamed.text
         assert json.dumps(cid) in streamed.text  # in message_delta, tagged
         assert json.dumps(cid.partition("~")[0]) not in streamed.text
+        written = [line for line in streamed.text.splitlines() if '"file_id"' in line]
+        assert len(written) == 1 and '"file_id": "file-' in written[0]
+        file_id = json.loads(written[0][5:])["content_block"]["content"]["content"][0]["file_id"]
+        assert "~" in file_id  # in its content_block_start, tagged
         asked = len(server.asked)
         bob = {**headers, "Authorization": f"Bearer {BOB}"}
         for spelled in (cid, cid.partition("~")[0]):

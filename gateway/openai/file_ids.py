@@ -129,6 +129,9 @@ TOOL_CONTAINER = ("container", "code_interpreter")
 MESSAGES_CONTAINER = "container"
 """An Anthropic Messages body's own container, for its code execution tool: an id, or
 ``{"id": ..., "skills": [...]}``; the answer names the one used (``{"id", "expires_at"}``)."""
+WRITTEN = "code_execution_output"
+"""How the type of a file Anthropic's code execution wrote ends (``bash_...``): its
+``file_id`` is in the Files API, the run's maker's."""
 CODE_EXECUTION = "code_execution"
 """How the type of Anthropic's code execution tool begins (``code_execution_20250825``)."""
 LISTS = {"file_ids": FILE, "vector_store_ids": VECTOR_STORE}
@@ -333,26 +336,34 @@ class _Answer(Answer):
         if isinstance(data, dict) and "error" not in data:
             self._learn(data)
             if self._messages:
-                self._ran_in(data.get(MESSAGES_CONTAINER))
+                self._ran(data)
         return self._ids.tag_owned(self._scope, body, self._owned)
 
     async def events(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for events in whole_events(stream):
-            if self._messages and b'"container"' in events:  # message_start, message_delta
+            if self._messages and (b'"container"' in events or b'"file_id"' in events):
                 for line in events.splitlines():
                     event = answer_json(line[5:]) if line.startswith(b"data:") else None
-                    for part in ("message", "delta"):
+                    for part in ("message", "delta", "content_block"):  # where they stand
                         held = event.get(part) if isinstance(event, dict) else None
                         if isinstance(held, dict):
-                            self._ran_in(held.get(MESSAGES_CONTAINER))
+                            self._ran(held)
             yield self._ids.tag_owned(self._scope, events, self._owned)
 
-    def _ran_in(self, container: Any) -> None:
-        """Learn the container a message's code ran in (``{"id", "expires_at"}``): the one
-        the request named, or one made for it."""
-        cid = container.get("id") if isinstance(container, dict) else None
-        if isinstance(cid, str) and cid and all(cid != each.id for each in self._owned):
-            self._owned.append(Owned(cid, self._made_at, CONTAINER))
+    def _ran(self, held: dict[str, Any]) -> None:
+        """Learn, from a message (or a stream's part of one), the container its code ran in
+        (``{"id", "expires_at"}``: the one the request named, or one made for it) and the
+        files its code wrote (a code execution result's outputs)."""
+        container = held.get(MESSAGES_CONTAINER)
+        self._own(container.get("id") if isinstance(container, dict) else None, CONTAINER)
+        blocks = held.get("content")
+        for block in [held, *(blocks if isinstance(blocks, list) else ())]:
+            for fid in _written(block):
+                self._own(fid, FILE)
+
+    def _own(self, oid: Any, kind: Kind) -> None:
+        if isinstance(oid, str) and oid and all(oid != each.id for each in self._owned):
+            self._owned.append(Owned(oid, self._made_at, kind))
 
     def _learn(self, data: dict[str, Any]) -> None:
         """Learn the id of the object made, and the files of a batch, an upload or a vector
@@ -378,6 +389,23 @@ class _Answer(Answer):
         for fid in files:
             if isinstance(fid, str) and fid:
                 self._owned.append(Owned(fid, self._made_at, FILE))
+
+
+def _written(block: Any) -> list[Any]:
+    """The files a code execution result block says its code wrote (its outputs'
+    ``file_id``, one or two levels down: ``code_execution_tool_result``,
+    ``bash_code_execution_tool_result``)."""
+    if not isinstance(block, dict) or not str(block.get("type", "")).endswith("_tool_result"):
+        return []
+    result = block.get("content")
+    outputs = result.get("content") if isinstance(result, dict) else None
+    if not isinstance(outputs, list):
+        return []
+    return [
+        each.get("file_id")
+        for each in outputs
+        if isinstance(each, dict) and str(each.get("type", "")).endswith(WRITTEN)
+    ]
 
 
 def build(policy: Policy, metrics: Metrics) -> list[Stage]:
