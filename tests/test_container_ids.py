@@ -56,14 +56,8 @@ class Containers(Files):
         return refused or web.json_response(self._make(body["name"], body.get("file_ids", [])))
 
     async def container(self, request: web.Request) -> web.Response:
-        cid = request.match_info["cid"]
-        self.asked.append((request.method, request.path))
-        if cid not in self.containers:
-            return _missing(f"Container with id '{cid}' not found.")
-        if request.method == "DELETE":
-            del self.containers[cid]
-            return web.json_response({"id": cid, "object": "container.deleted", "deleted": True})
-        return web.json_response(self.containers[cid])
+        missing = "Container with id '{}' not found."
+        return self.one(request, self.containers, "cid", "container.deleted", missing)
 
     def _file(self, cid: str, path: str) -> dict[str, Any]:
         made = {"id": f"cfile_{path.rsplit('/', 1)[-1]}", "object": "container.file"}

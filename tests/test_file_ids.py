@@ -89,14 +89,20 @@ class Files:
         )
 
     async def file(self, request: web.Request) -> web.Response:
-        fid = request.match_info["fid"]
+        return self.one(request, self.files, "fid", "file", "No such File object: {}")
+
+    def one(
+        self, request: web.Request, kept: dict[str, Any], name: str, deleted: str, missing: str
+    ) -> web.Response:
+        """One of ``kept``, named in the path by ``name``: read, or deleted."""
+        oid = request.match_info[name]
         self.asked.append((request.method, request.path))
-        if fid not in self.files:
-            return _missing(f"No such File object: {fid}")
+        if oid not in kept:
+            return _missing(missing.format(oid))
         if request.method == "DELETE":
-            del self.files[fid]
-            return web.json_response({"id": fid, "object": "file", "deleted": True})
-        return web.json_response(self.files[fid])
+            del kept[oid]
+            return web.json_response({"id": oid, "object": deleted, "deleted": True})
+        return web.json_response(kept[oid])
 
     async def content(self, request: web.Request) -> web.Response:
         fid = request.match_info["fid"]
