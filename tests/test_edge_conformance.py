@@ -87,6 +87,24 @@ async def test_the_path_forwarded_is_the_normalised_path_routing_matched(
     assert "admin.internal" not in json.dumps(seen.headers)
 
 
+async def test_a_method_override_never_reaches_the_backend(v1_only):
+    """The gateway decides on the request line's method (a listing refused, a control
+    endpoint written to); a header naming another, which Rack, Laravel and middleware of
+    Express and ASP.NET Core take for the method, is not passed on."""
+    recorder, gw = v1_only
+    overrides = ("X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override")
+    extra = "".join(f"{name}: GET\r\n" for name in overrides)
+    request = (
+        "POST /v1/files HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n"
+        f"{extra}Connection: close\r\n\r\n{{}}"
+    )
+    [answer] = await send_raw(gw.url, request.encode())
+    assert answer.status == 200
+    seen = recorder.seen[-1]
+    assert seen.method == "POST"
+    assert not {name.lower() for name in overrides} & {h.lower() for h in seen.headers}
+
+
 async def test_an_encoded_path_is_routed_as_the_endpoint_it_names(v1_only):
     """``/v1/%63hat/completions`` is the chat endpoint (an encoded unreserved letter is the
     same path), so its body is validated like any chat body."""

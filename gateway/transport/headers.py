@@ -30,8 +30,15 @@ HOP_BY_HOP = frozenset(
 FORWARDING = frozenset(
     {"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip"}
 )
-# Headers the gateway sets itself on the upstream request.
-REQUEST_OWNED = frozenset({"host", "content-length", "expect", "x-request-id"}) | FORWARDING
+# A method other than the request line's, which some frameworks take for the request's
+# (Rack's and Laravel's by default, Express's and ASP.NET Core's middleware): the gateway
+# decides on the method it read (a listing refused, a control endpoint written to), so that
+# is the method the backend gets.
+METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
+# Headers the gateway sets itself on the upstream request, or that are its to decide.
+REQUEST_OWNED = (
+    frozenset({"host", "content-length", "expect", "x-request-id"}) | FORWARDING | METHOD_OVERRIDES
+)
 RESPONSE_OWNED = frozenset(
     {"content-length", "x-request-id", "x-gateway-backend", "date", "server"}
 )
