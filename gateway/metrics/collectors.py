@@ -64,6 +64,7 @@ class EmbeddingCollector:
             "gateway_cache_embedding_shared",
             "A route's embedding index shared through Redis, by event: published, indexed "
             "(another replica's), own, other_embedder, refused, malformed, restarts, "
+            "publish_timeout (past its budget: the command runs on and may land), "
             "publish_error, read_error.",
             labels=["route", "event"],
         )

@@ -58,7 +58,7 @@ import numpy as np
 from gateway.cache import vector_stream
 from gateway.cache.stores.redis import RedisStore, StreamEntry
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.errors import StoreError
+from gateway.errors import StoreError, StoreTimeout
 
 log = logging.getLogger("gateway.cache")
 
@@ -132,6 +132,9 @@ class SharedIndex:
             new_id = await self.store.stream_add(
                 self.stream, {vector_stream.FIELD: data}, self.max_entries
             )
+        except StoreTimeout as exc:  # past its budget: the command runs on, and may land
+            self._failed("publish_timeout", exc)
+            return
         except StoreError as exc:
             self._failed("publish_error", exc)
             return
