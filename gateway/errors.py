@@ -247,3 +247,8 @@ class SlowReader(GatewayError):
     status = 503
     type = "server_error"
     code = "slow_reader"
+
+
+def shown(value: str) -> str:
+    """``value`` cut to 200 characters, for an error message that quotes what a client sent."""
+    return value if len(value) <= 200 else value[:200] + "..."

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from gateway.errors import RequestError, UpstreamError
+from gateway.errors import RequestError, UpstreamError, shown
 from gateway.pipeline import Headers, Reply, first_header
 from gateway.policy.route import MODEL_LIST_PATH, glob_regex
 from gateway.policy.routing import OPENAI_JSON_PATHS
@@ -120,9 +120,8 @@ class AllowedModels:
 
     def _named(self, model: str) -> None:
         if not self.allows(model):
-            shown = model if len(model) <= 200 else model[:200] + "..."
             raise ModelNotAllowed(
-                f"The model `{shown}` does not exist or you do not have access to it."
+                f"The model `{shown(model)}` does not exist or you do not have access to it."
             )
 
     def upstream_headers(self, method: str, path: str, headers: Headers) -> Headers:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 from urllib.parse import quote, unquote_plus
 
+from gateway.errors import shown
 from gateway.metrics import Metrics
 from gateway.openai.allowed_models import uncompressed
 from gateway.openai.bound_ids import Kind, Owned, ResponseIds
@@ -44,13 +45,20 @@ class Answer:
     ids it owns (those the request proved, and those the answer teaches: ``owned`` grows),
     the kind of object the request makes (None for none) and the endpoint that answered."""
 
-    __slots__ = ("_ids", "_made_at", "_makes", "_owned", "_scope")
+    __slots__ = ("_ids", "_learned", "_made_at", "_makes", "_owned", "_scope")
 
     def __init__(
         self, ids: ResponseIds, scope: str, owned: list[Owned], *, makes: Kind | None, made_at: str
     ) -> None:
         self._ids, self._scope, self._owned, self._makes = ids, scope, owned, makes
         self._made_at = made_at
+        self._learned = {each.id for each in owned}
+
+    def _own(self, oid: Any, kind: Kind) -> None:
+        """Own ``oid`` (an id the answer teaches, held where it answered), once."""
+        if isinstance(oid, str) and oid and oid not in self._learned:
+            self._learned.add(oid)
+            self._owned.append(Owned(oid, self._made_at, kind))
 
 
 def pinned(changes: dict[str, Any], named: Sequence[Owned], ids: ResponseIds) -> dict[str, Any]:
@@ -136,11 +144,6 @@ def untag_or_refuse(
         refused(call.tenant, where)
         raise kind.not_found(f"{kind.noun} with id '{shown(tagged)}' not found.")
     return owned
-
-
-def shown(value: str) -> str:
-    """``value`` cut to 200 characters, for an error message."""
-    return value if len(value) <= 200 else value[:200] + "..."
 
 
 def answer_json(data: bytes) -> Any:

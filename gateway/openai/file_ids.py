@@ -361,10 +361,6 @@ class _Answer(Answer):
             for fid in _written(block):
                 self._own(fid, FILE)
 
-    def _own(self, oid: Any, kind: Kind) -> None:
-        if isinstance(oid, str) and oid and all(oid != each.id for each in self._owned):
-            self._owned.append(Owned(oid, self._made_at, kind))
-
     def _learn(self, data: dict[str, Any]) -> None:
         """Learn the id of the object made, and the files of a batch, an upload or a vector
         store the caller owns."""

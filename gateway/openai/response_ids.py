@@ -59,7 +59,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import quote, unquote
 
-from gateway.errors import BadRequest, RequestError
+from gateway.errors import BadRequest, RequestError, shown
 from gateway.metrics import Metrics
 from gateway.openai.body import decode, dumps_yielding, json_object, loads_yielding
 from gateway.openai.bound_answers import (
@@ -67,7 +67,6 @@ from gateway.openai.bound_answers import (
     answer_json,
     forward,
     refuser,
-    shown,
     untag_cursors,
     untag_or_refuse,
 )
@@ -299,13 +298,7 @@ class _Answer(Answer):
     the items the answer carries (its response's, its list's, a stream's events').  Those it
     learns are held by the endpoint named ``made_at``."""
 
-    __slots__ = ("_learned",)
-
-    def __init__(
-        self, ids: ResponseIds, scope: str, owned: list[Owned], *, makes: Kind | None, made_at: str
-    ) -> None:
-        super().__init__(ids, scope, owned, makes=makes, made_at=made_at)
-        self._learned = {each.id for each in owned if each.kind in (ITEM, CONTAINER)}
+    __slots__ = ()
 
     def whole(self, body: bytes) -> bytes:
         data = answer_json(body)
@@ -362,11 +355,6 @@ class _Answer(Answer):
             self._own(item.get("container_id"), CONTAINER)  # a code interpreter's
             for fid in _cited(item):
                 self._own(fid, FILE)
-
-    def _own(self, oid: Any, kind: Kind) -> None:
-        if isinstance(oid, str) and oid and oid not in self._learned:
-            self._learned.add(oid)
-            self._owned.append(Owned(oid, self._made_at, kind))
 
 
 def _cited(item: dict[str, Any]) -> Iterator[Any]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.errors import RequestError
+from gateway.errors import RequestError, shown
 
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 Rules = tuple[tuple[str, str], ...]
@@ -88,9 +88,8 @@ def control_server(method: str, path: str) -> str | None:
 
 
 def refusal(method: str, path: str, server: str) -> ControlPathRefused:
-    shown = path if len(path) <= 200 else path[:200] + "..."
     return ControlPathRefused(
-        f"{method} {shown} is a model server's control endpoint ({server}): it acts on the "
+        f"{method} {shown(path)} is a model server's control endpoint ({server}): it acts on the "
         "server for every client, and the gateway does not pass it on "
         "(server.control_paths: refuse)"
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.errors import RequestError
+from gateway.errors import RequestError, shown
 
 APIS = {
     "v1": frozenset(
@@ -48,7 +48,6 @@ APIS = {
 }
 """The APIs under each version whose paths the gateway reads: OpenAI's, Anthropic's
 ``messages``, KServe V2's."""
-CHAT = ("chat", "completions")
 
 
 class UnknownUrl(RequestError):
@@ -70,18 +69,13 @@ def case_variant(path: str) -> str | None:
     found = _HEAD.match(path)
     if found is None:
         return None
-    version, api, third = found.group(1).lower(), found.group(2).lower(), found.group(3)
+    version, api = found.group(1).lower(), found.group(2).lower()
     if api not in APIS[version]:
         return None
     known = f"/{version}/{api}"
-    if third is not None and api == CHAT[0]:
-        known += f"/{CHAT[1]}"
-    else:
-        third = None
-    head = found.group(0) if third is not None else path[: len(known)]
-    if head == known:
-        return None
-    return known + path[len(known) :]
+    if api == "chat" and found.group(3) is not None:
+        known += "/completions"
+    return None if path.startswith(known) else known + path[len(known) :]
 
 
 _HEAD = re.compile(r"/(v[12])/([a-z_]+)(?:/(completions))?(?=/|$)", re.IGNORECASE)
@@ -89,9 +83,6 @@ _HEAD = re.compile(r"/(v[12])/([a-z_]+)(?:/(completions))?(?=/|$)", re.IGNORECAS
 
 
 def refusal(method: str, path: str, known: str) -> UnknownUrl:
-    def shown(text: str) -> str:
-        return text if len(text) <= 200 else text[:200] + "..."
-
     return UnknownUrl(
         f"Invalid URL ({method} {shown(path)}): paths are case-sensitive, and this API's is "
         f"spelled {shown(known)}"
