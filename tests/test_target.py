@@ -15,7 +15,16 @@ from gateway.server.target import normalise, remove_dot_segments
         ("/v1/models", ("/v1/models", "")),
         ("/v1/models?limit=5&x=%2F", ("/v1/models", "limit=5&x=%2F")),
         ("/v1/../internal/secret", ("/internal/secret", "")),
-        ("/v1/./models/.", ("/v1/models/", "")),
+        ("/v1/./models/.", ("/v1/models", "")),
+        ("/v1/chat/completions/", ("/v1/chat/completions", "")),  # a known API's: trimmed
+        ("/v1/models/Qwen/Qwen2.5-7B/?x=/", ("/v1/models/Qwen/Qwen2.5-7B", "x=/")),
+        ("/v2/models/m/infer//", ("/v2/models/m/infer", "")),
+        ("/v1/files/./", ("/v1/files", "")),
+        ("/V1/Chat/completions/", ("/V1/Chat/completions", "")),  # then refused for its case
+        ("/v1/", ("/v1/", "")),  # no API named: as it is
+        ("/v1/custom/", ("/v1/custom/", "")),
+        ("/api/generate/", ("/api/generate/", "")),
+        ("/", ("/", "")),
         ("/a/b/..", ("/a/", "")),
         ("/../../etc/passwd", ("/etc/passwd", "")),
         ("//v1///models", ("/v1/models", "")),

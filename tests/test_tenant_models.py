@@ -38,6 +38,7 @@ class AnyModelServer:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/", self.models)  # as Express and Fiber serve it
         app.router.add_get("/v1/models/{name}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/embeddings", self.chat)
@@ -169,7 +170,9 @@ async def test_its_model_list_holds_only_its_models(served):
     async with httpx.AsyncClient(base_url=gw.url) as client:
         cut = await client.get("/v1/models", headers={"Authorization": f"Bearer {KEYS['acme']}"})
         posted = await client.post("/v1/models", headers={"X-Api-Key": KEYS["acme"]})
+        slashed = await client.get("/v1/models/", headers={"X-Api-Key": KEYS["acme"]})
     assert cut.status_code == 200
+    assert slashed.json() == cut.json()  # trimmed at the edge: the same list, cut
     assert "etag" not in cut.headers  # the backend's tag named the whole list
     assert int(cut.headers["content-length"]) == len(cut.content)
     assert posted.status_code == 403

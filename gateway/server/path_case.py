@@ -78,6 +78,17 @@ def case_variant(path: str) -> str | None:
     return None if path.startswith(known) else known + path[len(known) :]
 
 
+def trimmed(path: str) -> str:
+    """``path`` without the slash that ends it when it lies within a known API
+    (``/v1/chat/completions/`` is ``/v1/chat/completions``); every other path as it is."""
+    if len(path) < 5 or not path.endswith("/"):
+        return path  # most paths: one comparison
+    found = _HEAD.match(path)
+    if found is None or found.group(2).lower() not in APIS[found.group(1).lower()]:
+        return path
+    return path[:-1]
+
+
 _HEAD = re.compile(r"/(v[12])/([a-z_]+)(?:/(completions))?(?=/|$)", re.IGNORECASE)
 """A path's version and API segments, and chat's third."""
 

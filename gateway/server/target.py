@@ -6,7 +6,7 @@ Of the four forms of RFC 9112 3.2, origin-form (``/path?query``) is served; abso
 from the backend's URL, never from the client); asterisk-form (``OPTIONS *``) and
 authority-form (``CONNECT host:port``) are refused.
 
-The path is normalised in four steps:
+The path is normalised in five steps:
 
 1. each percent-encoding must be ``%`` and two hex digits; an encoded unreserved character
    (RFC 3986 2.3: letters, digits, ``-._~``) is decoded (RFC 3986 6.2.2.2: the same
@@ -16,7 +16,14 @@ The path is normalised in four steps:
    once decoded (``%2e``, ``.%2E`` ...), a fragment;
 3. runs of ``/`` collapse into one (nginx's ``merge_slashes``);
 4. dot segments are removed (RFC 3986 5.2.4): ``/v1/../internal`` is ``/internal``, and
-   ``..`` never climbs above the root.
+   ``..`` never climbs above the root;
+5. within a known API's path (``path_case.APIS``: OpenAI's, Anthropic's, KServe V2's), a
+   slash that ends it is removed: ``/v1/chat/completions/`` is ``/v1/chat/completions``.
+   No such path means something else with the slash; Express and Fiber (LocalAI) serve
+   both spellings alike, so the slashed one would pass another route than the chat
+   route's (its cache and limits) and ``/v1/models/`` would list the models a tenant held
+   to some may not see, while Starlette and Gin (vLLM, MLServer, Ollama) answer it with a
+   redirect and llama.cpp with a 404.
 
 The query is forwarded as sent (llhttp has already refused control characters, spaces and
 non-ASCII bytes in the target).
@@ -27,6 +34,7 @@ from __future__ import annotations
 import re
 
 from gateway.errors import MalformedRequest
+from gateway.server.path_case import trimmed
 
 _PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})|%[0-9A-Fa-f]{2}")
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
@@ -43,7 +51,7 @@ def normalise(target: str) -> tuple[str, str]:
     if "#" in target:
         raise MalformedRequest("a request target must not carry a fragment (#)")
     if "%" not in path and "\\" not in path and "//" not in path and "/." not in path:
-        return path, query  # already normal: the common case costs four scans
+        return trimmed(path), query  # already normal: the common case costs four scans
     if "\\" in path:
         raise MalformedRequest("a backslash in the request path is refused")
     if "%" in path:
@@ -52,7 +60,7 @@ def normalise(target: str) -> tuple[str, str]:
         path = re.sub("/{2,}", "/", path)
     if "/." in path:
         path = remove_dot_segments(path)
-    return path, query
+    return trimmed(path), query
 
 
 def _origin_form(target: str) -> str:

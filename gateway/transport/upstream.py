@@ -32,6 +32,7 @@ from gateway.transport.connection import Connection, StaleConnection
 from gateway.transport.connection import Head as ResponseHead
 from gateway.transport.headers import RESPONSE_OWNED, SSE_TYPE, media_type, strip
 from gateway.transport.pool import HostPool, heard
+from gateway.transport.relocate import Relocation
 
 # Answers up to this size that nobody reads piece by piece are read whole (by length,
 # chunked or to the close) and answered with a Content-Length; larger ones, SSE and NDJSON
@@ -96,6 +97,7 @@ class BackendPool:
         parts = urlsplit(self.base_url)
         https = parts.scheme == "https"
         self._prefix = parts.path
+        self._relocation = Relocation(self.base_url)
         port = parts.port or (443 if https else 80)
         self._host_header = (
             parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
@@ -174,7 +176,7 @@ class BackendPool:
             await release()
             raise
         self._upstream_hist.observe(loop.time() - started)
-        headers_out = tuple(strip(resp.headers, RESPONSE_OWNED))
+        headers_out = self._relocation.headers(tuple(strip(resp.headers, RESPONSE_OWNED)))
         length = resp.content_length
         prefix: list[bytes] = []
         if method != "HEAD" and not streaming and not _streams(resp.headers):
