@@ -257,6 +257,131 @@ async def test_throttle_shedding_drops_queued_waiters_below_a_priority() -> None
     assert not high.done()
 
 
+# -- fair queuing between tenants (``queue.fairness: tenant``) ----------------------------
+
+
+async def queue_flows(admission: Admission, *flows: str) -> list[asyncio.Task[Ticket]]:
+    tasks = []
+    for flow in flows:
+        tasks.append(asyncio.create_task(admission.acquire(Priority.NORMAL, flow)))
+        await settle()
+    return tasks
+
+
+async def cancel(*tasks: asyncio.Task[Ticket]) -> None:
+    """End waiters a test leaves queued (a task destroyed pending is logged at exit)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def served_order(holder: Ticket, tasks: list[asyncio.Task[Ticket]]) -> list[int]:
+    """The order in which the queued ``tasks`` got the one slot, each released at once."""
+    served: list[int] = []
+    holder.release()
+    for _ in tasks:
+        await settle()
+        done = next(i for i, t in enumerate(tasks) if t.done() and i not in served)
+        served.append(done)
+        tasks[done].result().release()
+    return served
+
+
+async def test_a_freed_slot_goes_to_each_waiting_tenant_in_turn() -> None:
+    admission = make(capacity=10)
+    holder = await admission.acquire()
+    tasks = await queue_flows(admission, "acme", "acme", "acme", "acme", "globex", "initech")
+    assert admission.waiting_of("acme") == 4 and admission.waiting_of("globex") == 1
+    # acme came first and keeps its turn; globex and initech wait for one call of it, not four
+    assert await served_order(holder, tasks) == [0, 4, 5, 1, 2, 3]
+    assert admission.depth == 0 and admission.waiting_of("acme") == 0
+
+
+async def test_priorities_come_before_turns() -> None:
+    admission = make(capacity=10)
+    holder = await admission.acquire()
+    tasks = [asyncio.create_task(admission.acquire(Priority.LOW, "globex"))]
+    tasks += await queue_flows(admission, "acme", "acme", "globex")
+    tasks.append(asyncio.create_task(admission.acquire(Priority.HIGH, "acme")))
+    await settle()
+    assert await served_order(holder, tasks) == [4, 1, 3, 2, 0]
+
+
+async def test_one_flow_is_first_come_first_served() -> None:
+    admission = make(capacity=10)
+    holder = await admission.acquire()
+    tasks = await queue_flows(admission, "", "", "", "")
+    assert await served_order(holder, tasks) == [0, 1, 2, 3]
+
+
+async def test_a_full_queue_sheds_the_flooding_tenants_newest_for_another() -> None:
+    admission = make(capacity=4)
+    await admission.acquire()
+    acme = await queue_flows(admission, "acme", "acme", "acme", "acme")
+    globex = await queue_flows(admission, "globex", "globex")  # acme 4 -> 3 -> 2
+    for task in acme[2:]:
+        with pytest.raises(Overloaded, match="share it between tenants") as caught:
+            task.result()
+        assert caught.value.reason == "queue_share" and caught.value.retry_after_s
+    assert (admission.waiting_of("acme"), admission.waiting_of("globex")) == (2, 2)
+    assert admission.shed["queue_share"] == 2
+    # Shared evenly now: neither takes a place from the other, nor does a flow from itself.
+    for flow in ("globex", "acme"):
+        with pytest.raises(Overloaded, match="queue is full"):
+            await admission.acquire(Priority.NORMAL, flow)
+    # A third tenant takes from the largest (the first in turn among equals): acme.
+    (initech,) = await queue_flows(admission, "initech")
+    assert (admission.waiting_of("acme"), admission.waiting_of("initech")) == (1, 1)
+    with pytest.raises(Overloaded, match="share it between tenants"):
+        acme[1].result()
+    assert not any(t.done() for t in (*acme[:1], *globex, initech))
+    assert admission.depth == 4
+    await cancel(*acme[:1], *globex, initech)
+
+
+async def test_a_flow_holding_one_more_than_the_newcomers_keeps_its_places() -> None:
+    admission = make(capacity=3)
+    await admission.acquire()
+    waiting = await queue_flows(admission, "acme", "acme", "globex")
+    with pytest.raises(Overloaded, match="queue is full"):
+        await admission.acquire(Priority.NORMAL, "globex")  # 2 against 1 + 1: no gain
+    assert admission.shed["queue_share"] == 0
+    await cancel(*waiting)
+
+
+async def test_a_lower_priority_is_shed_before_a_share_is_taken() -> None:
+    admission = make(capacity=3)
+    await admission.acquire()
+    (low,) = [asyncio.create_task(admission.acquire(Priority.LOW, "acme"))]
+    await settle()
+    acme = await queue_flows(admission, "acme", "acme")
+    (globex,) = await queue_flows(admission, "globex")
+    with pytest.raises(Overloaded, match="higher-priority"):
+        low.result()
+    assert not any(t.done() for t in acme) and not globex.done()
+    await cancel(*acme, globex)
+
+
+async def test_expired_and_cancelled_waiters_leave_their_flow() -> None:
+    clock = FakeClock()
+    admission = make(capacity=5, timeout_ms=1000, clock=clock)
+    holder = await admission.acquire()
+    old = await queue_flows(admission, "acme", "acme")
+    clock.advance(0.5)
+    young = await queue_flows(admission, "globex", "acme")
+    young[1].cancel()
+    await settle()
+    clock.advance(0.6)
+    assert admission.expire_due() == 2
+    assert (admission.waiting_of("acme"), admission.waiting_of("globex")) == (0, 1)
+    await settle()
+    assert all(t.done() for t in old)
+    holder.release()
+    await settle()
+    young[0].result().release()
+    assert admission.depth == 0 and admission.in_flight == 0
+
+
 def test_priorities_parse_from_headers() -> None:
     assert Priority.parse("High") is Priority.HIGH
     assert Priority.parse(" low ") is Priority.LOW

@@ -7,6 +7,7 @@ backends; time comes from a FakeClock wherever it matters.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 from gateway.resilience.stage import GUARDS
@@ -129,6 +130,63 @@ async def test_a_higher_priority_call_sheds_the_newest_lowest_waiter_of_a_full_q
     main.let(3)
     assert [r.status_code for r in await asyncio.gather(busy, low_1, high)] == [200] * 3
     assert main.arrivals == ["busy", "high", "low-1"]
+
+
+KEYS = {"acme": "acme-secret-key", "globex": "globex-secret-key"}
+
+
+def tenants_policy(fairness: str) -> dict[str, Any]:
+    queue = {"capacity": 4, "fairness": fairness}
+    keys = [
+        {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
+        for name, key in KEYS.items()
+    ]
+    return policy(
+        {"main": {"url": URL, "max_concurrency": 1, "queue": queue}}, tenants={"keys": keys}
+    )
+
+
+def as_tenant(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+async def flooded(pipeline: Any, fairness: str) -> tuple[Model, Pipeline, list[Any]]:
+    """A gateway whose one slot and queue of four acme holds: its calls, answered in tasks."""
+    main = Model("main")
+    main.hold()
+    gw = await pipeline(tenants_policy(fairness), main)
+    admission = admission_of(gw)
+    acme = [started(gw, "busy", headers=as_tenant("acme"))]
+    await until(lambda: main.active == 1)
+    for n in range(1, 5):
+        acme.append(started(gw, f"acme-{n}", headers=as_tenant("acme")))
+        await until(lambda n=n: admission.depth == n)  # type: ignore[misc]
+    return main, gw, acme
+
+
+async def test_a_tenant_flooding_the_queue_keeps_neither_its_places_nor_its_turns(pipeline):
+    """acme fills the queue; globex still gets a place (acme's newest is shed) and the next
+    free slot, ahead of acme's three other waiting calls."""
+    main, gw, acme = await flooded(pipeline, "tenant")
+    globex = started(gw, "globex", headers=as_tenant("globex"))
+    shed = await acme[4]
+    assert shed.status_code == 503 and int(shed.headers["Retry-After"]) >= 1
+    assert "share it between tenants" in shed.json()["error"]["message"]
+    main.let(5)
+    answers = await asyncio.gather(*acme[:4], globex)
+    assert [a.status_code for a in answers] == [200] * 5
+    assert main.arrivals == ["busy", "acme-1", "globex", "acme-2", "acme-3"]
+    assert gw.metric("gateway_shed_total", backend="main", reason="queue_share") == 1
+
+
+async def test_fifo_serves_the_queue_in_arrival_order_and_refuses_at_its_end(pipeline):
+    main, gw, acme = await flooded(pipeline, "fifo")
+    refused = await post(gw, "globex", headers=as_tenant("globex"))
+    assert refused.status_code == 503 and "queue is full" in refused.json()["error"]["message"]
+    main.let(5)
+    assert [a.status_code for a in await asyncio.gather(*acme)] == [200] * 5
+    assert main.arrivals == ["busy", "acme-1", "acme-2", "acme-3", "acme-4"]
+    assert gw.metric("gateway_shed_total", backend="main", reason="queue_share") == 0
 
 
 async def test_a_queued_client_that_disconnects_leaves_the_queue_at_once(pipeline):

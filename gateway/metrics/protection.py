@@ -103,7 +103,9 @@ class ProtectionFamilies:
         )
         self.shed = Counter(
             "gateway_shed",
-            "Requests refused to protect a backend, by why.",
+            "Requests refused to protect a backend, by why: queue_full, queue_share (a full "
+            "queue shed one tenant's newest waiter for another tenant), queue_timeout, "
+            "throttle, circuit_open, shutdown.",
             ["backend", "reason"],
             registry=r,
         )

@@ -123,7 +123,8 @@ class Saturation:
 
 @dataclass(frozen=True, slots=True)
 class Queue:
-    """The bounded FIFO queue in front of a backend's concurrency limit."""
+    """The bounded queue in front of a backend's concurrency limit: by priority, then fair
+    between tenants (or first come, first served)."""
 
     capacity: int = field(
         default=DEFAULT_QUEUE_CAPACITY,
@@ -133,6 +134,18 @@ class Queue:
     )
     timeout_ms: int = field(
         default=DEFAULT_QUEUE_TIMEOUT_MS, metadata=doc("Longest wait in the queue before a 503.")
+    )
+    fairness: Literal["tenant", "fifo"] = field(
+        default="tenant",
+        metadata=doc(
+            "`tenant`: within a priority, a freed slot goes to each waiting tenant in turn "
+            "(a named tenant of `tenants:`; a request offering no listed key counts as its "
+            "client address), and a full queue makes room for a newcomer by shedding the "
+            "newest waiter of the tenant holding the most places, when that tenant holds more "
+            'than the newcomer\'s would (`gateway_shed_total{reason="queue_share"}`): a '
+            "tenant flooding the queue cannot keep the others out. `fifo`: first come, first "
+            "served within a priority, and a full queue refuses the newcomer."
+        ),
     )
 
 

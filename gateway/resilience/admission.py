@@ -1,11 +1,21 @@
 """Admission per backend: at most ``max_concurrency`` calls in flight, then a bounded queue.
 
 The case study's ModelPool: GPU capacity is pooled like database connections.  A call takes a
-slot; beyond the limit it waits in a queue ordered by priority (high, normal, low; FIFO within
-one), for at most ``timeout_ms``.  The queue is bounded: when it is full a newcomer sheds the
-newest waiter of the lowest priority below its own, and is rejected itself when there is none.
-Rejections raise ``Overloaded`` at once (no awaiting), with a ``retry_after_s`` estimated from
-the queue length and the recent time a call holds its slot.
+slot; beyond the limit it waits in a queue ordered by priority (high, normal, low), for at most
+``timeout_ms``.  The queue is bounded: when it is full a newcomer sheds the newest waiter of
+the lowest priority below its own, and is rejected itself when there is none.  Rejections
+raise ``Overloaded`` at once (no awaiting), with a ``retry_after_s`` estimated from the queue
+length and the recent time a call holds its slot.
+
+Within a priority, waiters belong to flows (``queue.fairness: tenant``: the caller's named
+tenant, else its address; ``fifo``: one flow), each first come, first served.  A freed slot
+goes to each waiting flow in turn (round robin, one call each: the fair queuing of the
+Kubernetes inference extension's flow control), so a tenant with forty waiting calls and one
+with a single call share the backend's slots equally while both wait.  A full queue with no
+lower priority to shed makes room for a newcomer by shedding the newest waiter of the flow of
+its priority holding the most places, when that flow holds at least two more than the
+newcomer's would (``queue_share``): places end up shared evenly, and a tenant that filled the
+queue first cannot keep the others out of it.  With one flow both rules are plain FIFO.
 
 On shutdown (``drain``) every waiter is refused at once (``Overloaded('shutdown')``, 503 with
 Retry-After) and nothing queues any more: a call is admitted only while a slot is free, so
@@ -24,7 +34,7 @@ import contextlib
 import enum
 import math
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from gateway.clock import SYSTEM_CLOCK, Clock
@@ -67,17 +77,28 @@ class AdmissionConfig:
 
 
 class _Waiter:
-    __slots__ = ("deadline", "future", "priority", "queued", "since", "timer")
+    __slots__ = ("deadline", "flow", "future", "priority", "queued", "since", "timer")
 
     def __init__(
-        self, future: asyncio.Future[None], priority: Priority, since: float, deadline: float
+        self,
+        future: asyncio.Future[None],
+        priority: Priority,
+        flow: str,
+        since: float,
+        deadline: float,
     ) -> None:
         self.future = future
         self.priority = priority
+        self.flow = flow
         self.since = since
         self.deadline = deadline
         self.queued = True
         self.timer: asyncio.TimerHandle | None = None
+
+
+def _largest(flows: dict[str, deque[_Waiter]]) -> deque[_Waiter]:
+    """The waiters of the flow with the most (the first in turn among equals)."""
+    return max(flows.values(), key=len)
 
 
 class Ticket:
@@ -105,8 +126,8 @@ class Admission:
 
     ``on_wait(seconds)`` sees the queue wait of every admitted call (0.0 when it got a slot at
     once: ``gateway_queue_wait_seconds``); ``on_shed(reason)`` every rejection
-    (``gateway_shed_total``), reasons ``queue_full`` and ``queue_timeout``; ``depth`` is
-    ``gateway_queue_depth``.
+    (``gateway_shed_total``), reasons ``queue_full``, ``queue_share`` and ``queue_timeout``;
+    ``depth`` is ``gateway_queue_depth``.
     """
 
     def __init__(
@@ -128,7 +149,9 @@ class Admission:
         self.service_s = DEFAULT_SERVICE_S
         self._throttle_limit: int | None = None
         self._clock = clock
-        self._queues: tuple[deque[_Waiter], ...] = tuple(deque() for _ in Priority)
+        # Per priority, each flow's waiters in arrival order; a dict's order is the turn.
+        self._queues: tuple[dict[str, deque[_Waiter]], ...] = tuple({} for _ in Priority)
+        self._depths = [0 for _ in Priority]
         self.draining = False
 
     @property
@@ -149,7 +172,11 @@ class Admission:
         self._grant()
 
     def depth_of(self, priority: Priority) -> int:
-        return len(self._queues[priority])
+        return self._depths[priority]
+
+    def waiting_of(self, flow: str) -> int:
+        """How many of ``flow``'s calls wait, at every priority."""
+        return sum(len(flows.get(flow, ())) for flows in self._queues)
 
     def retry_after_s(self) -> int:
         """Whole seconds a shed client should wait: the queue ahead of it drained at the recent
@@ -158,32 +185,36 @@ class Admission:
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(estimate)))
 
     @contextlib.asynccontextmanager
-    async def slot(self, priority: Priority = Priority.NORMAL) -> AsyncIterator[Ticket]:
+    async def slot(
+        self, priority: Priority = Priority.NORMAL, flow: str = ""
+    ) -> AsyncIterator[Ticket]:
         """``async with admission.slot(priority):`` holds a slot for the block."""
-        ticket = await self.acquire(priority)
+        ticket = await self.acquire(priority, flow)
         try:
             yield ticket
         finally:
             ticket.release()
 
-    async def acquire(self, priority: Priority = Priority.NORMAL) -> Ticket:
-        """A slot, waiting in the queue if need be; ``Overloaded`` when shed or timed out."""
+    async def acquire(self, priority: Priority = Priority.NORMAL, flow: str = "") -> Ticket:
+        """A slot, waiting in the queue if need be; ``Overloaded`` when shed or timed out.
+        ``flow`` is who the call is for (one turn each within a priority)."""
         now = self._clock.now()
         if self.in_flight < self.limit and not self.depth:
             return self._admit(now)
         if self.draining:
             raise self._reject("shutdown", "the gateway is shutting down")
         if self.depth >= self.config.queue.capacity:
-            victim = self._lowest_below(priority)
-            if victim is None:
-                raise self._reject("queue_full", "the queue is full")
-            self._unqueue(victim)
-            self._fail(victim, "queue_full", "shed from a full queue by a higher-priority request")
+            self._make_room(priority, flow)
         loop = asyncio.get_running_loop()
         timeout_s = self.config.queue.timeout_ms / 1000
-        waiter = _Waiter(loop.create_future(), priority, now, now + timeout_s)
+        waiter = _Waiter(loop.create_future(), priority, flow, now, now + timeout_s)
         waiter.timer = loop.call_later(timeout_s, self._on_timer, waiter)
-        self._queues[priority].append(waiter)
+        flows = self._queues[priority]
+        if flow in flows:
+            flows[flow].append(waiter)
+        else:
+            flows[flow] = deque((waiter,))  # a new flow takes its turn after those waiting
+        self._depths[priority] += 1
         self.depth += 1
         try:
             await waiter.future
@@ -203,7 +234,7 @@ class Admission:
 
         Called by the waiters' timers; a test calls it after advancing a fake clock."""
         now = self._clock.now()
-        due = [w for q in self._queues for w in q if w.deadline <= now]
+        due = [w for w in self._waiters() if w.deadline <= now]
         for waiter in due:
             self._unqueue(waiter)
             self._fail(waiter, "queue_timeout", "timed out in the queue")
@@ -212,7 +243,7 @@ class Admission:
     def drain(self) -> int:
         """Shutdown: refuse every waiter now, and queue nobody from here on; how many."""
         self.draining = True
-        waiting = [w for q in self._queues for w in q]
+        waiting = list(self._waiters())
         for waiter in waiting:
             self._unqueue(waiter)
             self._fail(waiter, "shutdown", "the gateway is shutting down")
@@ -220,7 +251,7 @@ class Admission:
 
     def shed_waiting(self, below: Priority, reason: str = "throttle") -> int:
         """Fail every queued waiter of a priority below ``below``; how many (a ``shed`` rule)."""
-        victims = [w for p in Priority if p < below for w in self._queues[p]]
+        victims = [w for w in self._waiters() if w.priority < below]
         for waiter in victims:
             self._unqueue(waiter)
             self._fail(waiter, reason, "shed to protect the backend")
@@ -240,30 +271,59 @@ class Admission:
         self._grant()
 
     def _grant(self) -> None:
-        """Hand free slots to queued waiters, highest priority first.  The slot is taken here,
-        when the waiter is woken, so that no newcomer slips in before it resumes."""
-        for queue in reversed(self._queues):
-            while queue and self.in_flight < self.limit:
-                waiter = queue.popleft()
+        """Hand free slots to queued waiters, highest priority first, each waiting flow in
+        turn.  The slot is taken here, when the waiter is woken, so that no newcomer slips in
+        before it resumes."""
+        for flows in reversed(self._queues):
+            while flows and self.in_flight < self.limit:
+                flow = next(iter(flows))
+                waiters = flows.pop(flow)
+                waiter = waiters.popleft()
+                if waiters:
+                    flows[flow] = waiters  # its next call waits for the others' turns
                 waiter.queued = False
+                self._depths[waiter.priority] -= 1
                 self.depth -= 1
                 if waiter.future.done():
                     continue  # cancelled, its task not yet resumed: it is leaving anyway
                 self.in_flight += 1
                 waiter.future.set_result(None)
 
-    def _lowest_below(self, priority: Priority) -> _Waiter | None:
+    def _make_room(self, priority: Priority, flow: str) -> None:
+        """Shed a waiter for a newcomer at a full queue, or refuse the newcomer: the newest
+        waiter of the largest flow of the lowest priority below the newcomer's; else, at its
+        own priority, of the largest flow when that holds two more than the newcomer's."""
         for p in Priority:
             if p >= priority:
-                return None
-            if self._queues[p]:
-                return self._queues[p][-1]
-        return None
+                break
+            if flows := self._queues[p]:
+                self._shed_newest(_largest(flows), "queue_full", "by a higher-priority request")
+                return
+        flows = self._queues[priority]
+        if flows:
+            largest = _largest(flows)
+            if largest[-1].flow != flow and len(largest) > len(flows.get(flow, ())) + 1:
+                self._shed_newest(largest, "queue_share", "to share it between tenants")
+                return
+        raise self._reject("queue_full", "the queue is full")
+
+    def _shed_newest(self, waiters: deque[_Waiter], reason: str, why: str) -> None:
+        victim = waiters[-1]
+        self._unqueue(victim)
+        self._fail(victim, reason, f"shed from a full queue {why}")
+
+    def _waiters(self) -> Iterator[_Waiter]:
+        return (w for flows in self._queues for waiters in flows.values() for w in waiters)
 
     def _unqueue(self, waiter: _Waiter) -> None:
         if waiter.queued:
             waiter.queued = False
-            self._queues[waiter.priority].remove(waiter)
+            flows = self._queues[waiter.priority]
+            waiters = flows[waiter.flow]
+            waiters.remove(waiter)
+            if not waiters:
+                del flows[waiter.flow]
+            self._depths[waiter.priority] -= 1
             self.depth -= 1
 
     def _abandon(self, waiter: _Waiter) -> None:

@@ -71,12 +71,14 @@ class BackendGuard:
         self._metrics = metrics
         self._shed = {
             reason: metrics.shed.labels(backend, reason)
-            for reason in ("queue_full", "queue_timeout", "throttle", "circuit_open")
+            for reason in ("queue_full", "queue_share", "queue_timeout", "throttle", "circuit_open")
         }
         self._wait = metrics.queue_wait.labels(backend)
+        self._fair = False
 
     def configure(self, backend: Backend, *, needs_admission: bool) -> None:
         """Apply a (re)loaded backend definition; state in flight is kept."""
+        self._fair = backend.queue.fairness == "tenant"
         if backend.max_concurrency is not None or needs_admission:
             config = AdmissionConfig(
                 backend.max_concurrency or UNLIMITED_CONCURRENCY, backend.queue
@@ -139,8 +141,9 @@ class BackendGuard:
         )
 
     # -- a call --------------------------------------------------------------------------
-    async def enter(self, priority: Priority) -> Pass:
-        """A slot and a breaker permit for one call, or the refusal raised."""
+    async def enter(self, priority: Priority, tenant: str = "", client: str = "") -> Pass:
+        """A slot and a breaker permit for one call, or the refusal raised.  The call's named
+        ``tenant``, else its ``client`` address, is its flow in a fair queue."""
         if self._rps is not None:
             now = self._clock.now()
             self._rps.refill(now)
@@ -153,7 +156,10 @@ class BackendGuard:
             # Refused before queueing: nothing waits for a breaker that says no.
             self._shed["circuit_open"].inc()
             permit = breaker.acquire()  # raises CircuitOpen, with when to retry
-        ticket = await self.admission.acquire(priority) if self.admission is not None else None
+        ticket = None
+        if self.admission is not None:
+            flow = ("t:" + tenant if tenant else "a:" + client) if self._fair else ""
+            ticket = await self.admission.acquire(priority, flow)
         if breaker is not None and permit is None:
             try:
                 permit = breaker.acquire()

@@ -173,7 +173,7 @@ class Resilience:
                 return Moved("throttle", guard.shed(f"rule {decision.rule!r} sheds load"))
             queued = time.perf_counter() if record is not None else 0.0
             try:
-                passed = await guard.enter(priority)
+                passed = await guard.enter(priority, call.tenant, call.client)
             except CircuitOpen as exc:
                 return Moved("circuit_open", exc)
             except Overloaded as exc:

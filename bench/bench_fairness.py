@@ -1,0 +1,204 @@
+"""A tenant flooding a backend's queue, and what another tenant gets: ``queue.fairness``.
+
+    python -m bench.bench_fairness [--duration 5] [--rounds 3] [--flood 96]
+
+A backend that serves each call in ``SERVICE_MS`` and, behind the gateway, at most
+``CONCURRENCY`` at once (``max_concurrency``; a queue of ``CAPACITY``).  Tenant ``acme``
+floods it: ``--flood`` connections in a closed loop, each sending its next call as soon as
+the last is answered (after a 503, after ``RETRY_MS``).  Tenant ``globex`` sends one call
+at a time on one connection.  Measured for ``globex``: latency (p50, p99) and the share of
+its calls refused; for ``acme``: answers a second.  The paths, taking turns in each round:
+
+- direct: ``globex`` alone, straight to the backend (no queue at all);
+- gateway, alone: ``globex`` alone through the gateway;
+- gateway ``fifo``, flooded: first come, first served (the queue before this bench);
+- gateway ``tenant``, flooded: the default, each waiting tenant in turn.
+
+The backend, the clients and this bench share one event loop; the gateway is its own
+process (``gateway serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from bench.common import machine, update_section
+from bench.plumbing import CHAT, gateway, pcts, serving
+
+SERVICE_MS = 20.0
+CONCURRENCY = 4
+CAPACITY = 64
+RETRY_MS = 50.0
+KEYS = {"acme": "acme-bench-key", "globex": "globex-bench-key"}
+
+
+class Server:
+    """Answers each call after ``SERVICE_MS``, as a model busy for that long would."""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(SERVICE_MS / 1000)
+        return web.json_response({"id": "c", "object": "chat.completion", "choices": []})
+
+
+class Client:
+    """One keep-alive connection of one tenant, with next to no cost of its own."""
+
+    def __init__(self, url: str, tenant: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        body = json.dumps(CHAT).encode()
+        self.request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+            b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (KEYS[tenant].encode(), len(body), body)
+        )
+
+    async def __aenter__(self) -> Client:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.writer.close()
+
+    async def post(self) -> int:
+        self.writer.write(self.request)
+        head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        length = 0
+        for line in head.split("\r\n")[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        await self.reader.readexactly(length)
+        return int(head.split()[1])
+
+
+def policy(url: str, fairness: str) -> dict[str, Any]:
+    keys = [
+        {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
+        for name, key in KEYS.items()
+    ]
+    queue = {"capacity": CAPACITY, "timeout_ms": 10_000, "fairness": fairness}
+    return {
+        "backends": {"main": {"url": url, "max_concurrency": CONCURRENCY, "queue": queue}},
+        "routes": [{"match": {"path": "/v1/*"}, "backend": "main"}],
+        "tenants": {"keys": keys},
+    }
+
+
+async def run(url: str, duration_s: float, flood: int) -> dict[str, float]:
+    """``globex`` one call at a time for ``duration_s`` while ``flood`` connections of
+    ``acme`` (none: alone) keep the backend busy."""
+    stop = time.perf_counter() + duration_s
+    latencies: list[float] = []
+    refused = 0
+    flooded = {"answered": 0, "refused": 0}
+
+    async def acme() -> None:
+        async with Client(url, "acme") as client:
+            while time.perf_counter() < stop:
+                if await client.post() == 200:
+                    flooded["answered"] += 1
+                else:
+                    flooded["refused"] += 1
+                    await asyncio.sleep(RETRY_MS / 1000)
+
+    async def globex() -> None:
+        nonlocal refused
+        await asyncio.sleep(0.5 if flood else 0)  # the flood fills the queue first
+        async with Client(url, "globex") as client:
+            while time.perf_counter() < stop:
+                started = time.perf_counter()
+                status = await client.post()
+                if status == 200:
+                    latencies.append((time.perf_counter() - started) * 1000)
+                else:
+                    refused += 1
+                    await asyncio.sleep(RETRY_MS / 1000)
+
+    began = time.perf_counter()
+    await asyncio.gather(globex(), *(acme() for _ in range(flood)))
+    elapsed = time.perf_counter() - began
+    p50, p99, _ = pcts(latencies) if latencies else (float("nan"),) * 3
+    asked = len(latencies) + refused
+    return {
+        "p50": p50,
+        "p99": p99,
+        "calls": float(len(latencies)),
+        "refused": 100.0 * refused / asked if asked else 0.0,
+        "acme_rps": flooded["answered"] / elapsed,
+        "acme_refused": flooded["refused"] / elapsed,
+    }
+
+
+async def main(duration_s: float, rounds: int, flood: int) -> list[str]:
+    results: dict[str, list[dict[str, float]]] = {}
+    async with serving(Server().app()) as (backend,):
+        async with (
+            gateway(policy(backend, "fifo")) as fifo,
+            gateway(policy(backend, "tenant")) as fair,
+        ):
+            flooding = f"acme flooding ({flood} conn)"
+            paths: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
+                ("direct, globex alone", lambda: run(backend, duration_s, 0)),
+                ("gateway, globex alone", lambda: run(fair, duration_s, 0)),
+                (f"gateway `fifo`, {flooding}", lambda: run(fifo, duration_s, flood)),
+                (f"gateway `tenant`, {flooding}", lambda: run(fair, duration_s, flood)),
+            ]
+            for _ in range(rounds):
+                for name, measure in paths:
+                    results.setdefault(name, []).append(await measure())
+                    await asyncio.sleep(0.5)  # the gateway's queue empties between paths
+    lines = [
+        "| path | globex p50 ms | globex p99 ms | globex calls answered | globex refused | "
+        "acme answers/s | acme refused/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+
+        def med(key: str, runs: list[dict[str, float]] = runs) -> float:
+            return statistics.median(r[key] for r in runs)
+
+        lines.append(
+            f"| {name} | {med('p50'):.1f} | {med('p99'):.1f} | {med('calls'):.0f} | "
+            f"{med('refused'):.1f}% | {med('acme_rps'):.0f} | {med('acme_refused'):.0f} |"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flood", type=int, default=96)
+    args = parser.parse_args()
+    table = asyncio.run(main(args.duration, args.rounds, args.flood))
+    print("\n".join(table))
+    command = (
+        f"python -m bench.bench_fairness --duration {args.duration:g} --rounds {args.rounds} "
+        f"--flood {args.flood}"
+    )
+    update_section(
+        "fairness",
+        "## Fair queuing between tenants (`queue.fairness`)\n\n"
+        f"`{command}` on {machine()}. A backend serving each call in {SERVICE_MS:g} ms, at most "
+        f"{CONCURRENCY} at once behind the gateway (`max_concurrency: {CONCURRENCY}`, a queue "
+        f"of {CAPACITY}); tenant acme floods it ({args.flood} connections in a closed loop, "
+        f"each refused call retried after {RETRY_MS:g} ms); tenant globex sends one call at a "
+        "time on one connection. Each figure is the median over the rounds, in which the "
+        "paths take turns; latency is over globex's answered calls.\n\n" + "\n".join(table),
+    )
