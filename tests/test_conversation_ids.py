@@ -7,7 +7,6 @@ socket that keeps conversations as the Conversations API does."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 from gateway.openai.bound_ids import CONVERSATION, ResponseIds
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
-from tests.test_response_ids import ALICE, BOB, SECRET, Store, policy, round_robin, sdk
+from tests.test_response_ids import ALICE, BOB, SECRET, Store, held_policy, round_robin, sdk
 
 
 def said(text: str) -> list[Any]:
@@ -183,12 +182,7 @@ async def test_a_tenant_held_to_some_models_keeps_conversations_once_ids_are_bou
     ids are bound to it, and is refused the paths (a 403) without the secret."""
     store = Store()
     url = await serve_app(store.app())
-    digest = hashlib.sha256(ALICE.encode()).hexdigest()
-    secret = f"response_id_secret: {SECRET}, " if bound else ""
-    text = policy(url, secret="") + (
-        f"tenants: {{{secret}keys: [{{name: alice, sha256: {digest}, models: [m]}}]}}\n"
-    )
-    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    gw = await start_gateway(policy=write_policy(tmp_path, held_policy(url, bound=bound)))
     async with sdk(gw, ALICE) as alice:
         if not bound:
             with pytest.raises(openai.PermissionDeniedError):

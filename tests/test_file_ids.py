@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gateway.sim import SimConfig, start_sim
 from tests.helpers import metric, write_policy
-from tests.test_response_ids import ALICE, BOB, policy, round_robin, sdk
+from tests.test_response_ids import ALICE, BOB, held_policy, policy, round_robin, sdk
 
 JSONL = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
 
@@ -688,6 +688,40 @@ async def test_another_tenant_is_refused_every_vector_store_and_its_files(kept):
                 await call
             assert refused.value.code == "file_not_found"
     assert len(server.asked) == asked  # the server never asked
+
+
+@pytest.mark.parametrize("bound", [True, False])
+async def test_a_tenant_held_to_some_models_keeps_files_and_stores_once_ids_are_bound(
+    serve_app, start_gateway, tmp_path, bound
+):
+    """A file, an upload or a vector store runs no model the client names: a tenant held to
+    some models may keep its own once ids are bound to it (and use them with its models), and
+    is refused the paths (a 403) without the secret.  A batch runs the models its file names,
+    which the gateway cannot read: refused either way."""
+    server = Files()
+    url = await serve_app(server.app())
+    gw = await start_gateway(policy=write_policy(tmp_path, held_policy(url, bound=bound)))
+    async with sdk(gw, ALICE) as alice:
+        if not bound:
+            with pytest.raises(openai.PermissionDeniedError):
+                await alice.files.create(file=("a.txt", b"a"), purpose="assistants")
+            return
+        made = await alice.files.create(file=("a.txt", b"a"), purpose="assistants")
+        assert (await alice.files.content(made.id)).content == b"a"
+        store = await alice.vector_stores.create(name="docs", file_ids=[made.id])
+        assert [hit.file_id for hit in (await alice.vector_stores.search(store.id, query="a")).data]
+        given: Any = [{"role": "user", "content": [{"type": "input_file", "file_id": made.id}]}]
+        assert (await alice.responses.create(model="m", input=given)).output_text == (
+            "read file-0001"
+        )
+        with pytest.raises(openai.NotFoundError):
+            await alice.responses.create(model="other", input=given)
+        with pytest.raises(openai.PermissionDeniedError):
+            await alice.batches.create(
+                input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        await alice.files.delete(made.id)
+    assert not any(path.startswith("/v1/batches") for _, path in server.asked)
 
 
 async def test_a_tool_taking_a_file_id_and_the_clients_own_metadata_pass_as_they_are(kept):

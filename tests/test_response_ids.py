@@ -204,6 +204,15 @@ def policy(url: str, secret: str = SECRET) -> str:
     return f"backends: {{main: {{url: '{url}'}}}}\nroutes: [{{backend: main}}]\n{tenants}"
 
 
+def held_policy(url: str, *, bound: bool) -> str:
+    """A policy where ALICE is a tenant held to the model ``m``, ids bound or not."""
+    digest = hashlib.sha256(ALICE.encode()).hexdigest()
+    secret = f"response_id_secret: {SECRET}, " if bound else ""
+    return policy(url, secret="") + (
+        f"tenants: {{{secret}keys: [{{name: alice, sha256: {digest}, models: [m]}}]}}\n"
+    )
+
+
 def round_robin(urls: list[str]) -> str:
     """A policy binding ids, over one backend of ``urls`` taken in turn."""
     return (
@@ -449,12 +458,7 @@ async def test_a_tenant_held_to_some_models_reads_its_own_responses_once_ids_are
     the model check."""
     store = Store()
     url = await serve_app(store.app())
-    digest = hashlib.sha256(ALICE.encode()).hexdigest()
-    secret = f"response_id_secret: {SECRET}, " if bound else ""
-    text = policy(url, secret="") + (
-        f"tenants: {{{secret}keys: [{{name: alice, sha256: {digest}, models: [m]}}]}}\n"
-    )
-    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    gw = await start_gateway(policy=write_policy(tmp_path, held_policy(url, bound=bound)))
     async with sdk(gw, ALICE) as alice:
         made = (await alice.responses.create(model="m", input="hi")).id
         with pytest.raises(openai.NotFoundError):

@@ -277,6 +277,33 @@ def test_the_checks_read_the_model_as_the_backend_does():
         allowed.check("GET", "/v1/chat/completions", None)
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/files",
+        "/v1/files/file-1~e~t/content",
+        "/v1/uploads/upload_1~e~t/complete",
+        "/v1/vector_stores/vs_1~e~t/search",
+        "/v1/containers",
+        "/v1/containers/cntr_1~e~t/files/cfile_1/content",
+        "/v1/conversations/conv_1~e~t/items",
+    ],
+)
+def test_objects_bound_to_their_tenant_run_no_model_and_pass_once_bound(path):
+    """With ids bound (``response_id_secret``), a held tenant keeps its own files, uploads,
+    vector stores, containers and conversations (each id checked by its stage); without,
+    such a path is refused like any path naming no model."""
+    AllowedModels(["m"], own_responses=True).check("POST", path, None)
+    with pytest.raises(PathNotAllowed):
+        AllowedModels(["m"]).check("POST", path, None)
+
+
+@pytest.mark.parametrize("path", ["/v1/batches", "/v1/batches/batch_1~e~t", "/v1/fine_tuning/jobs"])
+def test_a_batch_or_a_fine_tune_runs_models_the_gateway_cannot_read_and_stays_refused(path):
+    with pytest.raises(PathNotAllowed):
+        AllowedModels(["m"], own_responses=True).check("POST", path, None)
+
+
 def test_a_tenants_models_are_given_once_and_are_not_empty():
     key = digest("k")
     found = problems_of(

@@ -40,6 +40,11 @@ OWN_RESPONSE = re.compile(r"/v1/responses/resp_[^/]+(?:/cancel|/input_items)?")
 names a model in its body."""
 OWN_CONVERSATION = re.compile(r"/v1/conversations(?:/conv_[^/]+(?:/items(?:/[^/]+)?)?)?")
 """The Conversations API's paths: making one, and one's own paths and items (no model)."""
+OWN_OBJECTS = re.compile(r"/v1/(?:files|uploads|vector_stores|containers)(?:/.*)?")
+"""Files, uploads, vector stores and code containers, and everything below them: bound to
+their tenant like responses (``file_ids``), and none runs a model the client names.  Not
+``/v1/batches``: a batch runs the models its input file names, which the gateway cannot
+read."""
 TF_SERVING_VERB = re.compile(r":(predict|classify|regress)\Z")
 """What TF Serving's ``<m>:predict`` adds to a model's name (an OpenAI id may hold ``:``)."""
 _STALE_AFTER_CUT = frozenset({"etag", "content-md5", "digest", "last-modified"})
@@ -78,7 +83,8 @@ class AllowedModels:
     With ``own_responses`` (``tenants.response_id_secret`` set), the tenant may also read,
     cancel and delete its stored responses (``OWN_RESPONSE``): their ids are bound to its
     credentials (``response_ids``), and each was made under the model check; and it may
-    keep conversations (``OWN_CONVERSATION``), bound to it alike, which run no model."""
+    keep conversations (``OWN_CONVERSATION``), files, uploads, vector stores and code
+    containers (``OWN_OBJECTS``), bound to it alike, which run no model it names."""
 
     __slots__ = ("_matchers", "globs", "own_responses")
 
@@ -105,7 +111,9 @@ class AllowedModels:
                 return
             raise PathNotAllowed(f"this key may only read {LISTING} (GET)")
         if self.own_responses and (
-            OWN_RESPONSE.fullmatch(path) is not None or OWN_CONVERSATION.fullmatch(path)
+            OWN_RESPONSE.fullmatch(path) is not None
+            or OWN_CONVERSATION.fullmatch(path) is not None
+            or OWN_OBJECTS.fullmatch(path) is not None
         ):
             return
         found = MODEL_IN_PATH.fullmatch(path)

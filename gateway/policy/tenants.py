@@ -69,8 +69,11 @@ class Tenants:
             "`previous_response_id`) is refused before any backend; a tenant held to some "
             "`models` may then read its own. The id also names the endpoint that stored "
             "it, and a request naming it is sent there. The Conversations API's `conv_...` "
-            "ids alike (`/v1/conversations/<id>` and below, a response's `conversation`). "
-            "At least 16 characters, "
+            "ids alike (`/v1/conversations/<id>` and below, a response's `conversation`), "
+            "and stored chat completions, items, files, uploads, batches, vector stores and "
+            "code containers (docs/models.md); a tenant held to some `models` may then keep "
+            "its own conversations, files, uploads, vector stores and containers (never a "
+            "batch: it runs the models its file names). At least 16 characters, "
             "the same in every replica; from a Secret through `${ENV}`. Empty: ids pass "
             "as the backend wrote them.",
             secret=True,
