@@ -10,6 +10,10 @@ import asyncio
 import hashlib
 from typing import Any
 
+import yaml
+
+from gateway.policy import parse_policy_text
+from gateway.resilience.admission import Priority
 from gateway.resilience.stage import GUARDS
 from gateway.testing import FakeClock
 from gateway.testing.harness import Pipeline
@@ -135,14 +139,17 @@ async def test_a_higher_priority_call_sheds_the_newest_lowest_waiter_of_a_full_q
 KEYS = {"acme": "acme-secret-key", "globex": "globex-secret-key"}
 
 
-def tenants_policy(fairness: str) -> dict[str, Any]:
-    queue = {"capacity": 4, "fairness": fairness}
+def tenants_policy(fairness: str = "tenant", capacity: int = 4, **tenants: Any) -> dict[str, Any]:
+    """Two named tenants, acme and globex (``tenants`` adds to the section: a key's fields
+    by its tenant's name, other keys as they are)."""
+    queue = {"capacity": capacity, "fairness": fairness}
     keys = [
-        {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
+        {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest(), **tenants.pop(name, {})}
         for name, key in KEYS.items()
     ]
     return policy(
-        {"main": {"url": URL, "max_concurrency": 1, "queue": queue}}, tenants={"keys": keys}
+        {"main": {"url": URL, "max_concurrency": 1, "queue": queue}},
+        tenants={"keys": keys, **tenants},
     )
 
 
@@ -187,6 +194,44 @@ async def test_fifo_serves_the_queue_in_arrival_order_and_refuses_at_its_end(pip
     assert [a.status_code for a in await asyncio.gather(*acme)] == [200] * 5
     assert main.arrivals == ["busy", "acme-1", "acme-2", "acme-3", "acme-4"]
     assert gw.metric("gateway_shed_total", backend="main", reason="queue_share") == 0
+
+
+async def test_a_callers_priority_is_capped_whatever_its_x_priority_header_asks(pipeline):
+    """``X-Priority`` is the client's wish: globex (``max_priority: low``) and callers with no
+    listed key (``tenants.max_priority: normal``) asking ``high`` wait behind acme's high."""
+    main = Model("main")
+    main.hold()
+    capped = tenants_policy(capacity=10, globex={"max_priority": "low"}, max_priority="normal")
+    gw = await pipeline(capped, main)
+    admission = admission_of(gw)
+    high = {"X-Priority": "high"}
+    tasks = [started(gw, "busy", headers=as_tenant("acme"))]
+    await until(lambda: main.active == 1)
+    for n, (tag, headers) in enumerate(
+        [
+            ("anonymous-high", high),
+            ("globex-high", {**high, **as_tenant("globex")}),
+            ("acme-normal", as_tenant("acme")),
+            ("acme-high", {**high, **as_tenant("acme")}),
+        ],
+        start=1,
+    ):
+        tasks.append(started(gw, tag, headers=headers))
+        await until(lambda n=n: admission.depth == n)  # type: ignore[misc]
+    assert [admission.depth_of(p) for p in Priority] == [1, 2, 1]
+    main.let(len(tasks))
+    assert [a.status_code for a in await asyncio.gather(*tasks)] == [200] * len(tasks)
+    assert main.arrivals == ["busy", "acme-high", "anonymous-high", "acme-normal", "globex-high"]
+
+
+def test_a_tenants_cap_is_the_lowest_given_on_its_keys():
+    tenants = parse_policy_text(
+        yaml.safe_dump(
+            tenants_policy(globex={"max_priority": "normal"}, acme={"max_priority": "high"})
+        )
+    ).tenants
+    assert tenants.max_priorities() == {"globex": "normal"}
+    assert tenants.max_priority == "high"  # callers without a listed key: as before
 
 
 async def test_a_queued_client_that_disconnects_leaves_the_queue_at_once(pipeline):

@@ -5,12 +5,15 @@ it, a request whose key hashes to a listed ``sha256`` is that tenant: counted by
 every rate limit, and held to its own ``rate_limit`` over all routes.  With
 ``required: true`` only listed keys are served: any other request is a 401 at the edge,
 before the cache (LiteLLM's virtual keys take the same stance).  A tenant's ``models`` holds
-it to the models those globs match (``gateway/openai/allowed_models.py``).
+it to the models those globs match (``gateway/openai/allowed_models.py``); its
+``max_priority`` caps the queue priority its requests get (``X-Priority`` is the client's
+wish, ``resilience.stage.priority_of``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from gateway.policy.metadata import doc
 from gateway.policy.route import RateLimit
@@ -46,6 +49,16 @@ class TenantKey:
             "is a 403. Give it on one of the tenant's keys, or the same on each."
         ),
     )
+    max_priority: Literal["high", "normal", "low"] = field(
+        default="high",
+        metadata=doc(
+            "The highest queue priority the tenant's requests get, whatever the route's "
+            "`priority` or their `X-Priority` header asks: a tenant capped at `normal` "
+            "cannot jump other tenants' queues, shed their waiters from a full queue, or "
+            "pass a `shed` throttle rule by sending `X-Priority: high`. Given on several "
+            "of a tenant's keys, the lowest holds."
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +73,15 @@ class Tenants:
         ),
     )
     keys: tuple[TenantKey, ...] = field(default=(), metadata=doc("The tenants' keys."))
+    max_priority: Literal["high", "normal", "low"] = field(
+        default="high",
+        metadata=doc(
+            "The highest queue priority of a request offering no listed key, whatever the "
+            "route's `priority` or its `X-Priority` header asks (`normal`: such a client "
+            "cannot claim `high`, which jumps queues, sheds other waiters and passes `shed` "
+            "throttle rules)."
+        ),
+    )
     response_id_secret: str = field(
         default="",
         metadata=doc(
@@ -88,6 +110,15 @@ class Tenants:
     def limits(self) -> dict[str, RateLimit]:
         """Each tenant's own rate limit, by name."""
         return {key.name: key.rate_limit for key in self.keys if key.rate_limit is not None}
+
+    def max_priorities(self) -> dict[str, str]:
+        """Each tenant capped below ``high``: its lowest ``max_priority`` over its keys."""
+        order = ("low", "normal", "high")
+        caps: dict[str, str] = {}
+        for key in self.keys:
+            mine = caps.get(key.name, "high")
+            caps[key.name] = min(mine, key.max_priority, key=order.index)
+        return {name: cap for name, cap in caps.items() if cap != "high"}
 
     def models(self) -> dict[str, tuple[str, ...]]:
         """The model globs of each tenant held to some, by name."""

@@ -11,7 +11,8 @@ For each call:
 3. For each candidate, its guard (``guard.py``): the throttle's decision over the
    backend's telemetry (``reroute`` moves on; ``shed`` refuses all but high priority;
    ``limit`` caps concurrency and rate), the circuit breaker, and the admission queue,
-   ordered by the ``X-Priority`` header or the route's ``priority``.  Then the call.
+   ordered by the ``X-Priority`` header or the route's ``priority``, never above the
+   caller's cap (``max_priority``), and fair between tenants.  Then the call.
 4. A refusal (open breaker, throttle, full queue, queue timeout), a timeout, a failed
    connection, or a 5xx or 429 status moves on to the next candidate; a failed reply is
    closed first, which is possible because its status has not reached the client yet.  A
@@ -102,7 +103,11 @@ class Resilience:
         budget: RetryAllowance,
         rates: RateLimits,
         metrics: Metrics,
+        caps: Mapping[str, Priority] | None = None,
+        anonymous_cap: Priority = Priority.HIGH,
     ) -> None:
+        self._caps = caps or {}
+        self._anonymous_cap = anonymous_cap
         self._guards = guards
         self._control = control
         self._budget = budget
@@ -124,7 +129,8 @@ class Resilience:
         return served
 
     async def _serve(self, call: Call, call_next: Handler, candidates: tuple[str, ...]) -> Reply:
-        priority = priority_of(call)
+        cap = self._caps.get(call.tenant, Priority.HIGH) if call.tenant else self._anonymous_cap
+        priority = min(priority_of(call), cap)
         judge = judged(call, call.route.quality)
         reason: str | None = None
         last: Moved | None = None
@@ -253,7 +259,8 @@ async def _close(reply: Reply) -> None:
 
 
 def priority_of(call: Call) -> Priority:
-    """The ``X-Priority`` header (``high``, ``normal``, ``low``) or else the route's."""
+    """The ``X-Priority`` header (``high``, ``normal``, ``low``) or else the route's, before
+    the caller's cap (``tenants.max_priority``, ``tenants.keys[].max_priority``)."""
     header = call.header(PRIORITY_HEADER)
     if header:
         try:
@@ -296,5 +303,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         budget=budget,
         rates=rates,
         metrics=metrics,
+        caps={name: Priority.parse(cap) for name, cap in policy.tenants.max_priorities().items()},
+        anonymous_cap=Priority.parse(policy.tenants.max_priority),
     )
     return [stage]
