@@ -75,6 +75,7 @@ FALLBACK_REASONS = (
     "circuit_open",  # the backend's circuit breaker is open (or busy probing)
     "throttle",  # a throttle rule rerouted or shed the call
     "queue_full",  # the backend's admission queue was full
+    "queue_share",  # shed from a full queue to make room for another tenant's call
     "queue_timeout",  # the call waited in the queue past its timeout
 )
 RETRY_REASONS = frozenset(
