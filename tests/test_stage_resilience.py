@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from typing import Any
 
 import yaml
@@ -232,6 +233,33 @@ def test_a_tenants_cap_is_the_lowest_given_on_its_keys():
     ).tenants
     assert tenants.max_priorities() == {"globex": "normal"}
     assert tenants.max_priority == "high"  # callers without a listed key: as before
+
+
+async def test_a_vllm_backend_is_told_the_gateways_priority_in_place_of_the_clients(pipeline):
+    """``upstream_priority: vllm``: the body carries the call's priority as vLLM's
+    ``priority`` (high -1, normal 0, low 1), capped as the gateway's is, whatever the client
+    wrote there; without it the body goes as written.  No queue is needed for it."""
+    main = Model("main")
+    told = tenants_policy(globex={"max_priority": "normal"})
+    told["backends"]["main"] = {"url": URL, "upstream_priority": "vllm"}
+    told["backends"]["other"] = {"url": "http://other.test"}
+    told["routes"].insert(0, {"match": {"path": "/v1/*", "model": "other"}, "backend": "other"})
+    other = Model("other")
+    gw = await pipeline(told, {"main": main, "other": other})
+    high, jump = {"X-Priority": "high"}, {"priority": -100}
+    for tag, headers, extra in [
+        ("acme-high", {**high, **as_tenant("acme")}, {}),
+        ("acme-low", {"X-Priority": "low", **as_tenant("acme")}, {}),
+        ("globex-high", {**high, **as_tenant("globex")}, jump),  # capped: normal
+        ("plain", as_tenant("acme"), {}),
+    ]:
+        assert (await post(gw, tag, headers=headers, **extra)).status_code == 200
+    assert (await post(gw, "elsewhere", model="other", **jump)).status_code == 200
+    told_priority = {b["messages"][-1]["content"]: b.get("priority") for b in main.bodies}
+    assert told_priority == {"acme-high": -1, "acme-low": 1, "globex-high": 0, "plain": None}
+    assert other.bodies[0]["priority"] == -100  # a backend not told: as the client wrote it
+    raw = [json.loads(s.body) for s in gw.transport.to("main")]
+    assert [b.get("priority") for b in raw] == [-1, 1, 0, None]  # the bytes sent, too
 
 
 async def test_a_queued_client_that_disconnects_leaves_the_queue_at_once(pipeline):

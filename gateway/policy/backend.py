@@ -343,6 +343,19 @@ class Backend:
         ),
     )
     queue: Queue = field(default_factory=Queue, metadata=doc("The queue past `max_concurrency`."))
+    upstream_priority: Literal["none", "vllm"] = field(
+        default="none",
+        metadata=doc(
+            "`vllm`: a chat, completion, embedding or Responses API body sent to this "
+            "backend carries the gateway's priority for the call (the route's or "
+            "`X-Priority`, under the caller's `max_priority`) as vLLM's `priority` (high "
+            "-1, normal 0, low 1; lower runs first), replacing any the client sent, so a "
+            "vLLM started with `--scheduling-policy priority` orders and preempts its own "
+            "queue as the gateway orders its, and no client sets its own place there. "
+            "vLLM without that policy refuses a priority other than 0. `none`: the body "
+            "goes as the client wrote it."
+        ),
+    )
     circuit_breaker: CircuitBreaker | None = field(
         default=None,
         metadata=doc(

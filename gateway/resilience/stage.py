@@ -46,6 +46,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.metrics import Metrics
+from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Quality
 from gateway.resilience.admission import Priority
@@ -78,6 +79,12 @@ FALLBACK_REASONS = (
     "queue_share",  # shed from a full queue to make room for another tenant's call
     "queue_timeout",  # the call waited in the queue past its timeout
 )
+VLLM_PRIORITY = {Priority.HIGH: -1, Priority.NORMAL: 0, Priority.LOW: 1}
+"""The gateway's priorities as vLLM's ``priority`` (lower runs first; 0 is its default)."""
+VLLM_PRIORITY_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
+)
+"""The OpenAI endpoints whose bodies vLLM reads a ``priority`` from."""
 RETRY_REASONS = frozenset(
     {"upstream_5xx", "upstream_429", "timeout", "unavailable", "low_confidence"}
 )
@@ -106,8 +113,10 @@ class Resilience:
         metrics: Metrics,
         caps: Mapping[str, Priority] | None = None,
         anonymous_cap: Priority = Priority.HIGH,
+        vllm_priority: frozenset[str] = frozenset(),
     ) -> None:
         self._caps = caps or {}
+        self._vllm_priority = vllm_priority
         self._anonymous_cap = anonymous_cap
         self._guards = guards
         self._control = control
@@ -120,7 +129,11 @@ class Resilience:
         admitted = await self._rates.admit(call) if self._rates else None
         self._budget.record_request()
         fallback = tuple(b for b in route.fallback if b != call.backend and call.pin is None)
-        if not fallback and call.backend not in self._guards:
+        if (
+            not fallback
+            and call.backend not in self._guards
+            and call.backend not in self._vllm_priority
+        ):
             reply = await call_next(call)
             served = self._served(call, reply, 0, None)
         else:
@@ -191,6 +204,8 @@ class Resilience:
                 # The rule fired while the call waited in the queue: it is rerouted too.
                 passed.release()
                 return Moved("throttle", Overloaded("rerouted", reason="throttle"))
+        if call.backend in self._vllm_priority:
+            call = await with_vllm_priority(call, priority)
         strip = False
         if quality is not None:
             call, strip = await asking_logprobs(call, quality)
@@ -259,6 +274,20 @@ async def _close(reply: Reply) -> None:
         await reply.close()
 
 
+async def with_vllm_priority(call: Call, priority: Priority) -> Call:
+    """``call`` whose body carries ``priority`` as vLLM's ``priority`` field
+    (``backends.<name>.upstream_priority: vllm``), replacing the client's."""
+    data = call.json
+    if data is None or call.method != "POST" or call.path not in VLLM_PRIORITY_PATHS:
+        return call
+    wanted = VLLM_PRIORITY[priority]
+    given = data.get("priority", 0)
+    if type(given) is int and given == wanted:
+        return call  # already so (vLLM's default is 0): nothing to write again
+    asked = {**data, "priority": wanted}
+    return dataclasses.replace(call, json=asked, body=await dumps_yielding(asked, len(call.body)))
+
+
 def priority_of(call: Call) -> Priority:
     """The ``X-Priority`` header (``high``, ``normal``, ``low``) or else the route's, before
     the caller's cap (``tenants.max_priority``, ``tenants.keys[].max_priority``)."""
@@ -292,7 +321,8 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     fleet = getattr(runtime.transport, "endpoint_set", None)  # the real transport's
     control = wire_gpu(policy, registry, metrics, clock, guards, fleet)
     rates = build_rate_limits(policy, registry, clock, metrics)
-    if not (guards or rates or any(r.fallback for r in policy.routes)):
+    vllm_priority = frozenset(b.name for b in policy.backends if b.upstream_priority == "vllm")
+    if not (guards or rates or vllm_priority or any(r.fallback for r in policy.routes)):
         return []
     settings = policy.retry_budget
     budget = registry.get(
@@ -306,5 +336,6 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         metrics=metrics,
         caps={name: Priority.parse(cap) for name, cap in policy.tenants.max_priorities().items()},
         anonymous_cap=Priority.parse(policy.tenants.max_priority),
+        vllm_priority=vllm_priority,
     )
     return [stage]
