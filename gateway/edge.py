@@ -332,6 +332,13 @@ class Edge:
                 entry["first_byte_ms"] = round((first_byte - started) * 1000, 3)
             if tokens is not None:
                 entry["prompt_tokens"], entry["completion_tokens"] = tokens
-            if call is not None and call.record is not None and call.record.cache is not None:
-                entry["log_cache"] = call.record.cache
+            record = call.record if call is not None else None
+            if record is not None and record.cache is not None:
+                entry["log_cache"] = record.cache
+            if record is not None and record.priority is not None:
+                entry["priority"] = record.priority
+            if record is not None and record.queue_wait is not None:
+                entry["queue_wait_ms"] = round(
+                    (record.queue_wait[1] - record.queue_wait[0]) * 1000, 3
+                )
             sys.stderr.write(json.dumps(entry) + "\n")

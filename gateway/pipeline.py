@@ -43,6 +43,8 @@ class Record:
     """When the cache lookup began and ended."""
     queue_wait: tuple[float, float] | None = None
     """When the call joined a backend's admission queue and when it got its slot."""
+    priority: str | None = None
+    """The queue priority the call got (``high``, ``normal``, ``low``), after its cap."""
     batch: tuple[int, float, float] | None = None
     """The size of the batch the call went in, when it waited for company and when it went."""
     throttle: str | None = None

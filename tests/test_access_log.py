@@ -4,6 +4,7 @@ bodies) and the per-backend pool size taken from the policy."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
+from gateway.resilience.stage import GUARDS
 from tests.helpers import CHAT, until, write_policy
 from tests.upstreams import Recorder
 
@@ -171,3 +173,49 @@ async def test_the_access_log_tells_the_cache_result_of_each_request(
         await client.get(gw.url + "/v1/models")
     lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
     assert [line.get("log_cache") for line in lines] == ["miss", "hit:exact", "bypass", "bypass"]
+
+
+async def test_the_access_log_tells_each_calls_priority_and_queue_wait(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    """A call that waited for the backend's one slot is logged with its wait; each with the
+    priority it got (``X-Priority``, else the route's)."""
+    gate, arrived = asyncio.Event(), asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        arrived.set()
+        await gate.wait()
+        return web.json_response({"id": "c", "object": "chat.completion", "choices": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    url = await serve_app(app)
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{url}", max_concurrency: 1}}}}
+        routes: [{{name: chat, match: {{path: "*"}}, backend: main}}]
+        server: {{access_log: true}}
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    admission = gw.gateway.registry.peek(GUARDS, "main").admission
+    async with httpx.AsyncClient() as client:
+        ask = functools.partial(client.post, gw.url + "/v1/chat/completions", json=CHAT)
+        first = asyncio.ensure_future(ask())
+        await arrived.wait()  # the first holds the slot
+        second = asyncio.ensure_future(ask(headers={"X-Priority": "high"}))
+        await until(lambda: admission.depth == 1)
+        await asyncio.sleep(0.05)  # the second has waited at least this long
+        gate.set()
+        assert [(await r).status_code for r in (first, second)] == [200, 200]
+    written = ""
+    for _ in range(100):  # each line is written once its answer is out
+        written += capsys.readouterr().err
+        if written.count('"priority"') == 2:
+            break
+        await asyncio.sleep(0.01)
+    lines = [json.loads(x) for x in written.splitlines() if x.startswith("{")]
+    assert [line["priority"] for line in lines] == ["normal", "high"]
+    assert lines[1]["queue_wait_ms"] >= 50 > lines[0]["queue_wait_ms"] >= 0

@@ -145,6 +145,8 @@ class Resilience:
     async def _serve(self, call: Call, call_next: Handler, candidates: tuple[str, ...]) -> Reply:
         cap = self._caps.get(call.tenant, Priority.HIGH) if call.tenant else self._anonymous_cap
         priority = min(priority_of(call), cap)
+        if call.record is not None:
+            call.record.priority = priority.name.lower()
         judge = judged(call, call.route.quality)
         reason: str | None = None
         last: Moved | None = None

@@ -152,6 +152,8 @@ def record_attributes(record: Record) -> Attributes:
     if record.queue_wait is not None:
         began, ended = record.queue_wait
         attrs["gateway.queue.wait_ms"] = round((ended - began) * 1000, 3)
+    if record.priority is not None:
+        attrs["gateway.priority"] = record.priority
     if record.fallback is not None:
         attrs["gateway.fallback.reason"] = record.fallback
     if record.throttle is not None:
