@@ -185,6 +185,8 @@ async def test_a_tenant_flooding_the_queue_keeps_neither_its_places_nor_its_turn
     assert [a.status_code for a in answers] == [200] * 5
     assert main.arrivals == ["busy", "acme-1", "globex", "acme-2", "acme-3"]
     assert gw.metric("gateway_shed_total", backend="main", reason="queue_share") == 1
+    waited = "gateway_tenant_queue_wait_seconds_count"
+    assert (gw.metric(waited, tenant="acme"), gw.metric(waited, tenant="globex")) == (4, 1)
 
 
 async def test_fifo_serves_the_queue_in_arrival_order_and_refuses_at_its_end(pipeline):

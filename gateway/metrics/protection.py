@@ -119,6 +119,14 @@ class ProtectionFamilies:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.tenant_queue_wait = Histogram(
+            "gateway_tenant_queue_wait_seconds",
+            "Time a named tenant's calls waited for admission to a backend (0 for a call "
+            "admitted at once): the fair queue's turns, seen per tenant.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.rate_limited = Counter(
             "gateway_rate_limited",
             "Requests refused by a route's per-tenant rate limit.",

@@ -40,6 +40,7 @@ class Metrics(TrafficFamilies, CapabilityFamilies, ProtectionFamilies):
         self._token_children: dict[str, tuple[Any, Any]] = {}
         self._tenant_children: dict[tuple[str, int], Any] = {}
         self._tenant_token_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._tenant_wait_children: dict[str, Any] = {}
 
     def count_request(self, route: str, backend: str, status: int) -> None:
         key = (route, backend, status)
@@ -76,6 +77,13 @@ class Metrics(TrafficFamilies, CapabilityFamilies, ProtectionFamilies):
                 )
             pair[0].inc(tokens[0])
             pair[1].inc(tokens[1])
+
+    def tenant_waited(self, tenant: str, seconds: float) -> None:
+        """A named tenant's call was admitted after ``seconds`` in a backend's queue."""
+        child = self._tenant_wait_children.get(tenant)
+        if child is None:
+            child = self._tenant_wait_children[tenant] = self.tenant_queue_wait.labels(tenant)
+        child.observe(seconds)
 
     def route_series(self, route: str, backend: str) -> tuple[Any, Any]:
         """(request_duration, stream_first_byte) children, cached: labels() is slow."""
