@@ -193,15 +193,20 @@ class Resilience:
                 return Moved("throttle", Overloaded("rerouted", reason="throttle"))
             if decision.action == "shed" and priority < Priority.HIGH:
                 return Moved("throttle", guard.shed(f"rule {decision.rule!r} sheds load"))
-            queued = time.perf_counter() if record is not None else 0.0
+            timed = record is not None or call.tenant
+            queued = time.perf_counter() if timed else 0.0
             try:
                 passed = await guard.enter(priority, call.tenant, call.client)
             except CircuitOpen as exc:
                 return Moved("circuit_open", exc)
             except Overloaded as exc:
                 return Moved(exc.reason, exc)
-            if record is not None and passed.ticket is not None:
-                record.queue_wait = (queued, time.perf_counter())
+            if timed and passed.ticket is not None:
+                admitted = time.perf_counter()
+                if record is not None:
+                    record.queue_wait = (queued, admitted)
+                if call.tenant:
+                    self._metrics.tenant_waited(call.tenant, admitted - queued)
             if guard.decision.action == "reroute" and more:
                 # The rule fired while the call waited in the queue: it is rerouted too.
                 passed.release()
