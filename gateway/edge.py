@@ -28,8 +28,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from gateway.cache import feedback
 from gateway.cache.replies import CACHE_HEADER, HIT
-from gateway.errors import GatewayError, Overloaded, SlowReader, UpstreamError
+from gateway.errors import GatewayError, MalformedRequest, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
@@ -39,6 +40,7 @@ from gateway.server.path_case import case_variant
 from gateway.server.path_case import refusal as case_refusal
 from gateway.server.request import Request
 from gateway.snapshot import Live
+from gateway.tenant import scope_hash
 from gateway.transport.forwarding import forwarding_headers
 from gateway.transport.headers import REQUEST_OWNED, is_event_stream, strip
 from gateway.wire import error_body, error_event, error_headers
@@ -121,6 +123,10 @@ class Edge:
                     raise case_refusal(request.method, request.path, known)
                 if snap.policy.server.control_paths == "refuse":
                     self._check_control(request, tenant)
+                if request.path == feedback.FEEDBACK_PATH:
+                    status = 200
+                    await self._feedback(request, snap, request_id)
+                    return
                 call = await self._to_call(request, snap, request_id, started, trace, tenant)
                 reply = await snap.handler(call)
                 access = snap.models.get(call.tenant) if snap.models is not None else None
@@ -154,6 +160,23 @@ class Edge:
             )
             if trace is not None:
                 trace.end(call, reply, status or CLIENT_CLOSED, tokens)
+
+    async def _feedback(self, request: Request, snap: Any, request_id: str) -> None:
+        """``POST /cache/feedback`` (``cache.feedback``): answered by the gateway itself."""
+        if request.method != "POST":
+            refused = MalformedRequest(f"{feedback.FEEDBACK_PATH} takes POST", 405)
+            refused.extra_headers = (("Allow", "POST"),)
+            raise refused
+        scope = scope_hash(request.headers, snap.policy.cache.scope_headers)
+        counted = self._gateway.metrics.cache_feedback
+        given = await feedback.give(
+            self._gateway.registry,
+            scope,
+            request.body,
+            lambda route, verdict: counted.labels(route, verdict).inc(),
+        )
+        headers = [("Content-Type", "application/json"), ("X-Request-ID", request_id)]
+        request.respond(200, headers, json.dumps(given).encode())
 
     def _check_control(self, request: Request, tenant: str) -> None:
         """Refuse a model server's control endpoint (``control_paths``)."""

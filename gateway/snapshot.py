@@ -48,6 +48,7 @@ class Live(Protocol):
 
     snapshot: Snapshot
     metrics: Metrics
+    registry: Registry
     access_log: bool
     inflight_requests: int
 
@@ -55,7 +56,6 @@ class Live(Protocol):
 class Operated(Live, Protocol):
     """What the admin port reads and drives."""
 
-    registry: Registry
     draining: bool
 
     @property

@@ -33,6 +33,8 @@ CACHE_HEADER = "X-Gateway-Cache"
 MATCH_HEADER = "X-Gateway-Cache-Match"
 SIMILARITY_HEADER = "X-Gateway-Cache-Similarity"
 ITEMS_HEADER = "X-Gateway-Cache-Items"
+KEY_HEADER = "X-Gateway-Cache-Key"
+"""Names a whole cached answer's entry, for ``POST /cache/feedback`` (``cache.feedback``)."""
 MAX_RECORDED_BYTES = 4 * 1024 * 1024
 JSON_TYPE = "application/json"
 

@@ -13,8 +13,8 @@ it costs the backend nothing.  For each call on a caching route:
 * every key holds the query string, its parameters in name order;
 * lookup: the exact tier, then SimHash (``semantic.method`` ``simhash`` or ``embedding``),
   then the embedding tier (``embedding_seam``); a hit answers with the stored answer in the
-  shape asked for (SSE or JSON) and ``X-Gateway-Cache: hit``, ``-Match``, ``-Similarity``,
-  ``Age`` and the backend that produced it;
+  shape asked for (SSE or JSON), ``X-Gateway-Cache: hit``, ``-Match``, ``-Similarity``,
+  ``-Key`` (for ``feedback``), ``Age`` and the backend that produced it;
 * a miss is passed on and, when it answers 200 uncompressed, stored under the key of the
   backend that answered: a whole body before the reply leaves this stage, a stream by
   ``replies.Tee`` once it has ended normally (so an entry is visible by the time its
@@ -52,6 +52,7 @@ from gateway.cache.replies import (
     BYPASS,
     CACHE_HEADER,
     HIT,
+    KEY_HEADER,
     MATCH_HEADER,
     MISS,
     NONE,
@@ -81,9 +82,7 @@ if TYPE_CHECKING:
     from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.cache")
-
 EMBEDDING_TIERS: Kind[EmbeddingLookup | None] = Kind("cache-embedding")
-
 STORE_ERROR_LOG_EVERY_S = 10.0
 
 
@@ -351,6 +350,7 @@ class CacheStage:
             (CACHE_HEADER, HIT),
             (MATCH_HEADER, hit.match),
             (SIMILARITY_HEADER, f"{hit.similarity:.3f}"),
+            (KEY_HEADER, hit.key),
             ("Age", str(self._age(hit.entry.created_at))),
         )
         return hit_reply(hit.entry, body, content_type, headers)

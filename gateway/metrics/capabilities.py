@@ -33,6 +33,14 @@ class CapabilityFamilies:
             registry=r,
         )
         self.cache_bytes = Gauge("gateway_cache_bytes", "Bytes in the cache store.", registry=r)
+        self.cache_feedback = Counter(
+            "gateway_cache_feedback",
+            "Clients' verdicts on the cached answers they got (POST /cache/feedback), by "
+            "route and verdict (right, wrong): a wrong one drops the entry. The share of "
+            "wrong is the false-hit rate the route's users report.",
+            ["route", "verdict"],
+            registry=r,
+        )
         self.cache_not_stored = Counter(
             "gateway_cache_not_stored",
             "Answers not stored because the backend's Cache-Control or Vary said so, by reason.",
