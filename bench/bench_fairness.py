@@ -12,7 +12,9 @@ its calls refused; for ``acme``: answers a second.  The paths, taking turns in e
 - direct: ``globex`` alone, straight to the backend (no queue at all);
 - gateway, alone: ``globex`` alone through the gateway;
 - gateway ``fifo``, flooded: first come, first served (the queue before this bench);
-- gateway ``tenant``, flooded: the default, each waiting tenant in turn.
+- gateway ``tenant``, flooded: the default, each waiting tenant in turn;
+- the same with every call of acme's asking ``X-Priority: high``, which jumps the turns;
+- the same with acme capped at ``normal`` (``tenants.keys[].max_priority``).
 
 The backend, the clients and this bench share one event loop; the gateway is its own
 process (``gateway serve``).
@@ -58,14 +60,15 @@ class Server:
 class Client:
     """One keep-alive connection of one tenant, with next to no cost of its own."""
 
-    def __init__(self, url: str, tenant: str) -> None:
+    def __init__(self, url: str, tenant: str, high: bool = False) -> None:
         host, port = url.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)
         body = json.dumps(CHAT).encode()
         self.request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n%s"
             b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (KEYS[tenant].encode(), len(body), body)
+            b"Content-Length: %d\r\n\r\n%s"
+            % (b"X-Priority: high\r\n" if high else b"", KEYS[tenant].encode(), len(body), body)
         )
 
     async def __aenter__(self) -> Client:
@@ -87,11 +90,12 @@ class Client:
         return int(head.split()[1])
 
 
-def policy(url: str, fairness: str) -> dict[str, Any]:
+def policy(url: str, fairness: str, acme_cap: str = "high") -> dict[str, Any]:
     keys = [
         {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
         for name, key in KEYS.items()
     ]
+    keys[0]["max_priority"] = acme_cap
     queue = {"capacity": CAPACITY, "timeout_ms": 10_000, "fairness": fairness}
     return {
         "backends": {"main": {"url": url, "max_concurrency": CONCURRENCY, "queue": queue}},
@@ -100,16 +104,17 @@ def policy(url: str, fairness: str) -> dict[str, Any]:
     }
 
 
-async def run(url: str, duration_s: float, flood: int) -> dict[str, float]:
+async def run(url: str, duration_s: float, flood: int, high: bool = False) -> dict[str, float]:
     """``globex`` one call at a time for ``duration_s`` while ``flood`` connections of
-    ``acme`` (none: alone) keep the backend busy."""
+    ``acme`` (none: alone; ``high``: each call with ``X-Priority: high``) keep the backend
+    busy."""
     stop = time.perf_counter() + duration_s
     latencies: list[float] = []
     refused = 0
     flooded = {"answered": 0, "refused": 0}
 
     async def acme() -> None:
-        async with Client(url, "acme") as client:
+        async with Client(url, "acme", high) as client:
             while time.perf_counter() < stop:
                 if await client.post() == 200:
                     flooded["answered"] += 1
@@ -151,6 +156,7 @@ async def main(duration_s: float, rounds: int, flood: int) -> list[str]:
         async with (
             gateway(policy(backend, "fifo")) as fifo,
             gateway(policy(backend, "tenant")) as fair,
+            gateway(policy(backend, "tenant", acme_cap="normal")) as capped,
         ):
             flooding = f"acme flooding ({flood} conn)"
             paths: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
@@ -158,6 +164,14 @@ async def main(duration_s: float, rounds: int, flood: int) -> list[str]:
                 ("gateway, globex alone", lambda: run(fair, duration_s, 0)),
                 (f"gateway `fifo`, {flooding}", lambda: run(fifo, duration_s, flood)),
                 (f"gateway `tenant`, {flooding}", lambda: run(fair, duration_s, flood)),
+                (
+                    f"gateway `tenant`, {flooding} with `X-Priority: high`",
+                    lambda: run(fair, duration_s, flood, high=True),
+                ),
+                (
+                    "the same, acme's `max_priority: normal`",
+                    lambda: run(capped, duration_s, flood, high=True),
+                ),
             ]
             for _ in range(rounds):
                 for name, measure in paths:
@@ -173,8 +187,12 @@ async def main(duration_s: float, rounds: int, flood: int) -> list[str]:
         def med(key: str, runs: list[dict[str, float]] = runs) -> float:
             return statistics.median(r[key] for r in runs)
 
+        def ms(key: str, runs: list[dict[str, float]] = runs) -> str:
+            answered = [r[key] for r in runs if r["calls"]]  # none answered: no latency
+            return f"{statistics.median(answered):.1f}" if answered else "-"
+
         lines.append(
-            f"| {name} | {med('p50'):.1f} | {med('p99'):.1f} | {med('calls'):.0f} | "
+            f"| {name} | {ms('p50')} | {ms('p99')} | {med('calls'):.0f} | "
             f"{med('refused'):.1f}% | {med('acme_rps'):.0f} | {med('acme_refused'):.0f} |"
         )
     return lines
