@@ -19,6 +19,7 @@ nothing and drops nothing.  The body is at most ``MAX_BODY_BYTES``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gateway.cache.replies import KEY_HEADER
@@ -75,7 +76,9 @@ def parse(body: bytes) -> tuple[str, str]:
     return key, verdict
 
 
-async def give(registry: Registry, scope: str, body: bytes, count: Any) -> dict[str, Any]:
+async def give(
+    registry: Registry, scope: str, body: bytes, count: Callable[[str, str], None]
+) -> dict[str, Any]:
     """Apply one feedback of the caller of ``scope``; what the answer's JSON says.
     ``count(route, verdict)`` counts it."""
     key, verdict = parse(body)
