@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from gateway.pipeline import Headers
+
 _URL_HEADERS = frozenset({"location", "content-location"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-Headers = tuple[tuple[str, str], ...]
 
 
 class Relocation:
