@@ -187,6 +187,23 @@ class Reply(NamedTuple):
         """This reply with ``changes``."""
         return self._replace(**changes)
 
+    def when_done(self, done: Callable[[], None]) -> Reply:
+        """This reply, ``done`` called once it is finished: now for a whole body; after its
+        ``close`` (the stream ended, was cut or was left by its client) for a stream."""
+        if self.stream is None:
+            done()
+            return self
+        inner = self.close
+
+        async def close() -> None:
+            try:
+                if inner is not None:
+                    await inner()
+            finally:
+                done()
+
+        return self._replace(close=close)
+
 
 Handler = Callable[[Call], Awaitable[Reply]]
 

@@ -127,6 +127,20 @@ class ProtectionFamilies:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.tenant_in_flight = Gauge(
+            "gateway_tenant_in_flight",
+            "A named tenant's requests in flight to backends, for each tenant with a "
+            "`max_concurrency` (in this process).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_concurrency_limited = Counter(
+            "gateway_tenant_concurrency_limited",
+            "Requests refused because their named tenant already had its `max_concurrency` "
+            "in flight.",
+            ["tenant"],
+            registry=r,
+        )
         self.rate_limited = Counter(
             "gateway_rate_limited",
             "Requests refused by a route's per-tenant rate limit.",

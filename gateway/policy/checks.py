@@ -92,6 +92,8 @@ def check_tenants(tenants: Tenants) -> Found:
         elif digest in names and names[digest] != key.name:
             found.append((f"keys[{i}].sha256", f"is also tenant {names[digest]!r}'s key"))
         names.setdefault(digest, key.name)
+        if key.max_concurrency is not None and key.max_concurrency < 1:
+            found.append((f"keys[{i}].max_concurrency", "must be at least 1"))
         if key.rate_limit is not None:
             found.extend((f"keys[{i}].{k}", m) for k, m in check_rate_limit(key.rate_limit))
             if limits.setdefault(key.name, key.rate_limit) != key.rate_limit:

@@ -7,7 +7,8 @@ every rate limit, and held to its own ``rate_limit`` over all routes.  With
 before the cache (LiteLLM's virtual keys take the same stance).  A tenant's ``models`` holds
 it to the models those globs match (``gateway/openai/allowed_models.py``); its
 ``max_priority`` caps the queue priority its requests get (``X-Priority`` is the client's
-wish, ``resilience.stage.priority_of``).
+wish, ``resilience.stage.priority_of``); its ``max_concurrency`` caps its calls in flight
+(``resilience/concurrency.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ class TenantKey:
             "cannot jump other tenants' queues, shed their waiters from a full queue, or "
             "pass a `shed` throttle rule by sending `X-Priority: high`. Given on several "
             "of a tenant's keys, the lowest holds."
+        ),
+    )
+    max_concurrency: int | None = field(
+        default=None,
+        metadata=doc(
+            "The most of the tenant's requests in flight to backends at once, in each "
+            "gateway process (a batched or coalesced call counts once; a stream until it "
+            "ends); one more is a 429 `concurrency_limit_exceeded` with `Retry-After`, "
+            "before any rate limit or queue. A rate limit bounds how often a tenant starts "
+            "calls, this how many it holds: long streams cannot take every slot of a "
+            "backend. Counted in `gateway_tenant_in_flight{tenant}`. Given on several of a "
+            "tenant's keys, the lowest holds; none: no cap."
         ),
     )
 
@@ -119,6 +132,14 @@ class Tenants:
             mine = caps.get(key.name, "high")
             caps[key.name] = min(mine, key.max_priority, key=order.index)
         return {name: cap for name, cap in caps.items() if cap != "high"}
+
+    def max_concurrencies(self) -> dict[str, int]:
+        """Each capped tenant's ``max_concurrency``: the lowest over its keys."""
+        caps: dict[str, int] = {}
+        for key in self.keys:
+            if key.max_concurrency is not None:
+                caps[key.name] = min(caps.get(key.name, key.max_concurrency), key.max_concurrency)
+        return caps
 
     def models(self) -> dict[str, tuple[str, ...]]:
         """The model globs of each tenant held to some, by name."""

@@ -64,16 +64,7 @@ def account(call: Call, reply: Reply, passed: Pass, failed: Failed) -> Reply:
         if judged_openai(call) and is_event_stream(reply.headers):
             judge = EVENTS if call.streaming else UNASKED
         stream = _judged_stream(stream, passed, failed, judge)
-    inner = reply.close
-
-    async def close() -> None:
-        try:
-            if inner is not None:
-                await inner()
-        finally:
-            passed.release()
-
-    return reply.replace(stream=stream, close=close)
+    return reply.replace(stream=stream).when_done(passed.release)
 
 
 def judged_openai(call: Call) -> bool:

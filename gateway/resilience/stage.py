@@ -3,8 +3,9 @@ a backend (its calls are already batched and coalesced, so each counts once).
 
 For each call:
 
-1. The rate limits (``rates.py``): a route's per-tenant ``rate_limit`` and a named tenant's
-   own; past one, 429 with ``Retry-After``.
+1. A named tenant's cap on its calls in flight (``concurrency.py``, ``max_concurrency``),
+   then the rate limits (``rates.py``): a route's per-tenant ``rate_limit`` and a named
+   tenant's own; past one, 429 with ``Retry-After``.
 2. The candidates: the call's backend, then the route's ``fallback`` backends in order
    (none for a call pinned to the endpoint that holds what it names, ``Call.pin``: no
    other backend has it).
@@ -51,6 +52,7 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Quality
 from gateway.resilience.admission import Priority
 from gateway.resilience.breaker import Outcome
+from gateway.resilience.concurrency import IN_FLIGHT, InFlight
 from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.health import Failed, account
@@ -114,8 +116,12 @@ class Resilience:
         caps: Mapping[str, Priority] | None = None,
         anonymous_cap: Priority = Priority.HIGH,
         vllm_priority: frozenset[str] = frozenset(),
+        in_flight: InFlight | None = None,
+        max_concurrency: Mapping[str, int] | None = None,
     ) -> None:
         self._caps = caps or {}
+        self._in_flight = in_flight
+        self._max_concurrency = max_concurrency or {}
         self._vllm_priority = vllm_priority
         self._anonymous_cap = anonymous_cap
         self._guards = guards
@@ -125,6 +131,19 @@ class Resilience:
         self._metrics = metrics
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        cap = self._max_concurrency.get(call.tenant) if call.tenant else None
+        if cap is None or self._in_flight is None:
+            return await self._limited(call, call_next)
+        slot = self._in_flight.enter(call.tenant, cap)
+        try:
+            reply = await self._limited(call, call_next)
+        except BaseException:
+            slot.release()
+            raise
+        return slot.holding(reply)
+
+    async def _limited(self, call: Call, call_next: Handler) -> Reply:
+        """The call past its tenant's cap: the rate limits, then the candidates."""
         route = call.route
         admitted = await self._rates.admit(call) if self._rates else None
         self._budget.record_request()
@@ -329,7 +348,14 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     control = wire_gpu(policy, registry, metrics, clock, guards, fleet)
     rates = build_rate_limits(policy, registry, clock, metrics)
     vllm_priority = frozenset(b.name for b in policy.backends if b.upstream_priority == "vllm")
-    if not (guards or rates or vllm_priority or any(r.fallback for r in policy.routes)):
+    max_concurrency = policy.tenants.max_concurrencies()
+    if not (
+        guards
+        or rates
+        or vllm_priority
+        or max_concurrency
+        or any(r.fallback for r in policy.routes)
+    ):
         return []
     settings = policy.retry_budget
     budget = registry.get(
@@ -344,5 +370,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         caps={name: Priority.parse(cap) for name, cap in policy.tenants.max_priorities().items()},
         anonymous_cap=Priority.parse(policy.tenants.max_priority),
         vllm_priority=vllm_priority,
+        in_flight=registry.get(IN_FLIGHT, "", None, functools.partial(InFlight, metrics)),
+        max_concurrency=max_concurrency,
     )
     return [stage]

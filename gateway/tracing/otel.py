@@ -320,19 +320,7 @@ class Tracer:
         if reply.status >= 500:
             span.set_attribute("error.type", str(reply.status))
             span.set_status(Status(StatusCode.ERROR))
-        if reply.stream is None:
-            span.end(end_time=tr.now_ns())
-            return reply
-        release = reply.close
-
-        async def close() -> None:
-            try:
-                if release is not None:
-                    await release()
-            finally:
-                span.end(end_time=tr.now_ns())
-
-        return reply.replace(close=close)
+        return reply.when_done(lambda: span.end(end_time=tr.now_ns()))
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self) -> bool:
