@@ -26,8 +26,9 @@ weights dequantized) and output, and trains it to answer the shipped file's logi
 squared error) on the same pairs, in the same order: ``bench/out/cross-LN-distilled/``.
 ``--epochs N`` makes N passes over the pairs (each in its own seeded order, the learning
 rate decaying over all of them) into ``bench/out/cross-L6-EN/``, shipping nothing
-(docs/caching.md compares 2).  A trial keeps its int8 file's logits on ``qqp_dev.tsv`` beside
-it (``qqp_dev_logits.npy``).
+(docs/caching.md compares 2).  ``--closure`` adds the pairs the training pairs' labels imply
+(``bench/closure.py``) into ``bench/out/cross-L6-closure/``, shipping nothing.  A trial
+keeps its int8 file's logits on ``qqp_dev.tsv`` beside it (``qqp_dev_logits.npy``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.closure import implied
 from bench.onnx_int8 import base_model, export_int8, pin, write_pin
 from bench.train_verifier import DATA, FOLDS, HOLDOUT_FOLD, folds_by_question
 from gateway.cache.calibrate import curve, precision_at_recall
@@ -129,6 +131,7 @@ def train(
     layers: int = LAYERS,
     distill: bool = False,
     epochs: int = EPOCHS,
+    closure: bool = False,
 ) -> object:
     import torch
     from tokenizers import Tokenizer
@@ -144,6 +147,8 @@ def train(
     pairs = read_pairs(DATA / "qqp_train.tsv")
     fold = folds_by_question(pairs, FOLDS)
     used = [p for p, f in zip(pairs, fold, strict=True) if f != HOLDOUT_FOLD]
+    if closure:  # what the training pairs imply, never the held-out tenth's
+        used += implied(used)
     swapped = [rng.random() < 0.5 for _ in used]
     texts = [
         (p.second, p.first) if s else (p.first, p.second)
@@ -275,14 +280,20 @@ def main() -> None:
         default=EPOCHS,
         help="passes over the pairs (the learning rate decays over all): compared, not shipped",
     )
+    parser.add_argument(
+        "--closure",
+        action="store_true",
+        help="add the pairs the labels imply (bench/closure.py): compared, not shipped",
+    )
     args = parser.parse_args()
     if args.distill and args.layers >= LAYERS:
         parser.error("--distill trains a smaller reader: give --layers below 6")
     started = time.perf_counter()
-    trial = args.layers != LAYERS or args.epochs != EPOCHS  # compared, never shipped
+    trial = args.layers != LAYERS or args.epochs != EPOCHS or args.closure  # never shipped
     if trial:
         epochs = "" if args.epochs == EPOCHS else f"-E{args.epochs}"
-        work = OUT / f"cross-L{args.layers}{'-distilled' if args.distill else ''}{epochs}"
+        kind = ("-distilled" if args.distill else "") + ("-closure" if args.closure else "")
+        work = OUT / f"cross-L{args.layers}{kind}{epochs}"
     elif args.steps is not None or args.check:
         work = OUT / "cross-trial"
     else:
@@ -290,7 +301,13 @@ def main() -> None:
     saved = work / "model.pt"
     resume = saved if args.export_only else None
     model = train(
-        base_model(work / "base"), args.steps, resume, args.layers, args.distill, args.epochs
+        base_model(work / "base"),
+        args.steps,
+        resume,
+        args.layers,
+        args.distill,
+        args.epochs,
+        args.closure,
     )
     import torch
 

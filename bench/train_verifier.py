@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.closure import Groups
 from gateway.cache.calibrate import curve, precision_at_recall
 from gateway.cache.embedding.learned import (
     FEATURES,
@@ -51,19 +52,11 @@ CALIBRATION_STEPS = 1000
 
 def folds_by_question(pairs: list[Pair], folds: int) -> np.ndarray:
     """A fold per pair, the pairs that share a question (transitively) in the same one."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    joined = Groups()
     for p in pairs:
-        parent[find(p.first)] = find(p.second)
+        joined.join(p.first, p.second)
     return np.array(
-        [int(hashlib.sha256(find(p.first).encode()).hexdigest(), 16) % folds for p in pairs]
+        [int(hashlib.sha256(joined.find(p.first).encode()).hexdigest(), 16) % folds for p in pairs]
     )
 
 
