@@ -1,6 +1,6 @@
 """A tenant flooding a backend's queue, and what another tenant gets: ``queue.fairness``.
 
-    python -m bench.bench_fairness [--duration 5] [--rounds 3] [--flood 96]
+    python -m bench.bench_fairness [--duration 5] [--rounds 3] [--flood 96] [--holders 8]
 
 A backend that serves each call in ``SERVICE_MS`` and, behind the gateway, at most
 ``CONCURRENCY`` at once (``max_concurrency``; a queue of ``CAPACITY``).  Tenant ``acme``
@@ -14,7 +14,11 @@ its calls refused; for ``acme``: answers a second.  The paths, taking turns in e
 - gateway ``fifo``, flooded: first come, first served (the queue before this bench);
 - gateway ``tenant``, flooded: the default, each waiting tenant in turn;
 - the same with every call of acme's asking ``X-Priority: high``, which jumps the turns;
-- the same with acme capped at ``normal`` (``tenants.keys[].max_priority``).
+- the same with acme capped at ``normal`` (``tenants.keys[].max_priority``);
+- gateway ``tenant``, acme holding long calls (``--holders`` connections, each call taking
+  ``LONG_MS``, as long streams do): the queue shares only the slots that come free;
+- the same with acme's calls in flight capped below the backend's slots
+  (``tenants.keys[].max_concurrency: CONCURRENCY - 1``).
 
 The backend, the clients and this bench share one event loop; the gateway is its own
 process (``gateway serve``).
@@ -40,6 +44,9 @@ SERVICE_MS = 20.0
 CONCURRENCY = 4
 CAPACITY = 64
 RETRY_MS = 50.0
+LONG_MS = 500.0
+"""A long call (a stream of a few hundred tokens): ``model: long``."""
+LONG_MODEL = "long"
 KEYS = {"acme": "acme-bench-key", "globex": "globex-bench-key"}
 
 
@@ -52,18 +59,18 @@ class Server:
         return app
 
     async def chat(self, request: web.Request) -> web.Response:
-        await request.read()
-        await asyncio.sleep(SERVICE_MS / 1000)
+        long = (await request.json()).get("model") == LONG_MODEL
+        await asyncio.sleep((LONG_MS if long else SERVICE_MS) / 1000)
         return web.json_response({"id": "c", "object": "chat.completion", "choices": []})
 
 
 class Client:
     """One keep-alive connection of one tenant, with next to no cost of its own."""
 
-    def __init__(self, url: str, tenant: str, high: bool = False) -> None:
+    def __init__(self, url: str, tenant: str, high: bool = False, long: bool = False) -> None:
         host, port = url.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)
-        body = json.dumps(CHAT).encode()
+        body = json.dumps({**CHAT, "model": LONG_MODEL} if long else CHAT).encode()
         self.request = (
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n%s"
             b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
@@ -90,12 +97,16 @@ class Client:
         return int(head.split()[1])
 
 
-def policy(url: str, fairness: str, acme_cap: str = "high") -> dict[str, Any]:
-    keys = [
+def policy(
+    url: str, fairness: str, acme_cap: str = "high", acme_concurrency: int | None = None
+) -> dict[str, Any]:
+    keys: list[dict[str, Any]] = [
         {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
         for name, key in KEYS.items()
     ]
     keys[0]["max_priority"] = acme_cap
+    if acme_concurrency is not None:
+        keys[0]["max_concurrency"] = acme_concurrency
     queue = {"capacity": CAPACITY, "timeout_ms": 10_000, "fairness": fairness}
     return {
         "backends": {"main": {"url": url, "max_concurrency": CONCURRENCY, "queue": queue}},
@@ -104,17 +115,19 @@ def policy(url: str, fairness: str, acme_cap: str = "high") -> dict[str, Any]:
     }
 
 
-async def run(url: str, duration_s: float, flood: int, high: bool = False) -> dict[str, float]:
+async def run(
+    url: str, duration_s: float, flood: int, high: bool = False, long: bool = False
+) -> dict[str, float]:
     """``globex`` one call at a time for ``duration_s`` while ``flood`` connections of
-    ``acme`` (none: alone; ``high``: each call with ``X-Priority: high``) keep the backend
-    busy."""
+    ``acme`` (none: alone; ``high``: each call with ``X-Priority: high``; ``long``: each
+    call a long one) keep the backend busy."""
     stop = time.perf_counter() + duration_s
     latencies: list[float] = []
     refused = 0
     flooded = {"answered": 0, "refused": 0}
 
     async def acme() -> None:
-        async with Client(url, "acme", high) as client:
+        async with Client(url, "acme", high, long) as client:
             while time.perf_counter() < stop:
                 if await client.post() == 200:
                     flooded["answered"] += 1
@@ -150,15 +163,17 @@ async def run(url: str, duration_s: float, flood: int, high: bool = False) -> di
     }
 
 
-async def main(duration_s: float, rounds: int, flood: int) -> list[str]:
+async def main(duration_s: float, rounds: int, flood: int, holders: int) -> list[str]:
     results: dict[str, list[dict[str, float]]] = {}
     async with serving(Server().app()) as (backend,):
         async with (
             gateway(policy(backend, "fifo")) as fifo,
             gateway(policy(backend, "tenant")) as fair,
             gateway(policy(backend, "tenant", acme_cap="normal")) as capped,
+            gateway(policy(backend, "tenant", acme_concurrency=CONCURRENCY - 1)) as held,
         ):
             flooding = f"acme flooding ({flood} conn)"
+            holding = f"acme holding {LONG_MS:g} ms calls ({holders} conn)"
             paths: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
                 ("direct, globex alone", lambda: run(backend, duration_s, 0)),
                 ("gateway, globex alone", lambda: run(fair, duration_s, 0)),
@@ -171,6 +186,14 @@ async def main(duration_s: float, rounds: int, flood: int) -> list[str]:
                 (
                     "the same, acme's `max_priority: normal`",
                     lambda: run(capped, duration_s, flood, high=True),
+                ),
+                (
+                    f"gateway `tenant`, {holding}",
+                    lambda: run(fair, duration_s, holders, long=True),
+                ),
+                (
+                    f"the same, acme's `max_concurrency: {CONCURRENCY - 1}`",
+                    lambda: run(held, duration_s, holders, long=True),
                 ),
             ]
             for _ in range(rounds):
@@ -203,12 +226,13 @@ if __name__ == "__main__":
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flood", type=int, default=96)
+    parser.add_argument("--holders", type=int, default=8)
     args = parser.parse_args()
-    table = asyncio.run(main(args.duration, args.rounds, args.flood))
+    table = asyncio.run(main(args.duration, args.rounds, args.flood, args.holders))
     print("\n".join(table))
     command = (
         f"python -m bench.bench_fairness --duration {args.duration:g} --rounds {args.rounds} "
-        f"--flood {args.flood}"
+        f"--flood {args.flood} --holders {args.holders}"
     )
     update_section(
         "fairness",
@@ -217,6 +241,8 @@ if __name__ == "__main__":
         f"{CONCURRENCY} at once behind the gateway (`max_concurrency: {CONCURRENCY}`, a queue "
         f"of {CAPACITY}); tenant acme floods it ({args.flood} connections in a closed loop, "
         f"each refused call retried after {RETRY_MS:g} ms); tenant globex sends one call at a "
-        "time on one connection. Each figure is the median over the rounds, in which the "
+        f"time on one connection. In the last two rows acme's {args.holders} connections "
+        f"send long calls instead ({LONG_MS:g} ms each, as long streams are). Each figure "
+        "is the median over the rounds, in which the "
         "paths take turns; latency is over globex's answered calls.\n\n" + "\n".join(table),
     )
