@@ -24,6 +24,7 @@ from gateway.errors import RateLimited, StoreError
 from gateway.policy.model import RateLimit, Redis
 from gateway.redis import REDIS_LINK
 from gateway.redis.health import DOWN_AFTER
+from gateway.resilience.quota import Standing
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
 from gateway.resilience.rate_shared import RATE_LIMIT_REDIS, SharedRateLimiter, local_share
@@ -130,16 +131,18 @@ async def test_the_script_decides_as_the_memory_limiter_does(rates: RedisRates):
         clock.advance(dice.choice((0.0, 0.125, 0.25, 0.5, 2.0)))
         now, estimate = T0 + round(clock.now() * SECOND), dice.choice((0, 20, 90))
         try:
-            memory.check("acme", estimate)
-            expected = 0.0  # admitted
+            standing = memory.check("acme", estimate)
+            expected, told = 0.0, standing.headers()  # admitted
         except RateLimited as exc:
             assert exc.retry_after_s is not None
-            expected = exc.retry_after_s
+            expected, told = exc.retry_after_s, list(exc.extra_headers)
         asked = [(key(rates, REQUESTS), requests, 1.0)]
         if estimate:
             asked.append((key(rates, TOKENS), tokens, float(estimate)))
-        wait = await rates.admit(asked, now)
+        wait, quotas = await rates.decide(asked, now)
         assert (max(1, math.ceil(wait)) if wait else 0.0) == expected
+        in_redis = Standing(quotas[0], quotas[1] if estimate else None).headers()
+        assert in_redis == told[: len(in_redis)]  # the same standing told (x-ratelimit-*)
         if not expected and estimate:
             used = dice.choice((0, 40, 200))
             memory.charge("acme", used - estimate)
@@ -314,6 +317,8 @@ async def test_two_gateways_share_one_count_per_tenant(pipeline: Any, redis_targ
     assert statuses == [200, 200, 200, 429]
     over = await post(a, headers=alice)
     assert over.status_code == 429 and int(over.headers["Retry-After"]) > 1
+    assert over.headers["x-ratelimit-remaining-requests"] == "0"  # told from Redis
+    assert over.headers["x-ratelimit-limit-requests"] == "3"
     assert (await post(b, headers=bob)).status_code == 200
     assert a.metric("gateway_rate_limit_decisions_total", route="chat", store="redis") == 3
     assert b.metric("gateway_rate_limit_decisions_total", route="chat", store="local") == 0
@@ -328,8 +333,10 @@ async def test_tokens_per_minute_settle_on_the_answers_usage_through_redis(
     gw = patient(await pipeline(shared_policy(redis_target, limit), Model("main")))
     tenant = {"Authorization": f"Bearer {uuid.uuid4().hex}"}
     # Each call is estimated at body/4 + max_tokens = about 120 tokens; usage says 14.
-    statuses = [(await post(gw, max_tokens=100, headers=tenant)).status_code for _ in range(6)]
-    assert statuses == [200] * 6  # without settling, the third would be refused
+    answers = [await post(gw, max_tokens=100, headers=tenant) for _ in range(6)]
+    assert [a.status_code for a in answers] == [200] * 6  # unsettled, the third is refused
+    left = int(answers[-1].headers["x-ratelimit-remaining-tokens"])
+    assert 300 - 6 * 14 <= left < 300  # settled on usage (14 each), refilling on Redis's clock
     rates = gw.gateway.registry.peek(RATE_LIMIT_REDIS)
     assert rates is not None and rates.up and rates.link.errors == 0
 

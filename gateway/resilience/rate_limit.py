@@ -4,7 +4,8 @@ A route's optional ``rate_limit: {requests_per_s, tokens_per_min}`` gives each t
 pair of buckets.  ``check`` admits a request only when both buckets can pay for it, else
 raises ``RateLimited`` (429) with the seconds until they could.  Model tokens are known only
 after the answer, so ``check`` takes an estimate and ``charge`` settles the difference; the
-token bucket may go into debt, which later requests wait out.
+token bucket may go into debt, which later requests wait out.  Both tell the tenant's
+standing after them (``quota.py``: the ``x-ratelimit-*`` headers), a refusal too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import RateLimited
 from gateway.policy.route import RateLimit
+from gateway.resilience.quota import Quota, Standing
 
 DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""
@@ -51,6 +53,10 @@ class TokenBucket:
     def full(self) -> bool:
         return self.level >= self.capacity
 
+    def quota(self) -> Quota:
+        """Its standing now (call ``refill`` first)."""
+        return Quota.of(self.capacity, self.level, self.rate_per_s)
+
     def __repr__(self) -> str:
         return f"<TokenBucket {self.level:.1f}/{self.capacity:g} +{self.rate_per_s:g}/s>"
 
@@ -61,6 +67,13 @@ class _Tenant:
     def __init__(self, requests: TokenBucket | None, tokens: TokenBucket | None) -> None:
         self.requests = requests
         self.tokens = tokens
+
+    def standing(self) -> Standing:
+        """Both buckets' standing (refilled by the caller)."""
+        return Standing(
+            None if self.requests is None else self.requests.quota(),
+            None if self.tokens is None else self.tokens.quota(),
+        )
 
 
 class RateLimiter:
@@ -79,35 +92,44 @@ class RateLimiter:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
 
-    def check(self, tenant: str, tokens: float = 0) -> None:
-        """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``."""
+    def check(self, tenant: str, tokens: float = 0) -> Standing:
+        """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``
+        (its headers the tenant's standing); the standing after it."""
         now = self._clock.now()
         state = self._tenants.get(tenant) or self._add(tenant, now)
         wait = 0.0
         if state.requests is not None:
             state.requests.refill(now)
             wait = state.requests.wait_s(1)
-        if state.tokens is not None and tokens > 0:
+        if state.tokens is not None:
             state.tokens.refill(now)
-            wait = max(wait, state.tokens.wait_s(tokens))
+            if tokens > 0:
+                wait = max(wait, state.tokens.wait_s(tokens))
         if wait > 0:
             self.rejected += 1
-            raise RateLimited(
+            refused = RateLimited(
                 f"tenant {tenant!r} is over its rate limit",
                 retry_after_s=float(max(1, math.ceil(wait))),
             )
+            refused.extra_headers = tuple(state.standing().headers())
+            raise refused
         if state.requests is not None:
             state.requests.level -= 1
         if state.tokens is not None and tokens > 0:
             state.tokens.level -= min(tokens, state.tokens.capacity)
+        return state.standing()
 
-    def charge(self, tenant: str, tokens: float) -> None:
+    def charge(self, tenant: str, tokens: float) -> Standing | None:
         """Settle a request's real token use against the estimate ``check`` took: pass the
-        difference (negative refunds).  The bucket may go into debt."""
+        difference (negative refunds).  The bucket may go into debt.  The standing after
+        it (None for a tenant no longer kept)."""
         state = self._tenants.get(tenant)
-        if state is not None and state.tokens is not None:
+        if state is None:
+            return None
+        if state.tokens is not None:
             state.tokens.refill(self._clock.now())
             state.tokens.level = min(state.tokens.capacity, state.tokens.level - tokens)
+        return state.standing()
 
     def _add(self, tenant: str, now: float) -> _Tenant:
         if len(self._tenants) >= self.max_tenants:

@@ -14,7 +14,8 @@ holding its TAT in microseconds and expiring when its bucket is full again (a fu
 is no key).  One decision is one ``EVALSHA`` of ``GCRA`` (redis-py's ``register_script``
 loads it again on ``NOSCRIPT``, after a Redis restart): it reads the route's buckets,
 refuses with the wait if any cannot pay (taking nothing from either), else charges both,
-atomically.  The keys of one call share the hash tag ``{<route>:<tenant>}``, so the call
+atomically, and answers each bucket's level after (``quota.py``: the ``x-ratelimit-*``
+headers).  The keys of one call share the hash tag ``{<route>:<tenant>}``, so the call
 is single-slot on Redis Cluster.  Time is Redis's own (``TIME`` inside the script), so the
 replicas' clocks do not matter; a caller may pass ``now_us`` instead (tests).
 
@@ -36,6 +37,7 @@ from gateway.policy.redis import Redis
 from gateway.redis import RedisLink
 from gateway.redis.keys import tag
 from gateway.redis.link import DEFAULT_RETRY_S
+from gateway.resilience.quota import Quota
 
 DEFAULT_PREFIX = "gw:rl:"
 DEFAULT_BUDGET_S = 0.025
@@ -48,17 +50,19 @@ GCRA = """
 -- ARGV[1]: 'check' (admit all or none) or 'charge' (add, debt allowed, never above full);
 -- ARGV[2]: now in microseconds, or '' for Redis's TIME;
 -- then per key: microseconds per unit, capacity (units), amount (units).
+-- Answers {admitted, wait in ms, then each bucket's level after, in thousandths of a unit}.
 local now = tonumber(ARGV[2])
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local tats, wait = {}, 0
+local tats, held, wait = {}, {}, 0
 for i, key in ipairs(KEYS) do
   local per_unit = tonumber(ARGV[3 * i])
   local capacity = tonumber(ARGV[3 * i + 1])
   local amount = tonumber(ARGV[3 * i + 2])
   local tat = math.max(tonumber(redis.call('GET', key)) or now, now)
+  held[i] = tat
   if ARGV[1] == 'charge' then
     tats[i] = math.max(now, tat + amount * per_unit)
   else
@@ -66,8 +70,16 @@ for i, key in ipairs(KEYS) do
     wait = math.max(wait, tats[i] - now - capacity * per_unit)
   end
 end
+local function levels(answer, times)
+  for i = 1, #KEYS do
+    local per_unit = tonumber(ARGV[3 * i])
+    local capacity = tonumber(ARGV[3 * i + 1])
+    answer[#answer + 1] = math.floor((capacity - (times[i] - now) / per_unit) * 1000)
+  end
+  return answer
+end
 if wait > 1 then -- past a microsecond: the stored times are rounded to one
-  return {0, math.ceil(wait / 1000)}
+  return levels({0, math.ceil(wait / 1000)}, held)
 end
 for i, key in ipairs(KEYS) do
   local ttl_ms = math.ceil((tats[i] - now) / 1000)
@@ -77,7 +89,7 @@ for i, key in ipairs(KEYS) do
     redis.call('DEL', key)
   end
 end
-return {1, 0}
+return levels({1, 0}, tats)
 """
 
 
@@ -142,19 +154,25 @@ class RedisRates:
     ) -> float:
         """Take ``amount`` from each ``(key, bucket, amount)`` if all can pay, atomically:
         0.0 when admitted, else the seconds until they could (nothing taken)."""
-        admitted, wait_ms = await self._run("check", buckets, now_us)
-        return 0.0 if admitted else wait_ms / 1000
+        return (await self.decide(buckets, now_us))[0]
+
+    async def decide(
+        self, buckets: Sequence[tuple[str, Bucket, float]], now_us: int | None = None
+    ) -> tuple[float, list[Quota]]:
+        """``admit``'s wait, and each bucket's standing after the decision."""
+        admitted, wait_ms, quotas = await self._run("check", buckets, now_us)
+        return (0.0 if admitted else wait_ms / 1000), quotas
 
     async def charge(
         self, key: str, bucket: Bucket, amount: float, now_us: int | None = None
-    ) -> None:
+    ) -> Quota:
         """Add ``amount`` (negative refunds) to a bucket whatever it holds: it may go into
-        debt, never above full."""
-        await self._run("charge", [(key, bucket, amount)], now_us)
+        debt, never above full.  Its standing after."""
+        return (await self._run("charge", [(key, bucket, amount)], now_us))[2][0]
 
     async def _run(
         self, mode: str, buckets: Sequence[tuple[str, Bucket, float]], now_us: int | None
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, list[Quota]]:
         args: list[str | float] = [mode, "" if now_us is None else str(now_us)]
         for _, bucket, amount in buckets:
             args += [1_000_000 / bucket.rate_per_s, bucket.capacity, amount]
@@ -163,8 +181,12 @@ class RedisRates:
             f"rate limit {mode}", lambda: self._script(keys=keys, args=args), self.budget_s
         )
         try:
-            admitted, wait_ms = answer
-            return int(admitted), int(wait_ms)
+            admitted, wait_ms, *levels = answer
+            quotas = [
+                Quota.of(bucket.capacity, int(level) / 1000, bucket.rate_per_s)
+                for (_, bucket, _), level in zip(buckets, levels, strict=True)
+            ]
+            return int(admitted), int(wait_ms), quotas
         except (TypeError, ValueError) as exc:  # not the script's answer
             raise StoreError(f"rate limit redis {mode}: unexpected answer {answer!r}") from exc
 

@@ -26,6 +26,7 @@ from gateway.metrics.collectors import RateLimitFigures
 from gateway.policy.redis import Redis
 from gateway.policy.route import RateLimit
 from gateway.redis import shared_link
+from gateway.resilience.quota import Standing
 from gateway.resilience.rate_limit import RateLimiter, request_burst
 from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
 from gateway.state import Kind, Registry
@@ -78,44 +79,50 @@ class SharedRateLimiter:
         """Whether decisions are being made in Redis."""
         return self._rates.up
 
-    async def check(self, tenant: str, tokens: float = 0) -> None:
-        """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``."""
+    async def check(self, tenant: str, tokens: float = 0) -> Standing:
+        """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``
+        (its headers the tenant's standing); the standing after it."""
         buckets = []
         if self._requests is not None:
             buckets.append((self._key(tenant, self._requests), self._requests, 1.0))
         if self._tokens is not None and tokens > 0:
             buckets.append((self._key(tenant, self._tokens), self._tokens, float(tokens)))
         if not buckets:
-            return  # a tokens-only limit, and no tokens to count
+            return Standing()  # a tokens-only limit, and no tokens to count
         if self._rates.usable():
             try:
-                wait = await self._rates.admit(buckets)
+                wait, quotas = await self._rates.decide(buckets)
             except StoreError:
                 pass  # decided locally, below
             else:
                 self.decided["redis"] += 1
+                told = {b.kind: q for (_, b, _), q in zip(buckets, quotas, strict=True)}
+                standing = Standing(told.get(REQUESTS), told.get(TOKENS))
                 if wait > 0:
                     self._refused += 1
-                    raise RateLimited(
+                    refused = RateLimited(
                         f"tenant {tenant!r} is over its rate limit",
                         retry_after_s=float(max(1, math.ceil(wait))),
                     )
-                return
+                    refused.extra_headers = tuple(standing.headers())
+                    raise refused
+                return standing
         self.decided["local"] += 1
-        self.local.check(tenant, tokens)
+        return self.local.check(tenant, tokens)
 
-    async def charge(self, tenant: str, tokens: float) -> None:
+    async def charge(self, tenant: str, tokens: float) -> Standing | None:
         """Settle a request's real token use against the estimate ``check`` took (the
-        difference; negative refunds), where decisions are being made now."""
+        difference; negative refunds), where decisions are being made now; the tokens'
+        standing after it (None when nothing was settled)."""
         if self._tokens is None or tokens == 0:
-            return
+            return None
         if self._rates.usable():
             try:
-                await self._rates.charge(self._key(tenant, self._tokens), self._tokens, tokens)
-                return
+                key = self._key(tenant, self._tokens)
+                return Standing(tokens=await self._rates.charge(key, self._tokens, tokens))
             except StoreError:
                 pass
-        self.local.charge(tenant, tokens)
+        return self.local.charge(tenant, tokens)
 
     def figures(self) -> RateLimitFigures:
         return RateLimitFigures(self.route, self.up, dict(self.decided))

@@ -5,7 +5,8 @@ route's per-tenant ``rate_limit`` (with its addresses' new-credential budgets,
 A call is admitted only when every limit it counts against can pay for it (429 with
 ``Retry-After`` past one); model tokens are estimated up front and settled against the
 answer's ``usage``.  Each limit counts in this process (``rate_limit.py``) or, with
-``store: redis``, across every replica (``rate_shared.py``).
+``store: redis``, across every replica (``rate_shared.py``).  The caller's standing in the
+tightest of its limits is told in the answer's ``x-ratelimit-*`` headers (``quota.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gateway.resilience.credentials import (
     newcomer_limit,
     rate_key_of,
 )
+from gateway.resilience.quota import Standing, tightest
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
 from gateway.state import Kind, Registry
@@ -53,13 +55,19 @@ class Limit:
         return bool(self.own.limit.tokens_per_min)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admitted:
-    """A call the limits admitted: who they counted, and the tokens it was estimated at."""
+    """A call the limits admitted: who they counted, the tokens it was estimated at, and
+    the caller's standing in each limit after it."""
 
     key: RateKey
     limits: tuple[Limit, ...]
     estimate: int
+    standings: list[Standing]
+
+    def headers(self) -> list[tuple[str, str]]:
+        """The ``x-ratelimit-*`` headers: the tightest standing of each kind."""
+        return tightest(self.standings).headers()
 
 
 class RateLimits:
@@ -88,20 +96,21 @@ class RateLimits:
             return None
         key = rate_key_of(call, self._proven)
         estimate = estimate_tokens(call) if any(lim.tokens for lim in limits) else 0
+        standings: list[Standing] = []
         try:
             for limit in limits:
                 tokens = estimate if limit.tokens else 0
                 if key.newcomer is not None and limit.newcomers is not None:
                     await _check(limit.newcomers, key.newcomer, tokens)
-                await _check(limit.own, key.key, tokens)
+                standings.append(await _check(limit.own, key.key, tokens))
         except RateLimited:
             self._metrics.rate_limited.labels(call.route.name).inc()
             raise
-        return Admitted(key, limits, estimate)
+        return Admitted(key, limits, estimate, standings)
 
     async def settle(self, admitted: Admitted, served: Reply) -> None:
         """After the answer: a success proves a new credential, and the token limits'
-        estimate is settled against the answer's ``usage``."""
+        estimate is settled against the answer's ``usage`` (the standings with it)."""
         key = admitted.key
         key.settle(served.status, self._proven)
         if served.body is None or not any(lim.tokens for lim in admitted.limits):
@@ -110,10 +119,12 @@ class RateLimits:
         if used is None:
             return
         difference = sum(used) - admitted.estimate
-        for limit in admitted.limits:
+        for i, limit in enumerate(admitted.limits):
             if not limit.tokens:
                 continue
-            await _charge(limit.own, key.key, difference)
+            after = await _charge(limit.own, key.key, difference)
+            if after is not None and after.tokens is not None:
+                admitted.standings[i] = Standing(admitted.standings[i].requests, after.tokens)
             if key.newcomer is not None and limit.newcomers is not None:
                 await _charge(limit.newcomers, key.newcomer, difference)
 
@@ -176,15 +187,13 @@ def build_rate_limits(
     return RateLimits(routes, tenants, proven, metrics)
 
 
-async def _check(limiter: Limiter, key: str, tokens: float) -> None:
+async def _check(limiter: Limiter, key: str, tokens: float) -> Standing:
     if isinstance(limiter, SharedRateLimiter):
-        await limiter.check(key, tokens)
-    else:
-        limiter.check(key, tokens)
+        return await limiter.check(key, tokens)
+    return limiter.check(key, tokens)
 
 
-async def _charge(limiter: Limiter, key: str, tokens: float) -> None:
+async def _charge(limiter: Limiter, key: str, tokens: float) -> Standing | None:
     if isinstance(limiter, SharedRateLimiter):
-        await limiter.charge(key, tokens)
-    else:
-        limiter.charge(key, tokens)
+        return await limiter.charge(key, tokens)
+    return limiter.charge(key, tokens)

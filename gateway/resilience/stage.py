@@ -57,6 +57,7 @@ from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.health import Failed, account
 from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, parse, strip_logprobs
+from gateway.resilience.quota import without_rate_headers
 from gateway.resilience.rates import RateLimits, build_rate_limits
 from gateway.resilience.retry_budget import RetryAllowance
 from gateway.state import Kind
@@ -159,6 +160,9 @@ class Resilience:
             served = await self._serve(call, call_next, (call.backend, *fallback))
         if admitted is not None:
             await self._rates.settle(admitted, served)
+            told = admitted.headers()
+            if told:  # the caller's standing here, never the backend's key's
+                served = served.replace(headers=without_rate_headers(served.headers) + tuple(told))
         return served
 
     async def _serve(self, call: Call, call_next: Handler, candidates: tuple[str, ...]) -> Reply:
