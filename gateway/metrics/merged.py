@@ -39,6 +39,7 @@ GAUGES: dict[str, Rule] = {
     "gateway_inflight_requests": "sum",
     "gateway_endpoint_inflight": "sum",
     "gateway_queue_depth": "sum",
+    "gateway_tenant_in_flight": "sum",  # each process caps its own
     "gateway_connections": "sum",
     "gateway_workers": "sum",
     "process_resident_memory_bytes": "sum",
