@@ -175,6 +175,8 @@ def test_metric_names_are_the_public_contract():
         "gateway_cache_store_errors",
         "gateway_cache_store_transitions",
         "gateway_cache_store_up",
+        "gateway_client_concurrency_limited",
+        "gateway_client_in_flight",
         "gateway_client_timeouts",
         "gateway_coalesced_requests",
         "gateway_connections",

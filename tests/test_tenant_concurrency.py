@@ -25,15 +25,19 @@ from tests.test_stage_resilience import CHAT, KEYS, URL, as_tenant
 REFUSED_WITHIN_S = 5.0
 
 
-def capped(acme: int | None = 2, **more: Any) -> dict[str, Any]:
-    """acme (capped at ``acme``) and globex (no cap), on one backend with no queue of its own."""
+def capped(acme: int | None = 2, clients: int | None = None, **more: Any) -> dict[str, Any]:
+    """acme (capped at ``acme``) and globex (no cap), on one backend with no queue of its own;
+    callers offering no listed key capped at ``clients`` each (``tenants.max_concurrency``)."""
     keys: list[dict[str, Any]] = [
         {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
         for name, key in KEYS.items()
     ]
     if acme is not None:
         keys[0]["max_concurrency"] = acme
-    return policy({"main": {"url": URL}}, tenants={"keys": keys}, **more)
+    tenants: dict[str, Any] = {"keys": keys}
+    if clients is not None:
+        tenants["max_concurrency"] = clients
+    return policy({"main": {"url": URL}}, tenants=tenants, **more)
 
 
 async def refused(answer: Awaitable[Answer]) -> Answer:
@@ -155,6 +159,40 @@ async def test_a_cached_answer_is_not_a_call_in_flight(pipeline):
     assert (await held).status_code == 200
 
 
+async def test_a_client_offering_no_listed_key_is_capped_by_its_address(pipeline):
+    """``tenants.max_concurrency``: nginx's ``limit_conn`` per address, for callers without a
+    listed key; a named tenant is held to its own cap (none here), not to this one."""
+    main = Model("main")
+    main.hold()
+    gw = await pipeline(capped(None, clients=1), main)
+
+    def asked(tag: str, peer: str, headers: dict[str, str] | None = None) -> Any:
+        return gw.send("POST", CHAT, json=chat(tag), headers=headers or {}, peer=peer)
+
+    held = [asked("first", "10.0.0.1")]
+    try:
+        await until(lambda: main.active == 1)
+        over = await refused(asked("second", "10.0.0.1").done())
+        assert (over.status_code, over.json()["error"]["code"]) == (
+            429,
+            "concurrency_limit_exceeded",
+        )
+        assert "tenants.max_concurrency is 1" in over.json()["error"]["message"]
+        held += [
+            asked("other address", "10.0.0.2"),
+            asked("globex", "10.0.0.1", as_tenant("globex")),  # a named tenant: its own cap
+        ]
+        await until(lambda: main.active == 3)
+        assert gw.metric("gateway_client_in_flight") == 2
+        assert gw.metric("gateway_client_concurrency_limited_total") == 1
+    finally:
+        main.let(len(held))
+    assert [(await e.done()).status_code for e in held] == [200] * 3
+    assert gw.metric("gateway_client_in_flight") == 0
+    main.let()
+    assert (await refused(asked("after", "10.0.0.1").done())).status_code == 200
+
+
 def test_the_lowest_cap_over_a_tenants_keys_holds_and_a_cap_below_one_is_refused():
     text = yaml.safe_dump(capped(3))
     doubled = yaml.safe_load(text)
@@ -164,3 +202,5 @@ def test_the_lowest_cap_over_a_tenants_keys_holds_and_a_cap_below_one_is_refused
     assert parse_policy_text(yaml.safe_dump(capped(None))).tenants.max_concurrencies() == {}
     with pytest.raises(PolicyError, match=r"keys\[0\]\.max_concurrency.*at least 1"):
         parse_policy_text(yaml.safe_dump(capped(0)))
+    with pytest.raises(PolicyError, match=r"tenants\.max_concurrency.*at least 1"):
+        parse_policy_text(yaml.safe_dump(capped(None, clients=0)))

@@ -141,6 +141,18 @@ class ProtectionFamilies:
             ["tenant"],
             registry=r,
         )
+        self.client_in_flight = Gauge(
+            "gateway_client_in_flight",
+            "Requests in flight to backends from clients offering no listed key, when "
+            "`tenants.max_concurrency` caps them (in this process; all addresses together).",
+            registry=r,
+        )
+        self.client_concurrency_limited = Counter(
+            "gateway_client_concurrency_limited",
+            "Requests refused because their client (offering no listed key) already had "
+            "`tenants.max_concurrency` in flight.",
+            registry=r,
+        )
         self.rate_limited = Counter(
             "gateway_rate_limited",
             "Requests refused by a route's per-tenant rate limit.",

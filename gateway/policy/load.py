@@ -24,7 +24,6 @@ from gateway.policy.checks import (
     check_retry_budget,
     check_route,
     check_server,
-    check_tenants,
     check_throttle,
     check_tracing,
     warn_throttle,
@@ -41,6 +40,7 @@ from gateway.policy.model import (
     glob_regex,
 )
 from gateway.policy.redis import Redis, check_redis, effective
+from gateway.policy.tenant_checks import check_tenants
 
 POLICY_SUFFIXES = (".yaml", ".yml")
 _SINGLETONS = (

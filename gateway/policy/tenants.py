@@ -95,6 +95,16 @@ class Tenants:
             "throttle rules)."
         ),
     )
+    max_concurrency: int | None = field(
+        default=None,
+        metadata=doc(
+            "The most requests in flight to backends at once from one client offering no "
+            "listed key, told apart by its address (behind `server.trusted_proxies`, the "
+            "real client's), in each gateway process, as nginx's `limit_conn` per address; "
+            "one more is a 429 `concurrency_limit_exceeded` with `Retry-After`. Counted in "
+            "`gateway_client_in_flight`. None: no cap."
+        ),
+    )
     response_id_secret: str = field(
         default="",
         metadata=doc(

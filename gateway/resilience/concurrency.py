@@ -11,9 +11,14 @@ before any rate limit is charged or any queue is entered (LiteLLM's
 stage until its answer is done: a whole body when it has been read, a stream when it has
 ended, been cut or been left by its client.
 
+A client offering no listed key may be capped too (``tenants.max_concurrency``), counted
+by its address as nginx's ``limit_conn`` counts one (behind ``server.trusted_proxies``, the
+real client's): many connections from one address cannot hold every slot either.
+
 The counts outlive policy reloads (a reload that lowers a cap lets the calls in flight
 finish), and only capped tenants are counted, so ``gateway_tenant_in_flight{tenant}`` has
-one series per capped tenant.
+one series per capped tenant; addresses are no label, so ``gateway_client_in_flight`` is
+their sum.  A key is counted only while it has calls in flight.
 """
 
 from __future__ import annotations
@@ -34,41 +39,59 @@ class ConcurrencyLimited(RateLimited):
 
 
 class InFlight:
-    """The calls in flight per capped tenant, in this process; kept across reloads."""
+    """The calls in flight per capped tenant (or, with ``clients``, per client offering no
+    listed key, by its address), in this process; kept across reloads."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, *, clients: bool = False) -> None:
         self._counts: dict[str, int] = {}
+        self._clients = clients
+        self._total = 0
         self._gauge = metrics.tenant_in_flight
         self._refused = metrics.tenant_concurrency_limited
+        self._clients_gauge = metrics.client_in_flight
+        self._clients_refused = metrics.client_concurrency_limited
 
-    def enter(self, tenant: str, cap: int) -> Slot:
-        """A slot for one of ``tenant``'s calls, or ``ConcurrencyLimited`` past its cap."""
-        held = self._counts.get(tenant, 0)
+    def enter(self, key: str, cap: int) -> Slot:
+        """A slot for one of ``key``'s calls (a tenant's name, or a client's address), or
+        ``ConcurrencyLimited`` past its cap."""
+        held = self._counts.get(key, 0)
         if held >= cap:
-            self._refused.labels(tenant).inc()
+            if self._clients:  # an address is no label: one series for them all
+                self._clients_refused.inc()
+                who, setting = "this client", "tenants.max_concurrency"
+            else:
+                self._refused.labels(key).inc()
+                who, setting = f"tenant {key!r}", "its max_concurrency"
             raise ConcurrencyLimited(
-                f"tenant {tenant!r} already has {held} requests in flight (its "
-                f"max_concurrency is {cap}); retry when one has finished",
+                f"{who} already has {held} requests in flight ({setting} is {cap}); "
+                "retry when one has finished",
                 retry_after_s=RETRY_AFTER_S,
             )
-        self._counts[tenant] = held + 1
-        self._gauge.labels(tenant).set(held + 1)
-        return Slot(self, tenant)
+        self._counts[key] = held + 1
+        self._told(key, held + 1, +1)
+        return Slot(self, key)
 
-    def held(self, tenant: str) -> int:
-        """``tenant``'s calls in flight now."""
-        return self._counts.get(tenant, 0)
+    def held(self, key: str) -> int:
+        """``key``'s calls in flight now."""
+        return self._counts.get(key, 0)
 
-    def _leave(self, tenant: str) -> None:
-        left = self._counts[tenant] - 1
+    def _leave(self, key: str) -> None:
+        left = self._counts[key] - 1
         if left:
-            self._counts[tenant] = left
+            self._counts[key] = left
         else:
-            del self._counts[tenant]
-        self._gauge.labels(tenant).set(left)
+            del self._counts[key]
+        self._told(key, left, -1)
+
+    def _told(self, key: str, held: int, change: int) -> None:
+        self._total += change
+        if self._clients:
+            self._clients_gauge.set(self._total)
+        else:
+            self._gauge.labels(key).set(held)
 
     def __repr__(self) -> str:
-        return f"<InFlight {self._counts}>"
+        return f"<InFlight clients={self._clients} {self._counts}>"
 
 
 class Slot:
@@ -93,3 +116,4 @@ class Slot:
 
 
 IN_FLIGHT: Kind[InFlight] = Kind("tenant_in_flight")
+CLIENTS_IN_FLIGHT: Kind[InFlight] = Kind("client_in_flight")

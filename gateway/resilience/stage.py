@@ -3,9 +3,10 @@ a backend (its calls are already batched and coalesced, so each counts once).
 
 For each call:
 
-1. A named tenant's cap on its calls in flight (``concurrency.py``, ``max_concurrency``),
-   then the rate limits (``rates.py``): a route's per-tenant ``rate_limit`` and a named
-   tenant's own; past one, 429 with ``Retry-After``.
+1. A named tenant's cap on its calls in flight (``concurrency.py``, ``max_concurrency``;
+   for a client offering no listed key, its address's), then the rate limits
+   (``rates.py``): a route's per-tenant ``rate_limit`` and a named tenant's own; past one,
+   429 with ``Retry-After``.
 2. The candidates: the call's backend, then the route's ``fallback`` backends in order
    (none for a call pinned to the endpoint that holds what it names, ``Call.pin``: no
    other backend has it).
@@ -52,7 +53,7 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Quality
 from gateway.resilience.admission import Priority
 from gateway.resilience.breaker import Outcome
-from gateway.resilience.concurrency import IN_FLIGHT, InFlight
+from gateway.resilience.concurrency import CLIENTS_IN_FLIGHT, IN_FLIGHT, InFlight
 from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.health import Failed, account
@@ -119,10 +120,14 @@ class Resilience:
         vllm_priority: frozenset[str] = frozenset(),
         in_flight: InFlight | None = None,
         max_concurrency: Mapping[str, int] | None = None,
+        clients: InFlight | None = None,
+        client_concurrency: int | None = None,
     ) -> None:
         self._caps = caps or {}
         self._in_flight = in_flight
         self._max_concurrency = max_concurrency or {}
+        self._clients = clients
+        self._client_concurrency = client_concurrency
         self._vllm_priority = vllm_priority
         self._anonymous_cap = anonymous_cap
         self._guards = guards
@@ -132,10 +137,13 @@ class Resilience:
         self._metrics = metrics
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
-        cap = self._max_concurrency.get(call.tenant) if call.tenant else None
-        if cap is None or self._in_flight is None:
+        if call.tenant:
+            cap, counts, key = self._max_concurrency.get(call.tenant), self._in_flight, call.tenant
+        else:
+            cap, counts, key = self._client_concurrency, self._clients, call.client
+        if cap is None or counts is None:
             return await self._limited(call, call_next)
-        slot = self._in_flight.enter(call.tenant, cap)
+        slot = counts.enter(key, cap)
         try:
             reply = await self._limited(call, call_next)
         except BaseException:
@@ -353,11 +361,13 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     rates = build_rate_limits(policy, registry, clock, metrics)
     vllm_priority = frozenset(b.name for b in policy.backends if b.upstream_priority == "vllm")
     max_concurrency = policy.tenants.max_concurrencies()
+    client_concurrency = policy.tenants.max_concurrency
     if not (
         guards
         or rates
         or vllm_priority
         or max_concurrency
+        or client_concurrency is not None
         or any(r.fallback for r in policy.routes)
     ):
         return []
@@ -376,5 +386,9 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         vllm_priority=vllm_priority,
         in_flight=registry.get(IN_FLIGHT, "", None, functools.partial(InFlight, metrics)),
         max_concurrency=max_concurrency,
+        clients=registry.get(
+            CLIENTS_IN_FLIGHT, "", None, functools.partial(InFlight, metrics, clients=True)
+        ),
+        client_concurrency=client_concurrency,
     )
     return [stage]
