@@ -134,3 +134,31 @@ async def test_a_backends_own_rate_headers_pass_only_where_no_gateway_limit_appl
         "x-ratelimit-remaining-requests": "9876",
         "x-ratelimit-remaining-tokens": "1999000",
     }
+
+
+async def test_anthropics_messages_api_is_told_in_anthropics_headers(pipeline):
+    """On ``/v1/messages`` the same standing in Anthropic's names, each reset an RFC 3339
+    time (the FakeClock's wall starts at 2023-11-14T22:13:20Z); a 429 alike, and the
+    backend's own ``anthropic-ratelimit-*`` headers are dropped."""
+
+    async def upstream(sent: Sent) -> Reply:
+        answer = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+        return json_reply(answer, 200, (("anthropic-ratelimit-requests-remaining", "4999"),))
+
+    route = {"rate_limit": {"requests_per_s": 1, "burst": 2}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), upstream, clock=FakeClock())
+    message = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    answers = [await gw.post("/v1/messages", message, headers=ALICE) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    told = [
+        {k.lower(): v for k, v in a.headers.items() if "ratelimit" in k.lower()} for a in answers
+    ]
+    assert told == [
+        {
+            "anthropic-ratelimit-requests-limit": "2",
+            "anthropic-ratelimit-requests-remaining": str(left),
+            "anthropic-ratelimit-requests-reset": f"2023-11-14T22:13:2{2 - left}Z",
+        }
+        for left in (1, 0, 0)
+    ]
+    assert answers[2].json()["type"] == "error"  # Anthropic's error shape, as before

@@ -15,7 +15,9 @@ A limit is a token bucket (``rate_limit.py``, or GCRA in Redis, the same bucket)
 ``remaining`` what it holds after this call, and its ``reset`` the time until it is full
 again, in OpenAI's format (``"250ms"``, ``"1s"``, ``"6m0s"``: whole units, which every
 client's parser reads).  Under several limits (a route's and the tenant's own) each kind
-tells the one with the least remaining.
+tells the one with the least remaining.  On Anthropic's Messages API the same figures are
+told as Anthropic tells them: ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}``,
+the reset an RFC 3339 time.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from gateway.errors import RateLimited
 
 HEADER_PREFIX = "x-ratelimit-"
+ANTHROPIC_PREFIX = "anthropic-ratelimit-"
 KINDS = ("requests", "tokens")
 
 
@@ -52,18 +58,39 @@ class Standing:
     requests: Quota | None = None
     tokens: Quota | None = None
 
-    def headers(self) -> list[tuple[str, str]]:
-        """The ``x-ratelimit-*`` headers of the quotas there are."""
+    def headers(self, *, anthropic: bool = False, wall: float = 0.0) -> list[tuple[str, str]]:
+        """The rate headers of the quotas there are: OpenAI's, or Anthropic's (their resets
+        a time, from ``wall``, the epoch seconds now)."""
         out: list[tuple[str, str]] = []
         for kind, quota in zip(KINDS, (self.requests, self.tokens), strict=True):
             if quota is None:
                 continue
-            out += [
-                (f"{HEADER_PREFIX}limit-{kind}", str(math.floor(quota.limit))),
-                (f"{HEADER_PREFIX}remaining-{kind}", str(max(0, math.floor(quota.remaining)))),
-                (f"{HEADER_PREFIX}reset-{kind}", duration(quota.reset_s)),
-            ]
+            limit, left = str(math.floor(quota.limit)), str(max(0, math.floor(quota.remaining)))
+            if anthropic:
+                name = f"{ANTHROPIC_PREFIX}{kind}-"
+                reset = datetime.fromtimestamp(math.ceil(wall + quota.reset_s), UTC)
+                out += [
+                    (name + "limit", limit),
+                    (name + "remaining", left),
+                    (name + "reset", reset.strftime("%Y-%m-%dT%H:%M:%SZ")),
+                ]
+            else:
+                out += [
+                    (f"{HEADER_PREFIX}limit-{kind}", limit),
+                    (f"{HEADER_PREFIX}remaining-{kind}", left),
+                    (f"{HEADER_PREFIX}reset-{kind}", duration(quota.reset_s)),
+                ]
         return out
+
+
+class OverRate(RateLimited):
+    """A limit refused the call: the caller's standing in it rides along, told in the
+    429's headers (OpenAI's until the stage knows the call's API)."""
+
+    def __init__(self, message: str, retry_after_s: float, standing: Standing) -> None:
+        super().__init__(message, retry_after_s)
+        self.standing = standing
+        self.extra_headers = tuple(standing.headers())
 
 
 def tightest(standings: Iterable[Standing]) -> Standing:
@@ -96,5 +123,7 @@ def duration(seconds: float) -> str:
 
 
 def without_rate_headers(headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-    """``headers`` without any ``x-ratelimit-*`` header (a backend's, told in its place)."""
-    return tuple((k, v) for k, v in headers if not k.lower().startswith(HEADER_PREFIX))
+    """``headers`` without any rate header, OpenAI's or Anthropic's (a backend's, told in
+    its place)."""
+    prefixes = (HEADER_PREFIX, ANTHROPIC_PREFIX)
+    return tuple((k, v) for k, v in headers if not k.lower().startswith(prefixes))

@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.errors import RateLimited
 from gateway.policy.route import RateLimit
-from gateway.resilience.quota import Quota, Standing
+from gateway.resilience.quota import OverRate, Quota, Standing
 
 DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""
@@ -107,12 +106,11 @@ class RateLimiter:
                 wait = max(wait, state.tokens.wait_s(tokens))
         if wait > 0:
             self.rejected += 1
-            refused = RateLimited(
+            raise OverRate(
                 f"tenant {tenant!r} is over its rate limit",
-                retry_after_s=float(max(1, math.ceil(wait))),
+                float(max(1, math.ceil(wait))),
+                state.standing(),
             )
-            refused.extra_headers = tuple(state.standing().headers())
-            raise refused
         if state.requests is not None:
             state.requests.level -= 1
         if state.tokens is not None and tokens > 0:

@@ -20,13 +20,13 @@ import dataclasses
 import math
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.errors import RateLimited, StoreError
+from gateway.errors import StoreError
 from gateway.metrics import Metrics
 from gateway.metrics.collectors import RateLimitFigures
 from gateway.policy.redis import Redis
 from gateway.policy.route import RateLimit
 from gateway.redis import shared_link
-from gateway.resilience.quota import Standing
+from gateway.resilience.quota import OverRate, Standing
 from gateway.resilience.rate_limit import RateLimiter, request_burst
 from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
 from gateway.state import Kind, Registry
@@ -100,12 +100,11 @@ class SharedRateLimiter:
                 standing = Standing(told.get(REQUESTS), told.get(TOKENS))
                 if wait > 0:
                     self._refused += 1
-                    refused = RateLimited(
+                    raise OverRate(
                         f"tenant {tenant!r} is over its rate limit",
-                        retry_after_s=float(max(1, math.ceil(wait))),
+                        float(max(1, math.ceil(wait))),
+                        standing,
                     )
-                    refused.extra_headers = tuple(standing.headers())
-                    raise refused
                 return standing
         self.decided["local"] += 1
         return self.local.check(tenant, tokens)

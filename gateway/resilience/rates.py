@@ -28,10 +28,11 @@ from gateway.resilience.credentials import (
     newcomer_limit,
     rate_key_of,
 )
-from gateway.resilience.quota import Standing, tightest
+from gateway.resilience.quota import OverRate, Standing, tightest
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
 from gateway.state import Kind, Registry
+from gateway.wire import anthropic_path
 
 RATE_LIMITERS: Kind[RateLimiter] = Kind("rate_limit")
 PROVEN: Kind[ProvenCredentials] = Kind("proven_credentials")
@@ -65,9 +66,10 @@ class Admitted:
     estimate: int
     standings: list[Standing]
 
-    def headers(self) -> list[tuple[str, str]]:
-        """The ``x-ratelimit-*`` headers: the tightest standing of each kind."""
-        return tightest(self.standings).headers()
+    @property
+    def standing(self) -> Standing:
+        """The tightest standing of each kind."""
+        return tightest(self.standings)
 
 
 class RateLimits:
@@ -79,11 +81,13 @@ class RateLimits:
         tenants: Mapping[str, Limit],
         proven: ProvenCredentials,
         metrics: Metrics,
+        clock: Clock,
     ) -> None:
         self._routes = routes
         self._tenants = tenants
         self._proven = proven
         self._metrics = metrics
+        self._clock = clock
 
     def __bool__(self) -> bool:
         return bool(self._routes or self._tenants)
@@ -103,10 +107,16 @@ class RateLimits:
                 if key.newcomer is not None and limit.newcomers is not None:
                     await _check(limit.newcomers, key.newcomer, tokens)
                 standings.append(await _check(limit.own, key.key, tokens))
-        except RateLimited:
+        except RateLimited as exc:
             self._metrics.rate_limited.labels(call.route.name).inc()
+            if isinstance(exc, OverRate) and anthropic_path(call.path):
+                exc.extra_headers = tuple(self.told(call, exc.standing))
             raise
         return Admitted(key, limits, estimate, standings)
+
+    def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
+        """``standing`` as the headers of ``call``'s API (Anthropic's or OpenAI's)."""
+        return standing.headers(anthropic=anthropic_path(call.path), wall=self._clock.wall())
 
     async def settle(self, admitted: Admitted, served: Reply) -> None:
         """After the answer: a success proves a new credential, and the token limits'
@@ -184,7 +194,7 @@ def build_rate_limits(
     }
     metrics.rate_limits.routes = lambda: [s.figures() for s in shared]
     proven = registry.get(PROVEN, "", None, ProvenCredentials) if routes else ProvenCredentials(0)
-    return RateLimits(routes, tenants, proven, metrics)
+    return RateLimits(routes, tenants, proven, metrics, clock)
 
 
 async def _check(limiter: Limiter, key: str, tokens: float) -> Standing:
