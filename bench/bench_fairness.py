@@ -15,6 +15,9 @@ its calls refused; for ``acme``: answers a second.  The paths, taking turns in e
 - gateway ``tenant``, flooded: the default, each waiting tenant in turn;
 - the same with every call of acme's asking ``X-Priority: high``, which jumps the turns;
 - the same with acme capped at ``normal`` (``tenants.keys[].max_priority``);
+- gateway ``tenant``, both tenants flooding with half the connections each, then the same
+  with acme weighted ``WEIGHT`` (``tenants.keys[].weight``): the backend's answers shared
+  1:1, then 3:1;
 - gateway ``tenant``, acme holding long calls (``--holders`` connections, each call taking
   ``LONG_MS``, as long streams do): the queue shares only the slots that come free;
 - the same with acme's calls in flight capped below the backend's slots
@@ -47,6 +50,8 @@ RETRY_MS = 50.0
 LONG_MS = 500.0
 """A long call (a stream of a few hundred tokens): ``model: long``."""
 LONG_MODEL = "long"
+WEIGHT = 3
+"""acme's weight in the weighted row: three calls a turn to globex's one."""
 KEYS = {"acme": "acme-bench-key", "globex": "globex-bench-key"}
 
 
@@ -98,13 +103,18 @@ class Client:
 
 
 def policy(
-    url: str, fairness: str, acme_cap: str = "high", acme_concurrency: int | None = None
+    url: str,
+    fairness: str,
+    acme_cap: str = "high",
+    acme_concurrency: int | None = None,
+    acme_weight: int = 1,
 ) -> dict[str, Any]:
     keys: list[dict[str, Any]] = [
         {"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
         for name, key in KEYS.items()
     ]
     keys[0]["max_priority"] = acme_cap
+    keys[0]["weight"] = acme_weight
     if acme_concurrency is not None:
         keys[0]["max_concurrency"] = acme_concurrency
     queue = {"capacity": CAPACITY, "timeout_ms": 10_000, "fairness": fairness}
@@ -116,11 +126,16 @@ def policy(
 
 
 async def run(
-    url: str, duration_s: float, flood: int, high: bool = False, long: bool = False
+    url: str,
+    duration_s: float,
+    flood: int,
+    high: bool = False,
+    long: bool = False,
+    globex_conns: int = 1,
 ) -> dict[str, float]:
-    """``globex`` one call at a time for ``duration_s`` while ``flood`` connections of
-    ``acme`` (none: alone; ``high``: each call with ``X-Priority: high``; ``long``: each
-    call a long one) keep the backend busy."""
+    """``globex`` one call at a time on each of ``globex_conns`` connections for
+    ``duration_s`` while ``flood`` connections of ``acme`` (none: alone; ``high``: each call
+    with ``X-Priority: high``; ``long``: each call a long one) keep the backend busy."""
     stop = time.perf_counter() + duration_s
     latencies: list[float] = []
     refused = 0
@@ -149,7 +164,7 @@ async def run(
                     await asyncio.sleep(RETRY_MS / 1000)
 
     began = time.perf_counter()
-    await asyncio.gather(globex(), *(acme() for _ in range(flood)))
+    await asyncio.gather(*(globex() for _ in range(globex_conns)), *(acme() for _ in range(flood)))
     elapsed = time.perf_counter() - began
     p50, p99, _ = pcts(latencies) if latencies else (float("nan"),) * 3
     asked = len(latencies) + refused
@@ -171,6 +186,7 @@ async def main(duration_s: float, rounds: int, flood: int, holders: int) -> list
             gateway(policy(backend, "tenant")) as fair,
             gateway(policy(backend, "tenant", acme_cap="normal")) as capped,
             gateway(policy(backend, "tenant", acme_concurrency=CONCURRENCY - 1)) as held,
+            gateway(policy(backend, "tenant", acme_weight=WEIGHT)) as weighted,
         ):
             flooding = f"acme flooding ({flood} conn)"
             holding = f"acme holding {LONG_MS:g} ms calls ({holders} conn)"
@@ -186,6 +202,14 @@ async def main(duration_s: float, rounds: int, flood: int, holders: int) -> list
                 (
                     "the same, acme's `max_priority: normal`",
                     lambda: run(capped, duration_s, flood, high=True),
+                ),
+                (
+                    f"gateway `tenant`, both flooding ({flood // 2} conn each)",
+                    lambda: run(fair, duration_s, flood // 2, globex_conns=flood // 2),
+                ),
+                (
+                    f"the same, acme's `weight: {WEIGHT}`",
+                    lambda: run(weighted, duration_s, flood // 2, globex_conns=flood // 2),
                 ),
                 (
                     f"gateway `tenant`, {holding}",
@@ -241,7 +265,9 @@ if __name__ == "__main__":
         f"{CONCURRENCY} at once behind the gateway (`max_concurrency: {CONCURRENCY}`, a queue "
         f"of {CAPACITY}); tenant acme floods it ({args.flood} connections in a closed loop, "
         f"each refused call retried after {RETRY_MS:g} ms); tenant globex sends one call at a "
-        f"time on one connection. In the last two rows acme's {args.holders} connections "
+        "time on one connection, except in the two rows where both flood (globex's calls "
+        "answered are then over all its connections). In the last two rows acme's "
+        f"{args.holders} connections "
         f"send long calls instead ({LONG_MS:g} ms each, as long streams are). Each figure "
         "is the median over the rounds, in which the "
         "paths take turns; latency is over globex's answered calls.\n\n" + "\n".join(table),

@@ -362,6 +362,29 @@ async def test_a_lower_priority_is_shed_before_a_share_is_taken() -> None:
     await cancel(*acme, globex)
 
 
+async def test_a_weighted_tenant_takes_its_weight_of_calls_each_turn() -> None:
+    admission = make(capacity=20)
+    admission.weights = {"acme": 3}
+    holder = await admission.acquire()
+    tasks = await queue_flows(admission, *["acme"] * 6, *["globex"] * 3)
+    # acme's turn is three calls, globex's one: 3, 1, 3 (acme has no more), then globex's.
+    assert await served_order(holder, tasks) == [0, 1, 2, 6, 3, 4, 5, 7, 8]
+    assert admission.depth == 0
+
+
+async def test_a_full_queue_keeps_a_weighted_tenants_places_in_proportion() -> None:
+    admission = make(capacity=8)
+    admission.weights = {"acme": 3}
+    await admission.acquire()
+    acme = await queue_flows(admission, *["acme"] * 8)
+    globex = await queue_flows(admission, *["globex"] * 3)  # acme 8 -> 6; the third refused
+    assert (admission.waiting_of("acme"), admission.waiting_of("globex")) == (6, 2)
+    with pytest.raises(Overloaded, match="queue is full"):  # 6/3 against 3/1: no place taken
+        await admission.acquire(Priority.NORMAL, "globex")
+    assert admission.shed["queue_share"] == 2
+    await cancel(*acme, *globex)
+
+
 async def test_expired_and_cancelled_waiters_leave_their_flow() -> None:
     clock = FakeClock()
     admission = make(capacity=5, timeout_ms=1000, clock=clock)

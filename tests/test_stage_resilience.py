@@ -11,8 +11,10 @@ import hashlib
 import json
 from typing import Any
 
+import pytest
 import yaml
 
+from gateway.errors import PolicyError
 from gateway.policy import parse_policy_text
 from gateway.resilience.admission import Priority
 from gateway.resilience.stage import GUARDS
@@ -227,6 +229,23 @@ async def test_a_callers_priority_is_capped_whatever_its_x_priority_header_asks(
     assert main.arrivals == ["busy", "acme-high", "anonymous-high", "acme-normal", "globex-high"]
 
 
+async def test_a_weighted_tenant_gets_its_weight_of_the_turns(pipeline):
+    """``tenants.keys[].weight: 2``: acme's turns are two calls, globex's one."""
+    main = Model("main")
+    main.hold()
+    gw = await pipeline(tenants_policy(capacity=10, acme={"weight": 2}), main)
+    admission = admission_of(gw)
+    tasks = [started(gw, "busy", headers=as_tenant("globex"))]
+    await until(lambda: main.active == 1)
+    queued = [("acme", n) for n in range(1, 5)] + [("globex", n) for n in range(1, 3)]
+    for depth, (tenant, n) in enumerate(queued, start=1):
+        tasks.append(started(gw, f"{tenant}-{n}", headers=as_tenant(tenant)))
+        await until(lambda depth=depth: admission.depth == depth)  # type: ignore[misc]
+    main.let(len(tasks))
+    assert [a.status_code for a in await asyncio.gather(*tasks)] == [200] * len(tasks)
+    assert main.arrivals == ["busy", "acme-1", "acme-2", "globex-1", "acme-3", "acme-4", "globex-2"]
+
+
 def test_a_tenants_cap_is_the_lowest_given_on_its_keys():
     tenants = parse_policy_text(
         yaml.safe_dump(
@@ -235,6 +254,13 @@ def test_a_tenants_cap_is_the_lowest_given_on_its_keys():
     ).tenants
     assert tenants.max_priorities() == {"globex": "normal"}
     assert tenants.max_priority == "high"  # callers without a listed key: as before
+    weighted = tenants_policy(acme={"weight": 3})
+    weighted["tenants"]["keys"].append({**weighted["tenants"]["keys"][0], "weight": 5})
+    weighted["tenants"]["keys"][-1]["sha256"] = "0" * 64
+    assert parse_policy_text(yaml.safe_dump(weighted)).tenants.weights() == {"acme": 3}
+    weighted["tenants"]["keys"][0]["weight"] = 101
+    with pytest.raises(PolicyError, match=r"keys\[0\]\.weight.*1 to 100"):
+        parse_policy_text(yaml.safe_dump(weighted))
 
 
 async def test_a_vllm_backend_is_told_the_gateways_priority_in_place_of_the_clients(pipeline):

@@ -6,6 +6,9 @@ from __future__ import annotations
 from gateway.policy.checks import Found, check_rate_limit
 from gateway.policy.model import RateLimit, Tenants
 
+MAX_WEIGHT = 100
+"""A tenant's weight in a fair queue at most: turns of more calls than that are a FIFO."""
+
 
 def check_tenants(tenants: Tenants) -> Found:
     """``tenants``: each key a sha256 in hex, listed once, its tenant's limit and models
@@ -18,6 +21,11 @@ def check_tenants(tenants: Tenants) -> Found:
     caps = [("max_concurrency", tenants.max_concurrency)]
     caps += [(f"keys[{i}].max_concurrency", k.max_concurrency) for i, k in enumerate(tenants.keys)]
     found.extend((key, "must be at least 1") for key, cap in caps if cap is not None and cap < 1)
+    found.extend(
+        (f"keys[{i}].weight", f"must be 1 to {MAX_WEIGHT}")
+        for i, k in enumerate(tenants.keys)
+        if not 1 <= k.weight <= MAX_WEIGHT
+    )
     names: dict[str, str] = {}
     limits: dict[str, RateLimit] = {}
     models: dict[str, tuple[str, ...]] = {}

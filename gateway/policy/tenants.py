@@ -60,6 +60,16 @@ class TenantKey:
             "of a tenant's keys, the lowest holds."
         ),
     )
+    weight: int = field(
+        default=1,
+        metadata=doc(
+            "The tenant's share of a backend's fair queue (`queue.fairness: tenant`): each "
+            "turn it takes up to this many calls where a tenant of weight 1 takes one, and a "
+            "full queue keeps its places in that proportion (weighted round robin). Only "
+            "while it has calls waiting: a free slot goes to whoever asks. 1 to 100. Given "
+            "on several of a tenant's keys, the lowest holds."
+        ),
+    )
     max_concurrency: int | None = field(
         default=None,
         metadata=doc(
@@ -142,6 +152,13 @@ class Tenants:
             mine = caps.get(key.name, "high")
             caps[key.name] = min(mine, key.max_priority, key=order.index)
         return {name: cap for name, cap in caps.items() if cap != "high"}
+
+    def weights(self) -> dict[str, int]:
+        """Each tenant weighted other than 1: its lowest ``weight`` over its keys."""
+        weights: dict[str, int] = {}
+        for key in self.keys:
+            weights[key.name] = min(weights.get(key.name, key.weight), key.weight)
+        return {name: weight for name, weight in weights.items() if weight != 1}
 
     def max_concurrencies(self) -> dict[str, int]:
         """Each capped tenant's ``max_concurrency``: the lowest over its keys."""

@@ -16,6 +16,9 @@ lower priority to shed makes room for a newcomer by shedding the newest waiter o
 its priority holding the most places, when that flow holds at least two more than the
 newcomer's would (``queue_share``): places end up shared evenly, and a tenant that filled the
 queue first cannot keep the others out of it.  With one flow both rules are plain FIFO.
+A flow may have a weight (``tenants.keys[].weight``, named tenants only; 1 otherwise): it
+takes up to that many calls a turn where the others take one, and a full queue keeps its
+places in that proportion (weighted round robin).
 
 On shutdown (``drain``) every waiter is refused at once (``Overloaded('shutdown')``, 503 with
 Retry-After) and nothing queues any more: a call is admitted only while a slot is free, so
@@ -96,9 +99,10 @@ class _Waiter:
         self.timer: asyncio.TimerHandle | None = None
 
 
-def _largest(flows: dict[str, deque[_Waiter]]) -> deque[_Waiter]:
-    """The waiters of the flow with the most (the first in turn among equals)."""
-    return max(flows.values(), key=len)
+def _largest(flows: dict[str, deque[_Waiter]], weight: Callable[[str], int]) -> deque[_Waiter]:
+    """The waiters of the flow with the most for its weight (the first in turn among
+    equals)."""
+    return max(flows.values(), key=lambda waiters: len(waiters) / weight(waiters[0].flow))
 
 
 class Ticket:
@@ -151,6 +155,10 @@ class Admission:
         self._clock = clock
         # Per priority, each flow's waiters in arrival order; a dict's order is the turn.
         self._queues: tuple[dict[str, deque[_Waiter]], ...] = tuple({} for _ in Priority)
+        # Per priority, the calls the flow whose turn it is has taken in that turn.
+        self._turns: tuple[dict[str, int], ...] = tuple({} for _ in Priority)
+        self.weights: dict[str, int] = {}
+        """Each weighted flow's calls a turn (``tenants.keys[].weight``); 1 for any other."""
         self._depths = [0 for _ in Priority]
         self.draining = False
 
@@ -274,13 +282,18 @@ class Admission:
         """Hand free slots to queued waiters, highest priority first, each waiting flow in
         turn.  The slot is taken here, when the waiter is woken, so that no newcomer slips in
         before it resumes."""
-        for flows in reversed(self._queues):
+        for flows, turns in zip(reversed(self._queues), reversed(self._turns), strict=True):
             while flows and self.in_flight < self.limit:
                 flow = next(iter(flows))
-                waiters = flows.pop(flow)
+                waiters = flows[flow]
                 waiter = waiters.popleft()
-                if waiters:
-                    flows[flow] = waiters  # its next call waits for the others' turns
+                taken = turns.pop(flow, 0) + 1
+                if waiters and taken < self._weight(flow):
+                    turns[flow] = taken  # a weighted flow's turn goes on
+                else:
+                    del flows[flow]
+                    if waiters:
+                        flows[flow] = waiters  # its next call waits for the others' turns
                 waiter.queued = False
                 self._depths[waiter.priority] -= 1
                 self.depth -= 1
@@ -297,12 +310,18 @@ class Admission:
             if p >= priority:
                 break
             if flows := self._queues[p]:
-                self._shed_newest(_largest(flows), "queue_full", "by a higher-priority request")
+                victims = _largest(flows, self._weight)
+                self._shed_newest(victims, "queue_full", "by a higher-priority request")
                 return
         flows = self._queues[priority]
         if flows:
-            largest = _largest(flows)
-            if largest[-1].flow != flow and len(largest) > len(flows.get(flow, ())) + 1:
+            largest = _largest(flows, self._weight)
+            other = largest[-1].flow
+            # Shed when the largest would still hold, for its weight, as many places as
+            # the newcomer's flow with it (unweighted: two more than the newcomer's).
+            if other != flow and (len(largest) - 1) * self._weight(flow) >= (
+                len(flows.get(flow, ())) + 1
+            ) * self._weight(other):
                 self._shed_newest(largest, "queue_share", "to share it between tenants")
                 return
         raise self._reject("queue_full", "the queue is full")
@@ -323,8 +342,12 @@ class Admission:
             waiters.remove(waiter)
             if not waiters:
                 del flows[waiter.flow]
+                self._turns[waiter.priority].pop(waiter.flow, None)
             self._depths[waiter.priority] -= 1
             self.depth -= 1
+
+    def _weight(self, flow: str) -> int:
+        return self.weights.get(flow, 1)
 
     def _abandon(self, waiter: _Waiter) -> None:
         """The waiter's task was cancelled: leave the queue, or hand back a slot just given."""

@@ -10,6 +10,7 @@ either hands back a ``Pass`` (a slot and a breaker permit) or raises the refusal
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.clock import Clock
@@ -28,6 +29,8 @@ from gateway.resilience.breaker import (
 from gateway.resilience.rate_limit import TokenBucket
 from gateway.resilience.throttle import Decision
 
+TENANT_FLOW = "t:"
+"""A named tenant's flow in a fair queue is its name after this (an address's, ``a:``)."""
 UNLIMITED_CONCURRENCY = 1 << 30
 """The base concurrency of a backend without ``max_concurrency`` that a ``limit`` rule caps."""
 
@@ -76,9 +79,13 @@ class BackendGuard:
         self._wait = metrics.queue_wait.labels(backend)
         self._fair = False
 
-    def configure(self, backend: Backend, *, needs_admission: bool) -> None:
-        """Apply a (re)loaded backend definition; state in flight is kept."""
+    def configure(
+        self, backend: Backend, *, needs_admission: bool, weights: Mapping[str, int] | None = None
+    ) -> None:
+        """Apply a (re)loaded backend definition, and the named tenants' ``weights`` in its
+        fair queue; state in flight is kept."""
         self._fair = backend.queue.fairness == "tenant"
+        flow_weights = {TENANT_FLOW + name: w for name, w in (weights or {}).items()}
         if backend.max_concurrency is not None or needs_admission:
             config = AdmissionConfig(
                 backend.max_concurrency or UNLIMITED_CONCURRENCY, backend.queue
@@ -98,7 +105,9 @@ class BackendGuard:
                 if self._limit is not None:
                     self.admission.set_throttle_limit(self._limit.max_concurrency)
             else:
+                self.admission.weights = flow_weights  # before a reload's grants
                 self.admission.configure(config)
+            self.admission.weights = flow_weights
         else:
             self.admission = None
         cb = backend.circuit_breaker
@@ -158,7 +167,7 @@ class BackendGuard:
             permit = breaker.acquire()  # raises CircuitOpen, with when to retry
         ticket = None
         if self.admission is not None:
-            flow = ("t:" + tenant if tenant else "a:" + client) if self._fair else ""
+            flow = (TENANT_FLOW + tenant if tenant else "a:" + client) if self._fair else ""
             ticket = await self.admission.acquire(priority, flow)
         if breaker is not None and permit is None:
             try:

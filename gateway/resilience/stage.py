@@ -348,13 +348,14 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         if r.limit is not None and r.limit.max_concurrency is not None
     }
     guards: dict[str, BackendGuard] = {}
+    weights = policy.tenants.weights()
     for b in policy.backends:
         if b.max_concurrency is None and b.circuit_breaker is None and b.name not in ruled:
             continue
         guard = registry.get(
             GUARDS, b.name, None, functools.partial(BackendGuard, b.name, metrics, clock)
         )
-        guard.configure(b, needs_admission=b.name in capped)
+        guard.configure(b, needs_admission=b.name in capped, weights=weights)
         guards[b.name] = guard
     fleet = getattr(runtime.transport, "endpoint_set", None)  # the real transport's
     control = wire_gpu(policy, registry, metrics, clock, guards, fleet)
