@@ -103,3 +103,30 @@ async def test_sdk_raises_its_own_error_types_for_gateway_errors(
         with pytest.raises(openai.NotFoundError) as missing:
             await client.chat.completions.create(model="m", messages=MESSAGES)
     assert missing.value.code == "no_route"
+
+
+async def test_the_sdk_reads_the_callers_rate_standing_and_its_429(sim, start_gateway, tmp_path):
+    """A gateway ``rate_limit``: the SDK's raw response carries the caller's own
+    ``x-ratelimit-*`` standing, and past the limit the SDK raises its ``RateLimitError``
+    with the same headers (what clients pace themselves by)."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        f'backends: {{sim: {{url: "{sim.url}"}}}}\n'
+        "routes: [{match: {path: /v1/*}, backend: sim,"
+        " rate_limit: {requests_per_s: 0.01, burst: 2}}]\n"
+    )
+    gw = await start_gateway(policy=policy)
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as client:
+        create = client.chat.completions.with_raw_response.create
+        left = []
+        for _ in range(2):
+            raw = await create(model="sim-model", messages=MESSAGES, temperature=0)
+            assert raw.headers["x-ratelimit-limit-requests"] == "2"
+            left.append(raw.headers["x-ratelimit-remaining-requests"])
+            assert raw.parse().choices[0].message.content
+        assert left == ["1", "0"]
+        with pytest.raises(openai.RateLimitError) as over:
+            await client.chat.completions.create(model="sim-model", messages=MESSAGES)
+    assert over.value.code == "rate_limit_exceeded"
+    assert over.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert over.value.response.headers["x-ratelimit-reset-requests"].endswith("s")
