@@ -33,7 +33,8 @@ RETRY_AFTER_S = 1.0
 
 
 class ConcurrencyLimited(RateLimited):
-    """A named tenant already has its ``max_concurrency`` calls in flight."""
+    """A named tenant (or a client offering no listed key) already has its cap of calls in
+    flight."""
 
     code = "concurrency_limit_exceeded"
 
@@ -95,19 +96,19 @@ class InFlight:
 
 
 class Slot:
-    """One call's place in its tenant's count: given back exactly once."""
+    """One call's place in its tenant's (or client's) count: given back exactly once."""
 
-    __slots__ = ("_owner", "_tenant")
+    __slots__ = ("_key", "_owner")
 
-    def __init__(self, owner: InFlight, tenant: str) -> None:
+    def __init__(self, owner: InFlight, key: str) -> None:
         self._owner: InFlight | None = owner
-        self._tenant = tenant
+        self._key = key
 
     def release(self) -> None:
         """Give the place back; a second call does nothing."""
         owner, self._owner = self._owner, None
         if owner is not None:
-            owner._leave(self._tenant)
+            owner._leave(self._key)
 
     def holding(self, reply: Reply) -> Reply:
         """``reply``, the place held until it is done: now for a whole body, when its
