@@ -13,11 +13,14 @@ wish, ``resilience.stage.priority_of``); its ``max_concurrency`` caps its calls 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from gateway.policy.metadata import doc
 from gateway.policy.route import RateLimit
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,27 +150,31 @@ class Tenants:
     def max_priorities(self) -> dict[str, str]:
         """Each tenant capped below ``high``: its lowest ``max_priority`` over its keys."""
         order = ("low", "normal", "high")
-        caps: dict[str, str] = {}
-        for key in self.keys:
-            mine = caps.get(key.name, "high")
-            caps[key.name] = min(mine, key.max_priority, key=order.index)
+        caps = _lowest(((k.name, k.max_priority) for k in self.keys), order.index)
         return {name: cap for name, cap in caps.items() if cap != "high"}
 
     def weights(self) -> dict[str, int]:
         """Each tenant weighted other than 1: its lowest ``weight`` over its keys."""
-        weights: dict[str, int] = {}
-        for key in self.keys:
-            weights[key.name] = min(weights.get(key.name, key.weight), key.weight)
+        weights = _lowest((k.name, k.weight) for k in self.keys)
         return {name: weight for name, weight in weights.items() if weight != 1}
 
     def max_concurrencies(self) -> dict[str, int]:
         """Each capped tenant's ``max_concurrency``: the lowest over its keys."""
-        caps: dict[str, int] = {}
-        for key in self.keys:
-            if key.max_concurrency is not None:
-                caps[key.name] = min(caps.get(key.name, key.max_concurrency), key.max_concurrency)
-        return caps
+        given = [(k.name, k.max_concurrency) for k in self.keys]
+        return _lowest((name, cap) for name, cap in given if cap is not None)
 
     def models(self) -> dict[str, tuple[str, ...]]:
         """The model globs of each tenant held to some, by name."""
         return {key.name: key.models for key in self.keys if key.models is not None}
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _lowest(given: Iterable[tuple[str, T]], rank: Callable[[T], Any] = _same) -> dict[str, T]:
+    """Each tenant's lowest value over its keys (``given``: a name and a value per key)."""
+    lowest: dict[str, T] = {}
+    for name, value in given:
+        lowest[name] = min(lowest.get(name, value), value, key=rank)
+    return lowest

@@ -102,12 +102,12 @@ class BackendGuard:
                 self._metrics.queue_depth.labels(self.backend).set_function(
                     lambda: float(admission.depth)
                 )
+                self.admission.weights = flow_weights
                 if self._limit is not None:
                     self.admission.set_throttle_limit(self._limit.max_concurrency)
             else:
-                self.admission.weights = flow_weights  # before a reload's grants
+                self.admission.weights = flow_weights  # before the reload's grants
                 self.admission.configure(config)
-            self.admission.weights = flow_weights
         else:
             self.admission = None
         cb = backend.circuit_breaker

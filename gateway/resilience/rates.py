@@ -116,7 +116,9 @@ class RateLimits:
 
     def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
         """``standing`` as the headers of ``call``'s API (Anthropic's or OpenAI's)."""
-        return standing.headers(anthropic=anthropic_path(call.path), wall=self._clock.wall())
+        if anthropic_path(call.path):  # its resets are times: the wall clock's
+            return standing.headers(anthropic=True, wall=self._clock.wall())
+        return standing.headers()
 
     async def settle(self, admitted: Admitted, served: Reply) -> None:
         """After the answer: a success proves a new credential, and the token limits'
