@@ -264,6 +264,26 @@ async def test_an_error_redis_answers_with_makes_the_decision_local(
         await rates.aclose()
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [[1, 0], [1, 0, 1000, 2000], [1, 0, "lots"], None, b"OK"],
+    ids=["no level", "a level too many", "not a number", "nothing", "not a list"],
+)
+async def test_an_answer_not_shaped_like_the_scripts_is_a_store_error(
+    rates: RedisRates, answer: Any
+):
+    """Whatever answers for Redis (a proxy, an older script): an answer without exactly one
+    level per bucket asked is no decision, so the limiter decides locally."""
+
+    async def script(**_: Any) -> Any:
+        return answer
+
+    rates._script = script  # redis-py's script object: the third-party edge
+    bucket = (key(rates), Bucket(REQUESTS, 1, 1), 1.0)
+    with pytest.raises(StoreError, match="unexpected answer"):
+        await rates.decide([bucket], T0)
+
+
 def test_the_local_share_divides_rates_and_burst_by_the_replicas():
     limit = RateLimit(requests_per_s=10, tokens_per_min=6000, store="redis", replicas=4)
     assert local_share(limit) == RateLimit(requests_per_s=2.5, tokens_per_min=1500, burst=2.5)
