@@ -153,6 +153,14 @@ class ProtectionFamilies:
             "`tenants.max_concurrency` in flight.",
             registry=r,
         )
+        self.concurrency_decisions = Counter(
+            "gateway_concurrency_decisions",
+            "Decisions on a call's place under a `max_concurrency` cap with "
+            "`tenants.concurrency_store: redis`, by where they were made: `redis` (across "
+            "every process) or `local` (this process's share, while Redis could not decide).",
+            ["store"],
+            registry=r,
+        )
         self.rate_limited = Counter(
             "gateway_rate_limited",
             "Requests refused by a route's per-tenant rate limit.",

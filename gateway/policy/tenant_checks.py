@@ -21,6 +21,8 @@ def check_tenants(tenants: Tenants) -> Found:
     caps = [("max_concurrency", tenants.max_concurrency)]
     caps += [(f"keys[{i}].max_concurrency", k.max_concurrency) for i, k in enumerate(tenants.keys)]
     found.extend((key, "must be at least 1") for key, cap in caps if cap is not None and cap < 1)
+    if tenants.concurrency_replicas < 1:
+        found.append(("concurrency_replicas", "must be at least 1"))
     found.extend(
         (f"keys[{i}].weight", f"must be 1 to {MAX_WEIGHT}")
         for i, k in enumerate(tenants.keys)

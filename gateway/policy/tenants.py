@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from gateway.policy.metadata import doc
-from gateway.policy.route import RateLimit
+from gateway.policy.route import DEFAULT_RATE_LIMIT_REPLICAS, RateLimit
 
 T = TypeVar("T")
 
@@ -77,9 +77,10 @@ class TenantKey:
         default=None,
         metadata=doc(
             "The most of the tenant's requests in flight to backends at once, in each "
-            "gateway process (a batched or coalesced call counts once; a stream until it "
-            "ends); one more is a 429 `concurrency_limit_exceeded` with `Retry-After`, "
-            "before any rate limit or queue. A rate limit bounds how often a tenant starts "
+            "gateway process, or in all of them with `tenants.concurrency_store: redis` (a "
+            "batched or coalesced call counts once; a stream until it ends); one more is a "
+            "429 `concurrency_limit_exceeded` with `Retry-After`, before any rate limit or "
+            "queue. A rate limit bounds how often a tenant starts "
             "calls, this how many it holds: long streams cannot take every slot of a "
             "backend. Counted in `gateway_tenant_in_flight{tenant}`. Given on several of a "
             "tenant's keys, the lowest holds; none: no cap."
@@ -113,9 +114,29 @@ class Tenants:
         metadata=doc(
             "The most requests in flight to backends at once from one client offering no "
             "listed key, told apart by its address (behind `server.trusted_proxies`, the "
-            "real client's), in each gateway process, as nginx's `limit_conn` per address; "
+            "real client's), in each gateway process (or in all, as `concurrency_store` "
+            "says), as nginx's `limit_conn` per address; "
             "one more is a 429 `concurrency_limit_exceeded` with `Retry-After`. Counted in "
             "`gateway_client_in_flight`. None: no cap."
+        ),
+    )
+    concurrency_store: Literal["memory", "redis"] = field(
+        default="memory",
+        metadata=doc(
+            "Where the `max_concurrency` caps count. `memory`: in each gateway process, so "
+            "`--workers 4` in 3 replicas let a tenant capped at 2 hold 24 calls. `redis`: "
+            "once for every process and replica, in the gateway's Redis (`redis:`), each "
+            "call a place whose lease its process renews while it runs (a dead process's "
+            "places lapse within 30 s); while Redis is down, each process holds a tenant to "
+            "its cap divided by `concurrency_replicas` (at least 1)."
+        ),
+    )
+    concurrency_replicas: int = field(
+        default=DEFAULT_RATE_LIMIT_REPLICAS,
+        metadata=doc(
+            "`concurrency_store: redis`: the gateway processes expected to share the caps "
+            "(replicas times `--workers`); while Redis is down each holds a tenant (or "
+            "address) to its cap divided by this, at least 1."
         ),
     )
     response_id_secret: str = field(

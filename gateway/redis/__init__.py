@@ -9,7 +9,8 @@
 ``shared.py``    the gateway's one link, in the registry (``REDIS_LINK``)
 
 Its users: the cache store (``cache/stores/redis.py``, and through it the embedding index
-streams), the shared rate limits (``resilience/rate_redis.py``) and the fleet's rate
+streams), the shared rate limits (``resilience/rate_redis.py``), the shared concurrency
+caps (``resilience/concurrency_redis.py``) and the fleet's rate
 history (``pool/shared.py``).
 """
 

@@ -19,9 +19,14 @@ The counts outlive policy reloads (a reload that lowers a cap lets the calls in 
 finish), and only capped tenants are counted, so ``gateway_tenant_in_flight{tenant}`` has
 one series per capped tenant; addresses are no label, so ``gateway_client_in_flight`` is
 their sum.  A key is counted only while it has calls in flight.
+
+With ``tenants.concurrency_store: redis`` the caps hold across every process and replica
+(``concurrency_redis.py``); this count is then each process's share of it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from gateway.errors import RateLimited
 from gateway.metrics import Metrics
@@ -52,25 +57,35 @@ class InFlight:
         self._clients_gauge = metrics.client_in_flight
         self._clients_refused = metrics.client_concurrency_limited
 
-    def enter(self, key: str, cap: int) -> Slot:
+    async def take(self, key: str, cap: int) -> Slot:
+        """``enter`` (the stage's way in, as ``SharedInFlight.take``)."""
+        return self.enter(key, cap)
+
+    def enter(self, key: str, cap: int | None, then: Callable[[], None] | None = None) -> Slot:
         """A slot for one of ``key``'s calls (a tenant's name, or a client's address), or
-        ``ConcurrencyLimited`` past its cap."""
+        ``ConcurrencyLimited`` past ``cap`` (None: counted, never refused); ``then`` runs
+        when it is given back."""
         held = self._counts.get(key, 0)
-        if held >= cap:
-            if self._clients:  # an address is no label: one series for them all
-                self._clients_refused.inc()
-                who, setting = "this client", "tenants.max_concurrency"
-            else:
-                self._refused.labels(key).inc()
-                who, setting = f"tenant {key!r}", "its max_concurrency"
-            raise ConcurrencyLimited(
-                f"{who} already has {held} requests in flight ({setting} is {cap}); "
-                "retry when one has finished",
-                retry_after_s=RETRY_AFTER_S,
-            )
+        if cap is not None and held >= cap:
+            raise self.refusal(key, held, cap)
         self._counts[key] = held + 1
         self._told(key, held + 1, +1)
-        return Slot(self, key)
+        return Slot(self, key, then)
+
+    def refusal(self, key: str, held: int, cap: int, where: str = "") -> ConcurrencyLimited:
+        """The 429 for one more of ``key``'s calls, ``held`` being in flight (``where``:
+        across what), counted."""
+        if self._clients:  # an address is no label: one series for them all
+            self._clients_refused.inc()
+            who, setting = "this client", "tenants.max_concurrency"
+        else:
+            self._refused.labels(key).inc()
+            who, setting = f"tenant {key!r}", "its max_concurrency"
+        return ConcurrencyLimited(
+            f"{who} already has {held} requests in flight{where} ({setting} is {cap}); "
+            "retry when one has finished",
+            retry_after_s=RETRY_AFTER_S,
+        )
 
     def held(self, key: str) -> int:
         """``key``'s calls in flight now."""
@@ -98,17 +113,20 @@ class InFlight:
 class Slot:
     """One call's place in its tenant's (or client's) count: given back exactly once."""
 
-    __slots__ = ("_key", "_owner")
+    __slots__ = ("_key", "_owner", "_then")
 
-    def __init__(self, owner: InFlight, key: str) -> None:
+    def __init__(self, owner: InFlight, key: str, then: Callable[[], None] | None = None) -> None:
         self._owner: InFlight | None = owner
         self._key = key
+        self._then = then
 
     def release(self) -> None:
         """Give the place back; a second call does nothing."""
         owner, self._owner = self._owner, None
         if owner is not None:
             owner._leave(self._key)
+            if self._then is not None:
+                self._then()
 
     def holding(self, reply: Reply) -> Reply:
         """``reply``, the place held until it is done: now for a whole body, when its

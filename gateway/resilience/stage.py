@@ -4,7 +4,8 @@ a backend (its calls are already batched and coalesced, so each counts once).
 For each call:
 
 1. A named tenant's cap on its calls in flight (``concurrency.py``, ``max_concurrency``;
-   for a client offering no listed key, its address's), then the rate limits
+   for a client offering no listed key, its address's; across every process with
+   ``concurrency_store: redis``, ``concurrency_redis.py``), then the rate limits
    (``rates.py``): a route's per-tenant ``rate_limit`` and a named tenant's own; past one,
    429 with ``Retry-After``.
 2. The candidates: the call's backend, then the route's ``fallback`` backends in order
@@ -53,7 +54,7 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Quality
 from gateway.resilience.admission import Priority
 from gateway.resilience.breaker import Outcome
-from gateway.resilience.concurrency import CLIENTS_IN_FLIGHT, IN_FLIGHT, InFlight
+from gateway.resilience.concurrency_redis import Counts, in_flight_counts
 from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.health import Failed, account
@@ -118,9 +119,9 @@ class Resilience:
         caps: Mapping[str, Priority] | None = None,
         anonymous_cap: Priority = Priority.HIGH,
         vllm_priority: frozenset[str] = frozenset(),
-        in_flight: InFlight | None = None,
+        in_flight: Counts | None = None,
         max_concurrency: Mapping[str, int] | None = None,
-        clients: InFlight | None = None,
+        clients: Counts | None = None,
         client_concurrency: int | None = None,
     ) -> None:
         self._caps = caps or {}
@@ -143,7 +144,7 @@ class Resilience:
             cap, counts, key = self._client_concurrency, self._clients, call.client
         if cap is None or counts is None:
             return await self._limited(call, call_next)
-        slot = counts.enter(key, cap)
+        slot = await counts.take(key, cap)
         try:
             reply = await self._limited(call, call_next)
         except BaseException:
@@ -373,6 +374,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     ):
         return []
     settings = policy.retry_budget
+    in_flight, clients = in_flight_counts(policy.tenants, registry, metrics, clock, policy.redis)
     budget = registry.get(
         RETRY_BUDGET, "", settings, functools.partial(RetryAllowance, settings, clock=clock)
     )
@@ -385,11 +387,9 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         caps={name: Priority.parse(cap) for name, cap in policy.tenants.max_priorities().items()},
         anonymous_cap=Priority.parse(policy.tenants.max_priority),
         vllm_priority=vllm_priority,
-        in_flight=registry.get(IN_FLIGHT, "", None, functools.partial(InFlight, metrics)),
+        in_flight=in_flight,
         max_concurrency=max_concurrency,
-        clients=registry.get(
-            CLIENTS_IN_FLIGHT, "", None, functools.partial(InFlight, metrics, clients=True)
-        ),
+        clients=clients,
         client_concurrency=client_concurrency,
     )
     return [stage]
