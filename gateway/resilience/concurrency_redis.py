@@ -19,7 +19,8 @@ While Redis cannot decide (down, past its budget, or answering with an error), e
 holds a tenant to its local share, its cap over ``concurrency_replicas`` (at least 1),
 counting every call it has in flight; the request never fails for it.  A place whose taking
 was answered too late is given back at once; one whose giving back fails (or overtakes its
-taking) lapses with its lease.  ``gateway_concurrency_decisions_total{store}`` counts where decisions were made.
+taking) lapses with its lease.  ``gateway_concurrency_decisions_total{store}`` counts where
+decisions were made.
 """
 
 from __future__ import annotations
