@@ -221,7 +221,12 @@ routes:
         ("telemetry: {source: prometheus}", "", "", "needs a metrics URL"),
         ("telemetry: {source: snmp}", "", "", "backends.main.telemetry.source"),
         ("telemetry: {source: nvml, interval_ms: 10}", "", "", "must be at least 50"),
-        ("", "rate_limit: {}", "", "set requests_per_s and/or tokens_per_min"),
+        (
+            "",
+            "rate_limit: {}",
+            "",
+            "set at least one of requests_per_s, tokens_per_min, requests_per_day, tokens_per_day",
+        ),
         ("", "rate_limit: {requests_per_s: 0}", "", "rate_limit.requests_per_s: must be"),
         ("", "rate_limit: {tokens_per_min: 9, burst: -1}", "", "rate_limit.burst: must be"),
         ("", "rate_limit: {requests_per_s: 5, replicas: 0}", "", "rate_limit.replicas: must be"),

@@ -18,7 +18,7 @@ from gateway.policy.model import (
     ThrottleRule,
     Tracing,
 )
-from gateway.policy.route import MODEL_LIST_PATH, glob_regex
+from gateway.policy.route import MODEL_LIST_PATH, RATES, glob_regex
 from gateway.policy.routing import OPENAI_JSON_PATHS
 
 Found = list[tuple[str, str]]
@@ -74,9 +74,9 @@ def check_admin(admin: Admin) -> Found:
 def check_rate_limit(limit: RateLimit) -> Found:
     """A ``rate_limit``: a rate given, every figure positive."""
     found: Found = []
-    if limit.requests_per_s is None and limit.tokens_per_min is None:
-        found.append(("rate_limit", "set requests_per_s and/or tokens_per_min"))
-    for key in ("requests_per_s", "tokens_per_min", "burst"):
+    if all(getattr(limit, key) is None for key in RATES):
+        found.append(("rate_limit", f"set at least one of {', '.join(RATES)}"))
+    for key in (*RATES, "burst"):
         value = getattr(limit, key)
         if value is not None and value <= 0:
             found.append((f"rate_limit.{key}", "must be greater than 0"))

@@ -251,13 +251,35 @@ class TargetModel:
     )
 
 
+RATES = ("requests_per_s", "tokens_per_min", "requests_per_day", "tokens_per_day")
+"""A ``RateLimit``'s rates, each a bucket of its own."""
+
+
 @dataclass(frozen=True, slots=True)
 class RateLimit:
     """A per-tenant rate limit (429 past it)."""
 
     requests_per_s: float | None = field(default=None, metadata=doc("Requests per second."))
     tokens_per_min: float | None = field(default=None, metadata=doc("Tokens per minute."))
-    burst: float | None = field(default=None, metadata=doc("Bucket size (default: 1 s of rate)."))
+    burst: float | None = field(
+        default=None, metadata=doc("The requests bucket's size (default: 1 s of rate).")
+    )
+    requests_per_day: float | None = field(
+        default=None,
+        metadata=doc(
+            "Requests per day (OpenAI's RPD): a bucket holding a day's requests, refilled "
+            "continuously (one back every 86400 / N s), beside `requests_per_s`."
+        ),
+    )
+    tokens_per_day: float | None = field(
+        default=None,
+        metadata=doc(
+            "Model tokens per day (OpenAI's TPD): a bucket holding a day's tokens, refilled "
+            "continuously, settled on each answer's `usage` as `tokens_per_min` is. With "
+            "`store: memory` a restart refills it: use `store: redis` for a day that must "
+            "hold across restarts."
+        ),
+    )
     store: Literal["memory", "redis"] = field(
         default="memory",
         metadata=doc(

@@ -22,11 +22,11 @@ are served; Envoy's descriptors and LiteLLM's virtual keys take the same stance)
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 
 from gateway.pipeline import Call
 from gateway.policy.route import RateLimit
+from gateway.resilience.rate_limit import scaled
 from gateway.tenant import address_key, credential_key
 
 DEFAULT_MAX_PROVEN = 100_000
@@ -40,13 +40,7 @@ TENANT_PREFIX = "tenant:"
 
 def newcomer_limit(limit: RateLimit) -> RateLimit:
     """The new-credential budget of one address under ``limit``."""
-    scale = NEWCOMER_FACTOR
-    return dataclasses.replace(
-        limit,
-        requests_per_s=None if limit.requests_per_s is None else limit.requests_per_s * scale,
-        tokens_per_min=None if limit.tokens_per_min is None else limit.tokens_per_min * scale,
-        burst=None if limit.burst is None else limit.burst * scale,
-    )
+    return scaled(limit, NEWCOMER_FACTOR)
 
 
 class ProvenCredentials:

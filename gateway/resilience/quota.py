@@ -11,13 +11,14 @@ carries the caller's standing in that limit instead, and any ``x-ratelimit-*`` h
 the backend's is dropped; without one, the backend's pass as they are.
 
 A limit is a token bucket (``rate_limit.py``, or GCRA in Redis, the same bucket): its
-``limit`` is the bucket's size (``burst`` requests, ``tokens_per_min`` tokens), its
-``remaining`` what it holds after this call, and its ``reset`` the time until it is full
-again, in OpenAI's format (``"250ms"``, ``"1s"``, ``"6m0s"``: whole units, which every
-client's parser reads).  Under several limits (a route's and the tenant's own) each kind
-tells the one with the least remaining.  On Anthropic's Messages API the same figures are
-told as Anthropic tells them: ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}``,
-the reset an RFC 3339 time.
+``limit`` is the bucket's size (``burst`` requests, ``tokens_per_min`` tokens, a day's),
+its ``remaining`` what it holds after this call, and its ``reset`` the time until it is
+full again, in OpenAI's format (``"250ms"``, ``"1s"``, ``"6m0s"``: whole units, which every
+client's parser reads).  Under several limits (a route's and the tenant's own, a day's
+bucket beside a minute's) each kind tells the one with the least remaining.  On Anthropic's
+Messages API the same figures are told as Anthropic tells them:
+``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}``, the reset an RFC 3339
+time.
 """
 
 from __future__ import annotations

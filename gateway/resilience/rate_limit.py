@@ -1,23 +1,51 @@
-"""Per-tenant rate limits: token buckets for requests per second and model tokens per minute.
+"""Per-tenant rate limits: token buckets for requests and model tokens, per second or minute
+and per day.
 
-A route's optional ``rate_limit: {requests_per_s, tokens_per_min}`` gives each tenant its own
-pair of buckets.  ``check`` admits a request only when both buckets can pay for it, else
-raises ``RateLimited`` (429) with the seconds until they could.  Model tokens are known only
-after the answer, so ``check`` takes an estimate and ``charge`` settles the difference; the
-token bucket may go into debt, which later requests wait out.  Both tell the tenant's
-standing after them (``quota.py``: the ``x-ratelimit-*`` headers), a refusal too.
+A route's optional ``rate_limit`` gives each tenant its own buckets: requests
+(``requests_per_s``, its ``burst``), model tokens (``tokens_per_min``), and a day's worth of
+each (``requests_per_day``, ``tokens_per_day``: OpenAI's RPD and TPD), each a bucket that
+holds the amount and refills continuously over its period.  ``check`` admits a request only
+when every bucket can pay for it, else raises ``RateLimited`` (429) with the seconds until
+they could.  Model tokens are known only after the answer, so ``check`` takes an estimate
+and ``charge`` settles the difference; the token buckets may go into debt, which later
+requests wait out.  Both tell the tenant's standing after them (``quota.py``: the
+``x-ratelimit-*`` headers, the tightest bucket of each unit), a refusal too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.policy.route import RateLimit
-from gateway.resilience.quota import OverRate, Quota, Standing
+from gateway.resilience.quota import OverRate, Quota, Standing, tightest
 
 DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""
+DAY_S = 86_400.0
+REQUESTS, TOKENS, REQUESTS_DAY, TOKENS_DAY = "rq", "tk", "rd", "td"
+"""The bucket kinds (each a key of its own in Redis)."""
+TOKEN_KINDS = frozenset({TOKENS, TOKENS_DAY})
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One bucket kind of a limit: ``capacity`` units, refilled at ``rate_per_s``."""
+
+    kind: str
+    rate_per_s: float
+    capacity: float
+
+    @property
+    def tokens(self) -> bool:
+        """Whether it counts model tokens (else requests)."""
+        return self.kind in TOKEN_KINDS
+
+    def standing(self, quota: Quota) -> Standing:
+        """``quota`` as a standing of this bucket's unit."""
+        return Standing(tokens=quota) if self.tokens else Standing(requests=quota)
 
 
 def request_burst(limit: RateLimit) -> float:
@@ -25,6 +53,41 @@ def request_burst(limit: RateLimit) -> float:
     if limit.burst is not None:
         return limit.burst
     return max(1.0, limit.requests_per_s or 0.0)
+
+
+def buckets_of(limit: RateLimit) -> tuple[Bucket, ...]:
+    """The buckets ``limit`` gives each tenant."""
+    found = []
+    if limit.requests_per_s is not None:
+        found.append(Bucket(REQUESTS, limit.requests_per_s, request_burst(limit)))
+    if limit.tokens_per_min is not None:
+        found.append(Bucket(TOKENS, limit.tokens_per_min / 60, limit.tokens_per_min))
+    if limit.requests_per_day is not None:
+        found.append(Bucket(REQUESTS_DAY, limit.requests_per_day / DAY_S, limit.requests_per_day))
+    if limit.tokens_per_day is not None:
+        found.append(Bucket(TOKENS_DAY, limit.tokens_per_day / DAY_S, limit.tokens_per_day))
+    return tuple(found)
+
+
+def scaled(limit: RateLimit, factor: float) -> RateLimit:
+    """``limit`` with its rates and ``burst`` times ``factor``."""
+
+    def times(value: float | None) -> float | None:
+        return None if value is None else value * factor
+
+    return dataclasses.replace(
+        limit,
+        requests_per_s=times(limit.requests_per_s),
+        tokens_per_min=times(limit.tokens_per_min),
+        requests_per_day=times(limit.requests_per_day),
+        tokens_per_day=times(limit.tokens_per_day),
+        burst=times(limit.burst),
+    )
+
+
+def counts_tokens(limit: RateLimit) -> bool:
+    """Whether ``limit`` has a tokens bucket (so requests under it are estimated)."""
+    return any(bucket.tokens for bucket in buckets_of(limit))
 
 
 class TokenBucket:
@@ -61,18 +124,14 @@ class TokenBucket:
 
 
 class _Tenant:
-    __slots__ = ("requests", "tokens")
+    __slots__ = ("buckets",)
 
-    def __init__(self, requests: TokenBucket | None, tokens: TokenBucket | None) -> None:
-        self.requests = requests
-        self.tokens = tokens
+    def __init__(self, buckets: list[tuple[Bucket, TokenBucket]]) -> None:
+        self.buckets = buckets
 
     def standing(self) -> Standing:
-        """Both buckets' standing (refilled by the caller)."""
-        return Standing(
-            None if self.requests is None else self.requests.quota(),
-            None if self.tokens is None else self.tokens.quota(),
-        )
+        """The tightest bucket of each unit (refilled by the caller)."""
+        return tightest(kind.standing(bucket.quota()) for kind, bucket in self.buckets)
 
 
 class RateLimiter:
@@ -88,6 +147,7 @@ class RateLimiter:
         self.limit = limit
         self.max_tenants = max_tenants
         self.rejected = 0
+        self._kinds = buckets_of(limit)
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
 
@@ -96,14 +156,14 @@ class RateLimiter:
         (its headers the tenant's standing); the standing after it."""
         now = self._clock.now()
         state = self._tenants.get(tenant) or self._add(tenant, now)
+        paid: list[tuple[TokenBucket, float]] = []
         wait = 0.0
-        if state.requests is not None:
-            state.requests.refill(now)
-            wait = state.requests.wait_s(1)
-        if state.tokens is not None:
-            state.tokens.refill(now)
-            if tokens > 0:
-                wait = max(wait, state.tokens.wait_s(tokens))
+        for kind, bucket in state.buckets:
+            bucket.refill(now)
+            amount = tokens if kind.tokens else 1.0
+            if amount > 0:
+                wait = max(wait, bucket.wait_s(amount))
+                paid.append((bucket, amount))
         if wait > 0:
             self.rejected += 1
             raise OverRate(
@@ -111,44 +171,38 @@ class RateLimiter:
                 float(max(1, math.ceil(wait))),
                 state.standing(),
             )
-        if state.requests is not None:
-            state.requests.level -= 1
-        if state.tokens is not None and tokens > 0:
-            state.tokens.level -= min(tokens, state.tokens.capacity)
+        for bucket, amount in paid:
+            bucket.level -= min(amount, bucket.capacity)
         return state.standing()
 
     def charge(self, tenant: str, tokens: float) -> Standing | None:
         """Settle a request's real token use against the estimate ``check`` took: pass the
-        difference (negative refunds).  The bucket may go into debt.  The standing after
-        it (None for a tenant no longer kept)."""
+        difference (negative refunds).  The token buckets may go into debt.  The standing
+        after it (None for a tenant no longer kept)."""
         state = self._tenants.get(tenant)
         if state is None:
             return None
-        if state.tokens is not None:
-            state.tokens.refill(self._clock.now())
-            state.tokens.level = min(state.tokens.capacity, state.tokens.level - tokens)
+        now = self._clock.now()
+        for kind, bucket in state.buckets:
+            if kind.tokens:
+                bucket.refill(now)
+                bucket.level = min(bucket.capacity, bucket.level - tokens)
         return state.standing()
 
     def _add(self, tenant: str, now: float) -> _Tenant:
         if len(self._tenants) >= self.max_tenants:
             self._prune(now)
-        limit = self.limit
-        requests = tokens = None
-        if limit.requests_per_s is not None:
-            requests = TokenBucket(limit.requests_per_s, request_burst(limit), now)
-        if limit.tokens_per_min is not None:
-            tokens = TokenBucket(limit.tokens_per_min / 60, limit.tokens_per_min, now)
-        state = self._tenants[tenant] = _Tenant(requests, tokens)
+        buckets = [(kind, TokenBucket(kind.rate_per_s, kind.capacity, now)) for kind in self._kinds]
+        state = self._tenants[tenant] = _Tenant(buckets)
         return state
 
     def _prune(self, now: float) -> None:
         """Drop tenants whose buckets refilled (forgetting them loses nothing), then the
         oldest if that was not enough."""
         for name, state in list(self._tenants.items()):
-            buckets = [b for b in (state.requests, state.tokens) if b is not None]
-            for bucket in buckets:
+            for _, bucket in state.buckets:
                 bucket.refill(now)
-            if all(b.full for b in buckets):
+            if all(bucket.full for _, bucket in state.buckets):
                 del self._tenants[name]
         while len(self._tenants) >= self.max_tenants:
             del self._tenants[next(iter(self._tenants))]

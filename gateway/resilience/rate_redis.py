@@ -9,11 +9,12 @@ seconds past that bound are the wait.  That is exactly the token bucket of
 ``rate_limit.py`` (level = capacity - (TAT - now) x rate), so both stores mean the same
 limit, burst and debt.
 
-Keys: ``gw:rl:{<route>:<tenant>}:rq`` (requests) and ``...:tk`` (tokens), each a string
+Keys: ``gw:rl:{<route>:<tenant>}:rq`` (requests), ``...:tk`` (tokens), ``...:rd`` and
+``...:td`` (a day's requests and tokens), each a string
 holding its TAT in microseconds and expiring when its bucket is full again (a full bucket
 is no key).  One decision is one ``EVALSHA`` of ``GCRA`` (redis-py's ``register_script``
 loads it again on ``NOSCRIPT``, after a Redis restart): it reads the route's buckets,
-refuses with the wait if any cannot pay (taking nothing from either), else charges both,
+refuses with the wait if any cannot pay (taking nothing from any), else charges them all,
 atomically, and answers each bucket's level after (``quota.py``: the ``x-ratelimit-*``
 headers).  The keys of one call share the hash tag ``{<route>:<tenant>}``, so the call
 is single-slot on Redis Cluster.  Time is Redis's own (``TIME`` inside the script), so the
@@ -28,7 +29,6 @@ call fails or Redis is taken for down, and no request ever waits for a Redis tha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.clock import SYSTEM_CLOCK, Clock
@@ -38,12 +38,13 @@ from gateway.redis import RedisLink
 from gateway.redis.keys import tag
 from gateway.redis.link import DEFAULT_RETRY_S
 from gateway.resilience.quota import Quota
+from gateway.resilience.rate_limit import REQUESTS, TOKENS, Bucket
+
+__all__ = ["REQUESTS", "TOKENS", "Bucket", "RedisRates", "bucket_key"]
 
 DEFAULT_PREFIX = "gw:rl:"
 DEFAULT_BUDGET_S = 0.025
 """How long a request waits for its decision before it is made locally."""
-REQUESTS, TOKENS = "rq", "tk"
-"""The limit kinds, each a key of its own."""
 
 GCRA = """
 -- KEYS: one bucket each (its TAT, in microseconds of Redis time).
@@ -91,15 +92,6 @@ for i, key in ipairs(KEYS) do
 end
 return levels({1, 0}, tats)
 """
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """One limit kind of a route: ``capacity`` units, refilled at ``rate_per_s``."""
-
-    kind: str
-    rate_per_s: float
-    capacity: float
 
 
 def bucket_key(prefix: str, route: str, tenant: str, kind: str) -> str:
@@ -168,7 +160,13 @@ class RedisRates:
     ) -> Quota:
         """Add ``amount`` (negative refunds) to a bucket whatever it holds: it may go into
         debt, never above full.  Its standing after."""
-        return (await self._run("charge", [(key, bucket, amount)], now_us))[2][0]
+        return (await self.settle([(key, bucket, amount)], now_us))[0]
+
+    async def settle(
+        self, buckets: Sequence[tuple[str, Bucket, float]], now_us: int | None = None
+    ) -> list[Quota]:
+        """``charge`` each ``(key, bucket, amount)``, atomically; their standings after."""
+        return (await self._run("charge", buckets, now_us))[2]
 
     async def _run(
         self, mode: str, buckets: Sequence[tuple[str, Bucket, float]], now_us: int | None

@@ -1,10 +1,11 @@
 """A route's ``rate_limit`` with ``store: redis``: one limit per tenant across every process
 and replica, decided in Redis (``rate_redis.py``), else by this process's local share.
 
-Each decision is one script call: the requests bucket (``requests_per_s``, ``burst``) and,
-when the request is estimated to use tokens, the tokens bucket (``tokens_per_min``), both
-paid or neither, as in ``rate_limit.py``; the answer's ``usage`` settles the estimate with a
-second call (``charge``), as there.  A route without ``store: redis`` never talks to Redis.
+Each decision is one script call: the requests buckets (``requests_per_s`` with its
+``burst``, ``requests_per_day``) and, when the request is estimated to use tokens, the
+tokens buckets (``tokens_per_min``, ``tokens_per_day``), all paid or none, as in
+``rate_limit.py``; the answer's ``usage`` settles the estimate with a second call
+(``charge``), as there.  A route without ``store: redis`` never talks to Redis.
 
 While Redis cannot decide (down, slow past its budget, or answering with an error), each
 process enforces its local share instead, the memory limiter of ``rate_limit.py`` over the
@@ -26,9 +27,9 @@ from gateway.metrics.collectors import RateLimitFigures
 from gateway.policy.redis import Redis
 from gateway.policy.route import RateLimit
 from gateway.redis import shared_link
-from gateway.resilience.quota import OverRate, Standing
-from gateway.resilience.rate_limit import RateLimiter, request_burst
-from gateway.resilience.rate_redis import REQUESTS, TOKENS, Bucket, RedisRates, bucket_key
+from gateway.resilience.quota import OverRate, Quota, Standing, tightest
+from gateway.resilience.rate_limit import Bucket, RateLimiter, buckets_of, request_burst, scaled
+from gateway.resilience.rate_redis import RedisRates, bucket_key
 from gateway.state import Kind, Registry
 
 RATE_LIMIT_REDIS: Kind[RedisRates] = Kind("rate-limit-redis")
@@ -41,9 +42,7 @@ def local_share(limit: RateLimit) -> RateLimit:
     ``replicas``, in memory."""
     n = limit.replicas
     return dataclasses.replace(
-        limit,
-        requests_per_s=None if limit.requests_per_s is None else limit.requests_per_s / n,
-        tokens_per_min=None if limit.tokens_per_min is None else limit.tokens_per_min / n,
+        scaled(limit, 1 / n),
         burst=None if limit.requests_per_s is None else request_burst(limit) / n,
         store="memory",
         replicas=1,
@@ -62,12 +61,7 @@ class SharedRateLimiter:
         self.decided = dict.fromkeys(STORES, 0)
         self._rates = rates
         self._refused = 0
-        self._requests: Bucket | None = None
-        self._tokens: Bucket | None = None
-        if limit.requests_per_s is not None:
-            self._requests = Bucket(REQUESTS, limit.requests_per_s, request_burst(limit))
-        if limit.tokens_per_min is not None:
-            self._tokens = Bucket(TOKENS, limit.tokens_per_min / 60, limit.tokens_per_min)
+        self._buckets = buckets_of(limit)
 
     @property
     def rejected(self) -> int:
@@ -82,11 +76,11 @@ class SharedRateLimiter:
     async def check(self, tenant: str, tokens: float = 0) -> Standing:
         """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``
         (its headers the tenant's standing); the standing after it."""
-        buckets = []
-        if self._requests is not None:
-            buckets.append((self._key(tenant, self._requests), self._requests, 1.0))
-        if self._tokens is not None and tokens > 0:
-            buckets.append((self._key(tenant, self._tokens), self._tokens, float(tokens)))
+        buckets = [
+            (self._key(tenant, b), b, float(tokens) if b.tokens else 1.0)
+            for b in self._buckets
+            if tokens > 0 or not b.tokens
+        ]
         if not buckets:
             return Standing()  # a tokens-only limit, and no tokens to count
         if self._rates.usable():
@@ -96,8 +90,7 @@ class SharedRateLimiter:
                 pass  # decided locally, below
             else:
                 self.decided["redis"] += 1
-                told = {b.kind: q for (_, b, _), q in zip(buckets, quotas, strict=True)}
-                standing = Standing(told.get(REQUESTS), told.get(TOKENS))
+                standing = told(buckets, quotas)
                 if wait > 0:
                     self._refused += 1
                     raise OverRate(
@@ -113,12 +106,12 @@ class SharedRateLimiter:
         """Settle a request's real token use against the estimate ``check`` took (the
         difference; negative refunds), where decisions are being made now; the tokens'
         standing after it (None when nothing was settled)."""
-        if self._tokens is None or tokens == 0:
+        settled = [(self._key(tenant, b), b, tokens) for b in self._buckets if b.tokens]
+        if not settled or tokens == 0:
             return None
         if self._rates.usable():
             try:
-                key = self._key(tenant, self._tokens)
-                return Standing(tokens=await self._rates.charge(key, self._tokens, tokens))
+                return told(settled, await self._rates.settle(settled))
             except StoreError:
                 pass
         return self.local.charge(tenant, tokens)
@@ -133,6 +126,11 @@ class SharedRateLimiter:
         where = "redis" if self.up else "local"
         counts = " ".join(f"{store}={n}" for store, n in self.decided.items())
         return f"<SharedRateLimiter {self.route} {where} {counts} rejected={self.rejected}>"
+
+
+def told(buckets: list[tuple[str, Bucket, float]], quotas: list[Quota]) -> Standing:
+    """The tightest of each unit among ``buckets``' ``quotas``."""
+    return tightest(b.standing(q) for (_, b, _), q in zip(buckets, quotas, strict=True))
 
 
 def shared_limiter(

@@ -29,7 +29,7 @@ from gateway.resilience.credentials import (
     rate_key_of,
 )
 from gateway.resilience.quota import OverRate, Standing, tightest
-from gateway.resilience.rate_limit import RateLimiter
+from gateway.resilience.rate_limit import RateLimiter, counts_tokens
 from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
 from gateway.state import Kind, Registry
 from gateway.wire import anthropic_path
@@ -53,7 +53,7 @@ class Limit:
 
     @property
     def tokens(self) -> bool:
-        return bool(self.own.limit.tokens_per_min)
+        return counts_tokens(self.own.limit)
 
 
 @dataclass(slots=True)
