@@ -41,7 +41,7 @@ from gateway.server.path_case import refusal as case_refusal
 from gateway.server.request import Request
 from gateway.snapshot import Live
 from gateway.tenant import scope_hash
-from gateway.transport.forwarding import forwarding_headers
+from gateway.transport.forwarding import client_key, forwarding_headers
 from gateway.transport.headers import REQUEST_OWNED, is_event_stream, strip
 from gateway.wire import error_body, error_event, error_headers
 
@@ -239,7 +239,7 @@ class Edge:
             started=started,
             tenant=tenant,
             received=tuple(raw),
-            client=client,
+            client=client_key(client, policy.server.ipv6_client_prefix),
             record=Record(trace=trace)
             if trace is not None or policy.server.access_log or self._gateway.access_log
             else None,

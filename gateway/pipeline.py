@@ -101,7 +101,8 @@ class Call:
     Who asked comes from ``received``, the headers as the client sent them (``headers`` are
     those that go upstream): ``scope`` is the tenant scope hash (``tenant.scope_hash`` over
     the policy's ``cache.scope_headers``, computed once, when first asked), ``client`` the
-    client's address (``forwarding``), ``tenant`` the named tenant whose key the request
+    client's address as the per-address limits count it (``forwarding.client_key``: an
+    IPv6 client by its /64), ``tenant`` the named tenant whose key the request
     offers (``tenants:`` in the policy; "" for none).  ``record`` is what the access log
     tells of the request besides status and timing, written by the stage that decides it;
     None when nothing records it (the access log is off).  ``verdict`` is set on a merged

@@ -55,6 +55,8 @@ def check_server(server: Server) -> Found:
         found.append(("shutdown_grace_s", "must not be negative"))
     if server.reload_settle_s < 0:
         found.append(("reload_settle_s", "must not be negative"))
+    if not 1 <= server.ipv6_client_prefix <= 128:
+        found.append(("ipv6_client_prefix", "must be 1 to 128"))
     for i, cidr in enumerate(server.trusted_proxies):
         try:
             ipaddress.ip_network(cidr, strict=False)

@@ -91,6 +91,7 @@ DEFAULT_MAX_HEADER_COUNT = 100
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_BUFFERED_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 25.0
+DEFAULT_IPV6_CLIENT_PREFIX = 64
 DEFAULT_RELOAD_INTERVAL_S = 1.0
 DEFAULT_RELOAD_SETTLE_S = 10.0
 DEFAULT_CACHE_MAX_BYTES = 256 * 1024 * 1024
@@ -262,6 +263,16 @@ class Server:
         metadata=doc(
             "CIDRs of proxies in front of the gateway whose `X-Forwarded-*`, `X-Real-IP` "
             "and `Forwarded` headers are believed; from any other peer they are replaced."
+        ),
+    )
+    ipv6_client_prefix: int = field(
+        default=DEFAULT_IPV6_CLIENT_PREFIX,
+        metadata=doc(
+            "The IPv6 prefix length that counts as one client wherever callers are told "
+            "apart by address (a caller offering no credential under a `rate_limit`, the "
+            "budgets of new credentials, `tenants.max_concurrency`, the fair queue): a host "
+            "is given a whole /64 and may send from any address in it. 128: each address. "
+            "An IPv4 address is one client."
         ),
     )
     shutdown_grace_s: float = field(

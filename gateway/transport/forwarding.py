@@ -8,6 +8,12 @@ proxy's ``X-Forwarded-Host``/``-Proto``, ``X-Real-IP`` and ``Forwarded`` are kep
 extended by this hop), and the peer is appended to ``X-Forwarded-For``; the client is then
 the right-most address in it that is not itself a trusted proxy (what nginx's
 ``real_ip_recursive`` and Envoy's ``xff_num_trusted_hops`` find).
+
+What the per-address limits count that client as is ``client_key``: an IPv6 client by its
+``server.ipv6_client_prefix`` network (a /64 by default), since one host is given a whole
+/64 and may send from any address in it; counted address by address, it would get a
+caller's rate, new-credential budget and ``tenants.max_concurrency`` as many times as it
+has addresses (Cloudflare and AWS WAF group IPv6 the same way).
 """
 
 from __future__ import annotations
@@ -88,6 +94,34 @@ def forwarding_headers(
     element = _element(peer, host, proto)
     out.append(("Forwarded", f"{earlier}, {element}" if earlier else element))
     return out, client
+
+
+@lru_cache(maxsize=4096)
+def client_key(address: str, ipv6_prefix: int = 64) -> str:
+    """What the per-address limits count ``address`` as: an IPv4 address as itself (an
+    IPv4-mapped IPv6 one too), an IPv6 address as its ``/ipv6_prefix`` network, each written
+    canonically (a forwarded ``[v6]:port`` or ``v4:port`` without its port, an IPv6 zone
+    dropped); anything else (a name a proxy forwarded) as it is."""
+    ip = _ip(address.strip())
+    if ip is None:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        if ipv6_prefix < 128:
+            return str(ipaddress.IPv6Network((ip, ipv6_prefix), strict=False))
+    return str(ip)
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    if text.startswith("[") and "]" in text:  # [v6] or [v6]:port
+        text = text[1 : text.index("]")]
+    elif text.count(":") == 1:  # v4:port
+        text = text.partition(":")[0]
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
 
 
 def _first(given: dict[str, list[str]], name: str) -> str:
