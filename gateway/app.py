@@ -178,8 +178,8 @@ class Gateway:
                 "policy reload rejected, keeping generation %d:\n%s", self.snapshot.generation, exc
             )
             raise
-        if loaded.digest == self.snapshot.digest:
-            return False
+        if loaded.digest == self.snapshot.digest and loaded.policy == self.snapshot.policy:
+            return False  # the same text, and the same secrets from its ${file:...}
         old = self.snapshot.policy
         self.snapshot = self._build(loaded)
         log.info("policy generation %d loaded (%s)", self.snapshot.generation, loaded.digest)

@@ -4,6 +4,11 @@ One walk over the dataclasses both converts and validates: unknown keys, wrong t
 missing required keys and bad literals become ``Problem``s with the key path
 (``routes[2].match.path``); the loader attaches file and line.  ``schema.py`` walks the same
 hints to produce the JSON Schema, so the two cannot drift apart.
+
+An ``env`` field expands ``${NAME}`` from the environment, and ``${file:/path}`` to a
+file's text without its final line break: a Kubernetes Secret mounted as a volume, which
+the kubelet updates in place (an environment variable never changes), so the policy
+watcher reloads when it does (``Found.files``; ``watch.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import typing
 from functools import cache
 from typing import Any
 
-_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_ENV = re.compile(r"\$\{(?:([A-Za-z_][A-Za-z0-9_]*)|file:([^}]*))\}")
+MAX_SECRET_FILE_BYTES = 64 * 1024
+"""A ``${file:...}`` at most: a secret, not a document."""
 _MISSING = dataclasses.MISSING
 
 
@@ -24,7 +31,8 @@ class Found(list["Invalid"]):
     """The problems found by one conversion, and how ``${NAME}`` values are expanded.
 
     With ``lenient_env`` (``gateway check`` on a machine without the secrets) a missing
-    variable is a warning and expands to an empty string; when serving it is an error.
+    variable or file is a warning and expands to an empty string; when serving it is an
+    error.  ``files`` are the ``${file:...}`` files read.
     """
 
     def __init__(
@@ -34,6 +42,7 @@ class Found(list["Invalid"]):
         self.env = os.environ if env is None else env
         self.lenient_env = lenient_env
         self.warnings: list[Invalid] = []
+        self.files: list[str] = []
 
 
 class Invalid(Exception):
@@ -219,21 +228,47 @@ def _dataclass(cls: type, value: Any, path: str, problems: Found) -> Any:
 
 
 def _expand(text: str, path: str, found: Found) -> str:
-    """Replace ``${NAME}`` with the environment variable NAME."""
+    """Replace ``${NAME}`` with the environment variable NAME, ``${file:/path}`` with the
+    file's text."""
 
     def sub(m: re.Match[str]) -> str:
-        name = m.group(1)
-        if name in found.env:
+        name, file = m.group(1), m.group(2)
+        if file is not None:
+            value, missing = _read_secret(file, path, found)
+            where = "it must be readable where the gateway runs"
+        elif name in found.env:
             return found.env[name]
-        missing = Invalid(path, f"environment variable {name} is not set")
+        else:
+            value, missing = None, f"environment variable {name} is not set"
+            where = "it must be set where the gateway runs"
+        if value is not None:
+            return value
         if not found.lenient_env:
-            raise missing
-        found.warnings.append(
-            Invalid(path, f"{missing.message} (it must be set where the gateway runs)")
-        )
+            raise Invalid(path, missing)
+        found.warnings.append(Invalid(path, f"{missing} ({where})"))
         return ""
 
     return _ENV.sub(sub, text)
+
+
+def _read_secret(file: str, path: str, found: Found) -> tuple[str | None, str]:
+    """``file``'s text without its final line break (recorded in ``found.files``), or None
+    and why not."""
+    if not os.path.isabs(file):
+        raise Invalid(path, f"${{file:{file}}}: the path must be absolute")
+    found.files.append(file)
+    try:
+        with open(file, "rb") as handle:
+            data = handle.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        return None, f"file {file} cannot be read ({exc.strerror or exc})"
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        return None, f"file {file} holds over {MAX_SECRET_FILE_BYTES} bytes: not a secret"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, f"file {file} is not UTF-8 text"
+    return text.removesuffix("\n").removesuffix("\r"), ""
 
 
 def _closest(key: str, known: typing.Iterable[str]) -> str | None:

@@ -70,6 +70,8 @@ class Loaded:
     digest: str
     files: tuple[str, ...]
     warnings: tuple[Problem, ...] = ()
+    secret_files: tuple[str, ...] = ()
+    """The ``${file:...}`` files its values were read from (watched with the policy)."""
 
 
 @dataclass(slots=True)
@@ -79,6 +81,7 @@ class _Part:
     lines: dict[str, int]
     keys: frozenset[str]
     unset: frozenset[str] = frozenset()
+    secret_files: tuple[str, ...] = ()
     """Key paths whose ``${NAME}`` was unset (``lenient_env``): not checked further."""
 
 
@@ -135,8 +138,13 @@ def parse_sources(sources: list[tuple[str, str]], *, lenient_env: bool = False) 
     if not problems:
         policy = _merge(parts, problems, warnings)
         if not problems:
+            secret_files = tuple(dict.fromkeys(f for p in parts for f in p.secret_files))
             return Loaded(
-                policy, digest.hexdigest()[:16], tuple(s for s, _ in sources), tuple(warnings)
+                policy,
+                digest.hexdigest()[:16],
+                tuple(s for s, _ in sources),
+                tuple(warnings),
+                secret_files,
             )
     raise PolicyError(problems)
 
@@ -169,7 +177,7 @@ def _parse_part(
     )
     keys = frozenset(data) if isinstance(data, dict) else frozenset()
     unset = frozenset(p.path for p in found.warnings)
-    return _Part(source, policy if not found else None, lines, keys, unset)
+    return _Part(source, policy if not found else None, lines, keys, unset, tuple(found.files))
 
 
 def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem]) -> Policy:

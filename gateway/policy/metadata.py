@@ -6,7 +6,8 @@ JSON Schema.  A field marked ``keyed`` is written in YAML as a mapping from name
 (``backends: {main: {...}}``) and held in the model as a tuple of objects whose ``name`` is
 that key; a ``mapping`` field is a mapping of strings in YAML and a tuple of pairs here.
 ``secret`` fields are redacted wherever a policy is shown; ``env`` fields expand
-``${NAME}`` from the environment at load time.
+``${NAME}`` from the environment and ``${file:/path}`` from a file (``convert.py``) at load
+time.
 """
 
 from __future__ import annotations

@@ -94,6 +94,10 @@ def reference_markdown() -> str:
         "A policy is one YAML file or a directory of them (read in name order: `backends` "
         "merge, `routes` concatenate, every other section may be set in one file only). "
         "Unknown keys are errors. `gateway check PATH` validates a policy.",
+        "A key whose meaning says it takes `${ENV}` also takes `${file:/path}`: the file's "
+        "text without its final line break, such as a Kubernetes Secret mounted as a volume "
+        "(at most 64 KiB). The policy reloads by itself when such a file changes, as when "
+        "the kubelet rotates the Secret; an environment variable is read once, at start.",
         "",
     ]
     _section(Policy, "", lines)

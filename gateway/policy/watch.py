@@ -12,6 +12,10 @@ content has held still for ``server.reload_settle_s`` (default 10 s), so a half-
 whose first half happens to be a valid policy is never live, even when its writer pauses
 mid-file for seconds (before, two polls a second apart sufficed, and a writer that paused
 a second had its half applied).  Either way the policy must also parse and pass its checks.
+
+The files the live policy's ``${file:...}`` values came from (a Secret's volume) are read
+with it on every poll, so a rotated secret reloads the policy as an edit of it would: the
+kubelet's swap of the Secret's ``..data`` gives each file a new inode, an atomic change.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class PolicySource:
             raise ValueError("give a policy path or a fixed policy, not both")
         self.path = Path(path) if path is not None else None
         self._fixed = fixed
+        self.secret_files: tuple[str, ...] = ()
+        """The last policy loaded's ``${file:...}`` files, read with it on every poll."""
 
     @property
     def watchable(self) -> bool:
@@ -104,7 +110,7 @@ class PolicySource:
         h = hashlib.sha256()
         files: dict[str, tuple[int, str]] = {}
         try:
-            for name, text in read_sources(self.path):
+            for name, text in [*read_sources(self.path), *_secrets(self.secret_files)]:
                 data = name.encode() + b"\0" + text.encode() + b"\0"
                 h.update(data)
                 try:
@@ -127,7 +133,22 @@ class PolicySource:
                 self._fixed, hashlib.sha256(repr(self._fixed).encode()).hexdigest()[:16], ()
             )
         assert self.path is not None
-        return parse_sources(read_sources(self.path))
+        loaded = parse_sources(read_sources(self.path))
+        self.secret_files = loaded.secret_files
+        return loaded
 
     def __repr__(self) -> str:
         return f"<PolicySource {self.path or 'fixed'}>"
+
+
+def _secrets(files: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Each file's content as text to hash (a file that cannot be read: why, which changes
+    when it can be again)."""
+    read = []
+    for name in files:
+        try:
+            data = Path(name).read_bytes()
+        except OSError as exc:
+            data = f"unreadable: {exc.strerror}".encode()
+        read.append((name, hashlib.sha256(data).hexdigest()))
+    return read
