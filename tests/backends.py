@@ -17,12 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.batching import Batcher
 from gateway.batching.stage import BATCHERS
 from gateway.errors import UpstreamUnavailable
+from gateway.openai.usage import asks_usage
 from gateway.pipeline import Reply
 from gateway.testing import Sent, json_reply, stream_reply
 from gateway.testing.harness import Answer, Pipeline
 from tests.helpers import chat, until
 
 SSE = (("Content-Type", "text/event-stream"),)
+STREAM_USAGE = {"prompt_tokens": 10, "completion_tokens": 6, "total_tokens": 16}
+"""The usage a ``Model`` stream ends with when its client asked for it."""
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -86,7 +89,7 @@ class Model:
                 return json_reply(error, self.status, headers)
             if data.get("stream"):
                 streaming = True
-                return Reply(200, SSE, stream=self._stream())
+                return Reply(200, SSE, stream=self._stream(asks_usage(data)))
             content = [{"token": "w", "logprob": self.logprob}] * 4
             choice = {
                 "index": 0,
@@ -101,7 +104,9 @@ class Model:
             if not streaming:
                 self.active -= 1
 
-    async def _stream(self) -> AsyncIterator[bytes]:
+    async def _stream(self, usage: bool = False) -> AsyncIterator[bytes]:
+        """Six content chunks, then, when asked (``stream_options.include_usage``), a
+        usage-only chunk (``STREAM_USAGE``), then ``[DONE]``."""
         try:
             for i in range(6):
                 if self.break_stream_after is not None and i == self.break_stream_after:
@@ -112,6 +117,9 @@ class Model:
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
                 if i == 0 and self.mid_stream is not None:
                     await self.mid_stream.wait()  # the stream has started; on when set
+            if usage:
+                last: dict[str, Any] = {"choices": [], "usage": STREAM_USAGE}
+                yield f"data: {json.dumps(last)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         finally:
             self.active -= 1

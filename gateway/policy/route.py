@@ -350,8 +350,9 @@ class Route:
         metadata=doc(
             "`ask`: a streamed chat or completion whose client did not ask for its usage "
             "chunk (`stream_options.include_usage`) is asked for one anyway, so that its "
-            "tokens are counted (`gateway_tokens_total`, per tenant too), and the chunk is "
-            "taken out of the stream that client receives. `pass`: streams go as asked (a "
+            "tokens are counted (`gateway_tokens_total`, per tenant too) and settle a "
+            "`tokens_per_min` or `tokens_per_day` limit, and the chunk is taken out of the "
+            "stream that client receives. `pass`: streams go as asked (a "
             "backend that refuses `stream_options` needs it)."
         ),
     )

@@ -189,6 +189,16 @@ class RateLimiter:
                 bucket.level = min(bucket.capacity, bucket.level - tokens)
         return state.standing()
 
+    def standing(self, tenant: str) -> Standing | None:
+        """``tenant``'s standing now, taking nothing (None: not kept, its buckets full)."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return None
+        now = self._clock.now()
+        for _, bucket in state.buckets:
+            bucket.refill(now)
+        return state.standing()
+
     def _add(self, tenant: str, now: float) -> _Tenant:
         if len(self._tenants) >= self.max_tenants:
             self._prune(now)

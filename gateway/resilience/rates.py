@@ -4,21 +4,25 @@ route's per-tenant ``rate_limit`` (with its addresses' new-credential budgets,
 
 A call is admitted only when every limit it counts against can pay for it (429 with
 ``Retry-After`` past one); model tokens are estimated up front and settled against the
-answer's ``usage``.  Each limit counts in this process (``rate_limit.py``) or, with
-``store: redis``, across every replica (``rate_shared.py``).  The caller's standing in the
-tightest of its limits is told in the answer's ``x-ratelimit-*`` headers (``quota.py``).
+answer's ``usage``: a whole body's at once, a stream's once it has ended, from the usage
+event it carries (asked by its client with ``stream_options.include_usage``, or for it by
+the route's ``stream_usage: ask``; a stream without one keeps its estimate).  Each limit
+counts in this process (``rate_limit.py``) or, with ``store: redis``, across every replica
+(``rate_shared.py``).  The caller's standing in the tightest of its limits is told in the
+answer's ``x-ratelimit-*`` headers (``quota.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from gateway.clock import Clock
 from gateway.errors import RateLimited
 from gateway.metrics import Metrics
-from gateway.openai.usage import from_body
+from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
@@ -88,6 +92,7 @@ class RateLimits:
         self._proven = proven
         self._metrics = metrics
         self._clock = clock
+        self._settling: set[asyncio.Task[None]] = set()  # streams' tokens being settled
 
     def __bool__(self) -> bool:
         return bool(self._routes or self._tenants)
@@ -120,17 +125,40 @@ class RateLimits:
             return standing.headers(anthropic=True, wall=self._clock.wall())
         return standing.headers()
 
-    async def settle(self, admitted: Admitted, served: Reply) -> None:
+    async def settle(self, admitted: Admitted, served: Reply) -> Reply:
         """After the answer: a success proves a new credential, and the token limits'
-        estimate is settled against the answer's ``usage`` (the standings with it)."""
+        estimate is settled against the answer's ``usage`` (the standings with it): a whole
+        body's now, a stream's when it is done (the reply returned watches it)."""
         key = admitted.key
         key.settle(served.status, self._proven)
-        if served.body is None or not any(lim.tokens for lim in admitted.limits):
-            return
+        if not any(lim.tokens for lim in admitted.limits):
+            return served
+        if served.body is None:
+            return self._settled_when_done(admitted, served)
         used = from_body(served.body)
-        if used is None:
-            return
-        difference = sum(used) - admitted.estimate
+        if used is not None:
+            await self._settle_tokens(admitted, sum(used))
+        return served
+
+    def _settled_when_done(self, admitted: Admitted, served: Reply) -> Reply:
+        """``served``'s stream, watched for its usage, settled once it is done."""
+        assert served.stream is not None
+        usage = served.usage
+        if usage is None:
+            usage = StreamUsage()
+            served = served.replace(stream=_fed(served.stream, usage), usage=usage)
+
+        def done() -> None:
+            if usage.counts is not None:
+                task = asyncio.ensure_future(self._settle_tokens(admitted, sum(usage.counts)))
+                self._settling.add(task)
+                task.add_done_callback(self._settling.discard)
+
+        return served.when_done(done)
+
+    async def _settle_tokens(self, admitted: Admitted, used: int) -> None:
+        key = admitted.key
+        difference = used - admitted.estimate
         for i, limit in enumerate(admitted.limits):
             if not limit.tokens:
                 continue
@@ -197,6 +225,13 @@ def build_rate_limits(
     metrics.rate_limits.routes = lambda: [s.figures() for s in shared]
     proven = registry.get(PROVEN, "", None, ProvenCredentials) if routes else ProvenCredentials(0)
     return RateLimits(routes, tenants, proven, metrics, clock)
+
+
+async def _fed(stream: AsyncIterator[bytes], usage: StreamUsage) -> AsyncIterator[bytes]:
+    """``stream`` as it is, each chunk fed to ``usage`` on its way."""
+    async for chunk in stream:
+        usage.feed(chunk)
+        yield chunk
 
 
 async def _check(limiter: Limiter, key: str, tokens: float) -> Standing:

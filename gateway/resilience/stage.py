@@ -168,7 +168,7 @@ class Resilience:
         else:
             served = await self._serve(call, call_next, (call.backend, *fallback))
         if admitted is not None:
-            await self._rates.settle(admitted, served)
+            served = await self._rates.settle(admitted, served)
             told = self._rates.told(call, admitted.standing)
             if told:  # the caller's standing here, never the backend's key's
                 served = served.replace(headers=without_rate_headers(served.headers) + tuple(told))

@@ -1,0 +1,69 @@
+"""A stream's tokens settle a tokens limit too (``rates.py``): once it has ended, from the
+usage event it carries (asked by its client, or for it by the route's ``stream_usage:
+ask``), so a tenant cannot stream past its ``tokens_per_min``; a stream cut before its
+usage keeps its estimate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.resilience.rate_limit import RateLimiter
+from gateway.resilience.rates import RATE_LIMITERS
+from gateway.tenant import credential_key
+from gateway.testing import FakeClock
+from gateway.testing.harness import Pipeline
+from tests.backends import CHAT_PATH, STREAM_USAGE, Model, post
+from tests.helpers import chat, policy, until
+from tests.test_rate_headers import ALICE, URL, told
+
+LIMIT = 10_000
+USED = STREAM_USAGE["total_tokens"]
+
+
+def limited(**route: Any) -> dict[str, Any]:
+    return policy({"main": {"url": URL}}, {"rate_limit": {"tokens_per_min": LIMIT}, **route})
+
+
+def left(gw: Pipeline) -> float:
+    """Alice's tokens left in the route's bucket, taking nothing."""
+    limiter = gw.gateway.registry.peek(RATE_LIMITERS, "chat")
+    key = credential_key(ALICE.items())
+    assert isinstance(limiter, RateLimiter) and key is not None
+    standing = limiter.standing(key)
+    assert standing is not None and standing.tokens is not None
+    return standing.tokens.remaining
+
+
+def streamed(gw: Pipeline, **fields: Any) -> Any:
+    body = chat("streamed", stream=True, max_tokens=500, **fields)
+    return gw.send("POST", CHAT_PATH, json=body, headers=ALICE)
+
+
+async def test_a_streams_usage_settles_its_estimate_once_it_has_ended(pipeline):
+    gw = await pipeline(limited(), Model("main"), clock=FakeClock())
+    stream = streamed(gw, stream_options={"include_usage": True})
+    answer = await stream.done()
+    assert b'"usage"' in answer.body
+    estimated = LIMIT - int(told(answer)["x-ratelimit-remaining-tokens"])
+    assert estimated > 500  # the prompt's rough tokens and max_tokens, told with the headers
+    await until(lambda: left(gw) == LIMIT - USED)  # settled on the 16 the stream said it used
+
+
+async def test_the_route_asking_for_usage_settles_a_stream_whose_client_did_not(pipeline):
+    gw = await pipeline(limited(stream_usage="ask"), Model("main"), clock=FakeClock())
+    answer = await streamed(gw).done()
+    assert b'"usage"' not in answer.body  # asked for the gateway, kept from the client
+    await until(lambda: left(gw) == LIMIT - USED)
+
+
+async def test_a_stream_without_its_usage_keeps_its_estimate(pipeline):
+    main = Model("main")
+    gw = await pipeline(limited(), main, clock=FakeClock())
+    answer = await streamed(gw).done()
+    estimated = LIMIT - int(told(answer)["x-ratelimit-remaining-tokens"])
+    assert left(gw) == LIMIT - estimated
+    main.break_stream_after = 2  # cut before its usage: nothing to settle it with
+    cut = await streamed(gw, stream_options={"include_usage": True}).done()
+    assert left(gw) == int(told(cut)["x-ratelimit-remaining-tokens"]) < LIMIT - estimated
+    answer = await post(gw, headers=ALICE)  # a whole body settles as before
+    assert answer.status_code == 200
