@@ -5,15 +5,17 @@ usage keeps its estimate."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from gateway.policy import load_policy
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rates import RATE_LIMITERS
 from gateway.tenant import credential_key
 from gateway.testing import FakeClock
 from gateway.testing.harness import Pipeline
 from tests.backends import CHAT_PATH, STREAM_USAGE, Model, post
-from tests.helpers import chat, policy, until
+from tests.helpers import chat, policy, until, write_policy
 from tests.test_rate_headers import ALICE, URL, told
 
 LIMIT = 10_000
@@ -67,3 +69,14 @@ async def test_a_stream_without_its_usage_keeps_its_estimate(pipeline):
     assert left(gw) == int(told(cut)["x-ratelimit-remaining-tokens"]) < LIMIT - estimated
     answer = await post(gw, headers=ALICE)  # a whole body settles as before
     assert answer.status_code == 200
+
+
+def test_a_tokens_limit_on_a_route_passing_streams_as_asked_is_warned_of(tmp_path: Path):
+    def warned(route: dict[str, Any]) -> list[str]:
+        file = write_policy(tmp_path, policy({"main": {"url": URL}}, route))
+        return [f"{w.path}: {w.message}" for w in load_policy(file).warnings]
+
+    (warning,) = warned({"rate_limit": {"tokens_per_day": 10**6}})
+    assert warning.startswith("routes[0].stream_usage: is `pass`: a stream whose client does")
+    assert warned({"rate_limit": {"tokens_per_min": LIMIT}, "stream_usage": "ask"}) == []
+    assert warned({"rate_limit": {"requests_per_s": 5}}) == []

@@ -113,6 +113,24 @@ EXPORTER_FIELDS = {
 """Signals whose DCGM field the stock dcgm-exporter counters file does not collect."""
 
 
+def warn_route(route: Route) -> Found:
+    """A tokens limit that streams can pass unseen (a warning: a backend may refuse
+    ``stream_options``, or no client may stream)."""
+    limit = route.rate_limit
+    if limit is None or route.stream_usage != "pass":
+        return []
+    if limit.tokens_per_min is None and limit.tokens_per_day is None:
+        return []
+    return [
+        (
+            "stream_usage",
+            "is `pass`: a stream whose client does not ask for its usage "
+            "(`stream_options.include_usage`) is charged its estimate only, never the "
+            "tokens it streamed; `stream_usage: ask` settles every stream",
+        )
+    ]
+
+
 def warn_throttle(rule: ThrottleRule, backends: dict[str, Backend]) -> Found:
     """What may keep a valid rule from ever firing (warnings, not errors)."""
     backend = backends.get(rule.backend)

@@ -26,6 +26,7 @@ from gateway.policy.checks import (
     check_server,
     check_throttle,
     check_tracing,
+    warn_route,
     warn_throttle,
 )
 from gateway.policy.convert import Found, convert, join
@@ -205,6 +206,7 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
         for i, r in enumerate(part.policy.routes):
             routes.append(r)
             where.append((part, join("routes", i)))
+            _report(warn_route(r), part, join("routes", i), warnings)
         for i, rule in enumerate(part.policy.throttle):
             throttles.append((rule, part, join("throttle", i)))
         for key in _SINGLETONS:
