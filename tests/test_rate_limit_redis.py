@@ -396,3 +396,20 @@ async def test_a_memory_route_never_talks_to_redis(pipeline: Any):
     assert gw.gateway.registry.peek(REDIS_LINK) is None
     assert gw.metric("gateway_rate_limit_store_up", route="chat") is None
     assert gw.metric("gateway_redis_up", mode="standalone") is None
+
+
+async def test_a_tokens_standing_is_told_from_redis_for_a_call_estimated_at_none(
+    rates: RedisRates,
+):
+    """As the memory limiter tells it: a ``GET`` under a tokens limit learns its standing."""
+    limit = RateLimit(tokens_per_min=600, store="redis")
+    shared = SharedRateLimiter("chat", limit, rates)
+    local = RateLimiter(RateLimit(tokens_per_min=600))
+    tenant = uuid.uuid4().hex
+    told = await shared.check(tenant, 0)
+    assert told == local.check(tenant, 0)
+    assert told.tokens is not None and told.tokens.remaining == 600
+    await shared.check(tenant, 100)
+    after = await shared.check(tenant, 0)  # asks none: takes none
+    assert after.tokens is not None and 500 <= after.tokens.remaining < 501
+    assert shared.decided == {"redis": 3, "local": 0}

@@ -2,8 +2,9 @@
 and replica, decided in Redis (``rate_redis.py``), else by this process's local share.
 
 Each decision is one script call: the requests buckets (``requests_per_s`` with its
-``burst``, ``requests_per_day``) and, when the request is estimated to use tokens, the
-tokens buckets (``tokens_per_min``, ``tokens_per_day``), all paid or none, as in
+``burst``, ``requests_per_day``) and the tokens buckets (``tokens_per_min``,
+``tokens_per_day``) for the tokens the request is estimated at (none asked of them when it
+is estimated at none, but their standing told all the same), all paid or none, as in
 ``rate_limit.py``; the answer's ``usage`` settles the estimate with a second call
 (``charge``), as there.  A route without ``store: redis`` never talks to Redis.
 
@@ -76,13 +77,12 @@ class SharedRateLimiter:
     async def check(self, tenant: str, tokens: float = 0) -> Standing:
         """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``
         (its headers the tenant's standing); the standing after it."""
+        # every bucket, a tokens one asked for none when no tokens are estimated: its
+        # standing is told all the same, as the memory limiter tells it
         buckets = [
-            (self._key(tenant, b), b, float(tokens) if b.tokens else 1.0)
+            (self._key(tenant, b), b, (max(0.0, float(tokens)) if b.tokens else 1.0))
             for b in self._buckets
-            if tokens > 0 or not b.tokens
         ]
-        if not buckets:
-            return Standing()  # a tokens-only limit, and no tokens to count
         if self._rates.usable():
             try:
                 wait, quotas = await self._rates.decide(buckets)
