@@ -153,6 +153,35 @@ async def test_a_process_renews_its_calls_leases_until_they_end(slots: RedisSlot
         await counts.aclose()
 
 
+async def test_a_caller_leaving_while_its_place_is_taken_gives_it_back(
+    slots: RedisSlots, admin: Any
+):
+    """The script ran (the place is in Redis) but its answer had not come back when the
+    caller's client left: the place is given back, not left to lapse."""
+    script, answered = slots._script, asyncio.Event()
+
+    async def late(**kw: Any) -> Any:
+        answer = await script(**kw)
+        answered.set()
+        await asyncio.sleep(0.2)  # a slow way back
+        return answer
+
+    slots._script = late
+    counts = shared(slots, FakeClock())
+    key = slots.key(TENANT, "acme")
+    try:
+        taking = asyncio.ensure_future(counts.take("acme", 1))
+        await answered.wait()
+        assert await admin.zcard(key) == 1
+        taking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await taking
+        await until_async(lambda: admin.zcard(key), 0)
+        assert counts.held("acme") == 0
+    finally:
+        await counts.aclose()
+
+
 async def until_async(read: Any, expected: Any) -> None:
     for _ in range(200):
         if await read() == expected:

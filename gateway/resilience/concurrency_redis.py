@@ -176,6 +176,9 @@ class SharedInFlight:
             key, call_id = self.slots.key(self._kind, name), next(self._ids)
             try:
                 taken, held = await self.slots.take(key, cap, call_id)
+            except asyncio.CancelledError:  # its client left: the place, if taken, goes back
+                self._later(self._give_back(key, call_id))
+                raise
             except StoreError:
                 self._later(self._give_back(key, call_id))  # in case it was taken after all
             else:
