@@ -44,6 +44,22 @@ def test_a_days_requests_run_out_before_the_per_second_bucket_and_refill_over_th
         limiter.check("acme")
 
 
+def test_a_tenant_that_spent_its_day_is_kept_through_a_flood_of_new_credentials():
+    """Forgetting a tenant refills its buckets: with too many to keep, the fullest go first,
+    so churning through new credentials cannot win a client back its day."""
+    clock = FakeClock()
+    limit = RateLimit(requests_per_s=100, requests_per_day=3)
+    limiter = RateLimiter(limit, clock=clock, max_tenants=100)
+    for _ in range(3):
+        limiter.check("spender")
+    for n in range(1000):
+        limiter.check(f"invented-{n}")
+    assert limiter.standing("spender") is not None  # still kept; an early newcomer is not
+    assert limiter.standing("invented-0") is None
+    with pytest.raises(OverRate):
+        limiter.check("spender")
+
+
 def test_a_days_tokens_are_settled_on_usage_with_the_minutes():
     clock = FakeClock()
     limiter = RateLimiter(RateLimit(tokens_per_min=1000, tokens_per_day=1200), clock=clock)

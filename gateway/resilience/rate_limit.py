@@ -134,6 +134,11 @@ class _Tenant:
         return tightest(kind.standing(bucket.quota()) for kind, bucket in self.buckets)
 
 
+def _fullness(state: _Tenant) -> float:
+    """How near full a tenant's emptiest bucket is (1: full; below 0: in debt)."""
+    return min(bucket.level / bucket.capacity for _, bucket in state.buckets)
+
+
 class RateLimiter:
     """The buckets of every tenant under one ``RateLimit``."""
 
@@ -207,15 +212,21 @@ class RateLimiter:
         return state
 
     def _prune(self, now: float) -> None:
-        """Drop tenants whose buckets refilled (forgetting them loses nothing), then the
-        oldest if that was not enough."""
+        """Drop tenants whose buckets refilled (forgetting them loses nothing), then, if
+        that was not enough, a tenth of the rest, the fullest first: forgetting a tenant
+        refills its buckets, so the ones that spent the most (a day's requests) are kept
+        longest, and a client cannot win back its day by flooding the limiter with new
+        credentials."""
         for name, state in list(self._tenants.items()):
             for _, bucket in state.buckets:
                 bucket.refill(now)
             if all(bucket.full for _, bucket in state.buckets):
                 del self._tenants[name]
-        while len(self._tenants) >= self.max_tenants:
-            del self._tenants[next(iter(self._tenants))]
+        if len(self._tenants) < self.max_tenants:
+            return
+        by_fullness = sorted(self._tenants.items(), key=lambda item: -_fullness(item[1]))
+        for name, _ in by_fullness[: len(self._tenants) - self.max_tenants * 9 // 10 + 1]:
+            del self._tenants[name]
 
     def __repr__(self) -> str:
         return f"<RateLimiter tenants={len(self._tenants)} rejected={self.rejected}>"
