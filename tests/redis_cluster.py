@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -219,6 +219,14 @@ def admin_client(settings: RedisSettings) -> Any:
     """A redis-py client of the test's own for ``settings`` (a Cluster client for a
     cluster), to look at and tamper with the keys."""
     return RedisLink.connect(settings, socket_timeout_s=ADMIN_TIMEOUT_S).client
+
+
+@pytest.fixture
+async def redis_admin(redis_target: RedisSettings) -> AsyncIterator[Any]:
+    """``admin_client`` of ``redis_target``, closed after the test."""
+    made = admin_client(redis_target)
+    yield made
+    await made.aclose()
 
 
 def policy_section(settings: RedisSettings) -> dict[str, Any]:

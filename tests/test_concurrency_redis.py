@@ -53,14 +53,6 @@ async def slots(redis_target: Redis) -> AsyncIterator[RedisSlots]:
     await made.aclose()
 
 
-@pytest.fixture
-async def admin(redis_target: Redis) -> AsyncIterator[Any]:
-    """A client of the test's own, to look at and tamper with the sets."""
-    made = admin_client(redis_target)
-    yield made
-    await made.aclose()
-
-
 # -- the script --------------------------------------------------------------------------
 
 
@@ -99,16 +91,16 @@ async def test_a_renewal_puts_back_a_call_in_flight_whose_lease_lapsed(slots: Re
 
 
 async def test_one_key_per_tenant_and_address_expiring_with_its_last_lease(
-    slots: RedisSlots, admin: Any
+    slots: RedisSlots, redis_admin: Any
 ):
     braced = slots.key(TENANT, "ac}me{")
     assert braced == slots.prefix + "{tenant:ac%7Dme%7B}"
     assert slots.key("client", "10.0.0.1") == slots.prefix + "{client:10.0.0.1}"
     await slots.take(braced, 1, "a")  # Redis's own clock
-    assert 0 < await admin.pttl(braced) <= LEASE_S * 1000
-    assert await admin.zcard(braced) == 1
+    assert 0 < await redis_admin.pttl(braced) <= LEASE_S * 1000
+    assert await redis_admin.zcard(braced) == 1
     await slots.give_back(braced, "a")
-    assert await admin.zcard(braced) == 0
+    assert await redis_admin.zcard(braced) == 0
 
 
 async def test_an_answer_not_shaped_like_the_scripts_is_a_store_error(slots: RedisSlots):
@@ -133,19 +125,21 @@ def shared(slots: RedisSlots, clock: FakeClock, replicas: int = 2) -> SharedInFl
     )
 
 
-async def test_a_process_renews_its_calls_leases_until_they_end(slots: RedisSlots, admin: Any):
+async def test_a_process_renews_its_calls_leases_until_they_end(
+    slots: RedisSlots, redis_admin: Any
+):
     clock = FakeClock()
     counts = shared(slots, clock)
     key = slots.key(TENANT, "acme")
     try:
         held = await counts.take("acme", 3)
         await until(lambda: clock.sleepers == 1)  # the renewals have begun
-        await admin.delete(key)  # as if its lease had lapsed
+        await redis_admin.delete(key)  # as if its lease had lapsed
         clock.advance(LEASE_S / 3)
-        await until_async(lambda: admin.zcard(key), 1)  # renewed: put back
+        await until_async(lambda: redis_admin.zcard(key), 1)  # renewed: put back
         assert repr(counts) == "<SharedInFlight tenant replicas=2 held_in_redis=1>"
         held.release()
-        await until_async(lambda: admin.zcard(key), 0)
+        await until_async(lambda: redis_admin.zcard(key), 0)
         clock.advance(LEASE_S / 3)
         assert repr(counts) == "<SharedInFlight tenant replicas=2 held_in_redis=0>"
         await until(lambda: clock.sleepers == 0)  # nothing left to renew: the renewals stop
@@ -154,7 +148,7 @@ async def test_a_process_renews_its_calls_leases_until_they_end(slots: RedisSlot
 
 
 async def test_a_caller_leaving_while_its_place_is_taken_gives_it_back(
-    slots: RedisSlots, admin: Any
+    slots: RedisSlots, redis_admin: Any
 ):
     """The script ran (the place is in Redis) but its answer had not come back when the
     caller's client left: the place is given back, not left to lapse."""
@@ -172,11 +166,11 @@ async def test_a_caller_leaving_while_its_place_is_taken_gives_it_back(
     try:
         taking = asyncio.ensure_future(counts.take("acme", 1))
         await answered.wait()
-        assert await admin.zcard(key) == 1
+        assert await redis_admin.zcard(key) == 1
         taking.cancel()
         with pytest.raises(asyncio.CancelledError):
             await taking
-        await until_async(lambda: admin.zcard(key), 0)
+        await until_async(lambda: redis_admin.zcard(key), 0)
         assert counts.held("acme") == 0
     finally:
         await counts.aclose()
@@ -268,12 +262,12 @@ async def test_two_gateways_share_one_count_per_tenant(pipeline: Any, redis_targ
         await until(lambda: main_b.active == 2)
         main_a.let()
         assert (await held[0]).status_code == 200
-        admin = admin_client(redis_target)
+        redis_admin = admin_client(redis_target)
         key = f"gw:cc:{{tenant:{tenant[0]}}}"
         try:
-            await until_async(lambda: admin.zcard(key), 1)  # a-1 gave its place back
+            await until_async(lambda: redis_admin.zcard(key), 1)  # a-1 gave its place back
         finally:
-            await admin.aclose()
+            await redis_admin.aclose()
         held.append(started(b, "b-2", headers=auth))
         await until(lambda: main_b.active == 3)
     finally:

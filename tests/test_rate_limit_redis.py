@@ -32,7 +32,7 @@ from gateway.testing import FakeClock
 from gateway.testing.harness import Pipeline
 from tests.backends import Model, post
 from tests.helpers import policy, until
-from tests.redis_cluster import admin_client, policy_section
+from tests.redis_cluster import policy_section
 from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.redis
@@ -45,14 +45,6 @@ URL = "http://main.test"
 async def rates(redis_target: Redis) -> AsyncIterator[RedisRates]:
     prefix = f"gw:rl:test-{uuid.uuid4().hex}:"
     made = RedisRates.connect(redis_target, budget_s=1.0, prefix=prefix)
-    yield made
-    await made.aclose()
-
-
-@pytest.fixture
-async def admin(redis_target: Redis) -> AsyncIterator[Any]:
-    """A client of the test's own, to look at and tamper with the keys."""
-    made = admin_client(redis_target)
     yield made
     await made.aclose()
 
@@ -150,15 +142,15 @@ async def test_the_script_decides_as_the_memory_limiter_does(rates: RedisRates):
 
 
 async def test_one_key_per_tenant_route_and_kind_that_expires_once_full(
-    rates: RedisRates, admin: Any
+    rates: RedisRates, redis_admin: Any
 ):
     # slow refills, so that no key expires while a busy machine scans three masters
     requests, tokens = Bucket(REQUESTS, 0.1, 2), Bucket(TOKENS, 1, 60)
     await rates.admit([(key(rates), requests, 1.0), (key(rates, TOKENS), tokens, 6.0)])
-    found = [k.decode() async for k in admin.scan_iter(match=rates.prefix + "*")]
+    found = [k.decode() async for k in redis_admin.scan_iter(match=rates.prefix + "*")]
     assert sorted(found) == [rates.prefix + "{chat:acme}:rq", rates.prefix + "{chat:acme}:tk"]
-    assert 0 < await admin.pttl(key(rates)) <= 10_000  # one request is ten seconds
-    assert 0 < await admin.pttl(key(rates, TOKENS)) <= 6000
+    assert 0 < await redis_admin.pttl(key(rates)) <= 10_000  # one request is ten seconds
+    assert 0 < await redis_admin.pttl(key(rates, TOKENS)) <= 6000
     assert bucket_key("p:", "a:b}{", "c}d", "rq") == "p:{a%3Ab%7D%7B:c%7Dd}:rq"
 
 
@@ -176,12 +168,12 @@ async def test_redis_time_refills_the_bucket(rates: RedisRates):
         await asyncio.sleep(0.01)
 
 
-async def test_a_flushed_script_is_loaded_again(rates: RedisRates, admin: Any):
+async def test_a_flushed_script_is_loaded_again(rates: RedisRates, redis_admin: Any):
     """After a Redis restart its scripts are gone: EVALSHA fails with NOSCRIPT, and the
     script is loaded and run again within the same decision."""
     one = [(key(rates), Bucket(REQUESTS, 1, 5), 1.0)]
     assert await rates.admit(one, T0) == 0.0
-    await admin.script_flush()
+    await redis_admin.script_flush()
     assert await rates.admit(one, T0) == 0.0
     assert rates.up and rates.link.errors == 0
 
@@ -222,7 +214,7 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
     down."""
     clock = FakeClock()
     rates = RedisRates.connect(Redis(url=redis_url), clock=clock, budget_s=0.025)
-    admin = aioredis.Redis.from_url(redis_url)
+    redis_admin = aioredis.Redis.from_url(redis_url)
     one = [
         (bucket_key(rates.prefix, "slow", uuid.uuid4().hex, REQUESTS), Bucket(REQUESTS, 1, 5), 1)
     ]
@@ -230,7 +222,7 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
         rates.budget_s = 1.0  # the first decision loads the script: a busy machine may take 25 ms
         assert await rates.admit(one) == 0.0
         rates.budget_s = 0.025
-        await admin.client_pause(1000, all=True)
+        await redis_admin.client_pause(1000, all=True)
         for _ in range(DOWN_AFTER):
             with pytest.raises(StoreError, match="budget"):
                 await rates.admit(one)
@@ -239,13 +231,13 @@ async def test_decisions_past_their_budget_are_made_locally(redis_url: str):  # 
         assert rates.link.forgiven == 0
         assert not rates.usable()
     finally:
-        await admin.client_unpause()
-        await admin.aclose()
+        await redis_admin.client_unpause()
+        await redis_admin.aclose()
         await rates.aclose()
 
 
 async def test_an_error_redis_answers_with_makes_the_decision_local(
-    redis_target: Redis, admin: Any
+    redis_target: Redis, redis_admin: Any
 ):
     """A key of the wrong type (WRONGTYPE) fails that decision (made by the local share),
     but Redis answered: it is up, and the next tenant is decided in Redis."""
@@ -254,13 +246,13 @@ async def test_an_error_redis_answers_with_makes_the_decision_local(
     limiter = SharedRateLimiter("chat", RateLimit(requests_per_s=1, burst=1), rates)
     wrong = bucket_key(rates.prefix, "chat", tenant, REQUESTS)
     try:
-        await admin.hset(wrong, "x", 1)
+        await redis_admin.hset(wrong, "x", 1)
         await limiter.check(tenant)
         assert limiter.decided == {"redis": 0, "local": 1} and limiter.up
         await limiter.check(uuid.uuid4().hex)
         assert limiter.decided == {"redis": 1, "local": 1}
     finally:
-        await admin.delete(wrong)
+        await redis_admin.delete(wrong)
         await rates.aclose()
 
 
