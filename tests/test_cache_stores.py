@@ -580,13 +580,16 @@ async def test_an_event_loop_stall_past_the_socket_timeout_does_not_take_redis_d
         store.link.client.connection_pool.connection_kwargs["socket_connect_timeout"] = 2.0
         await asyncio.gather(*(store.get(f"stall-{i}") for i in range(20)))  # twenty sockets
         store.budget_s = 0.05
-        await admin.client_pause(80, all=True)  # the replies wait a little, as under load
+        await admin.client_pause(150, all=True)  # the replies wait a little, as under load
         reads = [asyncio.ensure_future(store.get(f"stall-{i}")) for i in range(20)]
-        await asyncio.sleep(0.03)  # sent; now waiting on their sockets
+        pool = store.link.client.connection_pool  # each command holds a connection once sent
+        await until(lambda: len(pool._in_use_connections) == 20)  # now waiting on its socket
         asyncio.get_running_loop().call_soon(time.sleep, 0.35)  # a callback holds the loop
         outcomes = await asyncio.gather(*reads, return_exceptions=True)
         assert all(isinstance(outcome, StoreError) for outcome in outcomes)
-        assert store.link.failures["unreached"] >= DOWN_AFTER  # the commands timed out
+        # the commands timed out: each judged when its own outcome came, which may be a turn
+        # after its caller's budget had already answered it
+        await until(lambda: store.link.failures["unreached"] >= DOWN_AFTER)
         await until(lambda: store.link.forgiven == 1)
         assert store.available and store.health.transitions == 0
         assert await store.get("stall-0") is None  # and it is asked at once
