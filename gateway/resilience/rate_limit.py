@@ -85,11 +85,6 @@ def scaled(limit: RateLimit, factor: float) -> RateLimit:
     )
 
 
-def counts_tokens(limit: RateLimit) -> bool:
-    """Whether ``limit`` has a tokens bucket (so requests under it are estimated)."""
-    return any(bucket.tokens for bucket in buckets_of(limit))
-
-
 class TokenBucket:
     """Holds up to ``capacity``, refilled at ``rate_per_s``; ``level`` may go below zero."""
 
@@ -153,6 +148,8 @@ class RateLimiter:
         self.max_tenants = max_tenants
         self.rejected = 0
         self._kinds = buckets_of(limit)
+        self.counts_tokens = any(kind.tokens for kind in self._kinds)
+        """Whether it has a tokens bucket (so requests under it are estimated)."""
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
 

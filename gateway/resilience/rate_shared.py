@@ -63,6 +63,7 @@ class SharedRateLimiter:
         self._rates = rates
         self._refused = 0
         self._buckets = buckets_of(limit)
+        self.counts_tokens = any(bucket.tokens for bucket in self._buckets)
 
     @property
     def rejected(self) -> int:

@@ -33,7 +33,7 @@ from gateway.resilience.credentials import (
     rate_key_of,
 )
 from gateway.resilience.quota import OverRate, Standing, tightest
-from gateway.resilience.rate_limit import RateLimiter, counts_tokens
+from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
 from gateway.state import Kind, Registry
 from gateway.wire import anthropic_path
@@ -57,7 +57,7 @@ class Limit:
 
     @property
     def tokens(self) -> bool:
-        return counts_tokens(self.own.limit)
+        return self.own.counts_tokens
 
 
 @dataclass(slots=True)
