@@ -90,6 +90,17 @@ async def test_tokens_are_told_after_the_answers_usage_settled_them(pipeline):
     }
 
 
+async def test_a_negative_answer_bound_is_no_credit_against_the_tokens_limit(pipeline):
+    """A client's ``max_tokens: -1000000`` estimates the answer at none: it is neither a
+    refund at admission nor a debt of a million tokens once the usage settles it."""
+    clock = FakeClock()
+    route = {"rate_limit": {"tokens_per_min": 300}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), Model("main"), clock=clock)
+    answer = await post(gw, headers=ALICE, max_tokens=-1_000_000)
+    assert answer.status_code == 200
+    assert told(answer)["x-ratelimit-remaining-tokens"] == "286"  # settled on the 14 used
+
+
 async def test_the_tighter_of_a_routes_and_a_tenants_own_limit_is_told(pipeline):
     key = "acme-secret-key"
     tenants = {

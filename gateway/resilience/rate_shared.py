@@ -81,8 +81,7 @@ class SharedRateLimiter:
         # every bucket, a tokens one asked for none when no tokens are estimated: its
         # standing is told all the same, as the memory limiter tells it
         buckets = [
-            (self._key(tenant, b), b, (max(0.0, float(tokens)) if b.tokens else 1.0))
-            for b in self._buckets
+            (self._key(tenant, b), b, float(tokens) if b.tokens else 1.0) for b in self._buckets
         ]
         if self._rates.usable():
             try:

@@ -190,7 +190,7 @@ def estimate_tokens(call: Call) -> int:
         or 0
     )
     answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else 0
-    return len(call.body) // CHARS_PER_TOKEN + answer
+    return len(call.body) // CHARS_PER_TOKEN + max(0, answer)  # a negative bound: none
 
 
 def build_rate_limits(
