@@ -251,6 +251,13 @@ def _expand(text: str, path: str, found: Found) -> str:
     return _ENV.sub(sub, text)
 
 
+def secret_bytes(file: str) -> bytes:
+    """A ``${file:...}``'s bytes, no more than a value may hold and one more (``OSError``
+    when it cannot be read)."""
+    with open(file, "rb") as handle:
+        return handle.read(MAX_SECRET_FILE_BYTES + 1)
+
+
 def _read_secret(file: str, path: str, found: Found) -> tuple[str | None, str]:
     """``file``'s text without its final line break (recorded in ``found.files``), or None
     and why not."""
@@ -258,8 +265,7 @@ def _read_secret(file: str, path: str, found: Found) -> tuple[str | None, str]:
         raise Invalid(path, f"${{file:{file}}}: the path must be absolute")
     found.files.append(file)
     try:
-        with open(file, "rb") as handle:
-            data = handle.read(MAX_SECRET_FILE_BYTES + 1)
+        data = secret_bytes(file)
     except OSError as exc:
         return None, f"file {file} cannot be read ({exc.strerror or exc})"
     if len(data) > MAX_SECRET_FILE_BYTES:

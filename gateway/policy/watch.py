@@ -27,7 +27,7 @@ from pathlib import Path
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import PolicyError
-from gateway.policy.convert import MAX_SECRET_FILE_BYTES
+from gateway.policy.convert import secret_bytes
 from gateway.policy.load import Loaded, parse_sources, read_sources
 from gateway.policy.model import Policy
 
@@ -148,8 +148,7 @@ def _secrets(files: tuple[str, ...]) -> list[tuple[str, str]]:
     read = []
     for name in files:
         try:
-            with open(name, "rb") as handle:  # as much as a value may hold, and one more
-                data = handle.read(MAX_SECRET_FILE_BYTES + 1)
+            data = secret_bytes(name)
         except OSError as exc:
             data = f"unreadable: {exc.strerror}".encode()
         read.append((name, hashlib.sha256(data).hexdigest()))
