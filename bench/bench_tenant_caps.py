@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -128,50 +127,48 @@ async def holding(
     }
 
 
-@contextlib.asynccontextmanager
-async def redis_server() -> AsyncIterator[str]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
 async def main(duration_s: float, rounds: int, holders: int) -> list[str]:
     server = Server()
+    with RedisServer() as store:
+        async with serving(server.app()) as (backend,):
+            return await measured(backend, store.url, server, duration_s, rounds, holders)
+
+
+async def measured(
+    backend: str, redis: str, server: Server, duration_s: float, rounds: int, holders: int
+) -> list[str]:
+    """Every path over ``rounds``, through gateways on ``backend`` sharing ``redis``."""
     latency: dict[str, list[dict[str, float]]] = {}
     held: dict[str, list[dict[str, float]]] = {}
-    async with redis_server() as redis, serving(server.app()) as (backend,):
-        async with (
-            gateway(policy(backend, None, redis)) as plain,
-            gateway(policy(backend, "memory", redis)) as memory_a,
-            gateway(policy(backend, "memory", redis)) as memory_b,
-            gateway(policy(backend, "redis", redis)) as redis_a,
-            gateway(policy(backend, "redis", redis)) as redis_b,
-        ):
-            calls: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
-                ("direct", lambda: one_at_a_time(backend, duration_s)),
-                ("gateway, no cap", lambda: one_at_a_time(plain, duration_s)),
-                ("gateway, cap counted in memory", lambda: one_at_a_time(memory_a, duration_s)),
-                ("gateway, cap counted in Redis", lambda: one_at_a_time(redis_a, duration_s)),
-            ]
-            holds: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
-                (
-                    "two gateways, `concurrency_store: memory`",
-                    lambda: holding([memory_a, memory_b], server, duration_s, holders),
-                ),
-                (
-                    "two gateways, `concurrency_store: redis`",
-                    lambda: holding([redis_a, redis_b], server, duration_s, holders),
-                ),
-            ]
-            for _ in range(rounds):
-                for name, measure in calls:
-                    latency.setdefault(name, []).append(await measure())
-                for name, measure in holds:
-                    held.setdefault(name, []).append(await measure())
-                    await asyncio.sleep(LONG_MS / 1000)  # the last long calls end
+    async with (
+        gateway(policy(backend, None, redis)) as plain,
+        gateway(policy(backend, "memory", redis)) as memory_a,
+        gateway(policy(backend, "memory", redis)) as memory_b,
+        gateway(policy(backend, "redis", redis)) as redis_a,
+        gateway(policy(backend, "redis", redis)) as redis_b,
+    ):
+        calls: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
+            ("direct", lambda: one_at_a_time(backend, duration_s)),
+            ("gateway, no cap", lambda: one_at_a_time(plain, duration_s)),
+            ("gateway, cap counted in memory", lambda: one_at_a_time(memory_a, duration_s)),
+            ("gateway, cap counted in Redis", lambda: one_at_a_time(redis_a, duration_s)),
+        ]
+        holds: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
+            (
+                "two gateways, `concurrency_store: memory`",
+                lambda: holding([memory_a, memory_b], server, duration_s, holders),
+            ),
+            (
+                "two gateways, `concurrency_store: redis`",
+                lambda: holding([redis_a, redis_b], server, duration_s, holders),
+            ),
+        ]
+        for _ in range(rounds):
+            for name, measure in calls:
+                latency.setdefault(name, []).append(await measure())
+            for name, measure in holds:
+                held.setdefault(name, []).append(await measure())
+                await asyncio.sleep(LONG_MS / 1000)  # the last long calls end
     return table(latency, held, holders)
 
 

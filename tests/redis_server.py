@@ -95,6 +95,13 @@ class RedisServer:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         state = "running" if self._proc is not None else "stopped"
         return f"<RedisServer port={self.port} {state}>"
@@ -105,12 +112,8 @@ def redis_url() -> Iterator[str]:
     """A Redis URL for the session: a private server when the binary exists, else
     ``REDIS_URL``; the test is skipped when there is neither."""
     if REDIS_BINARY is not None:
-        server = RedisServer()
-        server.start()
-        try:
+        with RedisServer() as server:
             yield server.url
-        finally:
-            server.close()
     elif os.environ.get("REDIS_URL"):
         yield os.environ["REDIS_URL"]
     else:
