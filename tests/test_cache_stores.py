@@ -562,6 +562,16 @@ async def test_late_replies_never_mark_redis_down(redis_url: str) -> None:  # no
             await store.close()
 
 
+def _reading(pool: Any) -> int:
+    """redis-py's connections waiting for a reply now: each sent its command and armed its
+    read timeout (its stream reader has a waiter)."""
+    return sum(
+        1
+        for conn in list(pool._in_use_connections)
+        if conn._reader is not None and conn._reader._waiter is not None
+    )
+
+
 async def test_an_event_loop_stall_past_the_socket_timeout_does_not_take_redis_down(
     redis_url: str,  # noqa: F811
 ) -> None:
@@ -582,8 +592,7 @@ async def test_an_event_loop_stall_past_the_socket_timeout_does_not_take_redis_d
         store.budget_s = 0.05
         await admin.client_pause(150, all=True)  # the replies wait a little, as under load
         reads = [asyncio.ensure_future(store.get(f"stall-{i}")) for i in range(20)]
-        pool = store.link.client.connection_pool  # each command holds a connection once sent
-        await until(lambda: len(pool._in_use_connections) == 20)  # now waiting on its socket
+        await until(lambda: _reading(store.link.client.connection_pool) == 20)
         asyncio.get_running_loop().call_soon(time.sleep, 0.35)  # a callback holds the loop
         outcomes = await asyncio.gather(*reads, return_exceptions=True)
         assert all(isinstance(outcome, StoreError) for outcome in outcomes)
