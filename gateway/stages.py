@@ -1,7 +1,7 @@
 """The pipeline's stages, in order: the rate history of routes that forecast it, the model
 the backend is asked for, the merge of model lists over several backends, cache lookup,
-single flight, batching, then admission, throttling, breakers and fallback around the
-forward to a backend.
+single flight, shadow traffic, batching, then admission, throttling, breakers and fallback
+around the forward to a backend.
 
 ``build`` makes the stage list for one policy generation.  Stages keep per-request rules
 from the policy snapshot they are built with, and take their long-lived state (stores,
@@ -22,6 +22,7 @@ import gateway.openai.stream_usage
 import gateway.openai.target_models
 import gateway.pool.stage
 import gateway.resilience.stage
+import gateway.transport.mirror
 from gateway.cache.embedding_seam import TierFactory
 from gateway.pipeline import Stage
 from gateway.policy.model import Policy
@@ -52,6 +53,10 @@ def build(
         *gateway.cache.stage.build(policy, runtime, embedding_tiers),
         # 2. single flight: identical in-flight calls share one
         *gateway.coalesce.stage.build(policy, runtime),
+        # 3. shadow traffic: a copy of each call that goes upstream, to the route's mirror
+        *gateway.transport.mirror.build(
+            policy, runtime.metrics, runtime.registry, runtime.clock, runtime.transport
+        ),
         # 3. micro-batching into array calls
         *gateway.batching.stage.build(policy, runtime),
         # 4. rate limits, admission, throttle, breakers and fallback around the forward

@@ -41,6 +41,7 @@ GAUGES: dict[str, Rule] = {
     "gateway_queue_depth": "sum",
     "gateway_tenant_in_flight": "sum",  # each process caps its own
     "gateway_client_in_flight": "sum",
+    "gateway_mirror_in_flight": "sum",
     "gateway_connections": "sum",
     "gateway_workers": "sum",
     "process_resident_memory_bytes": "sum",

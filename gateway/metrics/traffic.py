@@ -49,6 +49,27 @@ class TrafficFamilies:
             ["route", "model"],
             registry=r,
         )
+        self.mirror_requests = Counter(
+            "gateway_mirror_requests",
+            "Copies of a route's upstream calls sent to its mirror backend (shadow traffic), "
+            "by outcome: the answer's status class (2xx, 4xx, 5xx...), error (no whole "
+            "answer: refused, timed out, cut), or shed (not sent: max_in_flight were out).",
+            ["route", "backend", "outcome"],
+            registry=r,
+        )
+        self.mirror_duration = Histogram(
+            "gateway_mirror_duration_seconds",
+            "Time a mirror backend took to answer a copy whole (a stream to its end).",
+            ["route", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.mirror_in_flight = Gauge(
+            "gateway_mirror_in_flight",
+            "Copies sent to a route's mirror backend and not yet answered whole.",
+            ["route"],
+            registry=r,
+        )
         self.response_ids_refused = Counter(
             "gateway_response_ids_refused",
             "Requests refused for naming a stored response, conversation, item, chat "

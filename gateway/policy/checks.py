@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import math
 
+from gateway.policy.mirror import check_mirror
 from gateway.policy.model import (
     Admin,
     Backend,
@@ -367,6 +368,8 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             bad(f"fallback[{i}]", "the primary backend cannot be its own fallback")
     found.extend(check_merge_models(route, backends))
     found.extend(check_target_models(route))
+    if route.mirror is not None:
+        found.extend(check_mirror(route.mirror, route.backend, backends))
     if route.batch is not None:
         if route.batch.max_size < 1:
             bad("batch.max_size", "must be at least 1")

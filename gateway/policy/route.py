@@ -1,5 +1,5 @@
 """The policy of a route (``routes[]``): what it matches, and what happens on the way to its
-backend: caching, coalescing, batching, a rate limit, a quality fallback."""
+backend: caching, coalescing, batching, a rate limit, a quality fallback, shadow traffic."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.policy.metadata import doc
+from gateway.policy.mirror import Mirror
 
 DEFAULT_CACHE_TTL_S = 600.0
 DEFAULT_SIMHASH_MAX_DISTANCE = 3
@@ -386,6 +387,14 @@ class Route:
         metadata=doc(
             "Forecast this route's request rate (time of day, day of week, trend) and "
             "export what its backend will need, ahead of the peak."
+        ),
+    )
+    mirror: Mirror | None = field(
+        default=None,
+        metadata=doc(
+            "Shadow traffic: a copy of each call the route sends its backend (not a cache "
+            "hit, a coalesced joiner or a call the gateway refused) goes to another backend "
+            "once the answer is on its way, and that backend's answer is dropped."
         ),
     )
 

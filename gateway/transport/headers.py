@@ -37,7 +37,9 @@ FORWARDING = frozenset(
 METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
 # Headers the gateway sets itself on the upstream request, or that are its to decide.
 REQUEST_OWNED = (
-    frozenset({"host", "content-length", "expect", "x-request-id"}) | FORWARDING | METHOD_OVERRIDES
+    frozenset({"host", "content-length", "expect", "x-request-id", "x-gateway-mirror"})
+    | FORWARDING
+    | METHOD_OVERRIDES
 )
 RESPONSE_OWNED = frozenset(
     {"content-length", "x-request-id", "x-gateway-backend", "date", "server"}

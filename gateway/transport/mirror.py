@@ -1,0 +1,214 @@
+"""Shadow traffic (``routes[].mirror``): a copy of each call a route sends its backend goes to
+another backend too, and that backend's answer is read to the end and dropped.  The way to
+try a new model version or server on real traffic before a client depends on it.
+
+Which calls are copied: the stage runs after the cache and single flight, so a cache hit and
+a coalesced joiner, which never reached a backend, are not, and before batching, so a copy is
+one caller's call as the route's backend is asked it (the target model, the usage asked for),
+never a merged batch.  A call is copied once its own answer is on its way (a whole body, or
+a stream's head) or once its backend failed it (``UpstreamError``).  A call the gateway
+refused (a rate limit, a tenant's cap, a full queue, a throttle rule, an open breaker) is
+not: a client held back by its limits drives no shadow traffic.
+
+The client never waits for a copy: each runs in a task of its own, at most ``max_in_flight``
+per route in each process (one more is not sent, counted as ``shed``).  A copy goes straight
+to the mirror backend's endpoints with the original's headers and ``X-Request-ID``, the
+mirror backend's own ``headers`` and ``X-Gateway-Mirror: <route>`` (a client's own is never
+passed on), past that backend's queue, breaker and throttle rules, which guard the routes it
+serves itself: ``max_in_flight`` is what bounds its load.  A reload that changes the mirror,
+and shutdown, cancel the copies in flight.
+
+Counted in ``gateway_mirror_requests_total{route, backend, outcome}``, timed whole in
+``gateway_mirror_duration_seconds``, and in flight in ``gateway_mirror_in_flight``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+from gateway.clock import Clock
+from gateway.errors import GatewayError, UpstreamError
+from gateway.metrics import Metrics
+from gateway.openai.body import dumps_yielding
+from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.policy.mirror import Mirror
+from gateway.policy.model import Policy
+from gateway.state import Kind, Registry
+from gateway.transport.forward import Forward
+from gateway.transport.upstream import Transport
+
+log = logging.getLogger("gateway.mirror")
+MIRROR_HEADER = "X-Gateway-Mirror"
+ERROR_LOG_EVERY_S = 60.0
+SHED = "shed"
+ERROR = "error"
+
+
+class Shadow:
+    """One route's copies: which calls are drawn, where they go, and those in flight."""
+
+    def __init__(
+        self,
+        route: str,
+        mirror: Mirror,
+        forward: Handler,
+        metrics: Metrics,
+        clock: Clock,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
+        self._route = route
+        self._mirror = mirror
+        self._forward = forward
+        self._clock = clock
+        self._draw = draw
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._draining = False
+        self._last_error_log = -math.inf
+        self._requests = metrics.mirror_requests
+        self._outcomes: dict[str, Any] = {}
+        self._duration = metrics.mirror_duration.labels(route, mirror.backend)
+        self._in_flight = metrics.mirror_in_flight.labels(route)
+        self._in_flight.set(0)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def copy(self, call: Call) -> None:
+        """Send a copy of ``call`` to the mirror backend, if it is drawn and there is room."""
+        mirror = self._mirror
+        if self._draining or (mirror.fraction < 1 and self._draw() >= mirror.fraction):
+            return
+        if len(self._tasks) >= mirror.max_in_flight:
+            self._count(SHED)
+            return
+        task = asyncio.get_running_loop().create_task(self._send(call))
+        self._tasks.add(task)
+        self._in_flight.set(len(self._tasks))
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._in_flight.set(len(self._tasks))
+
+    async def _send(self, call: Call) -> None:
+        started = self._clock.now()
+        try:
+            reply = await self._forward(await self._copy_of(call))
+            await _read_whole(reply)
+        except asyncio.CancelledError:
+            raise  # a reload or shutdown: not the mirror's answer
+        except Exception as exc:
+            self._count(ERROR)
+            self._failed(exc)
+            return
+        self._duration.observe(self._clock.now() - started)
+        self._count(f"{reply.status // 100}xx")
+
+    async def _copy_of(self, call: Call) -> Call:
+        mirror = self._mirror
+        changes: dict[str, Any] = {
+            "backend": mirror.backend,
+            "headers": (*call.headers, (MIRROR_HEADER, self._route)),
+            "pin": None,  # the original's endpoint is the route backend's, not the mirror's
+            "record": None,
+            "verdict": None,
+        }
+        if mirror.model is not None and call.json is not None:
+            asked = {**call.json, "model": mirror.model}
+            changes["json"] = asked
+            changes["body"] = await dumps_yielding(asked, len(call.body))
+        return dataclasses.replace(call, **changes)
+
+    def _count(self, outcome: str) -> None:
+        child = self._outcomes.get(outcome)
+        if child is None:
+            child = self._requests.labels(self._route, self._mirror.backend, outcome)
+            self._outcomes[outcome] = child
+        child.inc()
+
+    def _failed(self, exc: Exception) -> None:
+        now = self._clock.now()
+        if now - self._last_error_log < ERROR_LOG_EVERY_S:
+            return
+        self._last_error_log = now
+        if isinstance(exc, GatewayError):
+            log.warning("route %s: mirror %s failed: %s", self._route, self._mirror.backend, exc)
+        else:
+            log.exception("route %s: mirror %s failed", self._route, self._mirror.backend)
+
+    def drain(self) -> None:
+        """Shutdown has begun: copy nothing more."""
+        self._draining = True
+
+    async def aclose(self) -> None:
+        """Cancel the copies in flight (a reload that changed the mirror, or shutdown)."""
+        self._draining = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def __repr__(self) -> str:
+        m = self._mirror
+        return (
+            f"<Shadow {self._route} -> {m.backend} in_flight={len(self._tasks)}/"
+            f"{m.max_in_flight} fraction={m.fraction:g}{' draining' if self._draining else ''}>"
+        )
+
+
+SHADOWS: Kind[Shadow] = Kind("mirror")
+
+
+async def _read_whole(reply: Reply) -> None:
+    """Read ``reply`` to its end (a stream's chunks dropped as they come), then release it."""
+    try:
+        if reply.stream is not None:
+            async for _ in reply.stream:
+                pass
+    finally:
+        if reply.close is not None:
+            await reply.close()
+
+
+class MirrorStage:
+    """Copies each call its route sends upstream to the route's mirror backend."""
+
+    def __init__(self, shadows: dict[str, Shadow]) -> None:
+        self._shadows = shadows
+
+    async def __call__(self, call: Call, call_next: Handler) -> Reply:
+        shadow = self._shadows.get(call.route.name)
+        if shadow is None:
+            return await call_next(call)
+        try:
+            reply = await call_next(call)
+        except UpstreamError:
+            shadow.copy(call)  # the backend was asked: its mirror is asked too
+            raise
+        shadow.copy(call)
+        return reply
+
+    def __repr__(self) -> str:
+        return f"<MirrorStage {sorted(self._shadows)}>"
+
+
+def build(
+    policy: Policy, metrics: Metrics, registry: Registry, clock: Clock, transport: Transport
+) -> list[Stage]:
+    """The mirror stage for ``policy``, or none when no route mirrors."""
+    forward = Forward(transport)
+
+    def shadow_of(route: str, mirror: Mirror) -> Shadow:
+        return registry.get(
+            SHADOWS, route, mirror, lambda: Shadow(route, mirror, forward, metrics, clock)
+        )
+
+    shadows = {r.name: shadow_of(r.name, r.mirror) for r in policy.routes if r.mirror is not None}
+    return [MirrorStage(shadows)] if shadows else []

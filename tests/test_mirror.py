@@ -1,0 +1,294 @@
+"""A route's ``mirror``: shadow traffic.  Each call the route sends its backend is copied to
+another backend, whose answer is read and dropped; the client never waits for it or sees it.
+Two model servers on real sockets, the official ``openai`` SDK and httpx as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.transport.mirror import MIRROR_HEADER, SHADOWS
+from tests.helpers import chat, metric, policy, problems_of, until, write_policy
+
+SHADOW_KEY = "shadow-only-key"
+RELOADING = {"reload_interval_s": 0.05, "reload_settle_s": 0}
+
+
+class Server:
+    """A model server that records each call; ``gate``, when set, holds every answer until
+    it opens; ``status`` is what it answers."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.gate: asyncio.Event | None = None
+        self.status = 200
+        self.streams_ended = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    @property
+    def bodies(self) -> list[dict[str, Any]]:
+        return [body for _, body in self.calls]
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.calls.append(({k.lower(): v for k, v in request.headers.items()}, body))
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.status != 200:
+            return web.json_response({"error": {"message": "no"}}, status=self.status)
+        text = f"{self.name} says hi to {body['model']}"
+        if body.get("stream"):
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+            for piece in (text[:5], text[5:]):
+                delta = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+                await stream.write(f"data: {json.dumps(delta)}\n\n".encode())
+            await stream.write(b"data: [DONE]\n\n")
+            self.streams_ended += 1
+            return stream
+        message = {"role": "assistant", "content": text}
+        return web.json_response(
+            {
+                "id": f"{self.name}-{len(self.calls)}",
+                "object": "chat.completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+            }
+        )
+
+
+def mirrored(primary: str, shadow: str, route: dict[str, Any] | None = None, **more: Any) -> Any:
+    backends: dict[str, dict[str, Any]] = {
+        "main": {"url": primary},
+        "canary": {"url": shadow, "headers": {"Authorization": f"Bearer {SHADOW_KEY}"}},
+    }
+    mirror = {"backend": "canary", **(route or {}).pop("mirror", {})}
+    return policy(backends, {"mirror": mirror, **(route or {})}, server=RELOADING, **more)
+
+
+@pytest.fixture
+async def servers(serve_app):
+    main, canary = Server("main"), Server("canary")
+    return main, canary, await serve_app(main.app()), await serve_app(canary.app())
+
+
+async def start(start_gateway, tmp_path, doc: Any) -> Any:
+    return await start_gateway(policy=write_policy(tmp_path, doc))
+
+
+async def scrape(gw: Any) -> str:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(gw.admin_url + "/metrics")).text
+
+
+def outcome(text: str, value: str) -> float:
+    found = metric(
+        text, "gateway_mirror_requests_total", route="chat", backend="canary", outcome=value
+    )
+    return found or 0.0
+
+
+async def test_each_call_is_copied_to_the_mirror_and_its_answer_dropped(
+    servers, start_gateway, tmp_path
+):
+    main, canary, main_url, canary_url = servers
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url))
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="client-key", max_retries=0
+    ) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m",
+            messages=[{"role": "user", "content": "hello"}],
+            extra_headers={MIRROR_HEADER: "forged", "X-Request-ID": "req-26"},
+        )
+    answer = raw.parse()
+    assert answer.choices[0].message.content == "main says hi to m"  # the route's answer
+    await until(lambda: len(canary.calls) == 1)
+    (main_headers, main_body), (copy_headers, copy_body) = main.calls[0], canary.calls[0]
+    assert copy_body == main_body
+    assert copy_headers[MIRROR_HEADER.lower()] == "chat"
+    assert MIRROR_HEADER.lower() not in main_headers  # a client's own is never passed on
+    assert copy_headers["x-request-id"] == main_headers["x-request-id"] == "req-26"
+    assert copy_headers["authorization"] == f"Bearer {SHADOW_KEY}"  # the mirror's headers
+    assert main_headers["authorization"] == "Bearer client-key"
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: shadow.in_flight == 0)
+    text = await scrape(gw)
+    assert outcome(text, "2xx") == 1
+    assert metric(text, "gateway_mirror_duration_seconds_count", route="chat", backend="canary")
+    assert metric(text, "gateway_mirror_in_flight", route="chat") == 0
+    assert repr(shadow) == "<Shadow chat -> canary in_flight=0/16 fraction=1>"
+
+
+async def test_the_client_never_waits_for_the_mirror(servers, start_gateway, tmp_path):
+    _main, canary, main_url, canary_url = servers
+    canary.gate = asyncio.Event()
+    doc = mirrored(main_url, canary_url, {"mirror": {"max_in_flight": 2}})
+    gw = await start(start_gateway, tmp_path, doc)
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    try:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+            for i in range(5):  # each answered while the mirror holds the copies
+                answer = await client.post("/v1/chat/completions", json=chat(f"q{i}"))
+                assert answer.status_code == 200
+                assert answer.json()["choices"][0]["message"]["content"] == "main says hi to m"
+        await until(lambda: len(canary.calls) == 2)
+        assert shadow.in_flight == 2
+        assert "in_flight=2/2" in repr(shadow)
+        text = await scrape(gw)
+        assert outcome(text, "shed") == 3
+        assert metric(text, "gateway_mirror_in_flight", route="chat") == 2
+    finally:
+        canary.gate.set()
+    await until(lambda: shadow.in_flight == 0)
+    assert outcome(await scrape(gw), "2xx") == 2
+
+
+async def test_only_calls_that_reach_the_backend_are_copied(servers, start_gateway, tmp_path):
+    """A cache hit, a coalesced joiner and a call over its rate limit never reach the
+    route's backend, so none reaches its mirror."""
+    main, canary, main_url, canary_url = servers
+    main.gate = asyncio.Event()
+    route = {"cache": {"ttl_s": 60}, "rate_limit": {"requests_per_s": 0.01, "burst": 2}}
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url, route))
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        ask = chat("same", temperature=0)
+        first = asyncio.ensure_future(client.post("/v1/chat/completions", json=ask))
+        await until(lambda: len(main.calls) == 1)
+        joiner = asyncio.ensure_future(client.post("/v1/chat/completions", json=ask))
+        await asyncio.sleep(0.05)  # the joiner reaches the flight (it is not yet answered)
+        main.gate.set()
+        answers = [await first, await joiner]
+        hit = await client.post("/v1/chat/completions", json=ask)
+        other = await client.post("/v1/chat/completions", json=chat("other", temperature=0))
+        over = await client.post("/v1/chat/completions", json=chat("over", temperature=0))
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[1].headers.get("x-gateway-coalesced") == "1"
+    assert hit.headers["x-gateway-cache"] == "hit"
+    assert other.status_code == 200
+    assert over.status_code == 429
+    assert [b["messages"][0]["content"] for b in main.bodies] == ["same", "other"]
+    await until(lambda: len(canary.calls) == 2)
+    assert canary.bodies == main.bodies
+
+
+async def test_a_failing_mirror_never_reaches_the_client(servers, start_gateway, tmp_path):
+    _main, canary, main_url, canary_url = servers
+    canary.status = 500
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url))
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        answered = await client.post("/v1/chat/completions", json=chat("a"))
+        await until(lambda: shadow.in_flight == 0 and len(canary.calls) == 1)
+        # the mirror gone: nothing listens on its port any more
+        doc = mirrored(main_url, "http://127.0.0.1:9", {"mirror": {"max_in_flight": 3}})
+        write_policy(tmp_path, doc)
+        await until(lambda: gw.gateway.registry.peek(SHADOWS, "chat") is not shadow)
+        refused = await client.post("/v1/chat/completions", json=chat("b"))
+    assert (answered.status_code, refused.status_code) == (200, 200)
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: shadow.in_flight == 0)
+    text = await scrape(gw)
+    assert outcome(text, "5xx") == 1
+    assert outcome(text, "error") == 1
+
+
+async def test_a_call_the_backend_failed_is_copied_too(servers, start_gateway, tmp_path):
+    _main, canary, _main_url, canary_url = servers
+    gw = await start(start_gateway, tmp_path, mirrored("http://127.0.0.1:9", canary_url))
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        failed = await client.post("/v1/chat/completions", json=chat("down"))
+    assert failed.status_code == 502
+    await until(lambda: len(canary.calls) == 1)
+    assert canary.bodies[0]["messages"][0]["content"] == "down"
+
+
+async def test_the_mirror_is_asked_for_its_own_model(servers, start_gateway, tmp_path):
+    main, canary, main_url, canary_url = servers
+    doc = mirrored(main_url, canary_url, {"mirror": {"model": "m-v2"}})
+    gw = await start(start_gateway, tmp_path, doc)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        answer = await client.post("/v1/chat/completions", json=chat("which?", temperature=0))
+    assert answer.json()["model"] == "m"
+    await until(lambda: len(canary.calls) == 1)
+    assert [b["model"] for b in main.bodies] == ["m"]
+    assert canary.bodies[0] == {**main.bodies[0], "model": "m-v2"}
+
+
+async def test_a_stream_is_copied_and_the_mirrors_stream_read_to_its_end(
+    servers, start_gateway, tmp_path
+):
+    _main, canary, main_url, canary_url = servers
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url))
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "stream"}], stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == "main says hi to m"
+    await until(lambda: canary.streams_ended == 1)
+    assert canary.bodies[0]["stream"] is True
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: shadow.in_flight == 0)
+    assert outcome(await scrape(gw), "2xx") == 1
+
+
+async def test_a_fraction_of_the_calls_is_copied(servers, start_gateway, tmp_path):
+    main, canary, main_url, canary_url = servers
+    doc = mirrored(main_url, canary_url, {"mirror": {"fraction": 0.25}})
+    gw = await start(start_gateway, tmp_path, doc)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        for i in range(200):
+            await client.post("/v1/chat/completions", json=chat(f"q{i}"))
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: shadow.in_flight == 0)
+    # 200 draws at 0.25: 50 copies, with a standard deviation of 6.1
+    assert 20 <= len(canary.calls) <= 80
+    assert len(main.calls) == 200
+
+
+async def test_a_reload_that_drops_the_mirror_stops_the_copies(servers, start_gateway, tmp_path):
+    _main, canary, main_url, canary_url = servers
+    canary.gate = asyncio.Event()
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url))
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        await client.post("/v1/chat/completions", json=chat("before"))
+        await until(lambda: shadow.in_flight == 1)
+        backends = {"main": {"url": main_url}, "canary": {"url": canary_url}}
+        write_policy(tmp_path, policy(backends, server=RELOADING))
+        await until(lambda: gw.gateway.registry.peek(SHADOWS, "chat") is None)
+        await until(lambda: shadow.in_flight == 0)  # the copy in flight was cancelled
+        after = await client.post("/v1/chat/completions", json=chat("after"))
+    canary.gate.set()
+    assert after.status_code == 200
+    assert [b["messages"][0]["content"] for b in canary.bodies] == ["before"]
+
+
+@pytest.mark.parametrize(
+    ("mirror", "problem"),
+    [
+        ({"backend": "nowhere"}, "routes[0].mirror.backend: unknown backend 'nowhere'"),
+        ({"backend": "main"}, "routes[0].mirror.backend: the route's own backend cannot"),
+        ({"backend": "canary", "fraction": 1.5}, "routes[0].mirror.fraction: must be between"),
+        ({"backend": "canary", "max_in_flight": 0}, "routes[0].mirror.max_in_flight: must be"),
+        ({"backend": "canary", "model": " "}, "routes[0].mirror.model: must name a model"),
+    ],
+)
+def test_a_mirror_is_checked(tmp_path, mirror, problem):
+    backends = {"main": {"url": "http://127.0.0.1:1"}, "canary": {"url": "http://127.0.0.1:2"}}
+    path = write_policy(tmp_path, policy(backends, {"mirror": mirror}))
+    assert any(problem in p for p in problems_of(path.read_text()))
