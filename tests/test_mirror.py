@@ -228,6 +228,24 @@ async def test_the_mirror_is_asked_for_its_own_model(servers, start_gateway, tmp
     assert canary.bodies[0] == {**main.bodies[0], "model": "m-v2"}
 
 
+async def test_a_client_never_sets_its_copies_place_in_a_vllm_mirrors_queue(
+    servers, start_gateway, tmp_path
+):
+    """A mirror with ``upstream_priority: vllm`` gets each copy at vLLM's lowest priority,
+    whatever priority the client wrote into its body."""
+    main, canary, main_url, canary_url = servers
+    doc = mirrored(main_url, canary_url)
+    doc["backends"]["canary"]["upstream_priority"] = "vllm"
+    gw = await start(start_gateway, tmp_path, doc)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        for priority in (-1, "high", None):
+            body = chat("first!") if priority is None else chat("first!", priority=priority)
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    await until(lambda: len(canary.calls) == 3)
+    assert [b["priority"] for b in canary.bodies] == [1, 1, 1]
+    assert [b.get("priority") for b in main.bodies] == [-1, "high", None]  # as the client wrote
+
+
 async def test_a_stream_is_copied_and_the_mirrors_stream_read_to_its_end(
     servers, start_gateway, tmp_path
 ):

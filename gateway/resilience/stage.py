@@ -49,7 +49,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.metrics import Metrics
-from gateway.openai.body import dumps_yielding
+from gateway.openai import vllm_priority as vllm
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Quality
 from gateway.resilience.admission import Priority
@@ -84,12 +84,8 @@ FALLBACK_REASONS = (
     "queue_share",  # shed from a full queue to make room for another tenant's call
     "queue_timeout",  # the call waited in the queue past its timeout
 )
-VLLM_PRIORITY = {Priority.HIGH: -1, Priority.NORMAL: 0, Priority.LOW: 1}
+VLLM_PRIORITY = {Priority.HIGH: vllm.HIGH, Priority.NORMAL: vllm.NORMAL, Priority.LOW: vllm.LOW}
 """The gateway's priorities as vLLM's ``priority`` (lower runs first; 0 is its default)."""
-VLLM_PRIORITY_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
-)
-"""The OpenAI endpoints whose bodies vLLM reads a ``priority`` from."""
 RETRY_REASONS = frozenset(
     {"upstream_5xx", "upstream_429", "timeout", "unavailable", "low_confidence"}
 )
@@ -316,15 +312,7 @@ async def _close(reply: Reply) -> None:
 async def with_vllm_priority(call: Call, priority: Priority) -> Call:
     """``call`` whose body carries ``priority`` as vLLM's ``priority`` field
     (``backends.<name>.upstream_priority: vllm``), replacing the client's."""
-    data = call.json
-    if data is None or call.method != "POST" or call.path not in VLLM_PRIORITY_PATHS:
-        return call
-    wanted = VLLM_PRIORITY[priority]
-    given = data.get("priority", 0)
-    if type(given) is int and given == wanted:
-        return call  # already so (vLLM's default is 0): nothing to write again
-    asked = {**data, "priority": wanted}
-    return dataclasses.replace(call, json=asked, body=await dumps_yielding(asked, len(call.body)))
+    return await vllm.with_priority(call, VLLM_PRIORITY[priority])
 
 
 def priority_of(call: Call) -> Priority:

@@ -14,9 +14,10 @@ The client never waits for a copy: each runs in a task of its own, at most ``max
 per route in each process (one more is not sent, counted as ``shed``).  A copy goes straight
 to the mirror backend's endpoints with the original's headers and ``X-Request-ID``, the
 mirror backend's own ``headers`` and ``X-Gateway-Mirror: <route>`` (a client's own is never
-passed on), past that backend's queue, breaker and throttle rules, which guard the routes it
-serves itself: ``max_in_flight`` is what bounds its load.  A reload that changes the mirror,
-and shutdown, cancel the copies in flight.
+passed on), and to a backend with ``upstream_priority: vllm`` at vLLM's lowest priority,
+whatever the client's body asked.  It passes that backend's queue, breaker and throttle
+rules, which guard the routes it serves itself: ``max_in_flight`` bounds its load.  A
+reload that changes the mirror, and shutdown, cancel the copies in flight.
 
 Counted in ``gateway_mirror_requests_total{route, backend, outcome}``, timed whole in
 ``gateway_mirror_duration_seconds``, and in flight in ``gateway_mirror_in_flight``.
@@ -35,6 +36,7 @@ from typing import Any
 from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamError
 from gateway.metrics import Metrics
+from gateway.openai import vllm_priority as vllm
 from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.mirror import Mirror
@@ -124,7 +126,10 @@ class Shadow:
             asked = {**call.json, "model": mirror.model}
             changes["json"] = asked
             changes["body"] = await dumps_yielding(asked, len(call.body))
-        return dataclasses.replace(call, **changes)
+        copy = dataclasses.replace(call, **changes)
+        if call.policy.backend(mirror.backend).upstream_priority == "vllm":
+            copy = await vllm.with_priority(copy, vllm.LOW)  # never the client's, nor above
+        return copy
 
     def _count(self, outcome: str) -> None:
         child = self._outcomes.get(outcome)
