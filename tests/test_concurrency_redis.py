@@ -355,3 +355,40 @@ def test_the_store_and_its_replicas_are_checked():
     wrong["tenants"]["concurrency_replicas"] = 1
     with pytest.raises(PolicyError, match="concurrency_store"):
         parse_policy_text(yaml.safe_dump(wrong))
+
+
+async def test_a_reload_moving_to_another_redis_takes_the_places_held_along(
+    pipeline: Any,
+    redis_url: str,  # noqa: F811
+    tmp_path: Any,
+):
+    """A changed ``redis:`` (another server, a rotated password) makes a new link: the calls
+    in flight keep their places on it (renewed there at once), and give them back there."""
+    tenant = names()
+    auth = {"Authorization": f"Bearer {tenant[1]}"}
+    key = f"gw:cc:{{tenant:{tenant[0]}}}"
+    main = Model("main")
+    main.hold()
+    file = write_policy(tmp_path, shared_policy(redis_url, tenant, 1))
+    gw = patient(await pipeline(file, main))
+    held = started(gw, "long", headers=auth)
+    try:
+        await until(lambda: main.active == 1)
+        with RedisServer() as other:
+            write_policy(tmp_path, shared_policy(other.url, tenant, 1))
+            assert gw.gateway.reload()
+            patient(gw)
+            moved = admin_client(Redis(url=other.url))
+            try:
+                await until_async(lambda: moved.zcard(key), 1)  # renewed there at once
+                over = await refused(post(gw, "over", headers=auth))
+                assert over.json()["error"]["code"] == "concurrency_limit_exceeded"
+                main.let()
+                assert (await held).status_code == 200
+                await until_async(lambda: moved.zcard(key), 0)  # given back there
+            finally:
+                await moved.aclose()
+    finally:
+        main.let(3)
+    counts = gw.gateway.registry.peek(SHARED_IN_FLIGHT, TENANT)
+    assert "held_in_redis=0" in repr(counts)

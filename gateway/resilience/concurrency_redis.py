@@ -21,6 +21,11 @@ counting every call it has in flight; the request never fails for it.  A place w
 was answered too late is given back at once; one whose giving back fails (or overtakes its
 taking) lapses with its lease.  ``gateway_concurrency_decisions_total{store}`` counts where
 decisions were made.
+
+A reload that changes ``redis:`` (another server, a rotated password) makes a new link and a
+new count over it, which adopts the old one's places: it renews them on the new link at once
+(adding each where it is missing, as on another server) and gives each back when its call
+ends, so a long call keeps its place through the change.
 """
 
 from __future__ import annotations
@@ -167,6 +172,8 @@ class SharedInFlight:
         self._ids = map(f"{secrets.token_hex(6)}:{{}}".format, itertools.count())
         self._held: dict[str, set[str]] = {}  # this process's places in Redis, by key
         self._renewer: asyncio.Task[None] | None = None
+        self._renew_now = False  # adopted places: renewed at once, on this link
+        self._successor: SharedInFlight | None = None  # adopted this one's places
         self._tasks: set[asyncio.Task[None]] = set()  # places being given back
 
     async def take(self, name: str, cap: int) -> Slot:
@@ -200,11 +207,29 @@ class SharedInFlight:
         """``name``'s calls in flight in this process."""
         return self.local.held(name)
 
+    def adopt(self, old: SharedInFlight) -> None:
+        """Take over ``old``'s places (a reload changed ``redis:``): they are renewed on this
+        link once started (``start``), and given back through it when their calls end."""
+        old._successor = self
+        for key, ids in old._held.items():
+            self._held.setdefault(key, set()).update(ids)
+        old._held = {}
+        self._renew_now = bool(self._held)
+
+    def start(self) -> None:
+        """On the running loop (the registry's ``start``): renew adopted places at once."""
+        if self._renew_now and (self._renewer is None or self._renewer.done()):
+            self._renewer = asyncio.get_running_loop().create_task(self._renew())
+
     def _left(self, key: str, call_id: str) -> None:
-        ids = self._held[key]
-        ids.discard(call_id)
-        if not ids:
-            del self._held[key]
+        if self._successor is not None:  # a reload moved the place to another link
+            self._successor._left(key, call_id)
+            return
+        ids = self._held.get(key)
+        if ids is not None:
+            ids.discard(call_id)
+            if not ids:
+                del self._held[key]
         self._later(self._give_back(key, call_id))
 
     async def _give_back(self, key: str, call_id: str) -> None:
@@ -215,7 +240,9 @@ class SharedInFlight:
 
     async def _renew(self) -> None:
         while self._held:
-            await self._sleep(self.slots.lease_s / RENEWALS_PER_LEASE)
+            if not self._renew_now:
+                await self._sleep(self.slots.lease_s / RENEWALS_PER_LEASE)
+            self._renew_now = False
             for key, ids in list(self._held.items()):
                 try:
                     await self.slots.renew(key, sorted(ids))
@@ -249,7 +276,8 @@ def in_flight_counts(
     """The tenants' counts and the addresses' for ``tenants``, kept across reloads: each
     process's own, or shared through the gateway's Redis (``redis``, the policy's
     ``redis:``) with ``concurrency_store: redis``.  A reload that changes only
-    ``concurrency_replicas`` keeps the places in Redis and their renewals."""
+    ``concurrency_replicas`` keeps the places in Redis and their renewals; one that changes
+    ``redis`` moves them to the new link (``SharedInFlight.adopt``)."""
     local = (
         registry.get(IN_FLIGHT, "", None, functools.partial(InFlight, metrics)),
         registry.get(
@@ -262,6 +290,7 @@ def in_flight_counts(
     replicas = tenants.concurrency_replicas
 
     def shared(kind: str, counts: InFlight) -> SharedInFlight:
+        old = registry.peek(SHARED_IN_FLIGHT, kind)
         made = registry.get(
             SHARED_IN_FLIGHT,
             kind,
@@ -271,6 +300,8 @@ def in_flight_counts(
             ),
         )
         made.replicas = replicas
+        if old is not None and made is not old:
+            made.adopt(old)
         return made
 
     return shared(TENANT, local[0]), shared(CLIENT, local[1])
