@@ -26,6 +26,7 @@ from gateway.redis import RedisLink
 from gateway.resilience.concurrency import IN_FLIGHT, ConcurrencyLimited, InFlight
 from gateway.resilience.concurrency_redis import (
     LEASE_S,
+    RENEWING_AT_ONCE,
     SHARED_IN_FLIGHT,
     TENANT,
     RedisSlots,
@@ -144,6 +145,27 @@ async def test_a_process_renews_its_calls_leases_until_they_end(
         assert repr(counts) == "<SharedInFlight tenant replicas=2 held_in_redis=0>"
         await until(lambda: clock.sleepers == 0)  # nothing left to renew: the renewals stop
     finally:
+        await counts.aclose()
+
+
+async def test_every_key_is_renewed_each_time_past_those_renewed_together(
+    slots: RedisSlots, redis_admin: Any
+):
+    clock = FakeClock()
+    counts = shared(slots, clock)
+    names = [f"tenant-{n}" for n in range(RENEWING_AT_ONCE * 2 + 3)]
+    held = [await counts.take(name, 1) for name in names]
+    try:
+        await until(lambda: clock.sleepers == 1)
+        keys = [slots.key(TENANT, name) for name in names]
+        for key in keys:  # one at a time: a Cluster spreads them over its nodes
+            await redis_admin.delete(key)
+        clock.advance(LEASE_S / 3)
+        for key in keys:
+            await until_async(lambda key=key: redis_admin.zcard(key), 1)
+    finally:
+        for slot in held:
+            slot.release()
         await counts.aclose()
 
 
