@@ -15,6 +15,7 @@ from __future__ import annotations
 import gateway.batching.stage
 import gateway.cache.stage
 import gateway.coalesce.stage
+import gateway.mirror.stage
 import gateway.openai.file_ids
 import gateway.openai.model_lists
 import gateway.openai.response_ids
@@ -22,7 +23,6 @@ import gateway.openai.stream_usage
 import gateway.openai.target_models
 import gateway.pool.stage
 import gateway.resilience.stage
-import gateway.transport.mirror
 from gateway.cache.embedding_seam import TierFactory
 from gateway.pipeline import Stage
 from gateway.policy.model import Policy
@@ -54,9 +54,7 @@ def build(
         # 2. single flight: identical in-flight calls share one
         *gateway.coalesce.stage.build(policy, runtime),
         # 3. shadow traffic: a copy of each call that goes upstream, to the route's mirror
-        *gateway.transport.mirror.build(
-            policy, runtime.metrics, runtime.registry, runtime.clock, runtime.transport
-        ),
+        *gateway.mirror.stage.build(policy, runtime),
         # 3. micro-batching into array calls
         *gateway.batching.stage.build(policy, runtime),
         # 4. rate limits, admission, throttle, breakers and fallback around the forward

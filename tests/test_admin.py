@@ -199,6 +199,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_gpu_utilization_ratio",
         "gateway_inflight_requests",
         "gateway_kv_cache_usage_ratio",
+        "gateway_mirror_comparisons",
         "gateway_mirror_duration_seconds",
         "gateway_mirror_in_flight",
         "gateway_mirror_requests",

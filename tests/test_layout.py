@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 3. what a request and the stages share at run time
     ("runtime", "snapshot"),
     # 4. the capabilities, each a package with its stage
-    ("cache", "coalesce", "batching", "resilience", "pool"),
+    ("cache", "coalesce", "batching", "mirror", "resilience", "pool"),
     # 5. the pipeline's order, and the edge that runs it
     ("stages", "edge"),
     # 6. the admin port, the app that owns everything, and the supervisor of its workers
@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 MAX_LINES = 420  # "about 400": a module past it is split
 MAX_TOP_MODULES = 16
-CAPABILITIES = ("cache", "coalesce", "batching", "resilience", "pool")
+CAPABILITIES = ("cache", "coalesce", "batching", "mirror", "resilience", "pool")
 
 
 def module_name(path: Path) -> str:

@@ -13,7 +13,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.transport.mirror import MIRROR_HEADER, SHADOWS
+from gateway.mirror.compare import said
+from gateway.mirror.stage import MIRROR_HEADER, SHADOWS
 from tests.helpers import chat, metric, policy, problems_of, until, write_policy
 
 SHADOW_KEY = "shadow-only-key"
@@ -30,6 +31,7 @@ class Server:
         self.gate: asyncio.Event | None = None
         self.status = 200
         self.streams_ended = 0
+        self.voice = name  # who the answer says it is from
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -47,7 +49,7 @@ class Server:
             await self.gate.wait()
         if self.status != 200:
             return web.json_response({"error": {"message": "no"}}, status=self.status)
-        text = f"{self.name} says hi to {body['model']}"
+        text = f"{self.voice} says hi to {body['model']}"
         if body.get("stream"):
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await stream.prepare(request)
@@ -246,6 +248,32 @@ async def test_a_client_never_sets_its_copies_place_in_a_vllm_mirrors_queue(
     assert [b.get("priority") for b in main.bodies] == [-1, "high", None]  # as the client wrote
 
 
+async def test_a_deterministic_calls_two_answers_are_compared(servers, start_gateway, tmp_path):
+    """Same but for their ids, times, model names and token counts; a sampled call and a
+    stream are not compared."""
+    _main, canary, main_url, canary_url = servers
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url))
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        canary.voice = "main"  # it answers as the route's backend does
+        await client.post("/v1/chat/completions", json=chat("one", temperature=0))
+        await until(lambda: len(canary.calls) == 1)
+        canary.voice = "canary"
+        await client.post("/v1/chat/completions", json=chat("two", temperature=0))
+        await client.post("/v1/chat/completions", json=chat("sampled"))
+        await client.post("/v1/chat/completions", json=chat("streamed", stream=True))
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: len(canary.calls) == 4 and shadow.in_flight == 0)
+    text = await scrape(gw)
+
+    def compared(result: str) -> float | None:
+        return metric(
+            text, "gateway_mirror_comparisons_total", route="chat", backend="canary", result=result
+        )
+
+    assert (compared("same"), compared("different")) == (1, 1)
+    assert outcome(text, "2xx") == 4
+
+
 async def test_a_stream_is_copied_and_the_mirrors_stream_read_to_its_end(
     servers, start_gateway, tmp_path
 ):
@@ -310,3 +338,16 @@ def test_a_mirror_is_checked(tmp_path, mirror, problem):
     backends = {"main": {"url": "http://127.0.0.1:1"}, "canary": {"url": "http://127.0.0.1:2"}}
     path = write_policy(tmp_path, policy(backends, {"mirror": mirror}))
     assert any(problem in p for p in problems_of(path.read_text()))
+
+
+def test_what_an_answer_says_leaves_out_what_two_servers_differ_in_anyway():
+    def chat_answer(id_: str, content: str, **more: Any) -> bytes:
+        message = {"role": "assistant", "content": content, "tool_calls": [{"id": id_}]}
+        answer = {"id": id_, "created": len(id_), "model": id_, "usage": {"total": len(id_)}}
+        return json.dumps({**answer, "choices": [{"message": message}], **more}).encode()
+
+    ours = chat_answer("chatcmpl-1", "Paris")
+    assert said(ours) == said(chat_answer("x-99", "Paris", timings={"ms": 3}))
+    assert said(ours) != said(chat_answer("chatcmpl-1", "Lyon"))
+    assert said(b"not json") is None
+    assert said(b"\xff") is None

@@ -64,6 +64,14 @@ class TrafficFamilies:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.mirror_comparisons = Counter(
+            "gateway_mirror_comparisons",
+            "Deterministic calls (temperature 0, embeddings) whose mirror answered 200 as the "
+            "route's backend did, by result: same (the same answer, ids, times, model names "
+            "and token counts aside) or different.",
+            ["route", "backend", "result"],
+            registry=r,
+        )
         self.mirror_in_flight = Gauge(
             "gateway_mirror_in_flight",
             "Copies sent to a route's mirror backend and not yet answered whole.",

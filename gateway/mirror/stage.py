@@ -19,8 +19,12 @@ whatever the client's body asked.  It passes that backend's queue, breaker and t
 rules, which guard the routes it serves itself: ``max_in_flight`` bounds its load.  A
 reload that changes the mirror, and shutdown, cancel the copies in flight.
 
-Counted in ``gateway_mirror_requests_total{route, backend, outcome}``, timed whole in
-``gateway_mirror_duration_seconds``, and in flight in ``gateway_mirror_in_flight``.
+A deterministic call's two answers are compared (``compare.py``): whether the mirror said
+the same, ids, times, model names and token counts aside, is counted in
+``gateway_mirror_comparisons_total{route, backend, result}``, and a difference logged (at
+most every ``DIFFERENCE_LOG_EVERY_S``) with the request's id, under which both servers
+logged it.  Counted in ``gateway_mirror_requests_total{route, backend, outcome}``, timed
+whole in ``gateway_mirror_duration_seconds``, and in flight in ``gateway_mirror_in_flight``.
 """
 
 from __future__ import annotations
@@ -36,18 +40,20 @@ from typing import Any
 from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamError
 from gateway.metrics import Metrics
+from gateway.mirror.compare import MAX_COMPARED_BYTES, comparable, said
 from gateway.openai import vllm_priority as vllm
 from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.mirror import Mirror
 from gateway.policy.model import Policy
-from gateway.state import Kind, Registry
+from gateway.runtime import Runtime
+from gateway.state import Kind
 from gateway.transport.forward import Forward
-from gateway.transport.upstream import Transport
 
 log = logging.getLogger("gateway.mirror")
 MIRROR_HEADER = "X-Gateway-Mirror"
 ERROR_LOG_EVERY_S = 60.0
+DIFFERENCE_LOG_EVERY_S = 10.0
 SHED = "shed"
 ERROR = "error"
 
@@ -71,7 +77,12 @@ class Shadow:
         self._draw = draw
         self._tasks: set[asyncio.Task[None]] = set()
         self._draining = False
-        self._last_error_log = -math.inf
+        self._last_error_log = self._last_difference_log = -math.inf
+        compared = metrics.mirror_comparisons
+        self._compared = {
+            True: compared.labels(route, mirror.backend, "same"),
+            False: compared.labels(route, mirror.backend, "different"),
+        }
         self._requests = metrics.mirror_requests
         self._outcomes: dict[str, Any] = {}
         self._duration = metrics.mirror_duration.labels(route, mirror.backend)
@@ -82,15 +93,16 @@ class Shadow:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def copy(self, call: Call) -> None:
-        """Send a copy of ``call`` to the mirror backend, if it is drawn and there is room."""
+    def copy(self, call: Call, original: bytes | None = None) -> None:
+        """Send a copy of ``call`` to the mirror backend, if it is drawn and there is room;
+        its answer is compared with ``original``, the route's backend's, when given."""
         mirror = self._mirror
         if self._draining or (mirror.fraction < 1 and self._draw() >= mirror.fraction):
             return
         if len(self._tasks) >= mirror.max_in_flight:
             self._count(SHED)
             return
-        task = asyncio.get_running_loop().create_task(self._send(call))
+        task = asyncio.get_running_loop().create_task(self._send(call, original))
         self._tasks.add(task)
         self._in_flight.set(len(self._tasks))
         task.add_done_callback(self._done)
@@ -99,7 +111,7 @@ class Shadow:
         self._tasks.discard(task)
         self._in_flight.set(len(self._tasks))
 
-    async def _send(self, call: Call) -> None:
+    async def _send(self, call: Call, original: bytes | None) -> None:
         started = self._clock.now()
         try:
             reply = await self._forward(await self._copy_of(call))
@@ -112,6 +124,26 @@ class Shadow:
             return
         self._duration.observe(self._clock.now() - started)
         self._count(f"{reply.status // 100}xx")
+        if original is not None and reply.status == 200 and reply.body is not None:
+            self._compare(call, original, reply.body)
+
+    def _compare(self, call: Call, original: bytes, copied: bytes) -> None:
+        theirs = said(copied) if len(copied) <= MAX_COMPARED_BYTES else None
+        ours = said(original) if theirs is not None else None
+        if ours is None or theirs is None:
+            return
+        same = ours == theirs
+        self._compared[same].inc()
+        now = self._clock.now()
+        if not same and now - self._last_difference_log >= DIFFERENCE_LOG_EVERY_S:
+            self._last_difference_log = now
+            log.info(
+                "route %s: mirror %s answered request %s otherwise than %s",
+                self._route,
+                self._mirror.backend,
+                call.id,
+                call.backend,
+            )
 
     async def _copy_of(self, call: Call) -> Call:
         mirror = self._mirror
@@ -197,22 +229,23 @@ class MirrorStage:
         except UpstreamError:
             shadow.copy(call)  # the backend was asked: its mirror is asked too
             raise
-        shadow.copy(call)
+        shadow.copy(call, comparable(call, reply))
         return reply
 
     def __repr__(self) -> str:
         return f"<MirrorStage {sorted(self._shadows)}>"
 
 
-def build(
-    policy: Policy, metrics: Metrics, registry: Registry, clock: Clock, transport: Transport
-) -> list[Stage]:
+def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The mirror stage for ``policy``, or none when no route mirrors."""
-    forward = Forward(transport)
+    forward = Forward(runtime.transport)
 
     def shadow_of(route: str, mirror: Mirror) -> Shadow:
-        return registry.get(
-            SHADOWS, route, mirror, lambda: Shadow(route, mirror, forward, metrics, clock)
+        return runtime.registry.get(
+            SHADOWS,
+            route,
+            mirror,
+            lambda: Shadow(route, mirror, forward, runtime.metrics, runtime.clock),
         )
 
     shadows = {r.name: shadow_of(r.name, r.mirror) for r in policy.routes if r.mirror is not None}
