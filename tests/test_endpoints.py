@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 import socket
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -331,12 +332,20 @@ async def test_the_forward_hands_the_leading_key_only_where_prefix_affinity_is_o
 
 def reporting(name: str, figures: dict[str, float]) -> web.Application:
     """An instance that answers its name and serves vLLM's load figures at /metrics."""
+    return exporting(
+        name,
+        lambda: (
+            f"vllm:num_requests_waiting {figures['waiting']}\n"
+            f"vllm:kv_cache_usage_perc {figures['kv']}\n"
+        ),
+    )
+
+
+def exporting(name: str, text: Callable[[], str]) -> web.Application:
+    """An instance that answers its name and serves ``text()`` at /metrics."""
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(
-            text=f"vllm:num_requests_waiting {figures['waiting']}\n"
-            f"vllm:kv_cache_usage_perc {figures['kv']}\n"
-        )
+        return web.Response(text=text())
 
     async def handle(_: web.Request) -> web.Response:
         return web.json_response({"served_by": name})

@@ -237,7 +237,9 @@ class Backend:
             "How an endpoint is picked: `least_request` (of two drawn at random, the one "
             "with fewer requests in flight), `round_robin`, or `kv_aware` (each server's "
             "`/metrics`, every `telemetry.interval_ms`: one with more than 5 requests "
-            "waiting or its KV cache over 80% gets none while another has room)."
+            "waiting or its KV cache over 80% gets none while another has room; a request "
+            "for a vLLM LoRA adapter goes to a server already serving it, else to one with "
+            "room for another adapter)."
         ),
     )
     saturation: Saturation = field(

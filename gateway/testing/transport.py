@@ -29,6 +29,8 @@ class Sent:
     """The leading-context key, for a backend with ``prefix_affinity``."""
     pin: Callable[[str], bool] | None = None
     """The test of the endpoint that holds what the call names (``Call.pin``)."""
+    model: str | None = None
+    """The model the call asks for, given to a ``kv_aware`` backend's pick."""
 
     def header(self, name: str) -> str | None:
         return first_header(self.headers, name)
@@ -94,8 +96,11 @@ class FakeTransport:
         streaming: bool,
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
+        model: str | None = None,
     ) -> Reply:
-        sent = Sent(backend.name, method, path_qs, tuple(headers), body, streaming, affinity, pin)
+        sent = Sent(
+            backend.name, method, path_qs, tuple(headers), body, streaming, affinity, pin, model
+        )
         self.sent.append(sent)
         respond = (
             self._respond[backend.name] if isinstance(self._respond, Mapping) else self._respond

@@ -89,6 +89,7 @@ class Upstreams:
         streaming: bool,
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
+        model: str | None = None,
     ) -> Reply:
         endpoints = self.pool(backend)
         if endpoints.direct is not None:  # one instance: it holds whatever a pin names
@@ -104,6 +105,7 @@ class Upstreams:
             streaming=streaming,
             affinity=affinity,
             pin=pin,
+            model=model,
         )
 
     async def aclose(self) -> None:

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from gateway.metrics import Metrics
 from gateway.policy.model import Backend
+from gateway.transport.load import Adapters
 from gateway.transport.upstream import BackendPool
 
 STATES = ("active", "standby", "warming", "ejected", "throttled")
@@ -32,6 +33,7 @@ class Endpoint:
         self.last_used = 0.0
         self.queue_waiting: float | None = None  # the server's own figures (kv_aware)
         self.kv_cache_usage: float | None = None
+        self.adapters: Adapters | None = None  # a vLLM server's LoRA adapters (kv_aware)
         self._requests = metrics.endpoint_requests
         self._counted: dict[str, Any] = {}  # outcome -> its counter child, looked up once
         # read at scrape time: no per-request cost

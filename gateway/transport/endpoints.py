@@ -9,7 +9,8 @@ request by the backend's ``balance``:
   fewer requests in flight wins, so a slow instance, whose requests pile up, gets fewer;
 * ``round_robin``: each in turn, whatever their load;
 * ``kv_aware``: least request over the model servers' own figures (``load.py``): an
-  endpoint whose queue or KV cache is over its limit is left out while another is not;
+  endpoint whose queue or KV cache is over its limit is left out while another is not, and
+  a request for a LoRA adapter goes where it is served already, else where there is room;
 * with ``prefix_affinity``, on top of either: a request whose leading context (its
   ``openai.prefix.leading_key``) an endpoint served recently goes to that endpoint again,
   while it is no busier than the least busy by more than ``AFFINITY_SLACK`` (so its model
@@ -228,9 +229,15 @@ class EndpointSet:
                 )
             )
 
-    def pick(self, exclude: Sequence[Endpoint] = (), affinity: str | None = None) -> Endpoint:
+    def pick(
+        self,
+        exclude: Sequence[Endpoint] = (),
+        affinity: str | None = None,
+        model: str | None = None,
+    ) -> Endpoint:
         """The endpoint for the next request (``exclude``: those already tried;
-        ``affinity``: the request's leading-context key, see ``prefix_affinity``)."""
+        ``affinity``: the request's leading-context key, see ``prefix_affinity``; ``model``:
+        the model it asks for, a LoRA adapter's servers preferred with ``kv_aware``)."""
         if not self.endpoints:
             raise ConnectFailed(f"backend {self.name!r} has no endpoint", self.name)
         if len(self.endpoints) == 1:
@@ -248,6 +255,8 @@ class EndpointSet:
             self._show_active(len(rotation))
         if not choices:  # every endpoint ejected (or tried): try them all again
             choices = [e for e in self.endpoints if e not in exclude] or self.endpoints
+        if model is not None and self.balance == "kv_aware":
+            choices = load.for_model(model, choices, self._backend)
         if affinity is not None:
             return self._affine(affinity, choices)
         return self._balanced(choices)
@@ -318,6 +327,7 @@ class EndpointSet:
         streaming: bool,
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
+        model: str | None = None,
     ) -> Reply:
         if not self.resolved.is_set():  # discovery's first answer is on its way
             with contextlib.suppress(TimeoutError):
@@ -325,7 +335,7 @@ class EndpointSet:
         tried: list[Endpoint] = []
         pinned = self._pinned(pin) if pin is not None else None
         while True:
-            endpoint = pinned if pinned is not None else self.pick(tried, affinity)
+            endpoint = pinned if pinned is not None else self.pick(tried, affinity, model)
             endpoint.last_used = self._clock.now()
             tried.append(endpoint)
             try:

@@ -30,7 +30,14 @@ class Forward:
             streaming=call.streaming,
             affinity=leading_key(call.json) if backend.prefix_affinity else None,
             pin=call.pin,
+            model=model_of(call) if backend.balance == "kv_aware" else None,
         )
 
     def __repr__(self) -> str:
         return f"<Forward transport={self._transport!r}>"
+
+
+def model_of(call: Call) -> str | None:
+    """The model an OpenAI or Anthropic JSON body asks for."""
+    model = call.json.get("model") if call.json is not None else None
+    return model if isinstance(model, str) else None

@@ -21,6 +21,14 @@ backend's telemetry the coolest endpoint's signals (each signal's least value ov
 endpoints), so a rule acts on the whole backend (reroute, shed, limit) only when every
 endpoint is over it.  An endpoint whose scrape fails has no signals: no rule fires on it
 (fail open, like the backend-wide telemetry by default).
+
+LoRA adapters: vLLM serving adapters exports ``vllm:lora_requests_info`` (its labels name
+the adapters of the requests running and waiting, and ``max_lora``, how many it can hold at
+once; its value is when it was set, so the latest of its series is the truth) and names its
+base model in every series' ``model_name``.  With ``kv_aware``, a request for an adapter
+goes to an unsaturated server already serving it, else to one with room for another adapter
+(``for_model``), as the inference extension's LoRA affinity does: a server that must swap
+adapters in and out of GPU memory stalls its batch each time.
 """
 
 from __future__ import annotations
@@ -29,14 +37,37 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.errors import TelemetryError, UpstreamError
 from gateway.policy.model import Backend, ThrottleRule
-from gateway.telemetry.prometheus import Selector, parse_exposition, read_series
+from gateway.telemetry.prometheus import (
+    QUEUE_WAITING,
+    WANTED,
+    Selector,
+    Series,
+    parse_exposition,
+    read_series,
+)
 from gateway.telemetry.signals import Sample
 from gateway.transport.upstream import BackendPool
+
+
+@dataclass(frozen=True, slots=True)
+class Adapters:
+    """What a vLLM server says of its LoRA adapters: the base model it serves (``model_name``),
+    the adapters of the requests it is running or queueing, and how many it holds at once."""
+
+    base: str | None
+    serving: frozenset[str]
+    most: int | None
+
+    @property
+    def room(self) -> bool:
+        """Whether it can take another adapter without evicting one."""
+        return self.most is None or len(self.serving) < self.most
 
 
 class Endpoint(Protocol):
@@ -46,6 +77,7 @@ class Endpoint(Protocol):
     pool: BackendPool
     queue_waiting: float | None
     kv_cache_usage: float | None
+    adapters: Adapters | None
     signals: dict[str, float]
     throttled: set[str]
 
@@ -59,6 +91,8 @@ log = logging.getLogger("gateway.transport")
 
 KV_WEIGHT = 4.0
 METRICS_PATH = "/metrics"
+LORA_INFO = "vllm:lora_requests_info"
+_READ = WANTED | {LORA_INFO}
 _LIMITS = {"kv_cache_usage": 1.0, "gpu_memory_used_ratio": 1.0, "gpu_utilization": 1.0}
 """Signals that are shares: over 1 they cannot be true."""
 
@@ -116,7 +150,8 @@ async def scrape(endpoint: Endpoint, backend: Backend) -> None:
             texts.append(reply.body.decode("utf-8", "replace"))
         except (UpstreamError, ValueError, TimeoutError) as exc:
             log.debug("load of %s at %s: %r", endpoint.url, url, exc)
-    series = [s for text in texts for s in parse_exposition(text)]
+    series = [s for text in texts for s in parse_exposition(text, _READ)]
+    endpoint.adapters = adapters_of(series)
     read = read_series(series, Selector(t.select, t.gpu, t.gpu_instance)).signals
     signals = {}
     for k, v in read.items():
@@ -126,6 +161,39 @@ async def scrape(endpoint: Endpoint, backend: Backend) -> None:
     endpoint.signals = signals
     endpoint.queue_waiting = signals.get("queue_waiting")
     endpoint.kv_cache_usage = signals.get("kv_cache_usage")
+
+
+def adapters_of(series: Sequence[Series]) -> Adapters | None:
+    """The adapters of a server's latest ``vllm:lora_requests_info``; None without one."""
+    latest = max((s for s in series if s.name == LORA_INFO), key=lambda s: s.value, default=None)
+    if latest is None:
+        return None
+    serving = {
+        name.strip()
+        for label in ("running_lora_adapters", "waiting_lora_adapters")
+        for name in (latest.label(label) or "").split(",")
+        if name.strip()
+    }
+    most = latest.label("max_lora")
+    base = next((s.label("model_name") for s in series if s.name in QUEUE_WAITING), None)
+    return Adapters(base, frozenset(serving), int(most) if most and most.isdigit() else None)
+
+
+E = TypeVar("E", bound=Endpoint)
+
+
+def for_model(model: str, choices: list[E], backend: Backend) -> list[E]:
+    """``kv_aware``: of ``choices``, where a request for ``model`` should go.  For one of the
+    servers' LoRA adapters: the unsaturated servers serving it, else those with room for
+    it, else all; for their base model (or servers that say nothing of adapters): all."""
+    told = [e.adapters for e in choices if e.adapters is not None]
+    if not told or any(a.base == model for a in told):
+        return choices
+    fresh = [e for e in choices if not saturated(e, backend)] or choices
+    serving = [e for e in fresh if e.adapters is not None and model in e.adapters.serving]
+    if serving:
+        return serving
+    return [e for e in fresh if e.adapters is not None and e.adapters.room] or choices
 
 
 def judge(endpoint: Endpoint, rules: Sequence[ThrottleRule]) -> bool:

@@ -57,7 +57,8 @@ class Transport(Protocol):
     ``affinity`` is the request's leading-context key, for a backend with
     ``prefix_affinity`` (``openai.prefix.leading_key``); a transport may ignore it.
     ``pin`` (``Call.pin``) picks the endpoint that holds what the request names, when the
-    backend has several."""
+    backend has several; ``model``, the model the request asks for, is for a ``kv_aware``
+    backend's pick (its LoRA adapters)."""
 
     async def send(
         self,
@@ -70,6 +71,7 @@ class Transport(Protocol):
         streaming: bool,
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
+        model: str | None = None,
     ) -> Reply: ...
 
 

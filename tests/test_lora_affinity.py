@@ -1,0 +1,116 @@
+"""LoRA affinity with ``balance: kv_aware``: a request for one of a vLLM fleet's LoRA
+adapters goes to a server already serving it, else to one with room for another adapter, as
+the Kubernetes inference extension's LoRA filter does; a request for the base model is
+balanced as any other.  Model servers on real sockets serve vLLM's own
+``vllm:lora_requests_info`` at ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from typing import Any
+
+from aiohttp import web
+
+from gateway.metrics import Metrics
+from gateway.policy.model import Backend, TelemetrySource
+from gateway.telemetry.prometheus import parse_exposition
+from gateway.testing import FakeClock, FakeTransport, json_reply
+from gateway.transport import load
+from gateway.transport.endpoints import EndpointSet
+from tests.helpers import until
+from tests.test_endpoints import exporting
+
+BASE = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def exposition(figures: dict[str, Any]) -> str:
+    """vLLM's figures as it exports them: the queue and KV use under the base model's name,
+    and the LoRA gauge, whose older label sets linger with older times."""
+    model = f'model_name="{BASE}"'
+    return (
+        f"vllm:num_requests_waiting{{{model}}} {figures['waiting']}\n"
+        f"vllm:kv_cache_usage_perc{{{model}}} 0.2\n"
+        f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="stale",'
+        f'waiting_lora_adapters=""}} 1700000000.0\n'
+        f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{figures["running"]}",'
+        f'waiting_lora_adapters="{figures["waiting_adapters"]}"}} 1700000100.0\n'
+    )
+
+
+def server(name: str, figures: dict[str, Any]) -> web.Application:
+    return exporting(name, lambda: exposition(figures))
+
+
+async def served_by(endpoints: EndpointSet, backend: Backend, model: str) -> str:
+    body = json.dumps({"model": model}).encode()
+    reply = await endpoints.send(
+        backend, "POST", "/v1/completions", [], body, streaming=False, model=model
+    )
+    assert reply.body is not None
+    return str(json.loads(reply.body)["served_by"])
+
+
+def test_a_servers_adapters_are_read_from_its_latest_lora_gauge():
+    figures = {"waiting": 0, "running": "sql-lora, chat-lora", "waiting_adapters": "new"}
+    series = parse_exposition(exposition(figures), load._READ)
+    adapters = load.adapters_of(series)
+    assert adapters == load.Adapters(BASE, frozenset({"sql-lora", "chat-lora", "new"}), 2)
+    assert not adapters.room  # three for two places: it is swapping already
+    assert load.adapters_of(parse_exposition("vllm:num_requests_waiting 0\n")) is None
+    odd = 'vllm:lora_requests_info{max_lora="many",running_lora_adapters=""} 1\n'
+    assert load.adapters_of(parse_exposition(odd, load._READ)) == load.Adapters(
+        None, frozenset(), None
+    )
+
+
+async def test_an_adapters_requests_go_where_it_is_served_else_where_there_is_room(serve_app):
+    figures = {
+        "a": {"waiting": 0, "running": "", "waiting_adapters": ""},
+        "b": {"waiting": 0, "running": "sql-lora", "waiting_adapters": ""},
+        "c": {"waiting": 0, "running": "chat-lora", "waiting_adapters": "other"},  # full
+    }
+    urls = [await serve_app(server(n, figures[n])) for n in "abc"]
+    clock = FakeClock()
+    backend = Backend(
+        "m", endpoints=tuple(urls), balance="kv_aware", telemetry=TelemetrySource(interval_ms=200)
+    )
+    endpoints = EndpointSet(backend, Metrics(), clock=clock, rng=random.Random(26))
+    endpoints.watch_load()
+    try:
+        await until(lambda: all(e.adapters is not None for e in endpoints.endpoints))
+        assert {await served_by(endpoints, backend, "sql-lora") for _ in range(20)} == {"b"}
+        assert {await served_by(endpoints, backend, "chat-lora") for _ in range(20)} == {"c"}
+        cold = Counter([await served_by(endpoints, backend, "new-lora") for _ in range(40)])
+        assert set(cold) == {"a", "b"}  # c holds all it can
+        base = Counter([await served_by(endpoints, backend, BASE) for _ in range(60)])
+        assert set(base) == {"a", "b", "c"}  # the base model: any of them
+        figures["b"]["waiting"] = 9  # saturated: sql-lora goes where there is room
+        await until(lambda: clock.sleepers == 1)
+        clock.advance(0.2)
+        await until(lambda: endpoints.endpoints[1].queue_waiting == 9)
+        assert {await served_by(endpoints, backend, "sql-lora") for _ in range(20)} == {"a"}
+    finally:
+        await endpoints.aclose()
+
+
+async def test_the_forward_names_the_model_only_to_a_kv_aware_backend(pipeline):
+    transport = FakeTransport(lambda sent: json_reply({"ok": True}))
+    gw = await pipeline(
+        {
+            "backends": {
+                "fleet": {"endpoints": ["http://a", "http://b"], "balance": "kv_aware"},
+                "other": {"endpoints": ["http://c", "http://d"]},
+            },
+            "routes": [
+                {"match": {"path": "/v1/*", "model": "sql-*"}, "backend": "fleet"},
+                {"match": {"path": "*"}, "backend": "other"},
+            ],
+        },
+        transport,
+    )
+    await gw.post("/v1/completions", {"model": "sql-lora", "prompt": "hi"})
+    await gw.post("/v1/completions", {"model": "chat", "prompt": "hi"})
+    fleet, other = transport.to("fleet")[0], transport.to("other")[0]
+    assert (fleet.model, other.model) == ("sql-lora", None)
