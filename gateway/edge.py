@@ -215,7 +215,7 @@ class Edge:
         if access is not None:  # before routing: a refused request learns nothing of routes
             access.check(request.method, path, data)
         model = data.get("model") if data is not None else None
-        route = snap.router.route(path, model)
+        route = snap.router.route(path, model, tenant, raw)
         headers = strip(raw, owned)
         if access is not None:
             headers = list(access.upstream_headers(request.method, path, tuple(headers)))

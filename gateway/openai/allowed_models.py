@@ -28,7 +28,8 @@ from urllib.parse import unquote
 
 from gateway.errors import RequestError, UpstreamError, shown
 from gateway.pipeline import Headers, Reply, first_header
-from gateway.policy.route import MODEL_LIST_PATH, glob_regex
+from gateway.policy.match import glob_regex
+from gateway.policy.route import MODEL_LIST_PATH
 from gateway.policy.routing import OPENAI_JSON_PATHS
 
 LISTING = MODEL_LIST_PATH

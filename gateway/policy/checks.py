@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import math
 
+from gateway.policy.match import glob_regex
 from gateway.policy.mirror import check_mirror
 from gateway.policy.model import (
     Admin,
@@ -19,7 +20,7 @@ from gateway.policy.model import (
     ThrottleRule,
     Tracing,
 )
-from gateway.policy.route import MODEL_LIST_PATH, RATES, glob_regex
+from gateway.policy.route import MODEL_LIST_PATH, RATES
 from gateway.policy.routing import OPENAI_JSON_PATHS
 
 Found = list[tuple[str, str]]

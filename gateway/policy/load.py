@@ -30,6 +30,7 @@ from gateway.policy.checks import (
     warn_throttle,
 )
 from gateway.policy.convert import Found, convert, join
+from gateway.policy.match import check_match
 from gateway.policy.model import (
     Backend,
     CacheStore,
@@ -38,7 +39,6 @@ from gateway.policy.model import (
     Route,
     Tenants,
     ThrottleRule,
-    glob_regex,
 )
 from gateway.policy.redis import Redis, check_redis, effective
 from gateway.policy.tenant_checks import check_tenants
@@ -222,7 +222,8 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
                     )
                 setters[key] = part.source
                 singles[key] = getattr(part.policy, key)
-    named = _name_routes(routes, where, backends, problems)
+    keys = singles["tenants"].keys if "tenants" in singles else ()
+    named = _name_routes(routes, where, backends, {k.name for k in keys}, problems)
     seen: set[tuple[str, str]] = set()
     for rule, part, path in throttles:
         _report(check_throttle(rule, backends), part, path, problems)
@@ -283,6 +284,7 @@ def _name_routes(
     routes: list[Route],
     where: list[tuple[_Part, str]],
     backends: dict[str, Backend],
+    tenants: set[str],
     problems: list[Problem],
 ) -> list[Route]:
     named: list[Route] = []
@@ -299,16 +301,7 @@ def _name_routes(
                     f"unknown backend {route.backend!r} (known: {known})",
                 )
             )
-        for key in ("path", "model"):
-            pattern = getattr(route.match, key)
-            if pattern is not None:
-                try:
-                    glob_regex(pattern)
-                except Exception as exc:  # re.error from a pathological glob
-                    p = join(path, f"match.{key}")
-                    problems.append(
-                        Problem(part.source, p, _line_of(part.lines, p), f"invalid glob: {exc}")
-                    )
+        _report(check_match(route.match, tenants), part, path, problems)
         _report(check_route(route, backends), part, path, problems)
         name = route.name or _default_name(route.match)
         if name in seen:

@@ -21,13 +21,13 @@ from gateway.policy.backend import (
     TelemetrySource,
     WarmupRequest,
 )
+from gateway.policy.match import Match, glob_regex
 from gateway.policy.metadata import doc
 from gateway.policy.redis import DEFAULT_REDIS_URL, Redis
 from gateway.policy.route import (
     Adaptive,
     Batch,
     Judge,
-    Match,
     Prewarm,
     Quality,
     RateLimit,
@@ -35,7 +35,6 @@ from gateway.policy.route import (
     RouteCache,
     Semantic,
     TargetModel,
-    glob_regex,
 )
 from gateway.policy.tenants import TenantKey, Tenants
 from gateway.policy.throttle import ThrottleLimit, ThrottleRule, When

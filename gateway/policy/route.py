@@ -3,11 +3,10 @@ backend: caching, coalescing, batching, a rate limit, a quality fallback, shadow
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.policy.match import Match
 from gateway.policy.metadata import doc
 from gateway.policy.mirror import Mirror
 
@@ -27,26 +26,6 @@ DEFAULT_JUDGE_TIMEOUT_MS = 5000.0
 DEFAULT_JUDGE_MAX_ALIASES = 10_000
 MODEL_LIST_PATH = "/v1/models"
 """OpenAI's model list; ``/v1/models/<id>`` retrieves one model."""
-
-
-@dataclass(frozen=True, slots=True)
-class Match:
-    """What a route matches: a path glob and, optionally, the JSON body's `model`."""
-
-    path: str = field(
-        default="*",
-        metadata=doc(
-            "Shell-style glob on the path (`*` crosses `/`: `/v1/*` matches "
-            "`/v1/chat/completions`)."
-        ),
-    )
-    model: str | None = field(
-        default=None,
-        metadata=doc(
-            "Glob on the body's `model` (the JSON endpoints the gateway reads: OpenAI's chat, "
-            "completions, embeddings and Responses, Anthropic's messages)."
-        ),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,8 +381,3 @@ class Route:
     def coalescing(self) -> bool:
         """Whether identical in-flight requests share one call on this route."""
         return self.coalesce if self.coalesce is not None else self.cache is not None
-
-
-def glob_regex(pattern: str) -> re.Pattern[str]:
-    """A compiled shell-style glob where `*` also crosses `/` (as ``fnmatch``)."""
-    return re.compile(fnmatch.translate(pattern))

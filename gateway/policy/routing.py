@@ -1,9 +1,11 @@
-"""Route tables compiled from a policy: first match wins, on path glob and body ``model``."""
+"""Route tables compiled from a policy: first match wins, on path glob, body ``model``, the
+caller's named tenant and request headers.  A table whose routes match on headers is not
+cached: a client's header values would fill the cache."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.errors import NoRoute
@@ -38,12 +40,23 @@ class _Entry:
     path: _Matcher
     model: _Matcher | None
     route: Route
+    tenants: frozenset[str]
+    headers: tuple[tuple[str, _Matcher], ...]
+
+    def takes(self, tenant: str, headers: Sequence[tuple[str, str]]) -> bool:
+        if self.tenants and tenant not in self.tenants:
+            return False
+        for name, matches in self.headers:
+            value = next((v for k, v in headers if k.lower() == name), None)
+            if value is None or matches(value) is None:
+                return False
+        return True
 
 
 class Router:
     """Finds the route of a request in a compiled table."""
 
-    __slots__ = ("_cache", "_entries", "needs_model")
+    __slots__ = ("_by_headers", "_cache", "_entries", "needs_model")
 
     def __init__(self, policy: Policy) -> None:
         self._entries = tuple(
@@ -51,15 +64,25 @@ class Router:
                 glob_regex(r.match.path).match,
                 glob_regex(r.match.model).match if r.match.model is not None else None,
                 r,
+                frozenset(r.match.tenants),
+                tuple((k.lower(), glob_regex(v).match) for k, v in r.match.headers),
             )
             for r in policy.routes
         )
         self.needs_model = any(e.model is not None for e in self._entries)
-        self._cache: dict[tuple[str, str | None], Route] = {}
+        self._by_headers = any(e.headers for e in self._entries)
+        self._cache: dict[tuple[str, str | None, str], Route] = {}
 
-    def route(self, path: str, model: str | None) -> Route:
-        """The first route matching ``path`` and ``model``; NoRoute if none does."""
-        key = (path, model)
+    def route(
+        self,
+        path: str,
+        model: str | None,
+        tenant: str = "",
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> Route:
+        """The first route matching ``path``, ``model``, the caller's ``tenant`` and its
+        request ``headers``; NoRoute if none does."""
+        key = (path, model, tenant)
         found = self._cache.get(key)
         if found is not None:
             return found
@@ -68,7 +91,9 @@ class Router:
                 continue
             if entry.model is not None and (model is None or entry.model(model) is None):
                 continue
-            if len(self._cache) < 4096:
+            if (entry.tenants or entry.headers) and not entry.takes(tenant, headers):
+                continue
+            if not self._by_headers and len(self._cache) < 4096:
                 self._cache[key] = entry.route
             return entry.route
         what = f"path {path!r}" + (f" and model {model!r}" if model is not None else "")
