@@ -105,3 +105,36 @@ async def test_a_request_no_route_takes_is_a_404(pipeline):
 def test_a_match_is_checked(match: dict[str, Any], problem: str):
     policy = routed([{"match": {"path": "/v1/*", **match}, "backend": "shared"}])
     assert any(problem in p for p in problems_of(yaml.safe_dump(policy)))
+
+
+async def test_a_tenants_own_model_name_is_listed_to_that_tenant_only(pipeline):
+    """``GET /v1/models`` lists a route's alias (``target_models`` under one model name)
+    only to the callers that route would take."""
+
+    def respond(sent: Any) -> Any:
+        if sent.target == "/v1/models":
+            listing = {"object": "list", "data": [{"id": "base", "object": "model"}]}
+            return json_reply(listing)
+        return json_reply({"error": {"message": "no such model"}}, status=404)
+
+    transport = FakeTransport(respond)
+    assistant = {"path": "/v1/*", "model": "assistant", "tenants": ["acme"]}
+    policy = routed(
+        [
+            {"match": assistant, "backend": "dedicated", "target_models": [{"model": "ft"}]},
+            {"match": {"path": "/v1/*"}, "backend": "shared"},
+        ]
+    )
+    gw = await pipeline(policy, transport)
+
+    async def listed(headers: dict[str, str]) -> list[str]:
+        answer = await gw.request("GET", "/v1/models", headers=headers)
+        return [m["id"] for m in answer.json()["data"]]
+
+    assert await listed(bearer("acme")) == ["base", "assistant"]
+    assert await listed(bearer("globex")) == ["base"]
+    assert await listed({}) == ["base"]
+    one = await gw.request("GET", "/v1/models/assistant", headers=bearer("globex"))
+    assert one.status_code == 404  # the backend's answer: the alias is not globex's
+    mine = await gw.request("GET", "/v1/models/assistant", headers=bearer("acme"))
+    assert mine.json()["id"] == "assistant"

@@ -40,6 +40,7 @@ from gateway.errors import GatewayError
 from gateway.metrics import Metrics
 from gateway.openai.allowed_models import UnreadableListing, read_listing, uncompressed
 from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.policy.match import Match, takes
 from gateway.policy.model import Policy
 from gateway.policy.route import MODEL_LIST_PATH
 
@@ -47,14 +48,14 @@ MISSING_HEADER = "X-Gateway-Models-Missing"
 OWNER = "sidecar-gateway"
 _ONE_MODEL = MODEL_LIST_PATH + "/"
 _GLOB = frozenset("*?[")
+Alias = tuple[dict[str, Any], Match]
+"""A model name a route answers for: its entry in the list, and the route's match."""
 
 
 class ModelLists:
     """The stage; see the module docstring."""
 
-    def __init__(
-        self, missing: Callable[[str, str], None], aliases: dict[str, dict[str, Any]]
-    ) -> None:
+    def __init__(self, missing: Callable[[str, str], None], aliases: dict[str, Alias]) -> None:
         self._missing = missing
         self._aliases = aliases
 
@@ -62,17 +63,28 @@ class ModelLists:
         names = call.route.merge_models
         if call.method != "GET" or not (names or self._aliases):
             return await call_next(call)
+        aliases = {  # those whose routes would take this caller
+            name: entry
+            for name, (entry, match) in self._aliases.items()
+            if takes(match, call.tenant, call.received)
+        }
         if call.path == MODEL_LIST_PATH:
-            return await self._merged(call, call_next, names)
+            return await self._merged(call, call_next, names, aliases)
         if call.path.startswith(_ONE_MODEL):
-            alias = self._aliases.get(unquote(call.path[len(_ONE_MODEL) :]))
+            alias = aliases.get(unquote(call.path[len(_ONE_MODEL) :]))
             if alias is not None:
                 return _json(alias, "")
             if names:
                 return await self._first_known(call, call_next, names)
         return await call_next(call)
 
-    async def _merged(self, call: Call, call_next: Handler, names: tuple[str, ...]) -> Reply:
+    async def _merged(
+        self,
+        call: Call,
+        call_next: Handler,
+        names: tuple[str, ...],
+        aliases: dict[str, dict[str, Any]],
+    ) -> Reply:
         asked = (call.backend, *names)
         answers = await asyncio.gather(
             *(
@@ -97,7 +109,7 @@ class ModelLists:
                 raise failure
             assert isinstance(failure, Reply)
             return failure
-        for alias, entry in self._aliases.items():
+        for alias, entry in aliases.items():
             entries.setdefault(alias, entry)
         reply = _json({"object": "list", "data": list(entries.values())}, ",".join(answered))
         return reply.with_headers(((MISSING_HEADER, ", ".join(missing)),)) if missing else reply
@@ -169,16 +181,15 @@ def _json(data: dict[str, Any], backend: str) -> Reply:
     return Reply(200, (("Content-Type", "application/json"),), body=body, backend=backend)
 
 
-def aliases_of(policy: Policy) -> dict[str, dict[str, Any]]:
+def aliases_of(policy: Policy) -> dict[str, Alias]:
     """The model names routes answer for with ``target_models`` (one name, no glob), each
-    as an entry of OpenAI's model list."""
+    as an entry of OpenAI's model list, with the match of its route (whose tenants and
+    headers say who is told of it)."""
     return {
-        route.match.model: {
-            "id": route.match.model,
-            "object": "model",
-            "created": 0,
-            "owned_by": OWNER,
-        }
+        route.match.model: (
+            {"id": route.match.model, "object": "model", "created": 0, "owned_by": OWNER},
+            route.match,
+        )
         for route in policy.routes
         if route.target_models
         and route.match.model is not None

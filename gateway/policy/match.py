@@ -4,7 +4,9 @@ named tenant and request headers; and the shell-style globs they are written in.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.policy.metadata import doc
@@ -69,6 +71,20 @@ def check_match(match: Match, tenants: set[str]) -> list[tuple[str, str]]:
     return found
 
 
+def takes(match: Match, tenant: str, headers: Sequence[tuple[str, str]]) -> bool:
+    """Whether ``match``'s tenants and headers take a caller (its path and model aside):
+    ``tenant``, its named tenant ("" for none), and ``headers``, its request headers."""
+    if match.tenants and tenant not in match.tenants:
+        return False
+    for name, pattern in match.headers:
+        name = name.lower()
+        value = next((v for k, v in headers if k.lower() == name), None)
+        if value is None or glob_regex(pattern).match(value) is None:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)  # a policy's patterns: compiled once, whatever reloads
 def glob_regex(pattern: str) -> re.Pattern[str]:
     """A compiled shell-style glob where `*` also crosses `/` (as ``fnmatch``)."""
     return re.compile(fnmatch.translate(pattern))

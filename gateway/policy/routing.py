@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.errors import NoRoute
+from gateway.policy.match import takes
 from gateway.policy.model import Policy, Route, glob_regex
 
 OPENAI_JSON_PATHS = frozenset(
@@ -40,17 +41,7 @@ class _Entry:
     path: _Matcher
     model: _Matcher | None
     route: Route
-    tenants: frozenset[str]
-    headers: tuple[tuple[str, _Matcher], ...]
-
-    def takes(self, tenant: str, headers: Sequence[tuple[str, str]]) -> bool:
-        if self.tenants and tenant not in self.tenants:
-            return False
-        for name, matches in self.headers:
-            value = next((v for k, v in headers if k.lower() == name), None)
-            if value is None or matches(value) is None:
-                return False
-        return True
+    narrow: bool  # matches on the tenant or headers too
 
 
 class Router:
@@ -64,13 +55,12 @@ class Router:
                 glob_regex(r.match.path).match,
                 glob_regex(r.match.model).match if r.match.model is not None else None,
                 r,
-                frozenset(r.match.tenants),
-                tuple((k.lower(), glob_regex(v).match) for k, v in r.match.headers),
+                bool(r.match.tenants or r.match.headers),
             )
             for r in policy.routes
         )
         self.needs_model = any(e.model is not None for e in self._entries)
-        self._by_headers = any(e.headers for e in self._entries)
+        self._by_headers = any(r.match.headers for r in policy.routes)
         self._cache: dict[tuple[str, str | None, str], Route] = {}
 
     def route(
@@ -91,7 +81,7 @@ class Router:
                 continue
             if entry.model is not None and (model is None or entry.model(model) is None):
                 continue
-            if (entry.tenants or entry.headers) and not entry.takes(tenant, headers):
+            if entry.narrow and not takes(entry.route.match, tenant, headers):
                 continue
             if not self._by_headers and len(self._cache) < 4096:
                 self._cache[key] = entry.route
