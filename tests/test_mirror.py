@@ -5,15 +5,17 @@ Two model servers on real sockets, the official ``openai`` SDK and httpx as clie
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from aiohttp import web
 
-from gateway.mirror.compare import said
+from gateway.mirror.compare import agree
 from gateway.mirror.stage import MIRROR_HEADER, SHADOWS
 from tests.helpers import chat, metric, policy, problems_of, until, write_policy
 
@@ -32,11 +34,22 @@ class Server:
         self.status = 200
         self.streams_ended = 0
         self.voice = name  # who the answer says it is from
+        self.vector = [0.6, 0.8]  # what it embeds every input as
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/embeddings", self.embed)
         return app
+
+    async def embed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append(({k.lower(): v for k, v in request.headers.items()}, body))
+        data = [{"object": "embedding", "index": 0, "embedding": self.vector}]
+        usage = {"prompt_tokens": 1, "total_tokens": 1}
+        return web.json_response(
+            {"object": "list", "data": data, "model": body["model"], "usage": usage}
+        )
 
     @property
     def bodies(self) -> list[dict[str, Any]]:
@@ -274,6 +287,25 @@ async def test_a_deterministic_calls_two_answers_are_compared(servers, start_gat
     assert outcome(text, "2xx") == 4
 
 
+async def test_embeddings_from_another_gpu_agree_and_from_another_model_do_not(
+    servers, start_gateway, tmp_path
+):
+    _main, canary, main_url, canary_url = servers
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url))
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        canary.vector = [0.6003, 0.7998]  # the same direction, other last bits
+        await client.post("/v1/embeddings", json={"model": "e", "input": "one"})
+        await until(lambda: len(canary.calls) == 1)
+        canary.vector = [0.8, 0.6]  # another model
+        await client.post("/v1/embeddings", json={"model": "e", "input": "two"})
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: len(canary.calls) == 2 and shadow.in_flight == 0)
+    text = await scrape(gw)
+    labels = {"route": "chat", "backend": "canary"}
+    assert metric(text, "gateway_mirror_comparisons_total", result="same", **labels) == 1
+    assert metric(text, "gateway_mirror_comparisons_total", result="different", **labels) == 1
+
+
 async def test_a_stream_is_copied_and_the_mirrors_stream_read_to_its_end(
     servers, start_gateway, tmp_path
 ):
@@ -340,14 +372,29 @@ def test_a_mirror_is_checked(tmp_path, mirror, problem):
     assert any(problem in p for p in problems_of(path.read_text()))
 
 
-def test_what_an_answer_says_leaves_out_what_two_servers_differ_in_anyway():
+def test_two_answers_agree_whatever_their_ids_times_and_token_counts():
     def chat_answer(id_: str, content: str, **more: Any) -> bytes:
         message = {"role": "assistant", "content": content, "tool_calls": [{"id": id_}]}
         answer = {"id": id_, "created": len(id_), "model": id_, "usage": {"total": len(id_)}}
         return json.dumps({**answer, "choices": [{"message": message}], **more}).encode()
 
     ours = chat_answer("chatcmpl-1", "Paris")
-    assert said(ours) == said(chat_answer("x-99", "Paris", timings={"ms": 3}))
-    assert said(ours) != said(chat_answer("chatcmpl-1", "Lyon"))
-    assert said(b"not json") is None
-    assert said(b"\xff") is None
+    assert agree(ours, chat_answer("x-99", "Paris", timings={"ms": 3})) is True
+    assert agree(ours, chat_answer("chatcmpl-1", "Lyon")) is False
+    assert agree(ours, b"not json") is None
+    assert agree(b"\xff", ours) is None
+
+
+def test_two_embeddings_agree_when_each_inputs_vectors_point_the_same_way():
+    def embeddings(*vectors: Any) -> bytes:
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        return json.dumps({"object": "list", "data": data, "model": "m"}).encode()
+
+    first, second = [0.6, 0.8, 0.0], [0.0, 0.6, 0.8]
+    ours = embeddings(first, second)
+    nudged = [x + 0.0004 for x in first]  # another GPU's last bits
+    as_base64 = base64.b64encode(np.asarray(second, dtype="<f4").tobytes()).decode()
+    assert agree(ours, embeddings(nudged, as_base64)) is True
+    assert agree(ours, embeddings(second, first)) is False  # each input is its own
+    assert agree(ours, embeddings(first)) is False
+    assert agree(ours, embeddings(first, [0.0, 0.8, 0.6])) is False

@@ -1,6 +1,9 @@
-"""What an answer says, to tell whether the mirror answered a call as the route's backend
-did: the JSON answer without the fields two servers' answers differ in whatever they say
-(ids, times, the model's name, token counts, server timings), in one canonical form.
+"""Whether the mirror answered a call as the route's backend did (``agree``): the JSON
+answers without the fields two servers' answers differ in whatever they say (ids, times,
+the model's name, token counts, server timings) are the same, in one canonical form; and
+two embeddings answers agree when each input's vectors point the same way (cosine at least
+``SAME_COSINE``), since another GPU, kernel or batch size moves the last bits of every
+float.
 
 Only a deterministic call's answers are compared (the cache's test: temperature 0, one
 choice, an embedding), both whole bodies of at most ``MAX_COMPARED_BYTES``; a sampled
@@ -9,13 +12,20 @@ answer differs by design, and a bigger one would hold the event loop to parse.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Any
+
+import numpy as np
 
 from gateway.cache.keys import cacheability
 from gateway.pipeline import Call, Reply
 
 MAX_COMPARED_BYTES = 256 * 1024
+SAME_COSINE = 0.999
+"""Two vectors of one input this close are one answer (float16 against float32 weights
+keeps above 0.9999; another model is far below)."""
 VOLATILE = frozenset(
     {
         "id",
@@ -41,13 +51,56 @@ def comparable(call: Call, reply: Reply) -> bytes | None:
     return body
 
 
-def said(body: bytes) -> str | None:
-    """What a JSON answer says, canonical; None for a body that is not JSON."""
+def agree(ours: bytes, theirs: bytes) -> bool | None:
+    """Whether two answers to one call say the same; None when either cannot be read."""
+    if len(ours) > MAX_COMPARED_BYTES or len(theirs) > MAX_COMPARED_BYTES:
+        return None
     try:
-        data = json.loads(body)
+        a, b = json.loads(ours), json.loads(theirs)
     except (ValueError, UnicodeDecodeError):
         return None
+    ours_vectors, theirs_vectors = _vectors(a), _vectors(b)
+    if ours_vectors is not None and theirs_vectors is not None:
+        return _same_directions(ours_vectors, theirs_vectors)
+    return _canonical(a) == _canonical(b)
+
+
+def _canonical(data: Any) -> str:
     return json.dumps(_stable(data), sort_keys=True, separators=(",", ":"))
+
+
+def _vectors(answer: Any) -> list[np.ndarray] | None:
+    """An embeddings answer's vectors in input order (floats, or OpenAI's base64)."""
+    if not isinstance(answer, dict) or answer.get("object") != "list":
+        return None
+    data = answer.get("data")
+    if not isinstance(data, list) or not data:
+        return None
+    found = []
+    for item in sorted(data, key=lambda d: d.get("index", 0) if isinstance(d, dict) else 0):
+        vector = item.get("embedding") if isinstance(item, dict) else None
+        try:
+            if isinstance(vector, str):
+                found.append(np.frombuffer(base64.b64decode(vector), dtype="<f4"))
+            elif isinstance(vector, list):
+                found.append(np.asarray(vector, dtype=np.float64))
+            else:
+                return None
+        except (ValueError, TypeError, binascii.Error):
+            return None
+    return found
+
+
+def _same_directions(ours: list[np.ndarray], theirs: list[np.ndarray]) -> bool:
+    if len(ours) != len(theirs):
+        return False
+    for a, b in zip(ours, theirs, strict=True):
+        if a.shape != b.shape or a.ndim != 1:
+            return False
+        norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+        if not norms or float(np.dot(a, b)) / norms < SAME_COSINE:
+            return False
+    return True
 
 
 def _stable(value: Any) -> Any:

@@ -40,7 +40,7 @@ from typing import Any
 from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamError
 from gateway.metrics import Metrics
-from gateway.mirror.compare import MAX_COMPARED_BYTES, comparable, said
+from gateway.mirror.compare import agree, comparable
 from gateway.openai import vllm_priority as vllm
 from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
@@ -128,11 +128,9 @@ class Shadow:
             self._compare(call, original, reply.body)
 
     def _compare(self, call: Call, original: bytes, copied: bytes) -> None:
-        theirs = said(copied) if len(copied) <= MAX_COMPARED_BYTES else None
-        ours = said(original) if theirs is not None else None
-        if ours is None or theirs is None:
+        same = agree(original, copied)
+        if same is None:
             return
-        same = ours == theirs
         self._compared[same].inc()
         now = self._clock.now()
         if not same and now - self._last_difference_log >= DIFFERENCE_LOG_EVERY_S:
