@@ -15,6 +15,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway.coalesce.stage import FLIGHTS
 from gateway.mirror.compare import agree
 from gateway.mirror.stage import MIRROR_HEADER, SHADOWS
 from tests.helpers import chat, metric, policy, problems_of, until, write_policy
@@ -184,7 +185,8 @@ async def test_only_calls_that_reach_the_backend_are_copied(servers, start_gatew
         first = asyncio.ensure_future(client.post("/v1/chat/completions", json=ask))
         await until(lambda: len(main.calls) == 1)
         joiner = asyncio.ensure_future(client.post("/v1/chat/completions", json=ask))
-        await asyncio.sleep(0.05)  # the joiner reaches the flight (it is not yet answered)
+        flights = gw.gateway.registry.peek(FLIGHTS, "chat")
+        await until(lambda: flights.coalesced == 1)  # the joiner is in the flight
         main.gate.set()
         answers = [await first, await joiner]
         hit = await client.post("/v1/chat/completions", json=ask)
