@@ -183,6 +183,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_connections",
         "gateway_control_paths_refused",
         "gateway_desired_endpoints",
+        "gateway_endpoint_adapter_picks",
         "gateway_endpoint_inflight",
         "gateway_endpoint_pins",
         "gateway_endpoint_requests",

@@ -19,7 +19,7 @@ from gateway.telemetry.prometheus import parse_exposition
 from gateway.testing import FakeClock, FakeTransport, json_reply
 from gateway.transport import load
 from gateway.transport.endpoints import EndpointSet
-from tests.helpers import until
+from tests.helpers import metric, until
 from tests.test_endpoints import exporting
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
@@ -76,7 +76,8 @@ async def test_an_adapters_requests_go_where_it_is_served_else_where_there_is_ro
     backend = Backend(
         "m", endpoints=tuple(urls), balance="kv_aware", telemetry=TelemetrySource(interval_ms=200)
     )
-    endpoints = EndpointSet(backend, Metrics(), clock=clock, rng=random.Random(26))
+    metrics = Metrics()
+    endpoints = EndpointSet(backend, metrics, clock=clock, rng=random.Random(26))
     endpoints.watch_load()
     try:
         await until(lambda: all(e.adapters is not None for e in endpoints.endpoints))
@@ -91,6 +92,14 @@ async def test_an_adapters_requests_go_where_it_is_served_else_where_there_is_ro
         clock.advance(0.2)
         await until(lambda: endpoints.endpoints[1].queue_waiting == 9)
         assert {await served_by(endpoints, backend, "sql-lora") for _ in range(20)} == {"a"}
+        text = metrics.exposition().decode()
+        name = "gateway_endpoint_adapter_picks_total"
+        assert {
+            why: metric(text, name, backend="m", outcome=why) for why in ("serving", "room")
+        } == {
+            "serving": 40,
+            "room": 60,  # new-lora's 40, then sql-lora's 20 while its server is saturated
+        }
     finally:
         await endpoints.aclose()
 

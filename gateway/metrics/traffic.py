@@ -106,6 +106,14 @@ class TrafficFamilies:
             ["backend", "outcome"],
             registry=r,
         )
+        self.endpoint_adapter_picks = Counter(
+            "gateway_endpoint_adapter_picks",
+            "Requests for a vLLM LoRA adapter picked an endpoint for (balance: kv_aware), by "
+            "why: serving (a server was running it), room (none was; one had room for "
+            "another adapter), full (none had room: the pick loads it where it can).",
+            ["backend", "outcome"],
+            registry=r,
+        )
         self.model_list_missing = Counter(
             "gateway_model_list_missing",
             "Merged model lists (a route's merge_models) served without a backend's models, "

@@ -129,6 +129,7 @@ class EndpointSet:
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
         self.affinity_hits = 0
         self._pins: dict[str, Any] = {}  # outcome -> its counter child
+        self._adapter_picks: dict[str, Any] = {}  # why -> its counter child
         self._next = 0
         self._active = metrics.pool_active_endpoints.labels(backend.name)
         self._shown_active = -1
@@ -256,10 +257,19 @@ class EndpointSet:
         if not choices:  # every endpoint ejected (or tried): try them all again
             choices = [e for e in self.endpoints if e not in exclude] or self.endpoints
         if model is not None and self.balance == "kv_aware":
-            choices = load.for_model(model, choices, self._backend)
+            choices, why = load.for_model(model, choices, self._backend)
+            if why:
+                self._count_pick(why)
         if affinity is not None:
             return self._affine(affinity, choices)
         return self._balanced(choices)
+
+    def _count_pick(self, why: str) -> None:
+        counter = self._adapter_picks.get(why)
+        if counter is None:
+            picks = self._metrics.endpoint_adapter_picks
+            counter = self._adapter_picks[why] = picks.labels(self.name, why)
+        counter.inc()
 
     def _affine(self, key: str, choices: list[Endpoint]) -> Endpoint:
         """The endpoint that served ``key`` recently, while it is among ``choices``, no

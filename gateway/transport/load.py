@@ -180,20 +180,25 @@ def adapters_of(series: Sequence[Series]) -> Adapters | None:
 
 
 E = TypeVar("E", bound=Endpoint)
+ADAPTER_PICKS = ("serving", "room", "full")
+"""Why an adapter's request went where it did: a server was serving it; none was, and one
+had room for it; none had room either (the pick loads it where it can)."""
 
 
-def for_model(model: str, choices: list[E], backend: Backend) -> list[E]:
-    """``kv_aware``: of ``choices``, where a request for ``model`` should go.  For one of the
-    servers' LoRA adapters: the unsaturated servers serving it, else those with room for
-    it, else all; for their base model (or servers that say nothing of adapters): all."""
+def for_model(model: str, choices: list[E], backend: Backend) -> tuple[list[E], str]:
+    """``kv_aware``: of ``choices``, where a request for ``model`` should go, and why
+    (``ADAPTER_PICKS``).  For one of the servers' LoRA adapters: the unsaturated servers
+    serving it, else those with room for it, else all; for their base model (or servers
+    that say nothing of adapters): all."""
     told = [e.adapters for e in choices if e.adapters is not None]
     if not told or any(a.base == model for a in told):
-        return choices
+        return choices, ""
     fresh = [e for e in choices if not saturated(e, backend)] or choices
     serving = [e for e in fresh if e.adapters is not None and model in e.adapters.serving]
     if serving:
-        return serving
-    return [e for e in fresh if e.adapters is not None and e.adapters.room] or choices
+        return serving, "serving"
+    room = [e for e in fresh if e.adapters is not None and e.adapters.room]
+    return (room, "room") if room else (choices, "full")
 
 
 def judge(endpoint: Endpoint, rules: Sequence[ThrottleRule]) -> bool:
