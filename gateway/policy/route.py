@@ -231,7 +231,14 @@ class TargetModel:
     )
 
 
-RATES = ("requests_per_s", "tokens_per_min", "requests_per_day", "tokens_per_day")
+RATES = (
+    "requests_per_s",
+    "tokens_per_min",
+    "requests_per_day",
+    "tokens_per_day",
+    "input_tokens_per_min",
+    "output_tokens_per_min",
+)
 """A ``RateLimit``'s rates, each a bucket of its own."""
 
 
@@ -258,6 +265,22 @@ class RateLimit:
             "continuously, settled on each answer's `usage` as `tokens_per_min` is. With "
             "`store: memory` a restart refills it: use `store: redis` for a day that must "
             "hold across restarts."
+        ),
+    )
+    input_tokens_per_min: float | None = field(
+        default=None,
+        metadata=doc(
+            "Prompt tokens per minute (Anthropic's ITPM), beside `tokens_per_min`: estimated "
+            "from the body's size, settled on the answer's `usage`."
+        ),
+    )
+    output_tokens_per_min: float | None = field(
+        default=None,
+        metadata=doc(
+            "Generated tokens per minute (Anthropic's OTPM): what a GPU spends most of its "
+            "time on, decoding. A call pays its `max_tokens` (or `max_completion_tokens`, "
+            "`max_output_tokens`) up front, one without one, and the answer's "
+            "`completion_tokens` settle it: a tenant past the minute's output waits."
         ),
     )
     store: Literal["memory", "redis"] = field(

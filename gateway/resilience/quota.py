@@ -18,7 +18,8 @@ client's parser reads).  Under several limits (a route's and the tenant's own, a
 bucket beside a minute's) each kind tells the one with the least remaining.  On Anthropic's
 Messages API the same figures are told as Anthropic tells them:
 ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}``, the reset an RFC 3339
-time.
+time, and with them ``input-tokens`` and ``output-tokens`` under ``input_tokens_per_min``
+and ``output_tokens_per_min`` (which OpenAI's headers have no names for).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from gateway.errors import RateLimited
 
 HEADER_PREFIX = "x-ratelimit-"
 ANTHROPIC_PREFIX = "anthropic-ratelimit-"
-KINDS = ("requests", "tokens")
+KINDS = ("requests", "tokens", "input-tokens", "output-tokens")
+OPENAI_KINDS = 2
+"""OpenAI tells requests and tokens; Anthropic the prompt's and the answer's tokens too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +61,16 @@ class Standing:
 
     requests: Quota | None = None
     tokens: Quota | None = None
+    input_tokens: Quota | None = None
+    output_tokens: Quota | None = None
 
     def headers(self, *, anthropic: bool = False, wall: float = 0.0) -> list[tuple[str, str]]:
         """The rate headers of the quotas there are: OpenAI's, or Anthropic's (their resets
         a time, from ``wall``, the epoch seconds now)."""
         out: list[tuple[str, str]] = []
-        for kind, quota in zip(KINDS, (self.requests, self.tokens), strict=True):
-            if quota is None:
+        quotas = (self.requests, self.tokens, self.input_tokens, self.output_tokens)
+        for i, (kind, quota) in enumerate(zip(KINDS, quotas, strict=True)):
+            if quota is None or (i >= OPENAI_KINDS and not anthropic):
                 continue
             limit, left = str(math.floor(quota.limit)), str(max(0, math.floor(quota.remaining)))
             if anthropic:
@@ -97,9 +103,12 @@ class OverRate(RateLimited):
 def tightest(standings: Iterable[Standing]) -> Standing:
     """Per kind, the quota with the least remaining (then the longest reset)."""
     listed = list(standings)
-    requests = [s.requests for s in listed if s.requests is not None]
-    tokens = [s.tokens for s in listed if s.tokens is not None]
-    return Standing(_least(requests), _least(tokens))
+    return Standing(
+        *(
+            _least([q for s in listed if (q := getattr(s, kind)) is not None])
+            for kind in ("requests", "tokens", "input_tokens", "output_tokens")
+        )
+    )
 
 
 def _least(quotas: list[Quota]) -> Quota | None:

@@ -1,5 +1,5 @@
 """Per-tenant rate limits: token buckets for requests and model tokens, per second or minute
-and per day.
+and per day, and for the prompt's and the answer's tokens apart.
 
 A route's optional ``rate_limit`` gives each tenant its own buckets: requests
 (``requests_per_s``, its ``burst``), model tokens (``tokens_per_min``), and a day's worth of
@@ -26,8 +26,9 @@ DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""
 DAY_S = 86_400.0
 REQUESTS, TOKENS, REQUESTS_DAY, TOKENS_DAY = "rq", "tk", "rd", "td"
+INPUT_TOKENS, OUTPUT_TOKENS = "ti", "to"
 """The bucket kinds (each a key of its own in Redis)."""
-TOKEN_KINDS = frozenset({TOKENS, TOKENS_DAY})
+TOKEN_KINDS = frozenset({TOKENS, TOKENS_DAY, INPUT_TOKENS, OUTPUT_TOKENS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +44,21 @@ class Bucket:
         """Whether it counts model tokens (else requests)."""
         return self.kind in TOKEN_KINDS
 
+    def amount(self, tokens: float, output: float) -> float:
+        """What a call of ``tokens`` model tokens, ``output`` of them generated, costs this
+        bucket (a request bucket: one)."""
+        if self.kind == INPUT_TOKENS:
+            return tokens - output
+        if self.kind == OUTPUT_TOKENS:
+            return output
+        return tokens if self.tokens else 1.0
+
     def standing(self, quota: Quota) -> Standing:
         """``quota`` as a standing of this bucket's unit."""
+        if self.kind == INPUT_TOKENS:
+            return Standing(input_tokens=quota)
+        if self.kind == OUTPUT_TOKENS:
+            return Standing(output_tokens=quota)
         return Standing(tokens=quota) if self.tokens else Standing(requests=quota)
 
 
@@ -66,6 +80,12 @@ def buckets_of(limit: RateLimit) -> tuple[Bucket, ...]:
         found.append(Bucket(REQUESTS_DAY, limit.requests_per_day / DAY_S, limit.requests_per_day))
     if limit.tokens_per_day is not None:
         found.append(Bucket(TOKENS_DAY, limit.tokens_per_day / DAY_S, limit.tokens_per_day))
+    for kind, per_min in (
+        (INPUT_TOKENS, limit.input_tokens_per_min),
+        (OUTPUT_TOKENS, limit.output_tokens_per_min),
+    ):
+        if per_min is not None:
+            found.append(Bucket(kind, per_min / 60, per_min))
     return tuple(found)
 
 
@@ -81,6 +101,8 @@ def scaled(limit: RateLimit, factor: float) -> RateLimit:
         tokens_per_min=times(limit.tokens_per_min),
         requests_per_day=times(limit.requests_per_day),
         tokens_per_day=times(limit.tokens_per_day),
+        input_tokens_per_min=times(limit.input_tokens_per_min),
+        output_tokens_per_min=times(limit.output_tokens_per_min),
         burst=times(limit.burst),
     )
 
@@ -153,16 +175,17 @@ class RateLimiter:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
 
-    def check(self, tenant: str, tokens: float = 0) -> Standing:
-        """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``
-        (its headers the tenant's standing); the standing after it."""
+    def check(self, tenant: str, tokens: float = 0, output: float = 0) -> Standing:
+        """Admit one request of about ``tokens`` model tokens, ``output`` of them to be
+        generated, or raise ``RateLimited`` (its headers the tenant's standing); the
+        standing after it."""
         now = self._clock.now()
         state = self._tenants.get(tenant) or self._add(tenant, now)
         paid: list[tuple[TokenBucket, float]] = []
         wait = 0.0
         for kind, bucket in state.buckets:
             bucket.refill(now)
-            amount = tokens if kind.tokens else 1.0
+            amount = kind.amount(tokens, output)
             if amount > 0:
                 wait = max(wait, bucket.wait_s(amount))
                 paid.append((bucket, amount))
@@ -177,10 +200,11 @@ class RateLimiter:
             bucket.level -= min(amount, bucket.capacity)
         return state.standing()
 
-    def charge(self, tenant: str, tokens: float) -> Standing | None:
+    def charge(self, tenant: str, tokens: float, output: float = 0) -> Standing | None:
         """Settle a request's real token use against the estimate ``check`` took: pass the
-        difference (negative refunds).  The token buckets may go into debt.  The standing
-        after it (None for a tenant no longer kept)."""
+        differences, of all its tokens and of those generated (negative refunds).  The
+        token buckets may go into debt.  The standing after it (None for a tenant no longer
+        kept)."""
         state = self._tenants.get(tenant)
         if state is None:
             return None
@@ -188,7 +212,7 @@ class RateLimiter:
         for kind, bucket in state.buckets:
             if kind.tokens:
                 bucket.refill(now)
-                bucket.level = min(bucket.capacity, bucket.level - tokens)
+                bucket.level = min(bucket.capacity, bucket.level - kind.amount(tokens, output))
         return state.standing()
 
     def standing(self, tenant: str) -> Standing | None:

@@ -3,10 +3,11 @@ and replica, decided in Redis (``rate_redis.py``), else by this process's local 
 
 Each decision is one script call: the requests buckets (``requests_per_s`` with its
 ``burst``, ``requests_per_day``) and the tokens buckets (``tokens_per_min``,
-``tokens_per_day``) for the tokens the request is estimated at (none asked of them when it
-is estimated at none, but their standing told all the same), all paid or none, as in
-``rate_limit.py``; the answer's ``usage`` settles the estimate with a second call
-(``charge``), as there.  A route without ``store: redis`` never talks to Redis.
+``tokens_per_day``, ``input_tokens_per_min``, ``output_tokens_per_min``) for the tokens
+the request is estimated at (none asked of them when it is estimated at none, but their
+standing told all the same), all paid or none, as in ``rate_limit.py``; the answer's
+``usage`` settles the estimate with a second call (``charge``), as there.  A route without
+``store: redis`` never talks to Redis.
 
 While Redis cannot decide (down, slow past its budget, or answering with an error), each
 process enforces its local share instead, the memory limiter of ``rate_limit.py`` over the
@@ -75,14 +76,13 @@ class SharedRateLimiter:
         """Whether decisions are being made in Redis."""
         return self._rates.up
 
-    async def check(self, tenant: str, tokens: float = 0) -> Standing:
-        """Admit one request of about ``tokens`` model tokens, or raise ``RateLimited``
-        (its headers the tenant's standing); the standing after it."""
+    async def check(self, tenant: str, tokens: float = 0, output: float = 0) -> Standing:
+        """Admit one request of about ``tokens`` model tokens, ``output`` of them to be
+        generated, or raise ``RateLimited`` (its headers the tenant's standing); the
+        standing after it."""
         # every bucket, a tokens one asked for none when no tokens are estimated: its
         # standing is told all the same, as the memory limiter tells it
-        buckets = [
-            (self._key(tenant, b), b, float(tokens) if b.tokens else 1.0) for b in self._buckets
-        ]
+        buckets = [(self._key(tenant, b), b, b.amount(tokens, output)) for b in self._buckets]
         if self._rates.usable():
             try:
                 wait, quotas = await self._rates.decide(buckets)
@@ -100,21 +100,24 @@ class SharedRateLimiter:
                     )
                 return standing
         self.decided["local"] += 1
-        return self.local.check(tenant, tokens)
+        return self.local.check(tenant, tokens, output)
 
-    async def charge(self, tenant: str, tokens: float) -> Standing | None:
+    async def charge(self, tenant: str, tokens: float, output: float = 0) -> Standing | None:
         """Settle a request's real token use against the estimate ``check`` took (the
-        difference; negative refunds), where decisions are being made now; the tokens'
-        standing after it (None when nothing was settled)."""
-        settled = [(self._key(tenant, b), b, tokens) for b in self._buckets if b.tokens]
-        if not settled or tokens == 0:
+        differences, of all its tokens and of those generated; negative refunds), where
+        decisions are being made now; the tokens' standing after it (None when nothing was
+        settled)."""
+        settled = [
+            (self._key(tenant, b), b, b.amount(tokens, output)) for b in self._buckets if b.tokens
+        ]
+        if not any(amount for _, _, amount in settled):
             return None
         if self._rates.usable():
             try:
                 return told(settled, await self._rates.settle(settled))
             except StoreError:
                 pass
-        return self.local.charge(tenant, tokens)
+        return self.local.charge(tenant, tokens, output)
 
     def figures(self) -> RateLimitFigures:
         return RateLimitFigures(self.route, self.up, dict(self.decided))

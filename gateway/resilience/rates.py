@@ -69,6 +69,8 @@ class Admitted:
     limits: tuple[Limit, ...]
     estimate: int
     standings: list[Standing]
+    output_estimate: int = 0
+    """Of ``estimate``, the tokens the answer was expected to generate (its ``max_tokens``)."""
 
     @property
     def standing(self) -> Standing:
@@ -104,20 +106,24 @@ class RateLimits:
         if not limits:
             return None
         key = rate_key_of(call, self._proven)
-        estimate = estimate_tokens(call) if any(lim.tokens for lim in limits) else 0
+        counted = any(lim.tokens for lim in limits)
+        # at least one: an answer generates a token, and a tenant whose output is in debt
+        # must wait even when it names no bound (its estimate would be none, asked of no one)
+        output = max(1, answer_bound(call)) if counted else 0
+        estimate = len(call.body) // CHARS_PER_TOKEN + output if counted else 0
         standings: list[Standing] = []
         try:
             for limit in limits:
-                tokens = estimate if limit.tokens else 0
+                tokens, generated = (estimate, output) if limit.tokens else (0, 0)
                 if key.newcomer is not None and limit.newcomers is not None:
-                    await _check(limit.newcomers, key.newcomer, tokens)
-                standings.append(await _check(limit.own, key.key, tokens))
+                    await _check(limit.newcomers, key.newcomer, tokens, generated)
+                standings.append(await _check(limit.own, key.key, tokens, generated))
         except RateLimited as exc:
             self._metrics.rate_limited.labels(call.route.name).inc()
             if isinstance(exc, OverRate) and anthropic_path(call.path):
                 exc.extra_headers = tuple(self.told(call, exc.standing))
             raise
-        return Admitted(key, limits, estimate, standings)
+        return Admitted(key, limits, estimate, standings, output)
 
     def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
         """``standing`` as the headers of ``call``'s API (Anthropic's or OpenAI's)."""
@@ -137,7 +143,7 @@ class RateLimits:
             return self._settled_when_done(admitted, served)
         used = from_body(served.body)
         if used is not None:
-            await self._settle_tokens(admitted, sum(used))
+            await self._settle_tokens(admitted, used)
         return served
 
     def _settled_when_done(self, admitted: Admitted, served: Reply) -> Reply:
@@ -150,23 +156,31 @@ class RateLimits:
 
         def done() -> None:
             if usage.counts is not None:
-                task = asyncio.ensure_future(self._settle_tokens(admitted, sum(usage.counts)))
+                task = asyncio.ensure_future(self._settle_tokens(admitted, usage.counts))
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
 
         return served.when_done(done)
 
-    async def _settle_tokens(self, admitted: Admitted, used: int) -> None:
+    async def _settle_tokens(self, admitted: Admitted, used: tuple[int, int]) -> None:
+        """Settle the estimate against ``used``, the answer's (prompt, completion) tokens."""
         key = admitted.key
-        difference = used - admitted.estimate
+        difference = sum(used) - admitted.estimate
+        generated = used[1] - admitted.output_estimate
         for i, limit in enumerate(admitted.limits):
             if not limit.tokens:
                 continue
-            after = await _charge(limit.own, key.key, difference)
-            if after is not None and after.tokens is not None:
-                admitted.standings[i] = Standing(admitted.standings[i].requests, after.tokens)
+            after = await _charge(limit.own, key.key, difference, generated)
+            if after is not None:
+                before = admitted.standings[i]
+                admitted.standings[i] = Standing(
+                    before.requests,
+                    after.tokens or before.tokens,
+                    after.input_tokens or before.input_tokens,
+                    after.output_tokens or before.output_tokens,
+                )
             if key.newcomer is not None and limit.newcomers is not None:
-                await _charge(limit.newcomers, key.newcomer, difference)
+                await _charge(limit.newcomers, key.newcomer, difference, generated)
 
     def _limits_of(self, call: Call) -> tuple[Limit, ...]:
         route = self._routes.get(call.route.name)
@@ -180,8 +194,8 @@ class RateLimits:
         )
 
 
-def estimate_tokens(call: Call) -> int:
-    """Tokens a request will likely use: its size in rough tokens plus its answer limit."""
+def answer_bound(call: Call) -> int:
+    """The most tokens a request's answer may generate, as its body bounds it (none: 0)."""
     data = call.json or {}
     answer = (
         data.get("max_completion_tokens")
@@ -190,7 +204,7 @@ def estimate_tokens(call: Call) -> int:
         or 0
     )
     answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else 0
-    return len(call.body) // CHARS_PER_TOKEN + max(0, answer)  # a negative bound: none
+    return max(0, answer)  # a negative bound: none
 
 
 def build_rate_limits(
@@ -234,13 +248,13 @@ async def _fed(stream: AsyncIterator[bytes], usage: StreamUsage) -> AsyncIterato
         yield chunk
 
 
-async def _check(limiter: Limiter, key: str, tokens: float) -> Standing:
+async def _check(limiter: Limiter, key: str, tokens: float, output: float) -> Standing:
     if isinstance(limiter, SharedRateLimiter):
-        return await limiter.check(key, tokens)
-    return limiter.check(key, tokens)
+        return await limiter.check(key, tokens, output)
+    return limiter.check(key, tokens, output)
 
 
-async def _charge(limiter: Limiter, key: str, tokens: float) -> Standing | None:
+async def _charge(limiter: Limiter, key: str, tokens: float, output: float) -> Standing | None:
     if isinstance(limiter, SharedRateLimiter):
-        return await limiter.charge(key, tokens)
-    return limiter.charge(key, tokens)
+        return await limiter.charge(key, tokens, output)
+    return limiter.charge(key, tokens, output)
