@@ -80,3 +80,21 @@ def test_a_tokens_limit_on_a_route_passing_streams_as_asked_is_warned_of(tmp_pat
     assert warning.startswith("routes[0].stream_usage: is `pass`: a stream whose client does")
     assert warned({"rate_limit": {"tokens_per_min": LIMIT}, "stream_usage": "ask"}) == []
     assert warned({"rate_limit": {"requests_per_s": 5}}) == []
+
+
+async def test_a_streams_usage_settles_the_answers_tokens_apart(pipeline):
+    """``output_tokens_per_min``: the stream paid its ``max_tokens`` up front, and its
+    ``completion_tokens`` settle that once it has ended."""
+    route = {"rate_limit": {"output_tokens_per_min": LIMIT}, "stream_usage": "ask"}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), Model("main"), clock=FakeClock())
+    await streamed(gw).done()
+    limiter = gw.gateway.registry.peek(RATE_LIMITERS, "chat")
+    key = credential_key(ALICE.items())
+    assert isinstance(limiter, RateLimiter) and key is not None
+
+    def output_left() -> float | None:
+        standing = limiter.standing(key)
+        quota = standing.output_tokens if standing is not None else None
+        return quota.remaining if quota is not None else None
+
+    await until(lambda: output_left() == LIMIT - STREAM_USAGE["completion_tokens"])
