@@ -13,14 +13,14 @@ import yaml
 
 from gateway.errors import PolicyError
 from gateway.pipeline import Reply
-from gateway.policy import parse_policy_text
+from gateway.policy import load_policy, parse_policy_text
 from gateway.policy.model import RateLimit
 from gateway.resilience.quota import OverRate
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_redis import RedisRates
 from gateway.resilience.rate_shared import SharedRateLimiter, local_share
 from gateway.testing import FakeClock, Sent, json_reply
-from tests.helpers import policy
+from tests.helpers import policy, write_policy
 from tests.test_rate_headers import ALICE, URL
 from tests.test_rate_limit_day import rates  # noqa: F401 (the fixture)
 
@@ -117,3 +117,10 @@ async def test_the_answers_tokens_are_one_more_key_in_redis(rates: RedisRates): 
     assert 89 <= settled.output_tokens.remaining <= 91
     await limiter.check("acme", tokens=130, output=80)
     assert limiter.decided == {"redis": 3, "local": 0}
+
+
+def test_an_output_limit_on_a_route_passing_streams_as_asked_is_warned_of(tmp_path):
+    route = {"rate_limit": {"output_tokens_per_min": 1000}}
+    file = write_policy(tmp_path, policy({"main": {"url": URL}}, route))
+    (warning,) = [f"{w.path}: {w.message}" for w in load_policy(file).warnings]
+    assert warning.startswith("routes[0].stream_usage: is `pass`")

@@ -121,7 +121,7 @@ def warn_route(route: Route) -> Found:
     limit = route.rate_limit
     if limit is None or route.stream_usage != "pass":
         return []
-    if limit.tokens_per_min is None and limit.tokens_per_day is None:
+    if all(getattr(limit, key) is None for key in RATES if "tokens" in key):
         return []
     return [
         (
