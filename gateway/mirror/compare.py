@@ -15,9 +15,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from gateway.cache.keys import cacheability
 from gateway.pipeline import Call, Reply
@@ -76,6 +77,8 @@ def _vectors(answer: Any) -> list[np.ndarray] | None:
     data = answer.get("data")
     if not isinstance(data, list) or not data:
         return None
+    import numpy as np  # here: a gateway that compares no embeddings never loads numpy
+
     found = []
     for item in sorted(data, key=lambda d: d.get("index", 0) if isinstance(d, dict) else 0):
         vector = item.get("embedding") if isinstance(item, dict) else None
@@ -92,6 +95,8 @@ def _vectors(answer: Any) -> list[np.ndarray] | None:
 
 
 def _same_directions(ours: list[np.ndarray], theirs: list[np.ndarray]) -> bool:
+    import numpy as np
+
     if len(ours) != len(theirs):
         return False
     for a, b in zip(ours, theirs, strict=True):
