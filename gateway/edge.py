@@ -34,6 +34,8 @@ from gateway.errors import GatewayError, MalformedRequest, Overloaded, SlowReade
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
+from gateway.policy.backend import Price
+from gateway.policy.model import Policy
 from gateway.policy.routing import OPENAI_JSON_PATHS
 from gateway.server.control_paths import control_server, refusal
 from gateway.server.path_case import case_variant
@@ -335,8 +337,10 @@ class Edge:
         source = token_source(reply)
         if tokens is not None and backend and source == BACKEND:
             metrics.count_tokens(backend, *tokens)
+        price = _price(snap.policy, backend) if tokens is not None else None
+        cost = price.of(*tokens) if price is not None and tokens is not None else 0.0
         if tenant:
-            metrics.count_tenant(tenant, status, source, tokens)
+            metrics.count_tenant(tenant, status, source, tokens, cost)
         if snap.policy.server.access_log or self._gateway.access_log:
             entry = {
                 "ts": round(time.time(), 3),
@@ -355,6 +359,8 @@ class Edge:
                 entry["first_byte_ms"] = round((first_byte - started) * 1000, 3)
             if tokens is not None:
                 entry["prompt_tokens"], entry["completion_tokens"] = tokens
+            if cost:
+                entry["cost"] = round(cost, 9)
             record = call.record if call is not None else None
             if record is not None and record.cache is not None:
                 entry["log_cache"] = record.cache
@@ -365,3 +371,8 @@ class Edge:
                     (record.queue_wait[1] - record.queue_wait[0]) * 1000, 3
                 )
             sys.stderr.write(json.dumps(entry) + "\n")
+
+
+def _price(policy: Policy, backend: str) -> Price | None:
+    """The ``price`` of the backend that answered (None: unpriced, or no backend)."""
+    return next((b.price for b in policy.backends if b.name == backend), None)

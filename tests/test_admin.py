@@ -227,6 +227,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_target_model_requests",
         "gateway_telemetry_age_seconds",
         "gateway_tenant_concurrency_limited",
+        "gateway_tenant_cost",
         "gateway_tenant_in_flight",
         "gateway_tenant_queue_wait_seconds",
         "gateway_tenant_requests",

@@ -17,7 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.helpers import metric, scrape_when_recorded, until, write_policy
+from tests.helpers import metric, problems_of, scrape_when_recorded, until, write_policy
 
 KEYS = {"acme": "acme-secret-key", "globex": "globex-secret-key"}
 USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
@@ -58,7 +58,7 @@ def digest(key: str) -> str:
 
 
 POLICY = """
-backends: {{main: {{url: "{url}"}}}}
+backends: {{main: {{url: "{url}", price: {{input_per_million: 2.5, output_per_million: 10}}}}}}
 routes:
   - {{match: {{path: /v1/chat/completions}}, backend: main, cache: {{ttl_s: 60}}}}
 tenants:
@@ -125,6 +125,16 @@ async def test_each_tenants_tokens_are_counted_by_who_computed_them(served):
     # the backend computed four answers: acme's, globex's, the unlisted key's, the shared one
     assert chat.calls == 4
     assert metric(text, "gateway_tokens_total", backend="main", kind="completion") == 28
+    # at 2.5 a million prompt tokens and 10 a million generated: 0.0000825 an answer
+    one = (5 * 2.5 + 7 * 10) / 1e6
+
+    def cost(tenant: str, source: str) -> float | None:
+        return metric(text, "gateway_tenant_cost_total", tenant=tenant, source=source)
+
+    assert cost("acme", "backend") == pytest.approx(one)
+    assert cost("acme", "cache") == pytest.approx(one)  # what the cache saved it
+    assert cost("globex", "backend") == pytest.approx(2 * one)
+    assert cost("globex", "coalesced") == pytest.approx(one)
 
 
 async def until_coalesced(gw: Any) -> None:
@@ -148,6 +158,7 @@ async def test_a_tenants_refusals_are_counted_by_status_and_logged_with_its_name
     text = await scrape_when_recorded(gw.admin_url, 2)
     assert (bad.status_code, nowhere.status_code) == (400, 404)
     logged = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line[:1] == "{"]
+    assert all("cost" not in entry for entry in logged)  # no tokens, no cost
     assert [(entry["status"], entry.get("tenant")) for entry in logged] == [
         (400, "acme"),
         (404, "acme"),
@@ -158,3 +169,13 @@ async def test_a_tenants_refusals_are_counted_by_status_and_logged_with_its_name
         metric(text, "gateway_tenant_tokens_total", tenant="acme", kind="prompt", source="backend")
         is None
     )
+
+
+async def test_an_answers_cost_is_logged_and_a_negative_price_refused(served, capsys):
+    _, gw = served
+    await ask(gw, KEYS["acme"], "what does it cost?")
+    await scrape_when_recorded(gw.admin_url, 1)
+    logged = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line[:1] == "{"]
+    assert [entry["cost"] for entry in logged] == [pytest.approx((5 * 2.5 + 7 * 10) / 1e6)]
+    text = 'backends: {main: {url: "http://m", price: {output_per_million: -1}}}\nroutes: []\n'
+    assert any("backends.main.price: must not be negative" in p for p in problems_of(text))

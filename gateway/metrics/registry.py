@@ -60,9 +60,15 @@ class Metrics(TrafficFamilies, CapabilityFamilies, ProtectionFamilies):
         children[1].inc(completion)
 
     def count_tenant(
-        self, tenant: str, status: int, source: str, tokens: tuple[int, int] | None
+        self,
+        tenant: str,
+        status: int,
+        source: str,
+        tokens: tuple[int, int] | None,
+        cost: float = 0.0,
     ) -> None:
-        """One answer to a named tenant: its status and, if it had them, its tokens."""
+        """One answer to a named tenant: its status and, if it had them, its tokens and
+        what they cost."""
         key = (tenant, status)
         child = self._tenant_children.get(key)
         if child is None:
@@ -77,6 +83,8 @@ class Metrics(TrafficFamilies, CapabilityFamilies, ProtectionFamilies):
                 )
             pair[0].inc(tokens[0])
             pair[1].inc(tokens[1])
+        if cost > 0:
+            self.tenant_cost.labels(tenant, source).inc(cost)
 
     def tenant_waited(self, tenant: str, seconds: float) -> None:
         """A named tenant's call was admitted after ``seconds`` in a backend's queue."""

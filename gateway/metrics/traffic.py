@@ -191,6 +191,14 @@ class TrafficFamilies:
             ["tenant", "kind", "source"],
             registry=r,
         )
+        self.tenant_cost = Counter(
+            "gateway_tenant_cost",
+            "What the answers a named tenant got cost, by the backends' `price` (per million "
+            "prompt and generated tokens, in its currency), by source as in "
+            "gateway_tenant_tokens: backend (charged), cache or coalesced (what was saved).",
+            ["tenant", "source"],
+            registry=r,
+        )
         self.policy_generation = Gauge(
             "gateway_policy_generation",
             "Generation of the loaded policy (1 for the first, +1 per reload).",

@@ -122,6 +122,20 @@ class Saturation:
 
 
 @dataclass(frozen=True, slots=True)
+class Price:
+    """What a backend's tokens cost, for chargeback: per million, in one currency (the same
+    for every backend)."""
+
+    input_per_million: float = field(default=0.0, metadata=doc("A million prompt tokens."))
+    output_per_million: float = field(
+        default=0.0, metadata=doc("A million generated (completion) tokens.")
+    )
+
+    def of(self, prompt: int, completion: int) -> float:
+        return (prompt * self.input_per_million + completion * self.output_per_million) / 1e6
+
+
+@dataclass(frozen=True, slots=True)
 class Queue:
     """The bounded queue in front of a backend's concurrency limit: by priority, then fair
     between tenants (or first come, first served)."""
@@ -362,5 +376,14 @@ class Backend:
         default=None,
         metadata=doc(
             "Circuit breaker over connect errors, timeouts and 5xx other than 503; none unless set."
+        ),
+    )
+    price: Price | None = field(
+        default=None,
+        metadata=doc(
+            "What its tokens cost (a provider's list price, or a GPU's hour over the tokens "
+            "it serves): each named tenant's answers are counted in "
+            "`gateway_tenant_cost_total{tenant, source}`, a cached or shared answer at what "
+            "it would have cost."
         ),
     )

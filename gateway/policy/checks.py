@@ -192,6 +192,8 @@ def check_backend(b: Backend) -> Found:
     for i, url in enumerate(b.endpoints):
         if not url.startswith(("http://", "https://")):
             bad(f"endpoints[{i}]", f"must start with http:// or https://, not {url!r}")
+    if b.price is not None and min(b.price.input_per_million, b.price.output_per_million) < 0:
+        bad("price", "must not be negative")
     if b.pool is not None:
         if b.pool.core < 1:
             bad("pool.core", "must be at least 1")
