@@ -47,7 +47,7 @@ class _Entry:
 class Router:
     """Finds the route of a request in a compiled table."""
 
-    __slots__ = ("_by_headers", "_cache", "_entries", "needs_model")
+    __slots__ = ("_by_headers", "_by_tenant", "_cache", "_entries", "needs_model")
 
     def __init__(self, policy: Policy) -> None:
         self._entries = tuple(
@@ -61,6 +61,7 @@ class Router:
         )
         self.needs_model = any(e.model is not None for e in self._entries)
         self._by_headers = any(r.match.headers for r in policy.routes)
+        self._by_tenant = any(r.match.tenants for r in policy.routes)
         self._cache: dict[tuple[str, str | None, str], Route] = {}
 
     def route(
@@ -72,7 +73,7 @@ class Router:
     ) -> Route:
         """The first route matching ``path``, ``model``, the caller's ``tenant`` and its
         request ``headers``; NoRoute if none does."""
-        key = (path, model, tenant)
+        key = (path, model, tenant if self._by_tenant else "")
         found = self._cache.get(key)
         if found is not None:
             return found
