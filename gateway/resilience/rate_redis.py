@@ -10,7 +10,8 @@ seconds past that bound are the wait.  That is exactly the token bucket of
 limit, burst and debt.
 
 Keys: ``gw:rl:{<route>:<tenant>}:rq`` (requests), ``...:tk`` (tokens), ``...:rd`` and
-``...:td`` (a day's requests and tokens), each a string
+``...:td`` (a day's requests and tokens), ``...:ti`` and ``...:to`` (a minute's prompt and
+generated tokens), each a string
 holding its TAT in microseconds and expiring when its bucket is full again (a full bucket
 is no key).  One decision is one ``EVALSHA`` of ``GCRA`` (redis-py's ``register_script``
 loads it again on ``NOSCRIPT``, after a Redis restart): it reads the route's buckets,
