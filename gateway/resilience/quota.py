@@ -33,9 +33,10 @@ from gateway.errors import RateLimited
 
 HEADER_PREFIX = "x-ratelimit-"
 ANTHROPIC_PREFIX = "anthropic-ratelimit-"
-KINDS = ("requests", "tokens", "input-tokens", "output-tokens")
-OPENAI_KINDS = 2
-"""OpenAI tells requests and tokens; Anthropic the prompt's and the answer's tokens too."""
+UNITS = ("requests", "tokens", "input_tokens", "output_tokens")
+"""What a bucket counts (a ``Standing``'s fields); Anthropic's headers name each, OpenAI's
+only the first two."""
+OPENAI_UNITS = UNITS[:2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +69,11 @@ class Standing:
         """The rate headers of the quotas there are: OpenAI's, or Anthropic's (their resets
         a time, from ``wall``, the epoch seconds now)."""
         out: list[tuple[str, str]] = []
-        quotas = (self.requests, self.tokens, self.input_tokens, self.output_tokens)
-        for i, (kind, quota) in enumerate(zip(KINDS, quotas, strict=True)):
-            if quota is None or (i >= OPENAI_KINDS and not anthropic):
+        for unit in UNITS if anthropic else OPENAI_UNITS:
+            quota: Quota | None = getattr(self, unit)
+            if quota is None:
                 continue
+            kind = unit.replace("_", "-")
             limit, left = str(math.floor(quota.limit)), str(max(0, math.floor(quota.remaining)))
             if anthropic:
                 name = f"{ANTHROPIC_PREFIX}{kind}-"
@@ -103,12 +105,8 @@ class OverRate(RateLimited):
 def tightest(standings: Iterable[Standing]) -> Standing:
     """Per kind, the quota with the least remaining (then the longest reset)."""
     listed = list(standings)
-    return Standing(
-        *(
-            _least([q for s in listed if (q := getattr(s, kind)) is not None])
-            for kind in ("requests", "tokens", "input_tokens", "output_tokens")
-        )
-    )
+    least = {u: _least([q for s in listed if (q := getattr(s, u)) is not None]) for u in UNITS}
+    return Standing(**least)
 
 
 def _least(quotas: list[Quota]) -> Quota | None:

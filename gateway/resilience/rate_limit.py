@@ -28,7 +28,15 @@ DAY_S = 86_400.0
 REQUESTS, TOKENS, REQUESTS_DAY, TOKENS_DAY = "rq", "tk", "rd", "td"
 INPUT_TOKENS, OUTPUT_TOKENS = "ti", "to"
 """The bucket kinds (each a key of its own in Redis)."""
-TOKEN_KINDS = frozenset({TOKENS, TOKENS_DAY, INPUT_TOKENS, OUTPUT_TOKENS})
+UNIT_OF = {
+    REQUESTS: "requests",
+    REQUESTS_DAY: "requests",
+    TOKENS: "tokens",
+    TOKENS_DAY: "tokens",
+    INPUT_TOKENS: "input_tokens",
+    OUTPUT_TOKENS: "output_tokens",
+}
+"""What each kind counts (``quota.UNITS``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,26 +48,27 @@ class Bucket:
     capacity: float
 
     @property
+    def unit(self) -> str:
+        return UNIT_OF[self.kind]
+
+    @property
     def tokens(self) -> bool:
         """Whether it counts model tokens (else requests)."""
-        return self.kind in TOKEN_KINDS
+        return self.unit != "requests"
 
     def amount(self, tokens: float, output: float) -> float:
         """What a call of ``tokens`` model tokens, ``output`` of them generated, costs this
         bucket (a request bucket: one)."""
-        if self.kind == INPUT_TOKENS:
-            return tokens - output
-        if self.kind == OUTPUT_TOKENS:
-            return output
-        return tokens if self.tokens else 1.0
+        return {
+            "requests": 1.0,
+            "tokens": tokens,
+            "input_tokens": tokens - output,
+            "output_tokens": output,
+        }[self.unit]
 
     def standing(self, quota: Quota) -> Standing:
         """``quota`` as a standing of this bucket's unit."""
-        if self.kind == INPUT_TOKENS:
-            return Standing(input_tokens=quota)
-        if self.kind == OUTPUT_TOKENS:
-            return Standing(output_tokens=quota)
-        return Standing(tokens=quota) if self.tokens else Standing(requests=quota)
+        return Standing(**{self.unit: quota})
 
 
 def request_burst(limit: RateLimit) -> float:

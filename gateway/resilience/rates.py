@@ -15,6 +15,7 @@ answer's ``x-ratelimit-*`` headers (``quota.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -171,13 +172,9 @@ class RateLimits:
             if not limit.tokens:
                 continue
             after = await _charge(limit.own, key.key, difference, generated)
-            if after is not None:
-                before = admitted.standings[i]
-                admitted.standings[i] = Standing(
-                    before.requests,
-                    after.tokens or before.tokens,
-                    after.input_tokens or before.input_tokens,
-                    after.output_tokens or before.output_tokens,
+            if after is not None:  # its tokens' standing now; its requests' as admitted
+                admitted.standings[i] = dataclasses.replace(
+                    after, requests=admitted.standings[i].requests
                 )
             if key.newcomer is not None and limit.newcomers is not None:
                 await _charge(limit.newcomers, key.newcomer, difference, generated)
