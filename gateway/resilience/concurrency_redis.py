@@ -196,8 +196,7 @@ class SharedInFlight:
                 if not taken:
                     raise self.local.refusal(name, held, cap, " across the gateway's processes")
                 self._held.setdefault(key, set()).add(call_id)
-                if self._renewer is None or self._renewer.done():
-                    self._renewer = asyncio.get_running_loop().create_task(self._renew())
+                self._renewing()
                 return self.local.enter(name, None, functools.partial(self._left, key, call_id))
         self._decisions.labels("local").inc()
         held = self.local.held(name)
@@ -221,7 +220,12 @@ class SharedInFlight:
 
     def start(self) -> None:
         """On the running loop (the registry's ``start``): renew adopted places at once."""
-        if self._renew_now and (self._renewer is None or self._renewer.done()):
+        if self._renew_now:
+            self._renewing()
+
+    def _renewing(self) -> None:
+        """Renew this process's places from now on, unless that is under way."""
+        if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.get_running_loop().create_task(self._renew())
 
     def _left(self, key: str, call_id: str) -> None:
