@@ -93,15 +93,17 @@ class Shadow:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def copy(self, call: Call, original: bytes | None = None) -> None:
+    def copy(self, call: Call, answered: Reply | None = None) -> None:
         """Send a copy of ``call`` to the mirror backend, if it is drawn and there is room;
-        its answer is compared with ``original``, the route's backend's, when given."""
+        its answer is compared with ``answered``'s, the route's backend's, where they can
+        be (``compare.comparable``)."""
         mirror = self._mirror
         if self._draining or (mirror.fraction < 1 and self._draw() >= mirror.fraction):
             return
         if len(self._tasks) >= mirror.max_in_flight:
             self._count(SHED)
             return
+        original = comparable(call, answered) if answered is not None else None
         task = asyncio.get_running_loop().create_task(self._send(call, original))
         self._tasks.add(task)
         self._in_flight.set(len(self._tasks))
@@ -227,7 +229,7 @@ class MirrorStage:
         except UpstreamError:
             shadow.copy(call)  # the backend was asked: its mirror is asked too
             raise
-        shadow.copy(call, comparable(call, reply))
+        shadow.copy(call, reply)
         return reply
 
     def __repr__(self) -> str:
