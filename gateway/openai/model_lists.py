@@ -63,20 +63,23 @@ class ModelLists:
         names = call.route.merge_models
         if call.method != "GET" or not (names or self._aliases):
             return await call_next(call)
-        aliases = {  # those whose routes would take this caller
-            name: entry
-            for name, (entry, match) in self._aliases.items()
-            if takes(match, call.tenant, call.received)
-        }
         if call.path == MODEL_LIST_PATH:
-            return await self._merged(call, call_next, names, aliases)
+            return await self._merged(call, call_next, names, self._told(call))
         if call.path.startswith(_ONE_MODEL):
-            alias = aliases.get(unquote(call.path[len(_ONE_MODEL) :]))
+            alias = self._told(call).get(unquote(call.path[len(_ONE_MODEL) :]))
             if alias is not None:
                 return _json(alias, "")
             if names:
                 return await self._first_known(call, call_next, names)
         return await call_next(call)
+
+    def _told(self, call: Call) -> dict[str, dict[str, Any]]:
+        """The aliases whose routes would take ``call``'s caller."""
+        return {
+            name: entry
+            for name, (entry, match) in self._aliases.items()
+            if takes(match, call.tenant, call.received)
+        }
 
     async def _merged(
         self,
