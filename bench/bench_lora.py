@@ -21,19 +21,26 @@ Each row gives answers a second, their latency, and the adapter loads per 100 re
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
-import statistics
 import time
 from collections import Counter, OrderedDict
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from bench.common import machine, update_section
-from bench.plumbing import ANSWER, gateway, pcts, serving
+from bench.plumbing import (
+    ANSWER,
+    Runs,
+    closed_loop,
+    gateway,
+    medians,
+    pcts,
+    rounds_args,
+    rounds_command,
+    serving,
+)
 
 MAX_LORA = 2
 LOAD_MS = 40.0
@@ -97,24 +104,13 @@ def policy(urls: list[str], balance: str) -> dict[str, Any]:
 
 
 async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
-    """``connections`` clients, connection ``i`` to ``urls[i % len(urls)]``."""
-    latencies: list[float] = []
+    """Completions, each for one of ``ADAPTERS`` adapters at random."""
     rng = random.Random(26)
-    stop = time.perf_counter() + duration_s
 
-    async def client(url: str, session: aiohttp.ClientSession) -> None:
-        while time.perf_counter() < stop:
-            body = {"model": f"adapter-{rng.randrange(ADAPTERS)}", "prompt": "hi"}
-            started = time.perf_counter()
-            async with session.post(url + "/v1/completions", json=body) as answer:
-                await answer.read()
-                if answer.status == 200:
-                    latencies.append((time.perf_counter() - started) * 1000)
+    def body() -> dict[str, str]:
+        return {"model": f"adapter-{rng.randrange(ADAPTERS)}", "prompt": "hi"}
 
-    began = time.perf_counter()
-    async with aiohttp.ClientSession() as session:
-        await asyncio.gather(*(client(urls[i % len(urls)], session) for i in range(connections)))
-    elapsed = time.perf_counter() - began
+    latencies, elapsed = await closed_loop(urls, "/v1/completions", body, duration_s, connections)
     p50, p99, _ = pcts(latencies)
     return {"rps": len(latencies) / elapsed, "p50": p50, "p99": p99}
 
@@ -131,7 +127,7 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
                 "gateway, `least_request`": [blind],
                 "gateway, `kv_aware` (LoRA affinity)": [affine],
             }
-            runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+            runs: Runs = {name: [] for name in paths}
             await load([affine], 1.0, connections)  # the gateways' first scrapes
             for _ in range(rounds):
                 for name, targets in paths.items():
@@ -141,36 +137,22 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
                     served = sum(s.served for s in servers) - served
                     figures["loads"] = 100 * (sum(s.loads for s in servers) - loads) / served
                     runs[name].append(figures)
-    return table(runs)
+    return medians(runs, COLUMNS)
 
 
-def table(runs: dict[str, list[dict[str, float]]]) -> list[str]:
-    def med(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[name])
-
-    return [
-        "| path | answers/s | p50 ms | p99 ms | adapter loads per 100 requests |",
-        "|---|---|---|---|---|",
-        *(
-            f"| {name} | {med(name, 'rps'):.0f} | {med(name, 'p50'):.1f} | "
-            f"{med(name, 'p99'):.1f} | {med(name, 'loads'):.1f} |"
-            for name in runs
-        ),
-    ]
+COLUMNS = (
+    ("answers/s", "rps", ".0f"),
+    ("p50 ms", "p50", ".1f"),
+    ("p99 ms", "p99", ".1f"),
+    ("adapter loads per 100 requests", "loads", ".1f"),
+)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--connections", type=int, default=12)
-    args = parser.parse_args()
+    args = rounds_args(__doc__, 10.0, 12)
     lines = asyncio.run(main(args.duration, args.rounds, args.connections))
     print("\n".join(lines))
-    command = (
-        f"python -m bench.bench_lora --duration {args.duration:g} --rounds {args.rounds} "
-        f"--connections {args.connections}"
-    )
+    command = rounds_command("bench_lora", args)
     update_section(
         "lora",
         "## LoRA affinity (`balance: kv_aware`)\n\n"

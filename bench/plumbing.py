@@ -3,6 +3,7 @@ apps on this event loop, and a client with next to no cost of its own."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -13,10 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 from aiohttp import web
 
@@ -154,3 +156,64 @@ class RawClient:
 def pcts(samples: list[float]) -> tuple[float, float, float]:
     s = sorted(samples)
     return statistics.median(s), s[int(0.99 * (len(s) - 1))], s[-1]
+
+
+Runs = dict[str, list[dict[str, float]]]
+"""Each path's figures, one mapping a round."""
+
+
+async def closed_loop(
+    urls: list[str], path: str, body: Callable[[], Any], duration_s: float, connections: int
+) -> tuple[list[float], float]:
+    """``connections`` clients, connection ``i`` to ``urls[i % len(urls)]``, each posting
+    ``body()`` to ``path`` and waiting for the answer before the next: the latencies (ms) of
+    the 200s, and the seconds it took."""
+    latencies: list[float] = []
+    stop = time.perf_counter() + duration_s
+
+    async def client(url: str, session: aiohttp.ClientSession) -> None:
+        while time.perf_counter() < stop:
+            started = time.perf_counter()
+            async with session.post(url + path, json=body()) as answer:
+                await answer.read()
+                if answer.status == 200:
+                    latencies.append((time.perf_counter() - started) * 1000)
+
+    began = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(client(urls[i % len(urls)], session) for i in range(connections)))
+    return latencies, time.perf_counter() - began
+
+
+def medians(runs: Runs, columns: Sequence[tuple[str, str, str]]) -> list[str]:
+    """A markdown table of each path's median figures over its rounds; ``columns`` are
+    (heading, figure, format spec)."""
+    return [
+        "| path | " + " | ".join(heading for heading, _, _ in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+        *(
+            f"| {name} | "
+            + " | ".join(
+                format(statistics.median(r[key] for r in rounds), spec) for _, key, spec in columns
+            )
+            + " |"
+            for name, rounds in runs.items()
+        ),
+    ]
+
+
+def rounds_args(doc: str, duration_s: float, connections: int) -> argparse.Namespace:
+    """``--duration``, ``--rounds``, ``--connections`` of a bench whose paths take turns."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=duration_s)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--connections", type=int, default=connections)
+    return parser.parse_args()
+
+
+def rounds_command(module: str, args: argparse.Namespace) -> str:
+    """The command line that ran ``bench.<module>`` with ``rounds_args``' ``args``."""
+    return (
+        f"python -m bench.{module} --duration {args.duration:g} --rounds {args.rounds} "
+        f"--connections {args.connections}"
+    )
