@@ -198,6 +198,8 @@ def test_metric_names_are_the_public_contract():
         "gateway_gpu_temperature_celsius",
         "gateway_gpu_thermal_throttling",
         "gateway_gpu_utilization_ratio",
+        "gateway_hedge_delay_seconds",
+        "gateway_hedges",
         "gateway_inflight_requests",
         "gateway_kv_cache_usage_ratio",
         "gateway_mirror_comparisons",

@@ -64,6 +64,7 @@ GAUGES: dict[str, Rule] = {
     "gateway_endpoint_signal": "max",
     "gateway_throttle_active": "max",
     "gateway_throttle_threshold": "max",
+    "gateway_hedge_delay_seconds": "max",
     "gateway_telemetry_age_seconds": "max",
     "gateway_gpu_temperature_celsius": "max",
     "gateway_gpu_memory_used_ratio": "max",

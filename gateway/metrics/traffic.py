@@ -114,6 +114,22 @@ class TrafficFamilies:
             ["backend", "outcome"],
             registry=r,
         )
+        self.hedges = Counter(
+            "gateway_hedges",
+            "Hedged requests (backends.<name>.hedge), by outcome: won (the second endpoint "
+            "answered first), lost (the first did, once the second was asked too), budget "
+            "(one was due but the backend's max_ratio was spent), no_endpoint (one was due "
+            "but no other endpoint was healthy and free of a throttle rule).",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.hedge_delay = Gauge(
+            "gateway_hedge_delay_seconds",
+            "How long an endpoint of the backend has to answer before a call is hedged: "
+            "hedge.after_ms, or the percentile of its recent answer times.",
+            ["backend"],
+            registry=r,
+        )
         self.model_list_missing = Counter(
             "gateway_model_list_missing",
             "Merged model lists (a route's merge_models) served without a backend's models, "

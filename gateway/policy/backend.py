@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.policy.hedge import Hedge
 from gateway.policy.metadata import doc
 
 DEFAULT_DISCOVERY_INTERVAL_S = 5.0
@@ -385,5 +386,14 @@ class Backend:
             "it serves): each named tenant's answers are counted in "
             "`gateway_tenant_cost_total{tenant, source}`, a cached or shared answer at what "
             "it would have cost."
+        ),
+    )
+    hedge: Hedge | None = field(
+        default=None,
+        metadata=doc(
+            "Hedged requests: a non-streaming inference call (or a GET) that one endpoint "
+            "has not answered in time is sent to another as well, the first answer used "
+            "and the other call cancelled. For short, uniform calls (embeddings, reranking, "
+            "classification) over several endpoints; none unless set."
         ),
     )

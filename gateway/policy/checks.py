@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import math
 
+from gateway.policy.hedge import check_hedge
 from gateway.policy.match import glob_regex
 from gateway.policy.mirror import check_mirror
 from gateway.policy.model import (
@@ -192,6 +193,8 @@ def check_backend(b: Backend) -> Found:
     for i, url in enumerate(b.endpoints):
         if not url.startswith(("http://", "https://")):
             bad(f"endpoints[{i}]", f"must start with http:// or https://, not {url!r}")
+    if b.hedge is not None:
+        found.extend(check_hedge(b.hedge, len(b.endpoints), b.discovery is not None))
     if b.price is not None and min(b.price.input_per_million, b.price.output_per_million) < 0:
         bad("price", "must not be negative")
     if b.pool is not None:

@@ -34,6 +34,9 @@ thing); when no endpoint matches any more (the instance is gone, and what it hel
 it), it is balanced as any other, and the backend says what it has.  Both are counted
 (``gateway_endpoint_pins_total``).
 
+With a ``hedge`` (``hedge.py``), a call the picked endpoint is slow to answer goes to a
+second endpoint as well, the first good answer used.
+
 ``backends.Upstreams`` keeps one set per backend across reloads.
 """
 
@@ -55,6 +58,7 @@ from gateway.policy.model import Backend, ThrottleRule
 from gateway.transport import load
 from gateway.transport.discovery import Resolver, follow
 from gateway.transport.endpoint import Endpoint
+from gateway.transport.hedge import Hedger, hedge_target, hedgeable
 from gateway.transport.sizing import Demand, Sizing
 from gateway.transport.upstream import BackendPool, pool_key
 
@@ -131,6 +135,7 @@ class EndpointSet:
         self._pins: dict[str, Any] = {}  # outcome -> its counter child
         self._adapter_picks: dict[str, Any] = {}  # why -> its counter child
         self._next = 0
+        self._hedger: Hedger | None = None  # made on the first hedgeable call
         self._active = metrics.pool_active_endpoints.labels(backend.name)
         self._shown_active = -1
         self._show_active(len(self.endpoints))
@@ -259,17 +264,17 @@ class EndpointSet:
         if model is not None and self.balance == "kv_aware":
             choices, why = load.for_model(model, choices, self._backend)
             if why:
-                self._count_pick(why)
+                self._count(self._metrics.endpoint_adapter_picks, self._adapter_picks, why)
         if affinity is not None:
             return self._affine(affinity, choices)
         return self._balanced(choices)
 
-    def _count_pick(self, why: str) -> None:
-        counter = self._adapter_picks.get(why)
-        if counter is None:
-            picks = self._metrics.endpoint_adapter_picks
-            counter = self._adapter_picks[why] = picks.labels(self.name, why)
-        counter.inc()
+    def _count(self, family: Any, children: dict[str, Any], outcome: str) -> None:
+        """Count ``outcome`` in ``family`` (its child looked up once: a lookup takes a lock)."""
+        child = children.get(outcome)
+        if child is None:
+            child = children[outcome] = family.labels(self.name, outcome)
+        child.inc()
 
     def _affine(self, key: str, choices: list[Endpoint]) -> Endpoint:
         """The endpoint that served ``key`` recently, while it is among ``choices``, no
@@ -344,19 +349,13 @@ class EndpointSet:
                 await asyncio.wait_for(self.resolved.wait(), backend.connect_timeout_s)
         tried: list[Endpoint] = []
         pinned = self._pinned(pin) if pin is not None else None
-        while True:
-            endpoint = pinned if pinned is not None else self.pick(tried, affinity, model)
+
+        async def attempt(endpoint: Endpoint) -> Reply:
             endpoint.last_used = self._clock.now()
-            tried.append(endpoint)
             try:
                 reply = await endpoint.pool.send(
                     backend, method, path_qs, headers, body, streaming=streaming
                 )
-            except ConnectFailed:
-                self.observe(endpoint, "error", True)
-                if pinned is not None or len(tried) >= min(2, len(self.endpoints)):
-                    raise
-                continue  # nothing reached that endpoint: another may take it
             except UpstreamError:
                 self.observe(endpoint, "error", True)
                 raise
@@ -364,14 +363,29 @@ class EndpointSet:
             self.observe(endpoint, f"{status // 100}xx", status >= 500 and status != 503)
             return reply
 
+        def another(first: Endpoint) -> Endpoint | None:
+            second = self.pick(tried, affinity, model)
+            tried.append(second)
+            return second if hedge_target(second, first, backend) else None
+
+        hedge = hedgeable(backend, method, path_qs, streaming, pinned is not None)
+        while True:
+            endpoint = pinned if pinned is not None else self.pick(tried, affinity, model)
+            tried.append(endpoint)
+            try:
+                if hedge is None or len(tried) > 1 or len(self.endpoints) < 2:
+                    return await attempt(endpoint)
+                hedger = self._hedger = self._hedger or Hedger(self.name, self._metrics)
+                return await hedger.send(hedge, endpoint, attempt, another)
+            except ConnectFailed:
+                if pinned is not None or len(tried) >= min(2, len(self.endpoints)):
+                    raise
+                continue  # nothing reached that endpoint: another may take it
+
     def _pinned(self, pin: Callable[[str], bool]) -> Endpoint | None:
         """The endpoint ``pin`` names, if the backend still has it."""
         found = next((e for e in self.endpoints if pin(e.url)), None)
-        outcome = "kept" if found else "gone"
-        counter = self._pins.get(outcome)  # looked up once: a label lookup takes a lock
-        if counter is None:
-            counter = self._pins[outcome] = self._metrics.endpoint_pins.labels(self.name, outcome)
-        counter.inc()
+        self._count(self._metrics.endpoint_pins, self._pins, "kept" if found else "gone")
         return found
 
     def _stop(self) -> None:

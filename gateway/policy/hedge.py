@@ -1,0 +1,61 @@
+"""A backend's hedged requests (``backends.<name>.hedge``): a call its endpoint has not
+answered within the backend's usual time is sent to a second endpoint as well, and the
+first answer wins, the other call cancelled (Dean and Barroso's "The Tail at Scale";
+Envoy's ``hedge_policy``).  A few extra calls, bounded by ``max_ratio``, cut the tail a
+straggling instance puts on every caller (a GC pause, a noisy neighbour, a GPU throttling
+its clocks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.policy.metadata import doc
+
+DEFAULT_HEDGE_PERCENTILE = 95.0
+DEFAULT_HEDGE_MAX_RATIO = 0.05
+
+Found = list[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Hedge:
+    """When a second endpoint is asked too, and how often at most."""
+
+    after_ms: float | None = field(
+        default=None,
+        metadata=doc(
+            "How long an endpoint has to answer before the call is also sent to another. "
+            "None: the `percentile` of the backend's recent answer times (its last 256 "
+            "hedgeable calls; no hedging until 32 have been timed)."
+        ),
+    )
+    percentile: float = field(
+        default=DEFAULT_HEDGE_PERCENTILE,
+        metadata=doc(
+            "With no `after_ms`: the percentile of recent answer times past which a call "
+            "is hedged, 50 to 99.9 (95: about one call in twenty, before `max_ratio`)."
+        ),
+    )
+    max_ratio: float = field(
+        default=DEFAULT_HEDGE_MAX_RATIO,
+        metadata=doc(
+            "Hedges per hedgeable call at most, over 0 to 1 (0.05: at most 5% more calls "
+            "upstream): each call earns this share of a hedge, each hedge spends one, and "
+            "at most 10 are saved up (as many at start), so a backend slow for everyone is "
+            'not sent twice its load (`gateway_hedges_total{outcome="budget"}`).'
+        ),
+    )
+
+
+def check_hedge(hedge: Hedge, endpoints: int, discovery: bool) -> Found:
+    """A backend's ``hedge``: bounds that hold, and another endpoint to hedge to."""
+    found: Found = []
+    if hedge.after_ms is not None and not hedge.after_ms > 0:
+        found.append(("hedge.after_ms", "must be greater than 0, or left out"))
+    if not 50 <= hedge.percentile <= 99.9:
+        found.append(("hedge.percentile", "must be between 50 and 99.9"))
+    if not 0 < hedge.max_ratio <= 1:
+        found.append(("hedge.max_ratio", "must be greater than 0 and at most 1"))
+    if endpoints < 2 and not discovery:
+        found.append(("hedge", "needs several instances (`endpoints` or `discovery`) to hedge to"))
+    return found

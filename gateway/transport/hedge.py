@@ -1,0 +1,186 @@
+"""Hedged requests (``backends.<name>.hedge``): a call one endpoint has not answered in time
+is sent to a second endpoint as well, and the first good answer wins.
+
+Which calls: those that change nothing on the backend (``upstream.resendable`` without
+its ``Idempotency-Key``: inference calls and safe methods; a POST with a key may be sent
+twice one after the other, but two replicas running it at once may both act on it) that
+do not stream (a stream's head comes before its
+first token, so it says nothing of how slow the answer is) and name no one endpoint
+(``Call.pin``).  When: after ``after_ms``, or the ``percentile`` of the backend's recent
+answer times (the first endpoint's, timed whether its call won or lost), or at once when the
+first endpoint failed to connect (what an unhedged call does too).  How often: each call
+earns ``max_ratio`` of a hedge, each hedge spends one, and at most ``MAX_SAVED`` are saved
+up (as many to start with), so a backend slow for everyone is not sent much more than its
+load.  Where: the balanced pick among the other endpoints, never an ejected or throttled
+one.
+
+The race: the first answer below 500 wins and the other call is cancelled (its connection
+closed, so the model server sees its client leave and stops generating); an answer of 500 or
+more, or an error, waits for the other call, and when both fail the first endpoint's
+failure is the answer (an answer rather than an error where there is one).  Counted in
+``gateway_hedges_total{backend, outcome}``; the delay in use is
+``gateway_hedge_delay_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
+
+from gateway.metrics import Metrics
+from gateway.pipeline import Reply
+from gateway.policy.hedge import Hedge
+from gateway.policy.model import Backend
+from gateway.transport import load
+from gateway.transport.endpoint import Endpoint
+from gateway.transport.upstream import resendable
+
+WINDOW = 256
+"""Answer times kept per backend for the percentile."""
+MIN_SAMPLES = 32
+"""Answer times needed before a percentile delay is trusted (no hedging before)."""
+RECOMPUTE_EVERY = 16
+"""New answer times between two computations of the percentile."""
+MAX_SAVED = 10.0
+"""Hedges saved up at most by a quiet backend."""
+OUTCOMES = ("won", "lost", "budget", "no_endpoint")
+_CLOSING: set[asyncio.Future[None]] = set()
+
+E = TypeVar("E")
+
+
+def hedgeable(
+    backend: Backend, method: str, path_qs: str, streaming: bool, pinned: bool
+) -> Hedge | None:
+    """The backend's ``hedge`` when this call may be hedged: it changes nothing (whatever its
+    ``Idempotency-Key`` says), is not streamed, is not pinned to one endpoint."""
+    hedge = backend.hedge
+    if hedge is None or streaming or pinned or not resendable(method, path_qs, headers=[]):
+        return None
+    return hedge
+
+
+def hedge_target(second: Endpoint, first: Endpoint, backend: Backend) -> bool:
+    """Whether ``second`` (the pick among the others) may take a hedge of ``first``'s call:
+    another endpoint, not ejected, no throttle rule firing on it, (``kv_aware``) not
+    saturated."""
+    if second is first or second.ejected_until or second.throttled:
+        return False
+    return backend.balance != "kv_aware" or not load.saturated(second, backend)
+
+
+class Hedger:
+    """One backend's hedging: its recent answer times, its budget, and the race."""
+
+    def __init__(self, backend: str, metrics: Metrics) -> None:
+        self._times: deque[float] = deque(maxlen=WINDOW)
+        self._fresh = 0
+        self._percentile_s: float | None = None
+        self._for: float | None = None  # the percentile it was computed for
+        self.saved = MAX_SAVED  # hedges it may send before its calls have earned any
+        self._counted = {o: metrics.hedges.labels(backend, o) for o in OUTCOMES}
+        self._delay = metrics.hedge_delay.labels(backend)
+
+    def delay_s(self, hedge: Hedge) -> float | None:
+        """How long the first endpoint has; None: not known yet (no hedge)."""
+        if hedge.after_ms is not None:
+            delay: float | None = hedge.after_ms / 1000
+        else:
+            if self._for != hedge.percentile:
+                self._for, self._fresh = hedge.percentile, RECOMPUTE_EVERY
+            if self._fresh >= RECOMPUTE_EVERY and len(self._times) >= MIN_SAMPLES:
+                ordered = sorted(self._times)
+                at = min(len(ordered) - 1, int(len(ordered) * hedge.percentile / 100))
+                self._percentile_s, self._fresh = ordered[at], 0
+            delay = self._percentile_s
+        if delay is not None:
+            self._delay.set(delay)
+        return delay
+
+    def timed(self, seconds: float) -> None:
+        """An answer time of a first endpoint (for the percentile)."""
+        self._times.append(seconds)
+        self._fresh += 1
+
+    async def send(
+        self,
+        hedge: Hedge,
+        first: E,
+        attempt: Callable[[E], Awaitable[Reply]],
+        another: Callable[[E], E | None],
+    ) -> Reply:
+        """``attempt(first)``, hedged by ``attempt(another(first))`` when it is slow."""
+        self.saved = min(MAX_SAVED, self.saved + hedge.max_ratio)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        primary = asyncio.ensure_future(attempt(first))
+
+        def timed(task: asyncio.Future[Reply]) -> None:
+            if task.cancelled() or task.exception() is None:  # an answer, or slower than one
+                self.timed(loop.time() - started)
+
+        primary.add_done_callback(timed)
+        delay = self.delay_s(hedge)
+        try:
+            if delay is not None:
+                await asyncio.wait({primary}, timeout=delay)
+            if delay is None or primary.done():  # answered, or failed as unhedged calls do
+                return await primary
+            if self.saved < 1:
+                self._counted["budget"].inc()
+                return await primary
+            second = another(first)
+            if second is None:
+                self._counted["no_endpoint"].inc()
+                return await primary
+        except BaseException:
+            _drop((primary,))
+            raise
+        self.saved -= 1
+        backup = asyncio.ensure_future(attempt(second))
+        return await self._race(primary, backup)
+
+    async def _race(self, primary: asyncio.Future[Reply], backup: asyncio.Future[Reply]) -> Reply:
+        both = (primary, backup)
+        try:
+            while not all(t.done() for t in both):
+                running = [t for t in both if not t.done()]
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                winner = next((t for t in both if t.done() and _good(t)), None)
+                if winner is not None:
+                    self._counted["won" if winner is backup else "lost"].inc()
+                    _drop(t for t in both if t is not winner)
+                    return winner.result()
+        except BaseException:
+            _drop(both)
+            raise
+        # both failed: the first endpoint's answer, else the second's, else the first's error
+        chosen = next((t for t in both if not t.cancelled() and t.exception() is None), primary)
+        self._counted["won" if chosen is backup else "lost"].inc()
+        _drop(t for t in both if t is not chosen)
+        return chosen.result()
+
+
+def _good(task: asyncio.Future[Reply]) -> bool:
+    """A call that answered below 500 (a done, uncancelled task)."""
+    return not task.cancelled() and task.exception() is None and task.result().status < 500
+
+
+def _drop(tasks: Iterable[asyncio.Future[Reply]]) -> None:
+    """Cancel the calls that are not the answer (a cancelled call closes its connection);
+    an answer one of them has, or gets despite its cancellation, is closed."""
+    for task in tasks:
+        task.cancel()
+        task.add_done_callback(_close_answer)
+
+
+def _close_answer(task: asyncio.Future[Reply]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return  # the exception is retrieved: nothing is logged for a dropped call
+    close = task.result().close
+    if close is not None:
+        closing = asyncio.ensure_future(close())
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
