@@ -77,7 +77,7 @@ def policy(urls: list[str], hedge: dict[str, Any] | None) -> dict[str, Any]:
 async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
     """Single-input embedding calls on ``connections`` connections."""
     body = {"model": "embedder", "input": "hello"}
-    latencies, elapsed = await closed_loop(
+    latencies, elapsed, _ = await closed_loop(
         urls, "/v1/embeddings", lambda: body, duration_s, connections
     )
     s = sorted(latencies)

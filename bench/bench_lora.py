@@ -110,7 +110,9 @@ async def load(urls: list[str], duration_s: float, connections: int) -> dict[str
     def body() -> dict[str, str]:
         return {"model": f"adapter-{rng.randrange(ADAPTERS)}", "prompt": "hi"}
 
-    latencies, elapsed = await closed_loop(urls, "/v1/completions", body, duration_s, connections)
+    latencies, elapsed, _ = await closed_loop(
+        urls, "/v1/completions", body, duration_s, connections
+    )
     p50, p99, _ = pcts(latencies)
     return {"rps": len(latencies) / elapsed, "p50": p50, "p99": p99}
 

@@ -164,11 +164,12 @@ Runs = dict[str, list[dict[str, float]]]
 
 async def closed_loop(
     urls: list[str], path: str, body: Callable[[], Any], duration_s: float, connections: int
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, int]:
     """``connections`` clients, connection ``i`` to ``urls[i % len(urls)]``, each posting
     ``body()`` to ``path`` and waiting for the answer before the next: the latencies (ms) of
-    the 200s, and the seconds it took."""
+    the 200s, the seconds it took, and the answers other than 200."""
     latencies: list[float] = []
+    failed = 0
     stop = time.perf_counter() + duration_s
 
     async def client(url: str, session: aiohttp.ClientSession) -> None:
@@ -178,11 +179,14 @@ async def closed_loop(
                 await answer.read()
                 if answer.status == 200:
                     latencies.append((time.perf_counter() - started) * 1000)
+                else:
+                    nonlocal failed
+                    failed += 1
 
     began = time.perf_counter()
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(client(urls[i % len(urls)], session) for i in range(connections)))
-    return latencies, time.perf_counter() - began
+    return latencies, time.perf_counter() - began, failed
 
 
 def medians(runs: Runs, columns: Sequence[tuple[str, str, str]]) -> list[str]:

@@ -187,6 +187,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_endpoint_inflight",
         "gateway_endpoint_pins",
         "gateway_endpoint_requests",
+        "gateway_endpoint_retries",
         "gateway_endpoint_signal",
         "gateway_endpoint_state",
         "gateway_event_loop_lag_seconds",

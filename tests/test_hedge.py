@@ -137,8 +137,8 @@ async def test_a_failed_answer_waits_for_the_other_and_both_failing_gives_the_fi
 async def test_hedges_are_bounded_by_max_ratio(serve_app):
     fast, slow, backend, endpoints = await pair(serve_app, max_ratio=0.5)
     slow.gate = asyncio.Event()
-    endpoints._hedger = hedging.Hedger("m", endpoints._metrics)
-    endpoints._hedger.saved = 0.5  # half a hedge saved: this call earns the other half
+    endpoints.calls.hedger = hedging.Hedger("m", endpoints._metrics)
+    endpoints.calls.hedger.saved = 0.5  # half a hedge saved: this call earns the other half
     assert await send(endpoints, backend) == (200, "fast")
     # the next call to the slow endpoint has half a hedge: it waits for its own answer
     call = asyncio.ensure_future(send(endpoints, backend))
@@ -189,7 +189,7 @@ async def test_no_hedge_goes_to_an_ejected_endpoint(serve_app):
 
 async def test_without_after_ms_the_delay_is_the_percentile_of_recent_answer_times(serve_app):
     _, slow, backend, endpoints = await pair(serve_app, after_ms=None, percentile=90)
-    hedger = endpoints._hedger = hedging.Hedger("m", endpoints._metrics)
+    hedger = endpoints.calls.hedger = hedging.Hedger("m", endpoints._metrics)
     settings = backend.hedge
     assert settings is not None
     assert hedger.delay_s(settings) is None  # nothing timed yet: no hedging

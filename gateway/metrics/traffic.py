@@ -114,6 +114,16 @@ class TrafficFamilies:
             ["backend", "outcome"],
             registry=r,
         )
+        self.endpoint_retries = Counter(
+            "gateway_endpoint_retries",
+            "Calls sent to another endpoint of their backend because the one picked did not "
+            "serve them (backends.<name>.endpoint_retries), by reason: connect (no "
+            "connection: nothing was sent), unavailable (a reset or misframed answer), "
+            "upstream_503, upstream_429; and outcome: sent, or budget (none: the backend's "
+            "retry budget was spent).",
+            ["backend", "reason", "outcome"],
+            registry=r,
+        )
         self.hedges = Counter(
             "gateway_hedges",
             "Hedged requests (backends.<name>.hedge), by outcome: won (the second endpoint "

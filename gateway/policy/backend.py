@@ -22,6 +22,7 @@ DEFAULT_QUEUE_CAPACITY = 50
 DEFAULT_MAX_QUEUE_WAITING = 5.0
 DEFAULT_MAX_KV_CACHE_USAGE = 0.8
 DEFAULT_QUEUE_TIMEOUT_MS = 5000
+DEFAULT_ENDPOINT_RETRIES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +387,19 @@ class Backend:
             "it serves): each named tenant's answers are counted in "
             "`gateway_tenant_cost_total{tenant, source}`, a cached or shared answer at what "
             "it would have cost."
+        ),
+    )
+    endpoint_retries: int = field(
+        default=DEFAULT_ENDPOINT_RETRIES,
+        metadata=doc(
+            "With several endpoints: how many other endpoints a call goes to, one after "
+            "another, when the one picked did not serve it (a 503: overloaded, or still "
+            "loading its model; a 429: its own queue full; a reset or misframed answer), "
+            "before any byte of the answer left. Only calls that change nothing "
+            "(inference calls, safe methods, an `Idempotency-Key`); within a budget of 20% "
+            "more calls per backend. 0 turns it off. Either way an endpoint that answered "
+            "503 or 429 gets calls only when every other refuses too, for its "
+            "`Retry-After` (at most 30 s) or 1 s."
         ),
     )
     hedge: Hedge | None = field(

@@ -34,8 +34,8 @@ thing); when no endpoint matches any more (the instance is gone, and what it hel
 it), it is balanced as any other, and the backend says what it has.  Both are counted
 (``gateway_endpoint_pins_total``).
 
-With a ``hedge`` (``hedge.py``), a call the picked endpoint is slow to answer goes to a
-second endpoint as well, the first good answer used.
+A call the picked endpoint is slow to answer may go to a second one as well (a ``hedge``),
+and one it did not serve (a 503, a 429, a broken connection) to another (``calls.py``).
 
 ``backends.Upstreams`` keeps one set per backend across reloads.
 """
@@ -50,15 +50,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.errors import ConnectFailed, UpstreamError
+from gateway.errors import ConnectFailed
 from gateway.metrics import Metrics
 from gateway.pipeline import Reply
 from gateway.policy.checks import MAX_ENDPOINTS
 from gateway.policy.model import Backend, ThrottleRule
 from gateway.transport import load
+from gateway.transport.calls import Calls
 from gateway.transport.discovery import Resolver, follow
 from gateway.transport.endpoint import Endpoint
-from gateway.transport.hedge import Hedger, hedge_target, hedgeable
 from gateway.transport.sizing import Demand, Sizing
 from gateway.transport.upstream import BackendPool, pool_key
 
@@ -135,7 +135,7 @@ class EndpointSet:
         self._pins: dict[str, Any] = {}  # outcome -> its counter child
         self._adapter_picks: dict[str, Any] = {}  # why -> its counter child
         self._next = 0
-        self._hedger: Hedger | None = None  # made on the first hedgeable call
+        self.calls = Calls(backend.name, metrics, clock)  # hedges and retries
         self._active = metrics.pool_active_endpoints.labels(backend.name)
         self._shown_active = -1
         self._show_active(len(self.endpoints))
@@ -249,7 +249,8 @@ class EndpointSet:
         if len(self.endpoints) == 1:
             return self.endpoints[0]
         choices = [e for e in self.healthy() if e not in exclude]
-        choices = [e for e in choices if not e.throttled] or choices
+        now = self._clock.now()
+        choices = [e for e in choices if not e.throttled and e.refused_until <= now] or choices
         if self.sizing is not None:
             rotation = self.sizing.in_rotation(self.endpoints)
             choices = [e for e in choices if e in rotation] or [
@@ -347,42 +348,20 @@ class EndpointSet:
         if not self.resolved.is_set():  # discovery's first answer is on its way
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.resolved.wait(), backend.connect_timeout_s)
-        tried: list[Endpoint] = []
-        pinned = self._pinned(pin) if pin is not None else None
+        return await self.calls.send(
+            self,
+            backend,
+            method,
+            path_qs,
+            headers,
+            body,
+            streaming=streaming,
+            affinity=affinity,
+            pin=pin,
+            model=model,
+        )
 
-        async def attempt(endpoint: Endpoint) -> Reply:
-            endpoint.last_used = self._clock.now()
-            try:
-                reply = await endpoint.pool.send(
-                    backend, method, path_qs, headers, body, streaming=streaming
-                )
-            except UpstreamError:
-                self.observe(endpoint, "error", True)
-                raise
-            status = reply.status
-            self.observe(endpoint, f"{status // 100}xx", status >= 500 and status != 503)
-            return reply
-
-        def another(first: Endpoint) -> Endpoint | None:
-            second = self.pick(tried, affinity, model)
-            tried.append(second)
-            return second if hedge_target(second, first, backend) else None
-
-        hedge = hedgeable(backend, method, path_qs, streaming, pinned is not None)
-        while True:
-            endpoint = pinned if pinned is not None else self.pick(tried, affinity, model)
-            tried.append(endpoint)
-            try:
-                if hedge is None or len(tried) > 1 or len(self.endpoints) < 2:
-                    return await attempt(endpoint)
-                hedger = self._hedger = self._hedger or Hedger(self.name, self._metrics)
-                return await hedger.send(hedge, endpoint, attempt, another)
-            except ConnectFailed:
-                if pinned is not None or len(tried) >= min(2, len(self.endpoints)):
-                    raise
-                continue  # nothing reached that endpoint: another may take it
-
-    def _pinned(self, pin: Callable[[str], bool]) -> Endpoint | None:
+    def pinned(self, pin: Callable[[str], bool]) -> Endpoint | None:
         """The endpoint ``pin`` names, if the backend still has it."""
         found = next((e for e in self.endpoints if pin(e.url)), None)
         self._count(self._metrics.endpoint_pins, self._pins, "kept" if found else "gone")

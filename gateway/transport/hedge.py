@@ -12,7 +12,7 @@ first endpoint failed to connect (what an unhedged call does too).  How often: e
 earns ``max_ratio`` of a hedge, each hedge spends one, and at most ``MAX_SAVED`` are saved
 up (as many to start with), so a backend slow for everyone is not sent much more than its
 load.  Where: the balanced pick among the other endpoints, never an ejected or throttled
-one.
+one, nor one refusing calls.
 
 The race: the first answer below 500 wins and the other call is cancelled (its connection
 closed, so the model server sees its client leave and stops generating); an answer of 500 or
@@ -62,11 +62,13 @@ def hedgeable(
     return hedge
 
 
-def hedge_target(second: Endpoint, first: Endpoint, backend: Backend) -> bool:
+def hedge_target(second: Endpoint, first: Endpoint, backend: Backend, now: float) -> bool:
     """Whether ``second`` (the pick among the others) may take a hedge of ``first``'s call:
-    another endpoint, not ejected, no throttle rule firing on it, (``kv_aware``) not
-    saturated."""
+    another endpoint, not ejected, no throttle rule firing on it, not refusing calls
+    (``calls.py``), (``kv_aware``) not saturated."""
     if second is first or second.ejected_until or second.throttled:
+        return False
+    if second.refused_until > now:
         return False
     return backend.balance != "kv_aware" or not load.saturated(second, backend)
 

@@ -1,0 +1,137 @@
+"""A replica that does not serve its calls (``backends.<name>.endpoint_retries``): what its
+clients see while one of three model servers is loading its model.
+
+    python -m bench.bench_endpoint_retries [--duration 10] [--rounds 3] [--connections 8]
+
+Three model servers answer a chat completion in ``SERVICE_MS``; one of them is restarting
+and answers every call as llama.cpp's server does while it loads its weights (``503
+Loading model``, at once) for the whole run, as a large model's load lasts minutes.  Clients
+send chat completions over keep-alive connections, each answered before the next.  The
+paths, taking turns in each round:
+
+- direct: each client connection to one server, in turn (what a Service's round robin
+  does);
+- the gateway (a process of its own) over the three as endpoints, ``endpoint_retries: 0``:
+  only the refusing replica left out for a second after each 503;
+- the same with the default ``endpoint_retries: 2``: the call it refused goes to another.
+
+Each row gives answers a second, the calls that failed (any status but 200) per 1,000, the
+latency of the answered ones, and upstream calls per 100 answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+from aiohttp import web
+
+from bench.common import machine, update_section
+from bench.plumbing import (
+    ANSWER,
+    CHAT,
+    Runs,
+    closed_loop,
+    gateway,
+    medians,
+    rounds_args,
+    rounds_command,
+    serving,
+)
+
+SERVICE_MS = 4.0
+LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+
+class Replica:
+    """A model server answering in ``SERVICE_MS``, or refusing every call while it loads."""
+
+    def __init__(self, loading: bool) -> None:
+        self.loading = loading
+        self.calls = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.calls += 1
+        if self.loading:
+            return web.json_response(LOADING, status=503)
+        await asyncio.sleep(SERVICE_MS / 1000)
+        return web.json_response(ANSWER)
+
+
+def policy(urls: list[str], retries: int) -> dict[str, Any]:
+    return {
+        "backends": {"fleet": {"endpoints": urls, "endpoint_retries": retries}},
+        "routes": [{"match": {"path": "/v1/*"}, "backend": "fleet", "coalesce": False}],
+    }
+
+
+async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
+    latencies, elapsed, failed = await closed_loop(
+        urls, "/v1/chat/completions", lambda: CHAT, duration_s, connections
+    )
+    s = sorted(latencies)
+    return {
+        "answers": len(s),
+        "rps": len(s) / elapsed,
+        "failed": 1000 * failed / max(1, failed + len(s)),
+        "p50": statistics.median(s),
+        "p99": s[int(0.99 * (len(s) - 1))],
+    }
+
+
+async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
+    replicas = [Replica(loading=False), Replica(loading=True), Replica(loading=False)]
+    async with serving(*(r.app() for r in replicas)) as urls:
+        async with (
+            gateway(policy(urls, 0)) as without,
+            gateway(policy(urls, 2)) as retrying,
+        ):
+            paths = {
+                "direct, each connection to one server": urls,
+                "gateway, `endpoint_retries: 0`": [without],
+                "gateway, `endpoint_retries: 2` (the default)": [retrying],
+            }
+            runs: Runs = {name: [] for name in paths}
+            for target in (without, retrying):  # connections made
+                await load([target], 0.5, connections)
+            for _ in range(rounds):
+                for name, targets in paths.items():
+                    calls = sum(r.calls for r in replicas)
+                    figures = await load(targets, duration_s, connections)
+                    calls = sum(r.calls for r in replicas) - calls
+                    figures["calls"] = 100 * calls / max(1, figures["answers"])
+                    runs[name].append(figures)
+    return medians(runs, COLUMNS)
+
+
+COLUMNS = (
+    ("answers/s", "rps", ".0f"),
+    ("failed per 1,000 calls", "failed", ".1f"),
+    ("p50 ms", "p50", ".1f"),
+    ("p99 ms", "p99", ".1f"),
+    ("upstream calls per 100 answers", "calls", ".1f"),
+)
+
+
+if __name__ == "__main__":
+    args = rounds_args(__doc__, 10.0, 8)
+    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
+    print("\n".join(lines))
+    update_section(
+        "endpoint_retries",
+        "## A replica loading its model (`backends.<name>.endpoint_retries`)\n\n"
+        f"`{rounds_command('bench_endpoint_retries', args)}` on {machine()}. Three model "
+        f"servers answer a chat completion in {SERVICE_MS:g} ms; one of them answers every "
+        "call `503 Loading model` at once, as llama.cpp's server does while its weights "
+        f"load, for the whole run. {args.connections} connections send chat completions, "
+        "each answered before the next; the gateway runs as a process of its own, "
+        "`least_request`. Each figure is the median over the rounds, in which the paths "
+        "take turns.\n\n" + "\n".join(lines),
+    )
