@@ -31,12 +31,12 @@ from bench.common import machine, update_section
 from bench.plumbing import (
     ANSWER,
     CHAT,
-    Runs,
     closed_loop,
     gateway,
     medians,
     rounds_args,
     rounds_command,
+    rounds_of,
     serving,
 )
 
@@ -98,16 +98,11 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
                 "gateway, `endpoint_retries: 0`": [without],
                 "gateway, `endpoint_retries: 2` (the default)": [retrying],
             }
-            runs: Runs = {name: [] for name in paths}
             for target in (without, retrying):  # connections made
                 await load([target], 0.5, connections)
-            for _ in range(rounds):
-                for name, targets in paths.items():
-                    calls = sum(r.calls for r in replicas)
-                    figures = await load(targets, duration_s, connections)
-                    calls = sum(r.calls for r in replicas) - calls
-                    figures["calls"] = 100 * calls / max(1, figures["answers"])
-                    runs[name].append(figures)
+            runs = await rounds_of(
+                paths, load, lambda: sum(r.calls for r in replicas), duration_s, rounds, connections
+            )
     return medians(runs, COLUMNS)
 
 

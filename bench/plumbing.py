@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,31 @@ async def closed_loop(
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(client(urls[i % len(urls)], session) for i in range(connections)))
     return latencies, time.perf_counter() - began, failed
+
+
+Load = Callable[[list[str], float, int], Awaitable[dict[str, float]]]
+"""A closed-loop load on some URLs for some seconds over some connections: its figures,
+``answers`` among them."""
+
+
+async def rounds_of(
+    paths: dict[str, list[str]],
+    load: Load,
+    calls: Callable[[], int],
+    duration_s: float,
+    rounds: int,
+    connections: int,
+) -> Runs:
+    """``rounds`` of ``load`` on each path in turn; each round's figures also give the
+    upstream calls per 100 answers (``calls()``: the backends' calls so far)."""
+    runs: Runs = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, targets in paths.items():
+            before = calls()
+            figures = await load(targets, duration_s, connections)
+            figures["calls"] = 100 * (calls() - before) / max(1, figures["answers"])
+            runs[name].append(figures)
+    return runs
 
 
 def medians(runs: Runs, columns: Sequence[tuple[str, str, str]]) -> list[str]:

@@ -43,15 +43,23 @@ class Server:
         app.router.add_post("/admin/reset", self.answer)
         return app
 
-    async def answer(self, request: web.Request) -> web.Response:
-        await request.read()
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         self.calls += 1
+        stream = None
+        if body.get("stream"):  # the head at once, as vLLM sends it; the first token later
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
         try:
             if self.gate is not None:
                 await self.gate.wait()
         except asyncio.CancelledError:
             self.left += 1
             raise
+        if stream is not None:
+            delta = {"choices": [{"index": 0, "delta": {"content": self.name}}]}
+            await stream.write(f"data: {json.dumps(delta)}\n\ndata: [DONE]\n\n".encode())
+            return stream
         if self.status != 200:
             return web.json_response({"error": {"message": self.name}}, status=self.status)
         data = [{"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}]
@@ -77,8 +85,8 @@ async def send(endpoints: EndpointSet, backend: Backend) -> Any:
     return reply.status, json.loads(reply.body or b"{}").get("model")
 
 
-def counted(endpoints: EndpointSet, outcome: str) -> float:
-    value = endpoints._metrics.hedges.labels("m", outcome)._value.get()
+def counted(endpoints: EndpointSet, outcome: str, kind: str = "answer") -> float:
+    value = endpoints._metrics.hedges.labels("m", kind, outcome)._value.get()
     return float(value)
 
 
@@ -149,6 +157,27 @@ async def test_hedges_are_bounded_by_max_ratio(serve_app):
     assert await call == (200, "slow")
 
 
+async def test_with_streams_a_stream_is_hedged_on_its_first_chunk(serve_app):
+    fast, slow, backend, endpoints = await pair(serve_app, answers=False, streams=True)
+    slow.gate = asyncio.Event()  # its head comes at once; its first token never does
+    body = json.dumps({"model": "m", "stream": True}).encode()
+    endpoints._next = 0
+    reply = await endpoints.send(backend, "POST", "/v1/chat/completions", [], body, streaming=True)
+    assert reply.stream is not None and reply.close is not None
+    relayed = b"".join([chunk async for chunk in reply.stream])
+    await reply.close()
+    assert b'"fast"' in relayed and relayed.endswith(b"data: [DONE]\n\n")
+    await until(lambda: slow.left == 1)  # cancelled at the winner's first chunk
+    assert counted(endpoints, "won", "stream") == 1
+    whole = asyncio.ensure_future(send(endpoints, backend))  # answers: false
+    await until(lambda: slow.calls == 2)
+    await asyncio.sleep(0.1)
+    assert fast.calls == 1  # not hedged
+    slow.gate.set()
+    assert await whole == (200, "slow")
+    await until(lambda: endpoints.inflight == 0)
+
+
 async def test_streams_pins_and_calls_that_change_something_are_never_hedged(serve_app):
     fast, slow, backend, endpoints = await pair(serve_app, after_ms=1)
     slow.gate = asyncio.Event()
@@ -192,11 +221,12 @@ async def test_without_after_ms_the_delay_is_the_percentile_of_recent_answer_tim
     hedger = endpoints.calls.hedger = hedging.Hedger("m", endpoints._metrics)
     settings = backend.hedge
     assert settings is not None
-    assert hedger.delay_s(settings) is None  # nothing timed yet: no hedging
+    assert hedger.delay_s(settings, "answer") is None  # nothing timed yet: no hedging
     for ms in range(1, hedging.MIN_SAMPLES + 9):  # 1 .. 40 ms
-        hedger.timed(ms / 1000)
-    assert hedger.delay_s(settings) == 0.037  # the 90th percentile of 1 .. 40 ms
-    gauge = endpoints._metrics.hedge_delay.labels("m")._value.get()
+        hedger.windows["answer"].timed(ms / 1000)
+    assert hedger.delay_s(settings, "answer") == 0.037  # the 90th percentile of 1 .. 40 ms
+    assert hedger.delay_s(settings, "stream") is None  # streams are timed apart
+    gauge = endpoints._metrics.hedge_delay.labels("m", "answer")._value.get()
     assert gauge == 0.037
     slow.gate = asyncio.Event()
     assert await send(endpoints, backend) == (200, "fast")  # hedged after 37 ms
@@ -210,6 +240,11 @@ def test_hedge_settings_are_checked():
     found = problems(backends)
     for key in ("hedge.after_ms", "hedge.percentile", "hedge.max_ratio"):
         assert any(key in p for p in found), (key, found)
+    nothing = {"answers": False}
+    backends = {
+        "two": {"endpoints": ["http://127.0.0.1:1", "http://127.0.0.1:2"], "hedge": nothing}
+    }
+    assert any("hedges nothing" in p for p in problems(backends))
     ok = {"endpoints": ["http://127.0.0.1:1", "http://127.0.0.1:2"], "hedge": {"after_ms": 20}}
     loaded = parse_policy_text(yaml.safe_dump(policy({"two": ok})), "p.yaml")
     assert loaded.backend("two").hedge == Hedge(after_ms=20)
@@ -240,5 +275,30 @@ async def test_through_the_gateway_the_openai_sdk_gets_the_fast_endpoints_answer
     await until(lambda: slow.left == 2)
     async with httpx.AsyncClient() as http:
         text = (await http.get(gw.admin_url + "/metrics")).text
-    assert metric(text, "gateway_hedges_total", backend="m", outcome="won") == 2
-    assert metric(text, "gateway_hedge_delay_seconds", backend="m") == 0.03
+    assert metric(text, "gateway_hedges_total", backend="m", kind="answer", outcome="won") == 2
+    assert metric(text, "gateway_hedge_delay_seconds", backend="m", kind="answer") == 0.03
+
+
+async def test_through_the_gateway_a_streamed_chat_gets_the_first_token_of_the_fast_endpoint(
+    serve_app, start_gateway, tmp_path
+):
+    fast, slow = Server("fast"), Server("slow")
+    urls = [await serve_app(fast.app()), await serve_app(slow.app())]
+    hedge = {"after_ms": 30, "answers": False, "streams": True}
+    doc = policy({"m": {"endpoints": urls, "balance": "round_robin", "hedge": hedge}})
+    gw = await start_gateway(policy=write_policy(tmp_path, doc))
+    slow.gate = asyncio.Event()  # its head at once, its first token never
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0)
+    try:
+        for i in range(2):
+            stream = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"q{i}"}], stream=True
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in stream])
+            assert text == "fast"
+    finally:
+        await client.close()
+    await until(lambda: slow.left == 1)
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(gw.admin_url + "/metrics")).text
+    assert metric(metrics, "gateway_hedges_total", backend="m", kind="stream", outcome="won") == 1

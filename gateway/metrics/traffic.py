@@ -126,18 +126,20 @@ class TrafficFamilies:
         )
         self.hedges = Counter(
             "gateway_hedges",
-            "Hedged requests (backends.<name>.hedge), by outcome: won (the second endpoint "
+            "Hedged requests (backends.<name>.hedge), by kind (answer: a whole answer; "
+            "stream: a stream's first chunk) and outcome: won (the second endpoint "
             "answered first), lost (the first did, once the second was asked too), budget "
             "(one was due but the backend's max_ratio was spent), no_endpoint (one was due "
-            "but no other endpoint was healthy and free of a throttle rule).",
-            ["backend", "outcome"],
+            "but no other endpoint was healthy, free of a throttle rule and not refusing).",
+            ["backend", "kind", "outcome"],
             registry=r,
         )
         self.hedge_delay = Gauge(
             "gateway_hedge_delay_seconds",
-            "How long an endpoint of the backend has to answer before a call is hedged: "
-            "hedge.after_ms, or the percentile of its recent answer times.",
-            ["backend"],
+            "How long an endpoint of the backend has to answer (kind=answer) or to send a "
+            "stream's first chunk (kind=stream) before a call is hedged: hedge.after_ms, or "
+            "the percentile of its recent times.",
+            ["backend", "kind"],
             registry=r,
         )
         self.model_list_missing = Counter(

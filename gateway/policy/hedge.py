@@ -19,14 +19,15 @@ Found = list[tuple[str, str]]
 
 @dataclass(frozen=True, slots=True)
 class Hedge:
-    """When a second endpoint is asked too, and how often at most."""
+    """Which calls a second endpoint is asked too, when, and how often at most."""
 
     after_ms: float | None = field(
         default=None,
         metadata=doc(
-            "How long an endpoint has to answer before the call is also sent to another. "
-            "None: the `percentile` of the backend's recent answer times (its last 256 "
-            "hedgeable calls; no hedging until 32 have been timed)."
+            "How long an endpoint has to answer (a stream: to send its first chunk) before "
+            "the call is also sent to another. None: the `percentile` of the backend's "
+            "recent times (its last 256 hedgeable calls of the kind, answers or streams; no "
+            "hedging until 32 have been timed)."
         ),
     )
     percentile: float = field(
@@ -34,6 +35,22 @@ class Hedge:
         metadata=doc(
             "With no `after_ms`: the percentile of recent answer times past which a call "
             "is hedged, 50 to 99.9 (95: about one call in twenty, before `max_ratio`)."
+        ),
+    )
+    answers: bool = field(
+        default=True,
+        metadata=doc(
+            "Hedge calls answered whole (not streamed) on their answer. For short, uniform "
+            "calls: embeddings, reranking, classification; a generation's time follows its "
+            "length, so its slow calls are mostly long ones."
+        ),
+    )
+    streams: bool = field(
+        default=False,
+        metadata=doc(
+            "Hedge streamed calls on their first chunk (the time to the first token): the "
+            "other call is cancelled at the winner's first chunk, so a hedge costs one more "
+            "prefill, not a second generation."
         ),
     )
     max_ratio: float = field(
@@ -56,6 +73,8 @@ def check_hedge(hedge: Hedge, endpoints: int, discovery: bool) -> Found:
         found.append(("hedge.percentile", "must be between 50 and 99.9"))
     if not 0 < hedge.max_ratio <= 1:
         found.append(("hedge.max_ratio", "must be greater than 0 and at most 1"))
+    if not (hedge.answers or hedge.streams):
+        found.append(("hedge", "hedges nothing: set `answers` or `streams`"))
     if endpoints < 2 and not discovery:
         found.append(("hedge", "needs several instances (`endpoints` or `discovery`) to hedge to"))
     return found

@@ -134,7 +134,7 @@ class Calls:
             try:
                 if hedge is not None and len(tried) == 1 and several:
                     self.hedger = self.hedger or Hedger(self._name, self._metrics)
-                    reply = await self.hedger.send(hedge, endpoint, attempt, another)
+                    reply = await self.hedger.send(hedge, endpoint, attempt, another, streaming)
                 else:
                     reply = await attempt(endpoint)
             except ConnectFailed:

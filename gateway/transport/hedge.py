@@ -4,29 +4,32 @@ is sent to a second endpoint as well, and the first good answer wins.
 Which calls: those that change nothing on the backend (``upstream.resendable`` without
 its ``Idempotency-Key``: inference calls and safe methods; a POST with a key may be sent
 twice one after the other, but two replicas running it at once may both act on it) that
-do not stream (a stream's head comes before its
-first token, so it says nothing of how slow the answer is) and name no one endpoint
-(``Call.pin``).  When: after ``after_ms``, or the ``percentile`` of the backend's recent
-answer times (the first endpoint's, timed whether its call won or lost), or at once when the
-first endpoint failed to connect (what an unhedged call does too).  How often: each call
-earns ``max_ratio`` of a hedge, each hedge spends one, and at most ``MAX_SAVED`` are saved
-up (as many to start with), so a backend slow for everyone is not sent much more than its
-load.  Where: the balanced pick among the other endpoints, never an ejected or throttled
-one, nor one refusing calls.
+name no one endpoint (``Call.pin``): whole answers (``answers``) on their answer, streams
+(``streams``) on their first chunk, since a stream's head may come before its first token
+and says nothing of how slow it is.  A stream's first chunk comes once the model server
+has read the prompt and made the first token, so a hedged stream costs one more prefill:
+the other call is cancelled at the winner's first chunk.  When: after ``after_ms``, or the
+``percentile`` of the backend's recent answer times, or of its streams' first chunks (the
+first endpoint's, timed whether its call won or lost), or at once when the first endpoint
+failed to connect (what an unhedged call does too).  How often: each call earns
+``max_ratio`` of a hedge, each hedge spends one, and at most ``MAX_SAVED`` are saved up (as
+many to start with), so a backend slow for everyone is not sent much more than its load.
+Where: the balanced pick among the other endpoints, never an ejected or throttled one, nor
+one refusing calls.
 
 The race: the first answer below 500 wins and the other call is cancelled (its connection
 closed, so the model server sees its client leave and stops generating); an answer of 500 or
 more, or an error, waits for the other call, and when both fail the first endpoint's
 failure is the answer (an answer rather than an error where there is one).  Counted in
-``gateway_hedges_total{backend, outcome}``; the delay in use is
-``gateway_hedge_delay_seconds``.
+``gateway_hedges_total{backend, kind, outcome}``; the delay in use is
+``gateway_hedge_delay_seconds{backend, kind}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from gateway.metrics import Metrics
@@ -46,6 +49,7 @@ RECOMPUTE_EVERY = 16
 MAX_SAVED = 10.0
 """Hedges saved up at most by a quiet backend."""
 OUTCOMES = ("won", "lost", "budget", "no_endpoint")
+KINDS = ("answer", "stream")
 _CLOSING: set[asyncio.Future[None]] = set()
 
 E = TypeVar("E")
@@ -54,12 +58,13 @@ E = TypeVar("E")
 def hedgeable(
     backend: Backend, method: str, path_qs: str, streaming: bool, pinned: bool
 ) -> Hedge | None:
-    """The backend's ``hedge`` when this call may be hedged: it changes nothing (whatever its
-    ``Idempotency-Key`` says), is not streamed, is not pinned to one endpoint."""
+    """The backend's ``hedge`` when this call may be hedged: its kind is hedged (``answers``,
+    ``streams``), it changes nothing (whatever its ``Idempotency-Key`` says), it is not
+    pinned to one endpoint."""
     hedge = backend.hedge
-    if hedge is None or streaming or pinned or not resendable(method, path_qs, headers=[]):
+    if hedge is None or pinned or not (hedge.streams if streaming else hedge.answers):
         return None
-    return hedge
+    return hedge if resendable(method, path_qs, headers=[]) else None
 
 
 def hedge_target(second: Endpoint, first: Endpoint, backend: Backend, now: float) -> bool:
@@ -73,38 +78,49 @@ def hedge_target(second: Endpoint, first: Endpoint, backend: Backend, now: float
     return backend.balance != "kv_aware" or not load.saturated(second, backend)
 
 
+class Window:
+    """The recent answer (or first-chunk) times of one kind of call, and their percentile."""
+
+    def __init__(self) -> None:
+        self.times: deque[float] = deque(maxlen=WINDOW)
+        self._fresh = 0
+        self._percentile_s: float | None = None
+        self._for: float | None = None  # the percentile it was computed for
+
+    def percentile_s(self, percentile: float) -> float | None:
+        if self._for != percentile:
+            self._for, self._fresh = percentile, RECOMPUTE_EVERY
+        if self._fresh >= RECOMPUTE_EVERY and len(self.times) >= MIN_SAMPLES:
+            ordered = sorted(self.times)
+            at = min(len(ordered) - 1, int(len(ordered) * percentile / 100))
+            self._percentile_s, self._fresh = ordered[at], 0
+        return self._percentile_s
+
+    def timed(self, seconds: float) -> None:
+        self.times.append(seconds)
+        self._fresh += 1
+
+
 class Hedger:
     """One backend's hedging: its recent answer times, its budget, and the race."""
 
     def __init__(self, backend: str, metrics: Metrics) -> None:
-        self._times: deque[float] = deque(maxlen=WINDOW)
-        self._fresh = 0
-        self._percentile_s: float | None = None
-        self._for: float | None = None  # the percentile it was computed for
+        self.windows = {kind: Window() for kind in KINDS}
         self.saved = MAX_SAVED  # hedges it may send before its calls have earned any
-        self._counted = {o: metrics.hedges.labels(backend, o) for o in OUTCOMES}
-        self._delay = metrics.hedge_delay.labels(backend)
+        self._counted = {
+            (k, o): metrics.hedges.labels(backend, k, o) for k in KINDS for o in OUTCOMES
+        }
+        self._delay = {kind: metrics.hedge_delay.labels(backend, kind) for kind in KINDS}
 
-    def delay_s(self, hedge: Hedge) -> float | None:
+    def delay_s(self, hedge: Hedge, kind: str) -> float | None:
         """How long the first endpoint has; None: not known yet (no hedge)."""
         if hedge.after_ms is not None:
             delay: float | None = hedge.after_ms / 1000
         else:
-            if self._for != hedge.percentile:
-                self._for, self._fresh = hedge.percentile, RECOMPUTE_EVERY
-            if self._fresh >= RECOMPUTE_EVERY and len(self._times) >= MIN_SAMPLES:
-                ordered = sorted(self._times)
-                at = min(len(ordered) - 1, int(len(ordered) * hedge.percentile / 100))
-                self._percentile_s, self._fresh = ordered[at], 0
-            delay = self._percentile_s
+            delay = self.windows[kind].percentile_s(hedge.percentile)
         if delay is not None:
-            self._delay.set(delay)
+            self._delay[kind].set(delay)
         return delay
-
-    def timed(self, seconds: float) -> None:
-        """An answer time of a first endpoint (for the percentile)."""
-        self._times.append(seconds)
-        self._fresh += 1
 
     async def send(
         self,
@@ -112,39 +128,47 @@ class Hedger:
         first: E,
         attempt: Callable[[E], Awaitable[Reply]],
         another: Callable[[E], E | None],
+        streaming: bool = False,
     ) -> Reply:
-        """``attempt(first)``, hedged by ``attempt(another(first))`` when it is slow."""
+        """``attempt(first)``, hedged by ``attempt(another(first))`` when it is slow: to its
+        answer, or (``streaming``) to its first chunk."""
         self.saved = min(MAX_SAVED, self.saved + hedge.max_ratio)
+        kind = "stream" if streaming else "answer"
+        if streaming:
+            attempt = to_first_chunk(attempt)
+        window = self.windows[kind]
         loop = asyncio.get_running_loop()
         started = loop.time()
         primary = asyncio.ensure_future(attempt(first))
 
         def timed(task: asyncio.Future[Reply]) -> None:
             if task.cancelled() or task.exception() is None:  # an answer, or slower than one
-                self.timed(loop.time() - started)
+                window.timed(loop.time() - started)
 
         primary.add_done_callback(timed)
-        delay = self.delay_s(hedge)
+        delay = self.delay_s(hedge, kind)
         try:
             if delay is not None:
                 await asyncio.wait({primary}, timeout=delay)
             if delay is None or primary.done():  # answered, or failed as unhedged calls do
                 return await primary
             if self.saved < 1:
-                self._counted["budget"].inc()
+                self._counted[kind, "budget"].inc()
                 return await primary
             second = another(first)
             if second is None:
-                self._counted["no_endpoint"].inc()
+                self._counted[kind, "no_endpoint"].inc()
                 return await primary
         except BaseException:
             _drop((primary,))
             raise
         self.saved -= 1
         backup = asyncio.ensure_future(attempt(second))
-        return await self._race(primary, backup)
+        return await self._race(primary, backup, kind)
 
-    async def _race(self, primary: asyncio.Future[Reply], backup: asyncio.Future[Reply]) -> Reply:
+    async def _race(
+        self, primary: asyncio.Future[Reply], backup: asyncio.Future[Reply], kind: str
+    ) -> Reply:
         both = (primary, backup)
         try:
             while not all(t.done() for t in both):
@@ -152,7 +176,7 @@ class Hedger:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 winner = next((t for t in both if t.done() and _good(t)), None)
                 if winner is not None:
-                    self._counted["won" if winner is backup else "lost"].inc()
+                    self._counted[kind, "won" if winner is backup else "lost"].inc()
                     _drop(t for t in both if t is not winner)
                     return winner.result()
         except BaseException:
@@ -160,9 +184,36 @@ class Hedger:
             raise
         # both failed: the first endpoint's answer, else the second's, else the first's error
         chosen = next((t for t in both if not t.cancelled() and t.exception() is None), primary)
-        self._counted["won" if chosen is backup else "lost"].inc()
+        self._counted[kind, "won" if chosen is backup else "lost"].inc()
         _drop(t for t in both if t is not chosen)
         return chosen.result()
+
+
+def to_first_chunk(attempt: Callable[[E], Awaitable[Reply]]) -> Callable[[E], Awaitable[Reply]]:
+    """``attempt``, done once a streamed answer's first chunk is in (a whole answer, an error
+    status: at once); the reply's stream starts with that chunk."""
+
+    async def first_chunk(endpoint: E) -> Reply:
+        reply = await attempt(endpoint)
+        if reply.stream is None or reply.status >= 300:
+            return reply
+        try:
+            first = await anext(reply.stream, None)
+        except BaseException:
+            if reply.close is not None:
+                await reply.close()
+            raise
+        return reply.replace(stream=_starting(first, reply.stream))
+
+    return first_chunk
+
+
+async def _starting(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first is None:
+        return
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 def _good(task: asyncio.Future[Reply]) -> bool:
