@@ -129,3 +129,29 @@ async def test_a_rule_on_deferred_requests_takes_that_server_out_of_rotation(
         await ask(gw, 4)  # one at a time: b never defers, so the backend is not shed
         assert (served(gw, a.url), served(gw, b.url)) == (before[0], before[1] + 4)
     await until(lambda: throttled(a.url) == 0.0, timeout_s=30)
+
+
+async def test_a_stream_waiting_for_a_busy_servers_slot_is_hedged_to_the_free_one(
+    llama_pair, start_gateway, tmp_path
+):
+    """``hedge.streams`` on two real servers: one's slot held by a long generation, a
+    stream sent there gets no first token, so after ``after_ms`` it is also sent to the
+    other, whose first token wins; the waiting one is cancelled."""
+    a, b = llama_pair
+    hedge = {"after_ms": 300, "answers": False, "streams": True}
+    backend = {"endpoints": [a.url, b.url], "balance": "round_robin", "hedge": hedge}
+    policy = write_policy(tmp_path, {"backends": {"llm": backend}, "routes": [{"backend": "llm"}]})
+    gw = await start_gateway(policy=policy)
+    async with busy(a, requests=1), httpx.AsyncClient(timeout=120) as http:
+        for i in range(2):  # round robin: the second picks the busy server first
+            body = {**chat(f"Hi {i}", max_tokens=3), "stream": True}
+            async with http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                streamed = b"".join([chunk async for chunk in r.aiter_bytes()])
+            assert streamed.rstrip().endswith(b"data: [DONE]")
+        text = gw.gateway.metrics.exposition().decode()
+        assert (
+            metric(text, "gateway_hedges_total", backend="llm", kind="stream", outcome="won") == 1
+        )
+        assert served(gw, a.url) == 0  # its one call was cancelled before any answer
+    await until(lambda: a.metrics().get("requests_deferred") == 0, timeout_s=30)
