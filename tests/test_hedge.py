@@ -302,3 +302,15 @@ async def test_through_the_gateway_a_streamed_chat_gets_the_first_token_of_the_f
     async with httpx.AsyncClient() as http:
         metrics = (await http.get(gw.admin_url + "/metrics")).text
     assert metric(metrics, "gateway_hedges_total", backend="m", kind="stream", outcome="won") == 1
+
+
+async def test_only_answers_are_timed_for_the_percentile_not_quick_refusals(serve_app):
+    fast, slow, backend, endpoints = await pair(serve_app, after_ms=None)
+    slow.status = fast.status = 503
+    for _ in range(3):
+        assert (await send(endpoints, backend))[0] == 503
+    hedger = endpoints.calls.hedger
+    assert hedger is not None and len(hedger.windows["answer"].times) == 0
+    slow.status = fast.status = 200
+    await send(endpoints, backend)
+    assert len(hedger.windows["answer"].times) == 1

@@ -142,7 +142,8 @@ class Hedger:
         primary = asyncio.ensure_future(attempt(first))
 
         def timed(task: asyncio.Future[Reply]) -> None:
-            if task.cancelled() or task.exception() is None:  # an answer, or slower than one
+            # an answer, or a call slower than the answer it lost to; not a quick refusal
+            if task.cancelled() or (_good(task) and task.result().status != 429):
                 window.timed(loop.time() - started)
 
         primary.add_done_callback(timed)
