@@ -37,6 +37,7 @@ from gateway.pipeline import Call, Record, Reply
 from gateway.policy.backend import Price
 from gateway.policy.model import Policy
 from gateway.policy.routing import OPENAI_JSON_PATHS
+from gateway.policy.show import redact_url
 from gateway.server.control_paths import control_server, refusal
 from gateway.server.path_case import case_variant
 from gateway.server.path_case import refusal as case_refusal
@@ -361,7 +362,13 @@ class Edge:
                 entry["prompt_tokens"], entry["completion_tokens"] = tokens
             if cost:
                 entry["cost"] = round(cost, 9)
+            if reply is not None and reply.endpoint:
+                entry["endpoint"] = redact_url(reply.endpoint)  # never a URL's credentials
+            if reply is not None and reply.attempts > 1:
+                entry["upstream_attempts"] = reply.attempts
             record = call.record if call is not None else None
+            if record is not None and record.fallback is not None:
+                entry["fallback"] = record.fallback
             if record is not None and record.cache is not None:
                 entry["log_cache"] = record.cache
             if record is not None and record.priority is not None:

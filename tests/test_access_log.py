@@ -219,3 +219,51 @@ async def test_the_access_log_tells_each_calls_priority_and_queue_wait(
     lines = [json.loads(x) for x in written.splitlines() if x.startswith("{")]
     assert [line["priority"] for line in lines] == ["normal", "high"]
     assert lines[1]["queue_wait_ms"] >= 50 > lines[0]["queue_wait_ms"] >= 0
+
+
+async def test_the_access_log_tells_why_a_fallback_served(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    async def fail(_: web.Request) -> web.Response:
+        return web.json_response({"error": "x"}, status=500)
+
+    failing = web.Application()
+    failing.router.add_post("/{tail:.*}", fail)
+    rec = Recorder()
+    primary, spare = await serve_app(failing), await serve_app(rec.app())
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{primary}"}}, spare: {{url: "{spare}"}}}}
+        routes: [{{name: chat, match: {{path: "*"}}, backend: main, fallback: [spare]}}]
+        server: {{access_log: true}}
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    async with httpx.AsyncClient() as client:
+        r = await client.post(gw.url + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert lines[-1]["fallback"] == "upstream_5xx"
+    assert lines[-1]["backend"] == "spare" and lines[-1]["endpoint"] == spare
+
+
+async def test_the_access_log_never_shows_the_credentials_of_an_endpoints_url(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    url = (await serve_app(Recorder().app())).replace("http://", "http://svc-user:hunter2@")
+    policy = write_policy(
+        tmp_path,
+        f"""
+        backends: {{main: {{url: "{url}"}}}}
+        routes: [{{name: chat, match: {{path: "*"}}, backend: main}}]
+        server: {{access_log: true}}
+        """,
+    )
+    gw = await start_gateway(policy=policy)
+    async with httpx.AsyncClient() as client:
+        assert (await client.post(gw.url + "/v1/chat/completions", json=CHAT)).status_code == 200
+    err = capsys.readouterr().err
+    line = json.loads(next(x for x in err.splitlines() if x.startswith("{")))
+    assert line["endpoint"].startswith("http://***@127.0.0.1:")
+    assert "hunter2" not in err and "svc-user" not in err

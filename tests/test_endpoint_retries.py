@@ -235,6 +235,26 @@ def test_endpoint_retries_are_checked():
     assert any("endpoint_retries" in p for p in problems_of(json.dumps(policy(backends))))
 
 
+async def test_the_access_log_names_the_endpoint_that_answered_and_the_calls_made(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    loading, ready = Server("loading", 503, LOADING), Server("ready")
+    urls = [await serve_app(loading.app()), await serve_app(ready.app())]
+    doc = policy(
+        {"m": {"endpoints": urls, "balance": "round_robin"}},
+        {"coalesce": False},
+        server={"access_log": True},
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, doc))
+    async with httpx.AsyncClient() as http:
+        for i in range(2):  # round robin: the second picks the loading replica first
+            r = await http.post(gw.url + "/v1/chat/completions", json=chat(f"q{i}"))
+            assert r.status_code == 200
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert [line["endpoint"] for line in lines] == [urls[1], urls[1]]
+    assert [line.get("upstream_attempts") for line in lines] == [None, 2]
+
+
 async def test_through_the_gateway_the_openai_sdk_never_sees_the_loading_replica(
     serve_app, start_gateway, tmp_path
 ):

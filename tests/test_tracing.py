@@ -477,3 +477,14 @@ async def test_spans_reach_an_otlp_http_collector(serve_app, start_gateway, tmp_
     assert resource["service.name"] == "gateway-under-test"
     traceparent = rec.seen[0].headers["traceparent"]
     assert traceparent.split("-")[1] == server.trace_id.hex()
+
+
+def test_an_endpoints_attributes_never_carry_its_urls_credentials():
+    from gateway.tracing.attributes import endpoint_attributes
+
+    attrs = endpoint_attributes("http://svc-user:hunter2@10.0.0.7:8000")
+    assert attrs == {
+        "gateway.endpoint": "http://***@10.0.0.7:8000",
+        "server.address": "10.0.0.7",
+        "server.port": 8000,
+    }

@@ -16,6 +16,7 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 from gateway.pipeline import Call, Record, Reply
+from gateway.policy.show import redact_url
 
 Value = str | bool | int | float | tuple[str, ...]
 Attributes = dict[str, Value]
@@ -191,7 +192,7 @@ def endpoint_attributes(url: str) -> Attributes:
     if not url:
         return {}
     parts = urlsplit(url)
-    attrs: Attributes = {"gateway.endpoint": url}
+    attrs: Attributes = {"gateway.endpoint": redact_url(url)}
     if parts.hostname:
         attrs["server.address"] = parts.hostname
         attrs["server.port"] = parts.port or (443 if parts.scheme == "https" else 80)

@@ -103,7 +103,11 @@ class Calls:
         pinned = endpoints.pinned(pin) if pin is not None else None
         several = len(endpoints.endpoints) > 1
 
+        sent = 0
+
         async def attempt(endpoint: Endpoint) -> Reply:
+            nonlocal sent
+            sent += 1
             endpoint.last_used = self._clock.now()
             try:
                 reply = await endpoint.pool.send(
@@ -149,7 +153,7 @@ class Calls:
                 continue
             reason = RETRIED_STATUSES.get(reply.status)
             if reason is None or not self._again(retries, tried, endpoints, reason):
-                return reply
+                return reply if sent == 1 else reply.replace(attempts=sent)
             retries -= 1
             if reply.close is not None:
                 await reply.close()
