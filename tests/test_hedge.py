@@ -14,6 +14,7 @@ import yaml
 from aiohttp import web
 
 from gateway.metrics import Metrics
+from gateway.policy import load_policy
 from gateway.policy.hedge import Hedge
 from gateway.policy.load import parse_policy_text
 from gateway.policy.model import Backend
@@ -314,3 +315,18 @@ async def test_only_answers_are_timed_for_the_percentile_not_quick_refusals(serv
     slow.status = fast.status = 200
     await send(endpoints, backend)
     assert len(hedger.windows["answer"].times) == 1
+
+
+def test_a_route_sending_generations_to_a_backend_hedging_whole_answers_is_warned_of(tmp_path):
+    two = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+    def warnings(hedge: dict[str, Any], path: str) -> list[str]:
+        doc = policy({"m": {"endpoints": two, "hedge": hedge}}, {"match": {"path": path}})
+        file = write_policy(tmp_path, doc)
+        return [f"{w.path}: {w.message}" for w in load_policy(file).warnings]
+
+    (warning,) = warnings({}, "/v1/*")
+    assert warning.startswith("routes[0].backend: hedges whole answers")
+    assert "/v1/chat/completions" in warning
+    assert warnings({}, "/v1/embeddings") == []
+    assert warnings({"answers": False, "streams": True}, "/v1/*") == []

@@ -7,6 +7,7 @@ its clocks)."""
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 
 from gateway.policy.metadata import doc
@@ -15,6 +16,9 @@ DEFAULT_HEDGE_PERCENTILE = 95.0
 DEFAULT_HEDGE_MAX_RATIO = 0.05
 
 Found = list[tuple[str, str]]
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/generate")
+"""Where a whole answer's time follows the length of what the model generates."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +82,22 @@ def check_hedge(hedge: Hedge, endpoints: int, discovery: bool) -> Found:
     if endpoints < 2 and not discovery:
         found.append(("hedge", "needs several instances (`endpoints` or `discovery`) to hedge to"))
     return found
+
+
+def warn_hedge(hedge: Hedge | None, path_glob: str) -> Found:
+    """A route sending generations to a backend that hedges whole answers (a warning: a
+    hedge of a long generation runs it twice; its stream's first chunk is what to hedge)."""
+    if hedge is None or not hedge.answers:
+        return []
+    hit = next((p for p in GENERATION_PATHS if fnmatch.fnmatchcase(p, path_glob)), None)
+    if hit is None:
+        return []
+    return [
+        (
+            "backend",
+            f"hedges whole answers (`hedge.answers`), and this route sends it {hit}: a "
+            "generation's time follows its length, so a hedge mostly runs a long generation "
+            "twice; `hedge: {answers: false, streams: true}` hedges a stream's first token "
+            "instead",
+        )
+    ]

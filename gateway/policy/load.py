@@ -30,6 +30,7 @@ from gateway.policy.checks import (
     warn_throttle,
 )
 from gateway.policy.convert import Found, convert, join
+from gateway.policy.hedge import warn_hedge
 from gateway.policy.match import check_match
 from gateway.policy.model import (
     Backend,
@@ -224,6 +225,9 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
                 singles[key] = getattr(part.policy, key)
     keys = singles["tenants"].keys if "tenants" in singles else ()
     named = _name_routes(routes, where, backends, {k.name for k in keys}, problems)
+    for r, (part, path) in zip(routes, where, strict=True):
+        hedge = backends[r.backend].hedge if r.backend in backends else None
+        _report(warn_hedge(hedge, r.match.path), part, path, warnings)
     seen: set[tuple[str, str]] = set()
     for rule, part, path in throttles:
         _report(check_throttle(rule, backends), part, path, problems)
