@@ -405,9 +405,10 @@ class Backend:
     hedge: Hedge | None = field(
         default=None,
         metadata=doc(
-            "Hedged requests: a non-streaming inference call (or a GET) that one endpoint "
-            "has not answered in time is sent to another as well, the first answer used "
-            "and the other call cancelled. For short, uniform calls (embeddings, reranking, "
-            "classification) over several endpoints; none unless set."
+            "Hedged requests over several endpoints: a call that changes nothing, which one "
+            "endpoint has not answered in time (a stream: sent its first chunk), is sent to "
+            "another as well; the first good answer is used and the other call cancelled. "
+            "`answers` for short, uniform calls (embeddings, reranking), `streams` for chat. "
+            "None unless set."
         ),
     )
