@@ -177,14 +177,26 @@ async def test_an_endpoint_that_refused_gets_calls_only_after_the_others_for_a_w
 
 
 async def test_a_refusals_retry_after_is_honoured_within_bounds(serve_app):
-    full = Server("full", 429, OVERLOADED)
-    backend, endpoints = await fleet(serve_app, full, Server("free"))
+    loading = Server("loading", 503, LOADING)
+    backend, endpoints = await fleet(serve_app, loading, Server("ready"))
     retry_after = {"": REFUSAL_S, "7": 7.0, "86400": MAX_REFUSAL_S, "soon": REFUSAL_S}
     for given, seconds in retry_after.items():
-        reply = Reply(429, (("Retry-After", given),) if given else ())
+        reply = Reply(503, (("Retry-After", given),) if given else ())
         assert refusal_s(reply) == seconds
     await send(endpoints, backend)
     assert endpoints.endpoints[0].refused_until == endpoints._clock.now() + REFUSAL_S
+
+
+async def test_a_429_is_retried_but_steers_no_other_call_away(serve_app):
+    """A 429 may be one caller's own limit (a hosted API counting each client's key): the
+    call goes elsewhere, the endpoint keeps its share of everyone else's."""
+    full, free = Server("full", 429, OVERLOADED), Server("free")
+    backend, endpoints = await fleet(serve_app, full, free)
+    assert (await send(endpoints, backend)).status == 200
+    assert endpoints.endpoints[0].refused_until == 0.0
+    full.status = 200
+    reply = await send(endpoints, backend)  # round robin picks it first again, and it serves
+    assert json.loads(reply.body)["model"] == "full"
 
 
 async def test_only_calls_that_change_nothing_go_to_another_endpoint(serve_app):

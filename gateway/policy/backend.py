@@ -398,7 +398,7 @@ class Backend:
             "before any byte of the answer left. Only calls that change nothing "
             "(inference calls, safe methods, an `Idempotency-Key`); within a budget of 20% "
             "more calls per backend. 0 turns it off. Either way an endpoint that answered "
-            "503 or 429 gets calls only when every other refuses too, for its "
+            "503 gets calls only when every other refuses too, for its "
             "`Retry-After` (at most 30 s) or 1 s."
         ),
     )

@@ -2,10 +2,12 @@
 (``hedge.py``), and another endpoint when the one picked did not serve the call.
 
 An endpoint that could not be connected to (nothing was sent) costs one more pick, as it
-always has.  An endpoint that answered 503 or 429 is picked only when every other refuses
-too, for its ``Retry-After`` (within ``MAX_REFUSAL_S``) or ``REFUSAL_S``: LiteLLM's
-cooldown, so a replica loading its model is probed about once a second rather than sent its
-share of the calls.  An endpoint that answered 503 (overloaded, or still loading its model:
+always has.  An endpoint that answered 503 is picked only when every other refuses too, for
+its ``Retry-After`` (within ``MAX_REFUSAL_S``) or ``REFUSAL_S``: LiteLLM's cooldown, so a
+replica loading its model is probed about once a second rather than sent its share of the
+calls.  Not after a 429: that may be one caller's own limit (a hosted API behind the
+gateway counts each client's key), and one tenant's limit must not steer every tenant's
+calls away.  An endpoint that answered 503 (overloaded, or still loading its model:
 llama.cpp answers every call 503 until its model is loaded) or 429 (its own queue full:
 TGI's "Model is overloaded"), or whose connection broke after the request went out (a reset,
 a misframed answer), did not serve the call either, and the call goes to another endpoint,
@@ -42,7 +44,7 @@ MAX_SAVED = 10.0
 RETRIED_STATUSES = {503: "upstream_503", 429: "upstream_429"}
 """Answers that say the endpoint did not serve the call, by the reason counted."""
 REFUSAL_S = 1.0
-"""How long an endpoint that answered 503 or 429 without a ``Retry-After`` is picked only
+"""How long an endpoint that answered 503 without a ``Retry-After`` is picked only
 when every other is refusing too (LiteLLM's cooldown; a probe a second, so it is back as
 soon as its model is loaded)."""
 MAX_REFUSAL_S = 30.0
@@ -50,7 +52,7 @@ MAX_REFUSAL_S = 30.0
 
 
 def refusal_s(reply: Reply) -> float:
-    """How long an endpoint that answered 503 or 429 gets other calls only after them: its
+    """How long an endpoint that answered 503 gets other calls only after them: its
     ``Retry-After`` in seconds, within ``MAX_REFUSAL_S``, else ``REFUSAL_S``."""
     given = (reply.header("Retry-After") or "").strip()
     seconds = int(given[:6]) if given.isascii() and given.isdigit() else REFUSAL_S
@@ -118,7 +120,7 @@ class Calls:
                 raise
             status = reply.status
             endpoints.observe(endpoint, f"{status // 100}xx", status >= 500 and status != 503)
-            if status in RETRIED_STATUSES and several:
+            if status == 503 and several:  # the server's state, not one caller's (a 429)
                 endpoint.refused_until = self._clock.now() + refusal_s(reply)
             return reply
 

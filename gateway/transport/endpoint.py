@@ -26,7 +26,7 @@ class Endpoint:
         self._side: dict[str, BackendPool] = {}  # telemetry at another address of its own
         self.signals: dict[str, float] = {}  # its own telemetry (load.py)
         self.throttled: set[str] = set()  # the throttle rules firing on its signals
-        self.refused_until = 0.0  # it answered 503 or 429: others first till then (calls.py)
+        self.refused_until = 0.0  # it answered 503: others first till then (calls.py)
         self.failures = 0
         self.ejected_until = 0.0
         self.ejections = 0
