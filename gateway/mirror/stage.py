@@ -40,6 +40,7 @@ from typing import Any
 from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamError
 from gateway.metrics import Metrics
+from gateway.metrics.children import Counted
 from gateway.mirror.compare import agree, comparable
 from gateway.openai import vllm_priority as vllm
 from gateway.openai.body import dumps_yielding
@@ -83,8 +84,7 @@ class Shadow:
             True: compared.labels(route, mirror.backend, "same"),
             False: compared.labels(route, mirror.backend, "different"),
         }
-        self._requests = metrics.mirror_requests
-        self._outcomes: dict[str, Any] = {}
+        self._outcomes = Counted(metrics.mirror_requests, route, mirror.backend)
         self._duration = metrics.mirror_duration.labels(route, mirror.backend)
         self._in_flight = metrics.mirror_in_flight.labels(route)
         self._in_flight.set(0)
@@ -101,7 +101,7 @@ class Shadow:
         if self._draining or (mirror.fraction < 1 and self._draw() >= mirror.fraction):
             return
         if len(self._tasks) >= mirror.max_in_flight:
-            self._count(SHED)
+            self._outcomes.inc(SHED)
             return
         original = comparable(call, answered) if answered is not None else None
         task = asyncio.get_running_loop().create_task(self._send(call, original))
@@ -121,11 +121,11 @@ class Shadow:
         except asyncio.CancelledError:
             raise  # a reload or shutdown: not the mirror's answer
         except Exception as exc:
-            self._count(ERROR)
+            self._outcomes.inc(ERROR)
             self._failed(exc)
             return
         self._duration.observe(self._clock.now() - started)
-        self._count(f"{reply.status // 100}xx")
+        self._outcomes.inc(f"{reply.status // 100}xx")
         if original is not None and reply.status == 200 and reply.body is not None:
             self._compare(call, original, reply.body)
 
@@ -162,13 +162,6 @@ class Shadow:
         if call.policy.backend(mirror.backend).upstream_priority == "vllm":
             copy = await vllm.with_priority(copy, vllm.LOW)  # never the client's, nor above
         return copy
-
-    def _count(self, outcome: str) -> None:
-        child = self._outcomes.get(outcome)
-        if child is None:
-            child = self._requests.labels(self._route, self._mirror.backend, outcome)
-            self._outcomes[outcome] = child
-        child.inc()
 
     def _failed(self, exc: Exception) -> None:
         now = self._clock.now()

@@ -26,11 +26,12 @@ reason, outcome}``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from gateway.clock import Clock
 from gateway.errors import ConnectFailed, UpstreamError, UpstreamUnavailable
 from gateway.metrics import Metrics
+from gateway.metrics.children import Counted
 from gateway.pipeline import Reply
 from gateway.policy.model import Backend
 from gateway.transport.endpoint import Endpoint
@@ -85,7 +86,7 @@ class Calls:
         self._clock = clock
         self.hedger: Hedger | None = None  # made on the first hedgeable call
         self.saved = MAX_SAVED
-        self._counted: dict[tuple[str, str], Any] = {}  # (reason, outcome) -> counter child
+        self._counted = Counted(metrics.endpoint_retries, name)  # by reason and outcome
 
     async def send(
         self,
@@ -129,9 +130,10 @@ class Calls:
             tried.append(second)
             return second if hedge_target(second, first, backend, self._clock.now()) else None
 
-        hedge = hedgeable(backend, method, path_qs, streaming, pinned is not None)
+        inert = resendable(method, path_qs, [])  # changes nothing, whatever its key says
+        hedge = hedgeable(backend, streaming, pinned is not None, inert)
         retries = 0
-        if several and pinned is None and resendable(method, path_qs, headers):
+        if several and pinned is None and (inert or resendable(method, path_qs, headers)):
             retries = backend.endpoint_retries
             self.saved = min(MAX_SAVED, self.saved + RETRY_RATIO)
         while True:
@@ -146,7 +148,7 @@ class Calls:
             except ConnectFailed:
                 if pinned is not None or len(tried) >= min(2, len(endpoints.endpoints)):
                     raise
-                self._count("connect", "sent")
+                self._counted.inc("connect", "sent")
                 continue  # nothing reached that endpoint: another may take it
             except UpstreamUnavailable:
                 if not self._again(retries, tried, endpoints, "unavailable"):
@@ -165,15 +167,8 @@ class Calls:
         if retries <= 0 or len(set(tried)) >= len(endpoints.endpoints):
             return False
         if self.saved < 1:
-            self._count(why, "budget")
+            self._counted.inc(why, "budget")
             return False
         self.saved -= 1
-        self._count(why, "sent")
+        self._counted.inc(why, "sent")
         return True
-
-    def _count(self, reason: str, outcome: str) -> None:
-        counter = self._counted.get((reason, outcome))
-        if counter is None:
-            family = self._metrics.endpoint_retries
-            counter = self._counted[reason, outcome] = family.labels(self._name, reason, outcome)
-        counter.inc()

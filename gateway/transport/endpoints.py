@@ -47,11 +47,11 @@ import contextlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import ConnectFailed
 from gateway.metrics import Metrics
+from gateway.metrics.children import Counted
 from gateway.pipeline import Reply
 from gateway.policy.checks import MAX_ENDPOINTS
 from gateway.policy.model import Backend, ThrottleRule
@@ -132,8 +132,8 @@ class EndpointSet:
         self.scraped_at: float | None = None  # the last round of telemetry scrapes
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
         self.affinity_hits = 0
-        self._pins: dict[str, Any] = {}  # outcome -> its counter child
-        self._adapter_picks: dict[str, Any] = {}  # why -> its counter child
+        self._pins = Counted(metrics.endpoint_pins, backend.name)
+        self._adapter_picks = Counted(metrics.endpoint_adapter_picks, backend.name)
         self._next = 0
         self.calls = Calls(backend.name, metrics, clock)  # hedges and retries
         self._active = metrics.pool_active_endpoints.labels(backend.name)
@@ -265,17 +265,10 @@ class EndpointSet:
         if model is not None and self.balance == "kv_aware":
             choices, why = load.for_model(model, choices, self._backend)
             if why:
-                self._count(self._metrics.endpoint_adapter_picks, self._adapter_picks, why)
+                self._adapter_picks.inc(why)
         if affinity is not None:
             return self._affine(affinity, choices)
         return self._balanced(choices)
-
-    def _count(self, family: Any, children: dict[str, Any], outcome: str) -> None:
-        """Count ``outcome`` in ``family`` (its child looked up once: a lookup takes a lock)."""
-        child = children.get(outcome)
-        if child is None:
-            child = children[outcome] = family.labels(self.name, outcome)
-        child.inc()
 
     def _affine(self, key: str, choices: list[Endpoint]) -> Endpoint:
         """The endpoint that served ``key`` recently, while it is among ``choices``, no
@@ -364,7 +357,7 @@ class EndpointSet:
     def pinned(self, pin: Callable[[str], bool]) -> Endpoint | None:
         """The endpoint ``pin`` names, if the backend still has it."""
         found = next((e for e in self.endpoints if pin(e.url)), None)
-        self._count(self._metrics.endpoint_pins, self._pins, "kept" if found else "gone")
+        self._pins.inc("kept" if found else "gone")
         return found
 
     def _stop(self) -> None:

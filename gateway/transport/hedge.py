@@ -38,7 +38,6 @@ from gateway.policy.hedge import Hedge
 from gateway.policy.model import Backend
 from gateway.transport import load
 from gateway.transport.endpoint import Endpoint
-from gateway.transport.upstream import resendable
 
 WINDOW = 256
 """Answer times kept per backend for the percentile."""
@@ -55,16 +54,14 @@ _CLOSING: set[asyncio.Future[None]] = set()
 E = TypeVar("E")
 
 
-def hedgeable(
-    backend: Backend, method: str, path_qs: str, streaming: bool, pinned: bool
-) -> Hedge | None:
+def hedgeable(backend: Backend, streaming: bool, pinned: bool, inert: bool) -> Hedge | None:
     """The backend's ``hedge`` when this call may be hedged: its kind is hedged (``answers``,
-    ``streams``), it changes nothing (whatever its ``Idempotency-Key`` says), it is not
-    pinned to one endpoint."""
+    ``streams``), it changes nothing (``inert``: ``upstream.resendable`` without its
+    ``Idempotency-Key``), it is not pinned to one endpoint."""
     hedge = backend.hedge
-    if hedge is None or pinned or not (hedge.streams if streaming else hedge.answers):
+    if hedge is None or pinned or not inert:
         return None
-    return hedge if resendable(method, path_qs, headers=[]) else None
+    return hedge if (hedge.streams if streaming else hedge.answers) else None
 
 
 def hedge_target(second: Endpoint, first: Endpoint, backend: Backend, now: float) -> bool:
