@@ -22,7 +22,6 @@ latency of the answered ones, and upstream calls per 100 answers.
 from __future__ import annotations
 
 import asyncio
-import statistics
 from typing import Any
 
 from aiohttp import web
@@ -32,6 +31,7 @@ from bench.plumbing import (
     ANSWER,
     CHAT,
     closed_loop,
+    figures_of,
     gateway,
     medians,
     rounds_args,
@@ -76,14 +76,9 @@ async def load(urls: list[str], duration_s: float, connections: int) -> dict[str
     latencies, elapsed, failed = await closed_loop(
         urls, "/v1/chat/completions", lambda: CHAT, duration_s, connections
     )
-    s = sorted(latencies)
-    return {
-        "answers": len(s),
-        "rps": len(s) / elapsed,
-        "failed": 1000 * failed / max(1, failed + len(s)),
-        "p50": statistics.median(s),
-        "p99": s[int(0.99 * (len(s) - 1))],
-    }
+    figures = figures_of(latencies, elapsed)
+    figures["failed"] = 1000 * failed / max(1, failed + len(latencies))
+    return figures
 
 
 async def main(duration_s: float, rounds: int, connections: int) -> list[str]:

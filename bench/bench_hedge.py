@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from typing import Any
 
@@ -37,6 +36,7 @@ from aiohttp import web
 from bench.common import machine, update_section
 from bench.plumbing import (
     closed_loop,
+    figures_of,
     gateway,
     medians,
     rounds_args,
@@ -137,17 +137,6 @@ async def stream_load(urls: list[str], duration_s: float, connections: int) -> d
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(client(urls[i % len(urls)], session) for i in range(connections)))
     return figures_of(firsts, time.perf_counter() - began)
-
-
-def figures_of(latencies: list[float], elapsed: float) -> dict[str, float]:
-    s = sorted(latencies)
-    return {
-        "answers": len(s),
-        "rps": len(s) / elapsed,
-        "p50": statistics.median(s),
-        "p99": s[int(0.99 * (len(s) - 1))],
-        "p999": s[int(0.999 * (len(s) - 1))],
-    }
 
 
 STREAMS_ONLY = {"answers": False, "streams": True}

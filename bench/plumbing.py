@@ -214,6 +214,18 @@ async def rounds_of(
     return runs
 
 
+def figures_of(latencies: list[float], elapsed: float) -> dict[str, float]:
+    """Answers, answers a second and latency percentiles (p50, p99, p99.9) of one load."""
+    s = sorted(latencies)
+    return {
+        "answers": len(s),
+        "rps": len(s) / elapsed,
+        "p50": statistics.median(s),
+        "p99": s[int(0.99 * (len(s) - 1))],
+        "p999": s[int(0.999 * (len(s) - 1))],
+    }
+
+
 def medians(runs: Runs, columns: Sequence[tuple[str, str, str]]) -> list[str]:
     """A markdown table of each path's median figures over its rounds; ``columns`` are
     (heading, figure, format spec)."""
