@@ -183,6 +183,17 @@ async def test_a_refusals_retry_after_is_honoured_within_bounds(serve_app):
     for given, seconds in retry_after.items():
         reply = Reply(503, (("Retry-After", given),) if given else ())
         assert refusal_s(reply) == seconds
+    hostile = ["١٢", "²", "9" * 4000, "-5", "1e9", " 3 ", "Wed, 21 Oct 2026 07:28:00 GMT"]
+    # non-ASCII digits, a number of 4,000 digits, a sign, a float, an HTTP date: all bounded
+    assert [refusal_s(Reply(503, (("Retry-After", h),))) for h in hostile] == [
+        REFUSAL_S,
+        REFUSAL_S,
+        MAX_REFUSAL_S,
+        REFUSAL_S,
+        REFUSAL_S,
+        3.0,
+        REFUSAL_S,
+    ]
     await send(endpoints, backend)
     assert endpoints.endpoints[0].refused_until == endpoints._clock.now() + REFUSAL_S
 
