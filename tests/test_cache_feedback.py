@@ -70,7 +70,8 @@ async def test_a_wrong_answer_is_dropped_for_its_question_and_every_paraphrase(c
     assert await ask(gw, ALICE, QUESTION) == ("hit", entry)
     told = await judge(gw, ALICE, {"key": entry, "verdict": "wrong"})
     assert told.status_code == 200
-    assert told.json() == {"key": entry, "verdict": "wrong", "route": "chat", "dropped": True}
+    expected = {"key": entry, "verdict": "wrong", "route": "chat", "dropped": True}
+    assert told.json() == {**expected, "counted": True}
     assert told.headers["x-request-id"]
     assert (await ask(gw, ALICE, PARAPHRASE))[0] == "miss"  # to the backend again
     assert len(upstream.seen) == 2
@@ -87,6 +88,25 @@ async def test_a_right_answer_is_counted_and_kept(cached):
     assert told.status_code == 200 and told.json()["dropped"] is False
     assert await ask(gw, ALICE, QUESTION) == ("hit", entry)
     assert await counted(gw, "right") == 1
+
+
+async def test_an_entry_counts_once_however_often_it_is_judged_right(cached):
+    """A client repeating ``right`` cannot tilt its route's reported false-hit rate; a
+    ``wrong`` after it still counts, and drops the entry."""
+    _, gw = cached
+    await ask(gw, ALICE, QUESTION)
+    _, entry = await ask(gw, ALICE, QUESTION)
+    told = [await judge(gw, ALICE, {"key": entry, "verdict": "right"}) for _ in range(5)]
+    assert [t.json()["counted"] for t in told] == [True, False, False, False, False]
+    assert await counted(gw, "right") == 1
+    wrong = await judge(gw, ALICE, {"key": entry, "verdict": "wrong"})
+    assert wrong.json()["counted"] is True and wrong.json()["dropped"] is True
+    assert await counted(gw, "wrong") == 1
+    await ask(gw, ALICE, QUESTION)  # stored afresh: a new answer, judged anew
+    _, again = await ask(gw, ALICE, QUESTION)
+    assert again == entry
+    assert (await judge(gw, ALICE, {"key": again, "verdict": "right"})).json()["counted"]
+    assert await counted(gw, "right") == 2
 
 
 async def test_only_the_entrys_own_tenant_may_judge_it(cached):

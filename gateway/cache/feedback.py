@@ -8,7 +8,11 @@ dropped from the store and from its route's embedding index and judged aliases, 
 next request for it, or for any paraphrase of it, goes to the backend.  ``"right"`` drops
 nothing.  Both are counted (``gateway_cache_feedback_total{route, verdict}``): the share of
 ``wrong`` among them is the false-hit rate the route's users report, beside the one its
-budget was calibrated for (``semantic.max_false_hit_rate``).
+budget was calibrated for (``semantic.max_false_hit_rate``).  Each entry counts once: a
+``right`` given again for an entry already judged right (by this process, among its last
+``MAX_JUDGED``) is answered but not counted (``"counted": false``), so a client repeating
+it cannot tilt the share; a ``wrong`` always counts, and drops the entry, so it comes once
+per entry stored.
 
 Only the entry's own tenant may judge it: the caller's scope (the hash of its credential
 headers, ``cache.scope_headers``, as every lookup computes it) must be the entry's, else
@@ -18,6 +22,7 @@ nothing and drops nothing.  The body is at most ``MAX_BODY_BYTES``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +37,9 @@ FEEDBACK_PATH = "/cache/feedback"
 VERDICTS = ("right", "wrong")
 MAX_BODY_BYTES = 4096
 MAX_KEY_CHARS = 512
+MAX_JUDGED = 16_384
+"""Entries judged right that a process remembers (16 bytes of each key's hash), the
+oldest forgotten first."""
 
 
 class EntryNotFound(RequestError):
@@ -91,7 +99,16 @@ async def give(
         raise StoreUnavailable(f"the cache store failed: {exc}") from exc
     if entry is None or entry.scope != scope:
         raise EntryNotFound(f"no cached answer of yours under {shown(key)}")
-    dropped = False
+    dropped, counted = False, True
+    judged, digest = state.judged_right, hashlib.sha256(key.encode()).digest()[:16]
+    if verdict == "right":
+        counted = digest not in judged
+        judged[digest] = None
+        judged.move_to_end(digest)
+        if len(judged) > MAX_JUDGED:
+            judged.popitem(last=False)
+    else:
+        judged.pop(digest, None)
     if verdict == "wrong":
         try:
             await state.store.delete(key)
@@ -102,5 +119,12 @@ async def give(
         if forget is not None:
             forget(key)
         dropped = True
-    count(entry.route, verdict)
-    return {"key": key, "verdict": verdict, "route": entry.route, "dropped": dropped}
+    if counted:
+        count(entry.route, verdict)
+    return {
+        "key": key,
+        "verdict": verdict,
+        "route": entry.route,
+        "dropped": dropped,
+        "counted": counted,
+    }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 from gateway.cache.control import LearnedVary
@@ -48,6 +49,7 @@ class CacheState:
             self.store = MemoryStore(settings.max_bytes, clock=clock)
         self._sweeper: asyncio.Task[None] | None = None
         self._vary: dict[str, LearnedVary] = {}
+        self.judged_right: OrderedDict[bytes, None] = OrderedDict()  # feedback.py
 
     @property
     def kind(self) -> str:

@@ -36,8 +36,9 @@ class CapabilityFamilies:
         self.cache_feedback = Counter(
             "gateway_cache_feedback",
             "Clients' verdicts on the cached answers they got (POST /cache/feedback), by "
-            "route and verdict (right, wrong): a wrong one drops the entry. The share of "
-            "wrong is the false-hit rate the route's users report.",
+            "route and verdict (right, wrong): a wrong one drops the entry; each entry "
+            "counts once (a right repeated is not counted again). The share of wrong is the "
+            "false-hit rate the route's users report.",
             ["route", "verdict"],
             registry=r,
         )
