@@ -299,3 +299,23 @@ async def test_through_the_gateway_the_openai_sdk_never_sees_the_loading_replica
         text, "gateway_endpoint_retries_total", backend="m", reason="upstream_503", outcome="sent"
     )
     assert found == 1
+
+
+async def test_a_refusing_endpoint_is_shown_in_its_state_until_it_answers_otherwise(serve_app):
+    loading, ready = Server("loading", 503, LOADING), Server("ready")
+    backend, endpoints = await fleet(serve_app, loading, ready)
+    first = endpoints.endpoints[0]
+
+    def shown(state: str) -> float:
+        gauge = endpoints._metrics.endpoint_state.labels("m", first.url, state)
+        return float(gauge._value.get())
+
+    assert (shown("active"), shown("refusing")) == (1, 0)
+    await send(endpoints, backend)
+    assert (shown("active"), shown("refusing")) == (0, 1)
+    later(endpoints)
+    assert shown("refusing") == 1  # until it is asked again: its last answer was a 503
+    loading.status = 200
+    await send(endpoints, backend)
+    assert (shown("active"), shown("refusing")) == (1, 0)
+    assert first.refused_until == 0.0

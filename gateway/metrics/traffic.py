@@ -167,7 +167,8 @@ class TrafficFamilies:
         self.endpoint_state = Gauge(
             "gateway_endpoint_state",
             "1 for an endpoint's current state (active, standby, warming, ejected, "
-            "throttled), 0 for the others.",
+            "throttled, refusing: its last answer a 503, picked after the others), 0 for "
+            "the others.",
             ["backend", "endpoint", "state"],
             registry=r,
         )

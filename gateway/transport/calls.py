@@ -5,9 +5,10 @@ An endpoint that could not be connected to (nothing was sent) costs one more pic
 always has.  An endpoint that answered 503 is picked only when every other refuses too, for
 its ``Retry-After`` (within ``MAX_REFUSAL_S``) or ``REFUSAL_S``: LiteLLM's cooldown, so a
 replica loading its model is probed about once a second rather than sent its share of the
-calls.  Not after a 429: that may be one caller's own limit (a hosted API behind the
-gateway counts each client's key), and one tenant's limit must not steer every tenant's
-calls away.  An endpoint that answered 503 (overloaded, or still loading its model:
+calls; it is shown ``refusing`` in ``gateway_endpoint_state`` until it answers otherwise.
+Not after a 429: that may be one caller's own limit (a hosted API behind the gateway counts
+each client's key), and one tenant's limit must not steer every tenant's calls away.  An
+endpoint that answered 503 (overloaded, or still loading its model:
 llama.cpp answers every call 503 until its model is loaded) or 429 (its own queue full:
 TGI's "Model is overloaded"), or whose connection broke after the request went out (a reset,
 a misframed answer), did not serve the call either, and the call goes to another endpoint,
@@ -122,7 +123,13 @@ class Calls:
             status = reply.status
             endpoints.observe(endpoint, f"{status // 100}xx", status >= 500 and status != 503)
             if status == 503 and several:  # the server's state, not one caller's (a 429)
+                shown = bool(endpoint.refused_until)
                 endpoint.refused_until = self._clock.now() + refusal_s(reply)
+                if not shown:
+                    endpoint.show_state()
+            elif endpoint.refused_until:  # it serves again
+                endpoint.refused_until = 0.0
+                endpoint.show_state()
             return reply
 
         def another(first: Endpoint) -> Endpoint | None:

@@ -12,7 +12,7 @@ from gateway.policy.model import Backend
 from gateway.transport.load import Adapters
 from gateway.transport.upstream import BackendPool
 
-STATES = ("active", "standby", "warming", "ejected", "throttled")
+STATES = ("active", "standby", "warming", "ejected", "throttled", "refusing")
 
 
 class Endpoint:
@@ -26,7 +26,8 @@ class Endpoint:
         self._side: dict[str, BackendPool] = {}  # telemetry at another address of its own
         self.signals: dict[str, float] = {}  # its own telemetry (load.py)
         self.throttled: set[str] = set()  # the throttle rules firing on its signals
-        self.refused_until = 0.0  # it answered 503: others first till then (calls.py)
+        self.refused_until = 0.0  # it answered 503: others first till then (calls.py); 0
+        # again once it answers otherwise
         self.failures = 0
         self.ejected_until = 0.0
         self.ejections = 0
@@ -65,7 +66,9 @@ class Endpoint:
     def state(self) -> str:
         if self.ejected_until:
             return "ejected"
-        return "throttled" if self.throttled else self.role or "active"
+        if self.throttled:
+            return "throttled"
+        return "refusing" if self.refused_until else self.role or "active"
 
     def pools(self) -> list[BackendPool]:
         return [self.pool, *self._side.values()]
@@ -97,7 +100,8 @@ class Endpoint:
         counter.inc()
 
     def show_state(self) -> None:
-        """Publish ``state()``: ejected, throttled, else its role in the pool sizing."""
+        """Publish ``state()``: ejected, throttled, refusing (its last answer a 503), else its
+        role in the pool sizing."""
         state = self.state()
         for name in STATES:
             self._state.labels(self._name, self.url, name).set(1 if name == state else 0)
