@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from gateway.policy.model import Policy, Route
 
 Headers = tuple[tuple[str, str], ...]
+Spare = Callable[[], Callable[[], None] | None]
+"""Leave for a hedge's second call under the backend's limits: its release, or None when
+the backend has no room for it now (``resilience.guard.BackendGuard.spare``)."""
 
 
 def first_header(headers: Headers, name: str, default: str | None = None) -> str | None:
@@ -108,7 +111,9 @@ class Call:
     None when nothing records it (the access log is off).  ``verdict`` is set on a merged
     batch call: its backend failures count only once the batcher has ruled on them.
     ``pin`` names the one endpoint that holds what the call refers to (a stored response,
-    ``response_ids``), as a test of endpoint URLs; None for any endpoint.
+    ``response_ids``), as a test of endpoint URLs; None for any endpoint.  ``spare`` asks
+    the backend's guard for room for a hedge (set where its ``max_concurrency``, breaker or
+    throttle rules hold the call); None: nothing bounds a hedge but its ``max_ratio``.
     """
 
     id: str
@@ -130,6 +135,7 @@ class Call:
     record: Record | None = None
     verdict: Verdict | None = None
     pin: Callable[[str], bool] | None = None
+    spare: Spare | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a request header, case-insensitively."""

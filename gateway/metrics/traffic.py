@@ -130,7 +130,10 @@ class TrafficFamilies:
             "stream: a stream's first chunk) and outcome: won (the second endpoint "
             "answered first), lost (the first did, once the second was asked too), budget "
             "(one was due but the backend's max_ratio was spent), no_endpoint (one was due "
-            "but no other endpoint was healthy, free of a throttle rule and not refusing).",
+            "but no other endpoint was healthy, free of a throttle rule and not refusing), "
+            "no_room (one was due but the backend had no room for another call: its "
+            "max_concurrency full or calls queued, a rule shedding or rerouting its calls, "
+            "or its breaker not closed).",
             ["backend", "kind", "outcome"],
             registry=r,
         )

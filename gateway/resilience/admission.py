@@ -110,7 +110,7 @@ class Ticket:
 
     __slots__ = ("_admission", "granted_at", "released")
 
-    def __init__(self, admission: Admission, granted_at: float) -> None:
+    def __init__(self, admission: Admission, granted_at: float | None) -> None:
         self._admission = admission
         self.granted_at = granted_at
         self.released = False
@@ -236,6 +236,15 @@ class Admission:
         if self.on_wait is not None:
             self.on_wait(now - waiter.since)
         return Ticket(self, now)
+
+    def spare(self) -> Ticket | None:
+        """A slot now, if one is free and no call waits for one; else None (never queued).
+        A hedge's second call (``transport.hedge``) holds it: it goes before no waiter, and
+        its time is not a call's (the ``Retry-After`` estimate)."""
+        if self.in_flight >= self.limit or self.depth or self.draining:
+            return None
+        self.in_flight += 1
+        return Ticket(self, None)
 
     def expire_due(self) -> int:
         """Fail every waiter past its deadline with ``Overloaded('queue_timeout')``; how many.

@@ -10,7 +10,7 @@ either hands back a ``Pass`` (a slot and a breaker permit) or raises the refusal
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.clock import Clock
@@ -179,6 +179,26 @@ class BackendGuard:
                 raise
         return Pass(ticket, permit)
 
+    def spare(self) -> Callable[[], None] | None:
+        """Leave for a hedge's second call (``Call.spare``), or None: a free slot that no
+        queued call waits for, within a ``limit`` rule's rate; none while a rule sheds or
+        reroutes the backend's calls, nor while its breaker is not closed (a hedge is no
+        probe).  It is released by calling what is returned."""
+        if self.decision.action in ("shed", "reroute"):
+            return None
+        if self.breaker is not None and self.breaker.state != "closed":
+            return None
+        if self._rps is not None:
+            self._rps.refill(self._clock.now())
+            if self._rps.level < 1:
+                return None
+        ticket = self.admission.spare() if self.admission is not None else None
+        if self.admission is not None and ticket is None:
+            return None
+        if self._rps is not None:
+            self._rps.level -= 1
+        return ticket.release if ticket is not None else _unbounded
+
     def drain(self) -> None:
         """Shutdown: the queue's waiters are refused at once (see ``Admission.drain``)."""
         if self.admission is not None:
@@ -205,3 +225,7 @@ class BackendGuard:
         if self.breaker is not None:
             parts.append(repr(self.breaker))
         return f"<BackendGuard {' '.join(parts)}>"
+
+
+def _unbounded() -> None:
+    """The release of a hedge's leave on a backend without ``max_concurrency``."""

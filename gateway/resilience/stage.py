@@ -15,7 +15,9 @@ For each call:
    backend's telemetry (``reroute`` moves on; ``shed`` refuses all but high priority;
    ``limit`` caps concurrency and rate), the circuit breaker, and the admission queue,
    ordered by the ``X-Priority`` header or the route's ``priority``, never above the
-   caller's cap (``max_priority``), and fair between tenants.  Then the call.
+   caller's cap (``max_priority``), and fair between tenants.  Then the call, which
+   carries the guard's ``spare`` where its backend hedges (``Call.spare``): a hedge of it
+   takes a slot of its own, or is not made.
 4. A refusal (open breaker, throttle, full queue, queue timeout), a timeout, a failed
    connection, or a 5xx or 429 status moves on to the next candidate; a failed reply is
    closed first, which is possible because its status has not reached the client yet.  A
@@ -115,6 +117,7 @@ class Resilience:
         caps: Mapping[str, Priority] | None = None,
         anonymous_cap: Priority = Priority.HIGH,
         vllm_priority: frozenset[str] = frozenset(),
+        hedged: frozenset[str] = frozenset(),
         in_flight: Counts | None = None,
         max_concurrency: Mapping[str, int] | None = None,
         clients: Counts | None = None,
@@ -126,6 +129,7 @@ class Resilience:
         self._clients = clients
         self._client_concurrency = client_concurrency
         self._vllm_priority = vllm_priority
+        self._hedged = hedged
         self._anonymous_cap = anonymous_cap
         self._guards = guards
         self._control = control
@@ -239,6 +243,8 @@ class Resilience:
                 # The rule fired while the call waited in the queue: it is rerouted too.
                 passed.release()
                 return Moved("throttle", Overloaded("rerouted", reason="throttle"))
+        if guard is not None and call.backend in self._hedged:
+            call = dataclasses.replace(call, spare=guard.spare)  # a hedge's room (hedge.py)
         if call.backend in self._vllm_priority:
             call = await with_vllm_priority(call, priority)
         strip = False
@@ -375,6 +381,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         caps={name: Priority.parse(cap) for name, cap in policy.tenants.max_priorities().items()},
         anonymous_cap=Priority.parse(policy.tenants.max_priority),
         vllm_priority=vllm_priority,
+        hedged=frozenset(b.name for b in policy.backends if b.hedge is not None),
         in_flight=in_flight,
         max_concurrency=max_concurrency,
         clients=clients,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.pipeline import Headers, Reply, first_header
+from gateway.pipeline import Headers, Reply, Spare, first_header
 
 if TYPE_CHECKING:
     from gateway.policy.model import Backend
@@ -97,6 +97,7 @@ class FakeTransport:
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
         model: str | None = None,
+        spare: Spare | None = None,
     ) -> Reply:
         sent = Sent(
             backend.name, method, path_qs, tuple(headers), body, streaming, affinity, pin, model

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.metrics import Metrics
-from gateway.pipeline import Reply
+from gateway.pipeline import Reply, Spare
 from gateway.policy.model import Backend, Policy
 from gateway.transport.discovery import Resolver, SystemResolver
 from gateway.transport.endpoints import EndpointSet, set_key
@@ -90,6 +90,7 @@ class Upstreams:
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
         model: str | None = None,
+        spare: Spare | None = None,
     ) -> Reply:
         endpoints = self.pool(backend)
         if endpoints.direct is not None:  # one instance: it holds whatever a pin names
@@ -106,6 +107,7 @@ class Upstreams:
             affinity=affinity,
             pin=pin,
             model=model,
+            spare=spare,
         )
 
     async def aclose(self) -> None:

@@ -33,7 +33,7 @@ from gateway.clock import Clock
 from gateway.errors import ConnectFailed, UpstreamError, UpstreamUnavailable
 from gateway.metrics import Metrics
 from gateway.metrics.children import Counted
-from gateway.pipeline import Reply
+from gateway.pipeline import Reply, Spare
 from gateway.policy.model import Backend
 from gateway.transport.endpoint import Endpoint
 from gateway.transport.hedge import Hedger, hedge_target, hedgeable
@@ -102,6 +102,7 @@ class Calls:
         affinity: str | None,
         pin: Callable[[str], bool] | None,
         model: str | None,
+        spare: Spare | None = None,
     ) -> Reply:
         tried: list[Endpoint] = []
         pinned = endpoints.pinned(pin) if pin is not None else None
@@ -149,7 +150,9 @@ class Calls:
             try:
                 if hedge is not None and len(tried) == 1 and several:
                     self.hedger = self.hedger or Hedger(self._name, self._metrics)
-                    reply = await self.hedger.send(hedge, endpoint, attempt, another, streaming)
+                    reply = await self.hedger.send(
+                        hedge, endpoint, attempt, another, streaming, spare
+                    )
                 else:
                     reply = await attempt(endpoint)
             except ConnectFailed:

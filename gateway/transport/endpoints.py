@@ -52,7 +52,7 @@ from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import ConnectFailed
 from gateway.metrics import Metrics
 from gateway.metrics.children import Counted
-from gateway.pipeline import Reply
+from gateway.pipeline import Reply, Spare
 from gateway.policy.checks import MAX_ENDPOINTS
 from gateway.policy.model import Backend, ThrottleRule
 from gateway.transport import load
@@ -337,6 +337,7 @@ class EndpointSet:
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
         model: str | None = None,
+        spare: Spare | None = None,
     ) -> Reply:
         if not self.resolved.is_set():  # discovery's first answer is on its way
             with contextlib.suppress(TimeoutError):
@@ -352,6 +353,7 @@ class EndpointSet:
             affinity=affinity,
             pin=pin,
             model=model,
+            spare=spare,
         )
 
     def pinned(self, pin: Callable[[str], bool]) -> Endpoint | None:

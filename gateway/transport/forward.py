@@ -31,6 +31,7 @@ class Forward:
             affinity=leading_key(call.json) if backend.prefix_affinity else None,
             pin=call.pin,
             model=model_of(call) if backend.balance == "kv_aware" else None,
+            spare=call.spare,
         )
 
     def __repr__(self) -> str:

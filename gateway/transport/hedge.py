@@ -15,7 +15,11 @@ failed to connect (what an unhedged call does too).  How often: each call earns
 ``max_ratio`` of a hedge, each hedge spends one, and at most ``MAX_SAVED`` are saved up (as
 many to start with), so a backend slow for everyone is not sent much more than its load.
 Where: the balanced pick among the other endpoints, never an ejected or throttled one, nor
-one refusing calls.
+one refusing calls.  Room: a hedge is a call in flight like any other, so it needs a free
+slot under the backend's ``max_concurrency`` that no queued call is waiting for, and none
+is made while a throttle rule sheds or reroutes the backend or its breaker is not closed
+(``Call.spare``; ``no_room`` otherwise): the cap a GPU is protected by holds, hedges
+included, and a hedge never goes before a call that waits.
 
 The race: the first answer below 500 wins and the other call is cancelled (its connection
 closed, so the model server sees its client leave and stops generating); an answer of 500 or
@@ -33,7 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from gateway.metrics import Metrics
-from gateway.pipeline import Reply
+from gateway.pipeline import Reply, Spare
 from gateway.policy.hedge import Hedge
 from gateway.policy.model import Backend
 from gateway.transport import load
@@ -47,7 +51,7 @@ RECOMPUTE_EVERY = 16
 """New answer times between two computations of the percentile."""
 MAX_SAVED = 10.0
 """Hedges saved up at most by a quiet backend."""
-OUTCOMES = ("won", "lost", "budget", "no_endpoint")
+OUTCOMES = ("won", "lost", "budget", "no_endpoint", "no_room")
 KINDS = ("answer", "stream")
 _CLOSING: set[asyncio.Future[None]] = set()
 
@@ -126,9 +130,11 @@ class Hedger:
         attempt: Callable[[E], Awaitable[Reply]],
         another: Callable[[E], E | None],
         streaming: bool = False,
+        spare: Spare | None = None,
     ) -> Reply:
         """``attempt(first)``, hedged by ``attempt(another(first))`` when it is slow: to its
-        answer, or (``streaming``) to its first chunk."""
+        answer, or (``streaming``) to its first chunk.  ``spare`` (``Call.spare``) gives the
+        hedge its room under the backend's limits for the race, or refuses it."""
         self.saved = min(MAX_SAVED, self.saved + hedge.max_ratio)
         kind = "stream" if streaming else "answer"
         if streaming:
@@ -157,12 +163,19 @@ class Hedger:
             if second is None:
                 self._counted[kind, "no_endpoint"].inc()
                 return await primary
+            release = spare() if spare is not None else _held
+            if release is None:
+                self._counted[kind, "no_room"].inc()
+                return await primary
         except BaseException:
             _drop((primary,))
             raise
         self.saved -= 1
         backup = asyncio.ensure_future(attempt(second))
-        return await self._race(primary, backup, kind)
+        try:
+            return await self._race(primary, backup, kind)
+        finally:
+            release()  # one call goes on: the first's own slot holds it
 
     async def _race(
         self, primary: asyncio.Future[Reply], backup: asyncio.Future[Reply], kind: str
@@ -185,6 +198,10 @@ class Hedger:
         self._counted[kind, "won" if chosen is backup else "lost"].inc()
         _drop(t for t in both if t is not chosen)
         return chosen.result()
+
+
+def _held() -> None:
+    """The release of a hedge that nothing but its ``max_ratio`` bounds."""
 
 
 def to_first_chunk(attempt: Callable[[E], Awaitable[Reply]]) -> Callable[[E], Awaitable[Reply]]:

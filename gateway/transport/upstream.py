@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import Metrics
-from gateway.pipeline import Reply
+from gateway.pipeline import Reply, Spare
 from gateway.policy.model import Backend
 from gateway.policy.routing import INFERENCE_PATH
 from gateway.transport.connection import Connection, StaleConnection
@@ -72,6 +72,7 @@ class Transport(Protocol):
         affinity: str | None = None,
         pin: Callable[[str], bool] | None = None,
         model: str | None = None,
+        spare: Spare | None = None,
     ) -> Reply: ...
 
 
