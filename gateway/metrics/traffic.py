@@ -53,7 +53,10 @@ class TrafficFamilies:
             "gateway_mirror_requests",
             "Copies of a route's upstream calls sent to its mirror backend (shadow traffic), "
             "by outcome: the answer's status class (2xx, 4xx, 5xx...), error (no whole "
-            "answer: refused, timed out, cut), or shed (not sent: max_in_flight were out).",
+            "answer: refused, timed out, cut), shed (not sent: max_in_flight were out), or "
+            "no_room (not sent: the mirror backend had no free slot under its "
+            "max_concurrency, calls queued, a rule shedding or rerouting it, or its breaker "
+            "not closed).",
             ["route", "backend", "outcome"],
             registry=r,
         )

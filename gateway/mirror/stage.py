@@ -15,9 +15,14 @@ per route in each process (one more is not sent, counted as ``shed``).  A copy g
 to the mirror backend's endpoints with the original's headers and ``X-Request-ID``, the
 mirror backend's own ``headers`` and ``X-Gateway-Mirror: <route>`` (a client's own is never
 passed on), and to a backend with ``upstream_priority: vllm`` at vLLM's lowest priority,
-whatever the client's body asked.  It passes that backend's queue, breaker and throttle
-rules, which guard the routes it serves itself: ``max_in_flight`` bounds its load.  A
-reload that changes the mirror, and shutdown, cancel the copies in flight.
+whatever the client's body asked.  A copy is held to that backend's limits, which guard the
+routes it serves itself, and never waits for them: it needs a free slot under its
+``max_concurrency`` that no queued call waits for, held till the copy ends, and none is
+sent while a throttle rule sheds or reroutes the backend or its breaker is not closed
+(``resilience.guard.BackendGuard.spare``; not sent, counted as ``no_room``).  So shadow
+traffic never takes a slot a served call needs, nor adds load to a GPU a rule protects.
+``max_in_flight`` bounds its load besides.  A reload that changes the mirror, and
+shutdown, cancel the copies in flight.
 
 A deterministic call's two answers are compared (``compare.py``): whether the mirror said
 the same, ids, times, model names and token counts aside, is counted in
@@ -44,9 +49,10 @@ from gateway.metrics.children import Counted
 from gateway.mirror.compare import agree, comparable
 from gateway.openai import vllm_priority as vllm
 from gateway.openai.body import dumps_yielding
-from gateway.pipeline import Call, Handler, Reply, Stage
+from gateway.pipeline import Call, Handler, Reply, Spare, Stage
 from gateway.policy.mirror import Mirror
 from gateway.policy.model import Policy
+from gateway.resilience.stage import GUARDS
 from gateway.runtime import Runtime
 from gateway.state import Kind
 from gateway.transport.forward import Forward
@@ -56,6 +62,7 @@ MIRROR_HEADER = "X-Gateway-Mirror"
 ERROR_LOG_EVERY_S = 60.0
 DIFFERENCE_LOG_EVERY_S = 10.0
 SHED = "shed"
+NO_ROOM = "no_room"
 ERROR = "error"
 
 
@@ -70,8 +77,10 @@ class Shadow:
         metrics: Metrics,
         clock: Clock,
         draw: Callable[[], float] = random.random,
+        room: Spare | None = None,
     ) -> None:
         self._route = route
+        self._room = room  # the mirror backend's leave for one more call (its guard's)
         self._mirror = mirror
         self._forward = forward
         self._clock = clock
@@ -103,11 +112,17 @@ class Shadow:
         if len(self._tasks) >= mirror.max_in_flight:
             self._outcomes.inc(SHED)
             return
+        release = self._room() if self._room is not None else None
+        if self._room is not None and release is None:
+            self._outcomes.inc(NO_ROOM)
+            return
         original = comparable(call, answered) if answered is not None else None
         task = asyncio.get_running_loop().create_task(self._send(call, original))
         self._tasks.add(task)
         self._in_flight.set(len(self._tasks))
         task.add_done_callback(self._done)
+        if release is not None:
+            task.add_done_callback(lambda _: release())
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -232,14 +247,23 @@ class MirrorStage:
 def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The mirror stage for ``policy``, or none when no route mirrors."""
     forward = Forward(runtime.transport)
+    registry = runtime.registry
 
     def shadow_of(route: str, mirror: Mirror) -> Shadow:
-        return runtime.registry.get(
+        def room() -> Callable[[], None] | None:
+            guard = registry.peek(GUARDS, mirror.backend)  # none: nothing limits its calls
+            return guard.spare() if guard is not None else _unlimited
+
+        return registry.get(
             SHADOWS,
             route,
             mirror,
-            lambda: Shadow(route, mirror, forward, runtime.metrics, runtime.clock),
+            lambda: Shadow(route, mirror, forward, runtime.metrics, runtime.clock, room=room),
         )
 
     shadows = {r.name: shadow_of(r.name, r.mirror) for r in policy.routes if r.mirror is not None}
     return [MirrorStage(shadows)] if shadows else []
+
+
+def _unlimited() -> None:
+    """The release of a copy to a backend without limits of its own."""

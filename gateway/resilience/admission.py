@@ -239,8 +239,8 @@ class Admission:
 
     def spare(self) -> Ticket | None:
         """A slot now, if one is free and no call waits for one; else None (never queued).
-        A hedge's second call (``transport.hedge``) holds it: it goes before no waiter, and
-        its time is not a call's (the ``Retry-After`` estimate)."""
+        A call the gateway adds holds it (a hedge's second call, a mirror's copy): it goes
+        before no waiter, and its time is not a call's (the ``Retry-After`` estimate)."""
         if self.in_flight >= self.limit or self.depth or self.draining:
             return None
         self.in_flight += 1

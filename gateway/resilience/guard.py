@@ -180,10 +180,11 @@ class BackendGuard:
         return Pass(ticket, permit)
 
     def spare(self) -> Callable[[], None] | None:
-        """Leave for a hedge's second call (``Call.spare``), or None: a free slot that no
-        queued call waits for, within a ``limit`` rule's rate; none while a rule sheds or
-        reroutes the backend's calls, nor while its breaker is not closed (a hedge is no
-        probe).  It is released by calling what is returned."""
+        """Leave for a call the gateway adds, a hedge's second call (``Call.spare``) or a
+        mirror's copy, or None: a free slot that no queued call waits for, within a
+        ``limit`` rule's rate; none while a rule sheds or reroutes the backend's calls, nor
+        while its breaker is not closed (such a call is no probe).  It is released by
+        calling what is returned."""
         if self.decision.action in ("shed", "reroute"):
             return None
         if self.breaker is not None and self.breaker.state != "closed":
