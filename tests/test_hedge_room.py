@@ -18,6 +18,7 @@ from gateway.policy.model import Backend
 from gateway.resilience.admission import Priority
 from gateway.resilience.breaker import Outcome
 from gateway.resilience.guard import BackendGuard
+from gateway.resilience.stage import GUARDS
 from gateway.resilience.throttle import Decision
 from gateway.testing import FakeClock
 from tests.helpers import metric, policy, until, write_policy
@@ -125,3 +126,20 @@ async def test_a_guard_gives_no_room_to_a_hedge_when_full_shedding_or_its_breake
     unbounded = BackendGuard("n", Metrics(), clock)
     unbounded.configure(Backend("n", url="http://127.0.0.1:1"), needs_admission=False)
     assert unbounded.spare() is not None  # nothing to hold it to but its max_ratio
+
+
+async def test_a_client_leaving_mid_race_frees_both_slots_and_both_calls(
+    serve_app, start_gateway, tmp_path
+):
+    gw, client, slow, fast = await gateway_of(serve_app, start_gateway, tmp_path, cap=2)
+    slow.gate, fast.gate = asyncio.Event(), asyncio.Event()
+    try:
+        call = asyncio.ensure_future(client.embeddings.create(model="m", input="q"))
+        await until(lambda: slow.calls + fast.calls == 2)  # the race is on
+        admission = gw.gateway.registry.peek(GUARDS, "m").admission
+        assert admission.in_flight == 2
+        call.cancel()  # the client leaves
+        await until(lambda: slow.left + fast.left == 2)  # both model servers see it leave
+        await until(lambda: admission.in_flight == 0)  # the call's slot and the hedge's
+    finally:
+        await client.close()
