@@ -198,6 +198,7 @@ class Edge:
         tenant: str,
     ) -> Call:
         policy = snap.policy
+        logged = policy.server.access_log or self._gateway.access_log
         path = request.path
         body = request.body
         raw = request.headers
@@ -243,9 +244,7 @@ class Edge:
             tenant=tenant,
             received=tuple(raw),
             client=client_key(client, policy.server.ipv6_client_prefix),
-            record=Record(trace=trace)
-            if trace is not None or policy.server.access_log or self._gateway.access_log
-            else None,
+            record=Record(trace=trace, logged=logged) if trace is not None or logged else None,
         )
 
     async def _respond(

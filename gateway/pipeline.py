@@ -58,6 +58,8 @@ class Record:
     """The URL of the endpoint that answered (``Reply.endpoint``)."""
     trace: object | None = None
     """The request's trace while one is recorded (``tracing.otel.Trace``); opaque here."""
+    logged: bool = False
+    """Whether the access log writes the request (and its mirror's copy, ``mirror.stage``)."""
 
 
 class Verdict:

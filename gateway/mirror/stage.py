@@ -29,16 +29,20 @@ the same, ids, times, model names and token counts aside, is counted in
 ``gateway_mirror_comparisons_total{route, backend, result}``, and a difference logged (at
 most every ``DIFFERENCE_LOG_EVERY_S``) with the request's id, under which both servers
 logged it.  Counted in ``gateway_mirror_requests_total{route, backend, outcome}``, timed
-whole in ``gateway_mirror_duration_seconds``, and in flight in ``gateway_mirror_in_flight``.
+whole in ``gateway_mirror_duration_seconds``, and in flight in ``gateway_mirror_in_flight``;
+with the access log on, each copy writes its own line (``"kind": "mirror"``, the original's
+``id``) once answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +56,7 @@ from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Handler, Reply, Spare, Stage
 from gateway.policy.mirror import Mirror
 from gateway.policy.model import Policy
+from gateway.policy.show import redact_url
 from gateway.resilience.stage import GUARDS
 from gateway.runtime import Runtime
 from gateway.state import Kind
@@ -130,6 +135,7 @@ class Shadow:
 
     async def _send(self, call: Call, original: bytes | None) -> None:
         started = self._clock.now()
+        logged = call.record is not None and call.record.logged
         try:
             reply = await self._forward(await self._copy_of(call))
             await _read_whole(reply)
@@ -138,16 +144,41 @@ class Shadow:
         except Exception as exc:
             self._outcomes.inc(ERROR)
             self._failed(exc)
+            if logged:
+                self._log(call, started, None, {"error": getattr(exc, "code", "error")})
             return
         self._duration.observe(self._clock.now() - started)
         self._outcomes.inc(f"{reply.status // 100}xx")
+        same = None
         if original is not None and reply.status == 200 and reply.body is not None:
-            self._compare(call, original, reply.body)
+            same = self._compare(call, original, reply.body)
+        if logged:
+            self._log(call, started, reply, {} if same is None else {"mirror_same": same})
 
-    def _compare(self, call: Call, original: bytes, copied: bytes) -> None:
+    def _log(self, call: Call, started: float, reply: Reply | None, more: dict[str, Any]) -> None:
+        """The copy's access-log line, beside its original's (the same ``id``)."""
+        entry: dict[str, Any] = {
+            "ts": round(self._clock.wall(), 3),
+            "id": call.id,
+            "kind": "mirror",
+            "method": call.method,
+            "path": call.path,
+            "route": self._route,
+            "backend": self._mirror.backend,
+            "status": reply.status if reply is not None else 0,
+            "duration_ms": round((self._clock.now() - started) * 1000, 3),
+        }
+        if call.tenant:
+            entry["tenant"] = call.tenant
+        if reply is not None and reply.endpoint:
+            entry["endpoint"] = redact_url(reply.endpoint)  # never a URL's credentials
+        sys.stderr.write(json.dumps({**entry, **more}) + "\n")
+
+    def _compare(self, call: Call, original: bytes, copied: bytes) -> bool | None:
+        """Whether the two answers agree (None: they cannot be compared), counted."""
         same = agree(original, copied)
         if same is None:
-            return
+            return None
         self._compared[same].inc()
         now = self._clock.now()
         if not same and now - self._last_difference_log >= DIFFERENCE_LOG_EVERY_S:
@@ -159,6 +190,7 @@ class Shadow:
                 call.id,
                 call.backend,
             )
+        return same
 
     async def _copy_of(self, call: Call) -> Call:
         mirror = self._mirror
