@@ -21,7 +21,8 @@ from gateway.policy.model import (
     ThrottleRule,
     Tracing,
 )
-from gateway.policy.route import MODEL_LIST_PATH, RATES
+from gateway.policy.rate_limit import RATES
+from gateway.policy.route import MODEL_LIST_PATH
 from gateway.policy.routing import OPENAI_JSON_PATHS
 
 Found = list[tuple[str, str]]

@@ -23,6 +23,7 @@ from gateway.policy.backend import (
 )
 from gateway.policy.match import Match, glob_regex
 from gateway.policy.metadata import doc
+from gateway.policy.rate_limit import RateLimit
 from gateway.policy.redis import DEFAULT_REDIS_URL, Redis
 from gateway.policy.route import (
     Adaptive,
@@ -30,7 +31,6 @@ from gateway.policy.route import (
     Judge,
     Prewarm,
     Quality,
-    RateLimit,
     Route,
     RouteCache,
     Semantic,

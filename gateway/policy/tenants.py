@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from gateway.policy.metadata import doc
-from gateway.policy.route import DEFAULT_RATE_LIMIT_REPLICAS, RateLimit
+from gateway.policy.rate_limit import DEFAULT_RATE_LIMIT_REPLICAS, RateLimit
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from gateway.pipeline import Call
-from gateway.policy.route import RateLimit
+from gateway.policy.rate_limit import RateLimit
 from gateway.resilience.rate_limit import scaled
 from gateway.tenant import address_key, credential_key
 

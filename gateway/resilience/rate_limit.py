@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.policy.route import RateLimit
+from gateway.policy.rate_limit import RateLimit
 from gateway.resilience.quota import OverRate, Quota, Standing, tightest
 
 DEFAULT_MAX_TENANTS = 10_000

@@ -26,8 +26,8 @@ from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import StoreError
 from gateway.metrics import Metrics
 from gateway.metrics.collectors import RateLimitFigures
+from gateway.policy.rate_limit import RateLimit
 from gateway.policy.redis import Redis
-from gateway.policy.route import RateLimit
 from gateway.redis import shared_link
 from gateway.resilience.quota import OverRate, Quota, Standing, tightest
 from gateway.resilience.rate_limit import Bucket, RateLimiter, buckets_of, request_burst, scaled
