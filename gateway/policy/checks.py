@@ -123,7 +123,7 @@ def warn_route(route: Route) -> Found:
     limit = route.rate_limit
     if limit is None or route.stream_usage != "pass":
         return []
-    if all(getattr(limit, key) is None for key in RATES if "tokens" in key):
+    if all(getattr(limit, key) is None for key in RATES if "tokens" in key or "cost" in key):
         return []
     return [
         (

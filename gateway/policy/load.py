@@ -41,6 +41,7 @@ from gateway.policy.model import (
     Tenants,
     ThrottleRule,
 )
+from gateway.policy.rate_limit import warn_cost
 from gateway.policy.redis import Redis, check_redis, effective
 from gateway.policy.tenant_checks import check_tenants
 
@@ -228,6 +229,8 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
     for r, (part, path) in zip(routes, where, strict=True):
         hedge = backends[r.backend].hedge if r.backend in backends else None
         _report(warn_hedge(hedge, r.match.path), part, path, warnings)
+        priced = any(backends[b].price for b in (r.backend, *r.fallback) if b in backends)
+        _report(warn_cost(r.rate_limit, priced), part, path, warnings)
     seen: set[tuple[str, str]] = set()
     for rule, part, path in throttles:
         _report(check_throttle(rule, backends), part, path, problems)

@@ -16,6 +16,7 @@ from gateway.policy.backend import (
     CircuitBreaker,
     Discovery,
     ModelPool,
+    Price,
     Queue,
     Saturation,
     TelemetrySource,
@@ -367,3 +368,7 @@ class Policy:
             if backend.name == name:
                 return backend
         raise KeyError(name)
+
+    def prices(self) -> dict[str, Price]:
+        """Each priced backend's ``price``, by name."""
+        return {b.name: b.price for b in self.backends if b.price is not None}

@@ -17,8 +17,12 @@ RATES = (
     "tokens_per_day",
     "input_tokens_per_min",
     "output_tokens_per_min",
+    "cost_per_day",
+    "cost_per_month",
 )
 """A ``RateLimit``'s rates, each a bucket of its own."""
+MONTH_DAYS = 30
+"""A ``cost_per_month``'s month."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,25 @@ class RateLimit:
             "`completion_tokens` settle it: a tenant past the minute's output waits."
         ),
     )
+    cost_per_day: float | None = field(
+        default=None,
+        metadata=doc(
+            "Spend per day, in the currency of the backends' `price` (LiteLLM's budget, "
+            "OpenAI's quota): a bucket holding a day's spend, refilled continuously. A call "
+            "pays its estimate at its backend's price up front (its prompt's size and its "
+            "`max_tokens`), and the answer's `usage`, at the price of the backend that "
+            "answered, settles it. Past it: 429 `insufficient_quota`. Only answers a backend "
+            "computed are charged, never a cached or shared one. Use `store: redis` for a "
+            "budget that must hold across restarts and replicas."
+        ),
+    )
+    cost_per_month: float | None = field(
+        default=None,
+        metadata=doc(
+            "Spend per 30 days, as `cost_per_day`: a bucket holding a month's budget, "
+            "refilled continuously (a thirtieth of it a day)."
+        ),
+    )
     store: Literal["memory", "redis"] = field(
         default="memory",
         metadata=doc(
@@ -77,3 +100,15 @@ class RateLimit:
             "down each enforces the limit (and burst) divided by this."
         ),
     )
+
+
+def warn_cost(limit: RateLimit | None, priced: bool) -> list[tuple[str, str]]:
+    """A spend budget on a route none of whose backends (its own, its fallbacks) has a
+    ``price``: nothing would ever be charged against it."""
+    if limit is None or priced:
+        return []
+    return [
+        (f"rate_limit.{key}", "no backend of this route has a `price`: nothing is charged")
+        for key in ("cost_per_day", "cost_per_month")
+        if getattr(limit, key) is not None
+    ]

@@ -19,7 +19,9 @@ bucket beside a minute's) each kind tells the one with the least remaining.  On 
 Messages API the same figures are told as Anthropic tells them:
 ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}``, the reset an RFC 3339
 time, and with them ``input-tokens`` and ``output-tokens`` under ``input_tokens_per_min``
-and ``output_tokens_per_min`` (which OpenAI's headers have no names for).
+and ``output_tokens_per_min`` (which OpenAI's headers have no names for).  A spend budget
+(``cost_per_day``, ``cost_per_month``) is told as ``x-ratelimit-{limit,remaining,reset}-cost``
+(``anthropic-ratelimit-cost-*``), its amounts in the ``price`` currency to six decimals.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from gateway.errors import RateLimited
 
 HEADER_PREFIX = "x-ratelimit-"
 ANTHROPIC_PREFIX = "anthropic-ratelimit-"
-UNITS = ("requests", "tokens", "input_tokens", "output_tokens")
+UNITS = ("requests", "tokens", "input_tokens", "output_tokens", "cost")
 """What a bucket counts (a ``Standing``'s fields); Anthropic's headers name each, OpenAI's
-only the first two."""
-OPENAI_UNITS = UNITS[:2]
+none of the prompt's and the answer's tokens apart (the gateway's own ``cost`` in both)."""
+OPENAI_UNITS = ("requests", "tokens", "cost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,7 @@ class Standing:
     tokens: Quota | None = None
     input_tokens: Quota | None = None
     output_tokens: Quota | None = None
+    cost: Quota | None = None
 
     def headers(self, *, anthropic: bool = False, wall: float = 0.0) -> list[tuple[str, str]]:
         """The rate headers of the quotas there are: OpenAI's, or Anthropic's (their resets
@@ -74,7 +77,10 @@ class Standing:
             if quota is None:
                 continue
             kind = unit.replace("_", "-")
-            limit, left = str(math.floor(quota.limit)), str(max(0, math.floor(quota.remaining)))
+            if unit == "cost":  # an amount of money, not a count
+                limit, left = money(quota.limit), money(max(0.0, quota.remaining))
+            else:
+                limit, left = str(math.floor(quota.limit)), str(max(0, math.floor(quota.remaining)))
             if anthropic:
                 name = f"{ANTHROPIC_PREFIX}{kind}-"
                 reset = datetime.fromtimestamp(math.ceil(wall + quota.reset_s), UTC)
@@ -100,6 +106,19 @@ class OverRate(RateLimited):
         super().__init__(message, retry_after_s)
         self.standing = standing
         self.extra_headers = tuple(standing.headers())
+
+
+class OverBudget(OverRate):
+    """A spend budget refused the call (``cost_per_day``, ``cost_per_month``): OpenAI's
+    ``insufficient_quota``, a 429 too."""
+
+    code = "insufficient_quota"
+
+
+def money(amount: float) -> str:
+    """An amount to six decimals, trailing zeros dropped (``"5"``, ``"4.372311"``)."""
+    text = f"{amount:.6f}".rstrip("0").rstrip(".")
+    return "0" if text in ("", "-0") else text
 
 
 def tightest(standings: Iterable[Standing]) -> Standing:

@@ -1,5 +1,5 @@
 """Per-tenant rate limits: token buckets for requests and model tokens, per second or minute
-and per day, and for the prompt's and the answer's tokens apart.
+and per day, for the prompt's and the answer's tokens apart, and for what they cost.
 
 A route's optional ``rate_limit`` gives each tenant its own buckets: requests
 (``requests_per_s``, its ``burst``), model tokens (``tokens_per_min``), and a day's worth of
@@ -8,7 +8,10 @@ holds the amount and refills continuously over its period.  ``check`` admits a r
 when every bucket can pay for it, else raises ``RateLimited`` (429) with the seconds until
 they could.  Model tokens are known only after the answer, so ``check`` takes an estimate
 and ``charge`` settles the difference; the token buckets may go into debt, which later
-requests wait out.  Both tell the tenant's standing after them (``quota.py``: the
+requests wait out.  A spend budget (``cost_per_day``, ``cost_per_month``) is a bucket of
+the backends' ``price`` currency, estimated and settled as tokens are, at the price of the
+backend that was asked and then of the one that answered; past it the 429 says
+``insufficient_quota``.  Both tell the tenant's standing after them (``quota.py``: the
 ``x-ratelimit-*`` headers, the tightest bucket of each unit), a refusal too.
 """
 
@@ -19,14 +22,15 @@ import math
 from dataclasses import dataclass
 
 from gateway.clock import SYSTEM_CLOCK, Clock
-from gateway.policy.rate_limit import RateLimit
-from gateway.resilience.quota import OverRate, Quota, Standing, tightest
+from gateway.policy.rate_limit import MONTH_DAYS, RateLimit
+from gateway.resilience.quota import OverBudget, OverRate, Quota, Standing, tightest
 
 DEFAULT_MAX_TENANTS = 10_000
 """Buckets kept at most; idle (full) buckets are dropped first when there are more."""
 DAY_S = 86_400.0
 REQUESTS, TOKENS, REQUESTS_DAY, TOKENS_DAY = "rq", "tk", "rd", "td"
 INPUT_TOKENS, OUTPUT_TOKENS = "ti", "to"
+COST_DAY, COST_MONTH = "cd", "cm"
 """The bucket kinds (each a key of its own in Redis)."""
 UNIT_OF = {
     REQUESTS: "requests",
@@ -35,6 +39,8 @@ UNIT_OF = {
     TOKENS_DAY: "tokens",
     INPUT_TOKENS: "input_tokens",
     OUTPUT_TOKENS: "output_tokens",
+    COST_DAY: "cost",
+    COST_MONTH: "cost",
 }
 """What each kind counts (``quota.UNITS``)."""
 
@@ -53,17 +59,19 @@ class Bucket:
 
     @property
     def tokens(self) -> bool:
-        """Whether it counts model tokens (else requests)."""
+        """Whether the answer settles it: it counts model tokens or their cost (else
+        requests)."""
         return self.unit != "requests"
 
-    def amount(self, tokens: float, output: float) -> float:
-        """What a call of ``tokens`` model tokens, ``output`` of them generated, costs this
-        bucket (a request bucket: one)."""
+    def amount(self, tokens: float, output: float, cost: float = 0.0) -> float:
+        """What a call of ``tokens`` model tokens, ``output`` of them generated, costing
+        ``cost``, takes from this bucket (a request bucket: one)."""
         return {
             "requests": 1.0,
             "tokens": tokens,
             "input_tokens": tokens - output,
             "output_tokens": output,
+            "cost": cost,
         }[self.unit]
 
     def standing(self, quota: Quota) -> Standing:
@@ -95,6 +103,12 @@ def buckets_of(limit: RateLimit) -> tuple[Bucket, ...]:
     ):
         if per_min is not None:
             found.append(Bucket(kind, per_min / 60, per_min))
+    for kind, budget, days in (
+        (COST_DAY, limit.cost_per_day, 1),
+        (COST_MONTH, limit.cost_per_month, MONTH_DAYS),
+    ):
+        if budget is not None:
+            found.append(Bucket(kind, budget / (days * DAY_S), budget))
     return tuple(found)
 
 
@@ -112,8 +126,18 @@ def scaled(limit: RateLimit, factor: float) -> RateLimit:
         tokens_per_day=times(limit.tokens_per_day),
         input_tokens_per_min=times(limit.input_tokens_per_min),
         output_tokens_per_min=times(limit.output_tokens_per_min),
+        cost_per_day=times(limit.cost_per_day),
+        cost_per_month=times(limit.cost_per_month),
         burst=times(limit.burst),
     )
+
+
+def refused(tenant: str, wait_s: float, standing: Standing, spent: bool) -> OverRate:
+    """The 429 of a tenant that must wait ``wait_s``: ``OverBudget`` when a spend budget is
+    what it waits for (``spent``)."""
+    refusal = OverBudget if spent else OverRate
+    over = "spend budget" if spent else "rate limit"
+    return refusal(f"tenant {tenant!r} is over its {over}", max(1, math.ceil(wait_s)), standing)
 
 
 class TokenBucket:
@@ -184,36 +208,36 @@ class RateLimiter:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
 
-    def check(self, tenant: str, tokens: float = 0, output: float = 0) -> Standing:
+    def check(self, tenant: str, tokens: float = 0, output: float = 0, cost: float = 0) -> Standing:
         """Admit one request of about ``tokens`` model tokens, ``output`` of them to be
-        generated, or raise ``RateLimited`` (its headers the tenant's standing); the
-        standing after it."""
+        generated, costing about ``cost``, or raise ``RateLimited`` (its headers the
+        tenant's standing); the standing after it."""
         now = self._clock.now()
         state = self._tenants.get(tenant) or self._add(tenant, now)
         paid: list[tuple[TokenBucket, float]] = []
-        wait = 0.0
+        wait, spent = 0.0, False
         for kind, bucket in state.buckets:
             bucket.refill(now)
-            amount = kind.amount(tokens, output)
+            amount = kind.amount(tokens, output, cost)
             if amount > 0:
-                wait = max(wait, bucket.wait_s(amount))
+                waits = bucket.wait_s(amount)
+                spent = spent or (waits > 0 and kind.unit == "cost")
+                wait = max(wait, waits)
                 paid.append((bucket, amount))
         if wait > 0:
             self.rejected += 1
-            raise OverRate(
-                f"tenant {tenant!r} is over its rate limit",
-                float(max(1, math.ceil(wait))),
-                state.standing(),
-            )
+            raise refused(tenant, wait, state.standing(), spent)
         for bucket, amount in paid:
             bucket.level -= min(amount, bucket.capacity)
         return state.standing()
 
-    def charge(self, tenant: str, tokens: float, output: float = 0) -> Standing | None:
+    def charge(
+        self, tenant: str, tokens: float, output: float = 0, cost: float = 0
+    ) -> Standing | None:
         """Settle a request's real token use against the estimate ``check`` took: pass the
-        differences, of all its tokens and of those generated (negative refunds).  The
-        token buckets may go into debt.  The standing after it (None for a tenant no longer
-        kept)."""
+        differences, of all its tokens, of those generated and of their cost (negative
+        refunds).  The token and cost buckets may go into debt.  The standing after it
+        (None for a tenant no longer kept)."""
         state = self._tenants.get(tenant)
         if state is None:
             return None
@@ -221,7 +245,8 @@ class RateLimiter:
         for kind, bucket in state.buckets:
             if kind.tokens:
                 bucket.refill(now)
-                bucket.level = min(bucket.capacity, bucket.level - kind.amount(tokens, output))
+                taken = kind.amount(tokens, output, cost)
+                bucket.level = min(bucket.capacity, bucket.level - taken)
         return state.standing()
 
     def standing(self, tenant: str) -> Standing | None:

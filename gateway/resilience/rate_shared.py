@@ -3,8 +3,9 @@ and replica, decided in Redis (``rate_redis.py``), else by this process's local 
 
 Each decision is one script call: the requests buckets (``requests_per_s`` with its
 ``burst``, ``requests_per_day``) and the tokens buckets (``tokens_per_min``,
-``tokens_per_day``, ``input_tokens_per_min``, ``output_tokens_per_min``) for the tokens
-the request is estimated at (none asked of them when it is estimated at none, but their
+``tokens_per_day``, ``input_tokens_per_min``, ``output_tokens_per_min``) and the spend
+budgets (``cost_per_day``, ``cost_per_month``) for the tokens and cost the request is
+estimated at (none asked of them when it is estimated at none, but their
 standing told all the same), all paid or none, as in ``rate_limit.py``; the answer's
 ``usage`` settles the estimate with a second call (``charge``), as there.  A route without
 ``store: redis`` never talks to Redis.
@@ -20,7 +21,6 @@ the request itself never fails for it.  ``decided`` counts where decisions were 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import StoreError
@@ -29,8 +29,15 @@ from gateway.metrics.collectors import RateLimitFigures
 from gateway.policy.rate_limit import RateLimit
 from gateway.policy.redis import Redis
 from gateway.redis import shared_link
-from gateway.resilience.quota import OverRate, Quota, Standing, tightest
-from gateway.resilience.rate_limit import Bucket, RateLimiter, buckets_of, request_burst, scaled
+from gateway.resilience.quota import Quota, Standing, tightest
+from gateway.resilience.rate_limit import (
+    Bucket,
+    RateLimiter,
+    buckets_of,
+    refused,
+    request_burst,
+    scaled,
+)
 from gateway.resilience.rate_redis import RedisRates, bucket_key
 from gateway.state import Kind, Registry
 
@@ -76,13 +83,15 @@ class SharedRateLimiter:
         """Whether decisions are being made in Redis."""
         return self._rates.up
 
-    async def check(self, tenant: str, tokens: float = 0, output: float = 0) -> Standing:
+    async def check(
+        self, tenant: str, tokens: float = 0, output: float = 0, cost: float = 0
+    ) -> Standing:
         """Admit one request of about ``tokens`` model tokens, ``output`` of them to be
-        generated, or raise ``RateLimited`` (its headers the tenant's standing); the
-        standing after it."""
+        generated, costing about ``cost``, or raise ``RateLimited`` (its headers the
+        tenant's standing); the standing after it."""
         # every bucket, a tokens one asked for none when no tokens are estimated: its
         # standing is told all the same, as the memory limiter tells it
-        buckets = [(self._key(tenant, b), b, b.amount(tokens, output)) for b in self._buckets]
+        buckets = [(self._key(tenant, b), b, b.amount(tokens, output, cost)) for b in self._buckets]
         if self._rates.usable():
             try:
                 wait, quotas = await self._rates.decide(buckets)
@@ -93,22 +102,22 @@ class SharedRateLimiter:
                 standing = told(buckets, quotas)
                 if wait > 0:
                     self._refused += 1
-                    raise OverRate(
-                        f"tenant {tenant!r} is over its rate limit",
-                        float(max(1, math.ceil(wait))),
-                        standing,
-                    )
+                    raise refused(tenant, wait, standing, short_of_budget(buckets, quotas))
                 return standing
         self.decided["local"] += 1
-        return self.local.check(tenant, tokens, output)
+        return self.local.check(tenant, tokens, output, cost)
 
-    async def charge(self, tenant: str, tokens: float, output: float = 0) -> Standing | None:
+    async def charge(
+        self, tenant: str, tokens: float, output: float = 0, cost: float = 0
+    ) -> Standing | None:
         """Settle a request's real token use against the estimate ``check`` took (the
-        differences, of all its tokens and of those generated; negative refunds), where
-        decisions are being made now; the tokens' standing after it (None when nothing was
-        settled)."""
+        differences, of all its tokens, of those generated and of their cost; negative
+        refunds), where decisions are being made now; the standing after it (None when
+        nothing was settled)."""
         settled = [
-            (self._key(tenant, b), b, b.amount(tokens, output)) for b in self._buckets if b.tokens
+            (self._key(tenant, b), b, b.amount(tokens, output, cost))
+            for b in self._buckets
+            if b.tokens
         ]
         if not any(amount for _, _, amount in settled):
             return None
@@ -117,7 +126,7 @@ class SharedRateLimiter:
                 return told(settled, await self._rates.settle(settled))
             except StoreError:
                 pass
-        return self.local.charge(tenant, tokens, output)
+        return self.local.charge(tenant, tokens, output, cost)
 
     def figures(self) -> RateLimitFigures:
         return RateLimitFigures(self.route, self.up, dict(self.decided))
@@ -134,6 +143,15 @@ class SharedRateLimiter:
 def told(buckets: list[tuple[str, Bucket, float]], quotas: list[Quota]) -> Standing:
     """The tightest of each unit among ``buckets``' ``quotas``."""
     return tightest(b.standing(q) for (_, b, _), q in zip(buckets, quotas, strict=True))
+
+
+def short_of_budget(buckets: list[tuple[str, Bucket, float]], quotas: list[Quota]) -> bool:
+    """Whether a spend budget among ``buckets`` could not pay its amount (a refusal's
+    standings, as they were)."""
+    return any(
+        b.unit == "cost" and min(amount, b.capacity) > q.remaining
+        for (_, b, amount), q in zip(buckets, quotas, strict=True)
+    )
 
 
 def shared_limiter(

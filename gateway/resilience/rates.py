@@ -6,7 +6,10 @@ A call is admitted only when every limit it counts against can pay for it (429 w
 ``Retry-After`` past one); model tokens are estimated up front and settled against the
 answer's ``usage``: a whole body's at once, a stream's once it has ended, from the usage
 event it carries (asked by its client with ``stream_options.include_usage``, or for it by
-the route's ``stream_usage: ask``; a stream without one keeps its estimate).  Each limit
+the route's ``stream_usage: ask``; a stream without one keeps its estimate).  A spend budget
+(``cost_per_day``, ``cost_per_month``) is charged the tokens at their backend's ``price``:
+the estimate at the price of the backend asked, the answer's at the price of the one that
+answered (a fallback may cost more or less).  Each limit
 counts in this process (``rate_limit.py``) or, with ``store: redis``, across every replica
 (``rate_shared.py``).  The caller's standing in the tightest of its limits is told in the
 answer's ``x-ratelimit-*`` headers (``quota.py``).
@@ -25,6 +28,7 @@ from gateway.errors import RateLimited
 from gateway.metrics import Metrics
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
+from gateway.policy.backend import Price
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
     TENANT_PREFIX,
@@ -72,6 +76,12 @@ class Admitted:
     standings: list[Standing]
     output_estimate: int = 0
     """Of ``estimate``, the tokens the answer was expected to generate (its ``max_tokens``)."""
+    cost_estimate: float = 0.0
+    """What ``estimate`` costs at the price of the backend asked (a spend budget's)."""
+    prices: Mapping[str, Price] | None = None
+    """Each priced backend's ``price``, for the answer's cost (a spend budget's)."""
+    backend: str = ""
+    """The backend asked (the answer's, when it does not name its own)."""
 
     @property
     def standing(self) -> Standing:
@@ -112,19 +122,22 @@ class RateLimits:
         # must wait even when it names no bound (its estimate would be none, asked of no one)
         output = max(1, answer_bound(call)) if counted else 0
         estimate = len(call.body) // CHARS_PER_TOKEN + output if counted else 0
+        prices = call.policy.prices() if counted else None
+        price = prices.get(call.backend) if prices else None
+        cost = price.of(estimate - output, output) if price is not None else 0.0
         standings: list[Standing] = []
         try:
             for limit in limits:
-                tokens, generated = (estimate, output) if limit.tokens else (0, 0)
+                tokens, generated, paid = (estimate, output, cost) if limit.tokens else (0, 0, 0.0)
                 if key.newcomer is not None and limit.newcomers is not None:
-                    await _check(limit.newcomers, key.newcomer, tokens, generated)
-                standings.append(await _check(limit.own, key.key, tokens, generated))
+                    await _check(limit.newcomers, key.newcomer, tokens, generated, paid)
+                standings.append(await _check(limit.own, key.key, tokens, generated, paid))
         except RateLimited as exc:
             self._metrics.rate_limited.labels(call.route.name).inc()
             if isinstance(exc, OverRate) and anthropic_path(call.path):
                 exc.extra_headers = tuple(self.told(call, exc.standing))
             raise
-        return Admitted(key, limits, estimate, standings, output)
+        return Admitted(key, limits, estimate, standings, output, cost, prices, call.backend)
 
     def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
         """``standing`` as the headers of ``call``'s API (Anthropic's or OpenAI's)."""
@@ -144,7 +157,7 @@ class RateLimits:
             return self._settled_when_done(admitted, served)
         used = from_body(served.body)
         if used is not None:
-            await self._settle_tokens(admitted, used)
+            await self._settle_tokens(admitted, used, served.backend)
         return served
 
     def _settled_when_done(self, admitted: Admitted, served: Reply) -> Reply:
@@ -157,27 +170,31 @@ class RateLimits:
 
         def done() -> None:
             if usage.counts is not None:
-                task = asyncio.ensure_future(self._settle_tokens(admitted, usage.counts))
+                settled = self._settle_tokens(admitted, usage.counts, served.backend)
+                task = asyncio.ensure_future(settled)
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
 
         return served.when_done(done)
 
-    async def _settle_tokens(self, admitted: Admitted, used: tuple[int, int]) -> None:
-        """Settle the estimate against ``used``, the answer's (prompt, completion) tokens."""
+    async def _settle_tokens(self, admitted: Admitted, used: tuple[int, int], by: str) -> None:
+        """Settle the estimate against ``used``, the answer's (prompt, completion) tokens,
+        made by the backend ``by`` (its price, for a spend budget)."""
         key = admitted.key
         difference = sum(used) - admitted.estimate
         generated = used[1] - admitted.output_estimate
+        price = admitted.prices.get(by or admitted.backend) if admitted.prices else None
+        cost = (price.of(*used) if price is not None else 0.0) - admitted.cost_estimate
         for i, limit in enumerate(admitted.limits):
             if not limit.tokens:
                 continue
-            after = await _charge(limit.own, key.key, difference, generated)
+            after = await _charge(limit.own, key.key, difference, generated, cost)
             if after is not None:  # its tokens' standing now; its requests' as admitted
                 admitted.standings[i] = dataclasses.replace(
                     after, requests=admitted.standings[i].requests
                 )
             if key.newcomer is not None and limit.newcomers is not None:
-                await _charge(limit.newcomers, key.newcomer, difference, generated)
+                await _charge(limit.newcomers, key.newcomer, difference, generated, cost)
 
     def _limits_of(self, call: Call) -> tuple[Limit, ...]:
         route = self._routes.get(call.route.name)
@@ -245,13 +262,15 @@ async def _fed(stream: AsyncIterator[bytes], usage: StreamUsage) -> AsyncIterato
         yield chunk
 
 
-async def _check(limiter: Limiter, key: str, tokens: float, output: float) -> Standing:
+async def _check(limiter: Limiter, key: str, tokens: float, output: float, cost: float) -> Standing:
     if isinstance(limiter, SharedRateLimiter):
-        return await limiter.check(key, tokens, output)
-    return limiter.check(key, tokens, output)
+        return await limiter.check(key, tokens, output, cost)
+    return limiter.check(key, tokens, output, cost)
 
 
-async def _charge(limiter: Limiter, key: str, tokens: float, output: float) -> Standing | None:
+async def _charge(
+    limiter: Limiter, key: str, tokens: float, output: float, cost: float
+) -> Standing | None:
     if isinstance(limiter, SharedRateLimiter):
-        return await limiter.charge(key, tokens, output)
-    return limiter.charge(key, tokens, output)
+        return await limiter.charge(key, tokens, output, cost)
+    return limiter.charge(key, tokens, output, cost)
