@@ -28,33 +28,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
-
 from bench.common import machine, update_section
-from bench.plumbing import ANSWER, RawClient, gateway, pcts, serving
+from bench.plumbing import Answering, RawClient, gateway, pcts, serving
 
 SERVICE_MS = 2.0
 SLOW_MS = 500.0
 MAX_IN_FLIGHT = 16
-
-
-class Server:
-    """Answers each call after ``delay_ms``; counts the calls it got."""
-
-    def __init__(self, delay_ms: float) -> None:
-        self.delay_s = delay_ms / 1000
-        self.calls = 0
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        return app
-
-    async def chat(self, request: web.Request) -> web.Response:
-        await request.read()
-        self.calls += 1
-        await asyncio.sleep(self.delay_s)
-        return web.json_response(ANSWER)
 
 
 def policy(primary: str, shadow: str | None) -> dict[str, Any]:
@@ -94,14 +73,14 @@ async def loaded(url: str, duration_s: float, connections: int) -> dict[str, flo
 
 
 async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
-    primary, quick, slow = Server(SERVICE_MS), Server(SERVICE_MS), Server(SLOW_MS)
+    primary, quick, slow = Answering(SERVICE_MS), Answering(SERVICE_MS), Answering(SLOW_MS)
     async with serving(primary.app(), quick.app(), slow.app()) as (main_url, quick_url, slow_url):
         async with (
             gateway(policy(main_url, None)) as plain,
             gateway(policy(main_url, quick_url)) as to_quick,
             gateway(policy(main_url, slow_url)) as to_slow,
         ):
-            paths: list[tuple[str, str, Server | None]] = [
+            paths: list[tuple[str, str, Answering | None]] = [
                 ("direct", main_url, None),
                 ("gateway, no mirror", plain, None),
                 (f"gateway, mirror answering in {SERVICE_MS:g} ms", to_quick, quick),
@@ -116,7 +95,7 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
 
 
 async def measure(
-    url: str, primary: Server, shadow: Server | None, duration_s: float, connections: int
+    url: str, primary: Answering, shadow: Answering | None, duration_s: float, connections: int
 ) -> dict[str, float]:
     asked, copied = primary.calls, shadow.calls if shadow is not None else 0
     steps: list[Callable[[], Awaitable[dict[str, float]]]] = [

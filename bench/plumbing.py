@@ -62,6 +62,27 @@ class Backend:
         return web.json_response(ANSWER)
 
 
+class Answering:
+    """A model server answering each chat completion with ``answer`` after ``delay_ms``;
+    counts the calls it got."""
+
+    def __init__(self, delay_ms: float, answer: dict[str, Any] | None = None) -> None:
+        self.delay_s = delay_ms / 1000
+        self.answer = ANSWER if answer is None else answer
+        self.calls = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        return web.json_response(self.answer)
+
+
 class Exporter:
     """A DCGM exporter whose temperature the bench sets."""
 
