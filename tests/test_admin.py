@@ -226,6 +226,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_requests",
         "gateway_response_ids_refused",
         "gateway_shed",
+        "gateway_spend_refused",
         "gateway_stream_first_byte_seconds",
         "gateway_target_model_requests",
         "gateway_telemetry_age_seconds",

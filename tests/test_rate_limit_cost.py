@@ -122,6 +122,9 @@ async def test_a_tenant_past_its_budget_gets_insufficient_quota_and_its_standing
     assert "x-ratelimit-reset-cost" in third.headers
     other = await gw.post("/v1/chat/completions", ask("d"), headers={"Authorization": "Bearer b"})
     assert other.status_code == 200  # another tenant's budget is its own
+    metrics = gw.gateway.metrics
+    assert metrics.spend_refused.labels("chat")._value.get() == 1
+    assert metrics.rate_limited.labels("chat")._value.get() == 1
 
 
 async def test_a_cached_answer_costs_the_budget_nothing(pipeline):

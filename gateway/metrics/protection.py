@@ -167,5 +167,13 @@ class ProtectionFamilies:
             ["route"],
             registry=r,
         )
+        self.spend_refused = Counter(
+            "gateway_spend_refused",
+            "Of gateway_rate_limited, the requests refused because their tenant's spend "
+            "budget (rate_limit.cost_per_day, cost_per_month) was spent: 429 "
+            "insufficient_quota.",
+            ["route"],
+            registry=r,
+        )
         self.rate_limits = RateLimitCollector(registry=r)
         self.redis = RedisCollector(registry=r)

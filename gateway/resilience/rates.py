@@ -37,7 +37,7 @@ from gateway.resilience.credentials import (
     newcomer_limit,
     rate_key_of,
 )
-from gateway.resilience.quota import OverRate, Standing, tightest
+from gateway.resilience.quota import OverBudget, OverRate, Standing, tightest
 from gateway.resilience.rate_limit import RateLimiter
 from gateway.resilience.rate_shared import SharedRateLimiter, shared_limiter
 from gateway.state import Kind, Registry
@@ -134,6 +134,8 @@ class RateLimits:
                 standings.append(await _check(limit.own, key.key, tokens, generated, paid))
         except RateLimited as exc:
             self._metrics.rate_limited.labels(call.route.name).inc()
+            if isinstance(exc, OverBudget):
+                self._metrics.spend_refused.labels(call.route.name).inc()
             if isinstance(exc, OverRate) and anthropic_path(call.path):
                 exc.extra_headers = tuple(self.told(call, exc.standing))
             raise
