@@ -57,6 +57,15 @@ def test_wrong_types_and_missing_required_keys_are_reported_together():
     assert "routes: must be a list" in joined
 
 
+def test_a_number_must_be_finite_yamls_nan_and_inf_are_refused():
+    """No figure means "not a number" or "without bound": a NaN price would make every
+    budget's level NaN, which no comparison refuses."""
+    text = "backends:\n  a: {url: 'http://x', timeout_s: .inf, price: {input_per_million: .nan}}\n"
+    joined = "\n".join(problems_of(text + "routes: []\n"))
+    assert "backends.a.timeout_s: must be a finite number, not inf" in joined
+    assert "backends.a.price.input_per_million: must be a finite number, not nan" in joined
+
+
 def test_route_to_unknown_backend_is_a_cross_reference_error():
     found = problems_of(MINIMAL.replace("backend: main", "backend: mian"))
     assert found == ["p.yaml:9: routes[0].backend: unknown backend 'mian' (known: main)"]

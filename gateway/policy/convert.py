@@ -14,6 +14,7 @@ watcher reloads when it does (``Found.files``; ``watch.py``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -137,6 +138,8 @@ def _scalar(tp: Any, value: Any, path: str, meta: typing.Mapping[str, Any], prob
             return value
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):  # YAML's .nan and .inf: no figure means either
+                raise Invalid(path, f"must be a finite number, not {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
