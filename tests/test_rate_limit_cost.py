@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import openai
 import pytest
 import yaml
 
@@ -23,6 +24,7 @@ from gateway.testing import FakeClock, Sent, json_reply
 from tests.helpers import policy, write_policy
 from tests.test_rate_headers import ALICE, URL
 from tests.test_rate_limit_day import rates  # noqa: F401 (the fixture)
+from tests.upstreams import Recorder
 
 PRICE = {"input_per_million": 1000, "output_per_million": 2000}  # 0.001 and 0.002 a token
 
@@ -117,7 +119,8 @@ async def test_a_tenant_past_its_budget_gets_insufficient_quota_and_its_standing
     assert float(second.headers["x-ratelimit-remaining-cost"]) == pytest.approx(0.034, abs=1e-6)
     third = await gw.post("/v1/chat/completions", ask("c"), headers=ALICE)  # 0.038 > 0.034
     assert third.status_code == 429
-    assert third.json()["error"]["code"] == "insufficient_quota"
+    error = third.json()["error"]
+    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
     assert int(third.headers["Retry-After"]) > 60  # a day's 0.08 refills 0.001 in 18 min
     assert "x-ratelimit-reset-cost" in third.headers
     other = await gw.post("/v1/chat/completions", ask("d"), headers={"Authorization": "Bearer b"})
@@ -172,3 +175,27 @@ async def test_an_answer_is_charged_at_the_price_of_the_backend_that_gave_it(pip
     assert answered.status_code == 200 and answered.headers["X-Gateway-Backend"] == "spare"
     left = float(answered.headers["x-ratelimit-remaining-cost"])
     assert left == pytest.approx(1.0 - 0.023, abs=1e-6)  # the spare's price, not the primary's
+
+
+async def test_the_openai_sdk_sees_a_spent_budget_as_its_rate_limit_error(
+    serve_app, start_gateway, tmp_path
+):
+    url = await serve_app(Recorder().app())
+    route = {"rate_limit": {"cost_per_month": 0.05}}
+    gw = await start_gateway(
+        policy=write_policy(tmp_path, policy({"main": {"url": url, "price": PRICE}}, route))
+    )
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-team", max_retries=0)
+    try:
+        messages: Any = [{"role": "user", "content": "hi"}]
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=messages, max_tokens=5
+        )
+        assert raw.headers["x-ratelimit-limit-cost"] == "0.05"
+        with pytest.raises(openai.RateLimitError) as refused:
+            for _ in range(20):
+                await client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    finally:
+        await client.close()
+    assert refused.value.code == "insufficient_quota"
+    assert refused.value.response.headers["retry-after"]

@@ -110,8 +110,9 @@ class OverRate(RateLimited):
 
 class OverBudget(OverRate):
     """A spend budget refused the call (``cost_per_day``, ``cost_per_month``): OpenAI's
-    ``insufficient_quota``, a 429 too."""
+    ``insufficient_quota`` (its type and code), a 429 too."""
 
+    type = "insufficient_quota"
     code = "insufficient_quota"
 
 
