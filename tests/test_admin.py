@@ -190,6 +190,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_endpoint_retries",
         "gateway_endpoint_signal",
         "gateway_endpoint_state",
+        "gateway_endpoint_warmups",
         "gateway_event_loop_lag_seconds",
         "gateway_fallbacks",
         "gateway_forecast_requests_per_second",

@@ -178,6 +178,14 @@ class TrafficFamilies:
             ["backend", "endpoint", "state"],
             registry=r,
         )
+        self.endpoint_warmups = Counter(
+            "gateway_endpoint_warmups",
+            "Warm-ups of the endpoints discovery added to a backend with warmup requests, "
+            "before they take calls, by outcome: warmed, or gave_up (past warmup_timeout_s: "
+            "it takes calls all the same).",
+            ["backend", "outcome"],
+            registry=r,
+        )
         self.endpoint_signal = Gauge(
             "gateway_endpoint_signal",
             "An endpoint's own telemetry (kv_aware or a {host}/{port} telemetry.url).",

@@ -28,6 +28,7 @@ class Endpoint:
         self.throttled: set[str] = set()  # the throttle rules firing on its signals
         self.refused_until = 0.0  # it answered 503: others first till then (calls.py); 0
         # again once it answers otherwise
+        self.warming = False  # new through discovery: being warmed, others first (joining.py)
         self.failures = 0
         self.ejected_until = 0.0
         self.ejections = 0
@@ -68,6 +69,8 @@ class Endpoint:
             return "ejected"
         if self.throttled:
             return "throttled"
+        if self.warming:
+            return "warming"
         return "refusing" if self.refused_until else self.role or "active"
 
     def pools(self) -> list[BackendPool]:
@@ -100,8 +103,8 @@ class Endpoint:
         counter.inc()
 
     def show_state(self) -> None:
-        """Publish ``state()``: ejected, throttled, refusing (its last answer a 503), else its
-        role in the pool sizing."""
+        """Publish ``state()``: ejected, throttled, warming (joining), refusing (its last
+        answer a 503), else its role in the pool sizing."""
         state = self.state()
         for name in STATES:
             self._state.labels(self._name, self.url, name).set(1 if name == state else 0)

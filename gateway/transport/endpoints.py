@@ -59,6 +59,7 @@ from gateway.transport import load
 from gateway.transport.calls import Calls
 from gateway.transport.discovery import Resolver, follow
 from gateway.transport.endpoint import Endpoint
+from gateway.transport.joining import Joining
 from gateway.transport.sizing import Demand, Sizing
 from gateway.transport.upstream import BackendPool, pool_key
 
@@ -128,6 +129,9 @@ class EndpointSet:
         self.sizing = Sizing(backend, backend.pool, clock, demand) if backend.pool else None
         if self.sizing is not None:
             self.sizing.assign(self.endpoints)
+        sleep = getattr(clock, "sleep", asyncio.sleep)
+        joins = backend.discovery is not None and self.sizing is None
+        self.joining = Joining(backend, metrics, clock, sleep) if joins else None
         self.rules: tuple[ThrottleRule, ...] = ()  # the backend's, judged per endpoint
         self.scraped_at: float | None = None  # the last round of telemetry scrapes
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
@@ -186,6 +190,9 @@ class EndpointSet:
             or Endpoint(BackendPool(self._backend, b := self._metrics, u), b, self._backend)
             for u in dict.fromkeys(wanted)
         ]
+        for e in self.endpoints:
+            if self.joining is not None and e.url not in kept:
+                self.joining.join(e)  # warmed before it takes calls
         if self.sizing is not None:
             self.sizing.assign(self.endpoints)
         self.healthy()
@@ -250,7 +257,9 @@ class EndpointSet:
             return self.endpoints[0]
         choices = [e for e in self.healthy() if e not in exclude]
         now = self._clock.now()
-        choices = [e for e in choices if not e.throttled and e.refused_until <= now] or choices
+        choices = [
+            e for e in choices if not e.throttled and not e.warming and e.refused_until <= now
+        ] or choices
         if self.sizing is not None:
             rotation = self.sizing.in_rotation(self.endpoints)
             choices = [e for e in choices if e in rotation] or [
@@ -365,6 +374,8 @@ class EndpointSet:
     def _stop(self) -> None:
         if self.sizing is not None:
             self.sizing.close()
+        if self.joining is not None:
+            self.joining.close()
         for task in (self._follower, self._watcher, self._keeper):
             if task is not None:
                 task.cancel()

@@ -70,9 +70,9 @@ def hedgeable(backend: Backend, streaming: bool, pinned: bool, inert: bool) -> H
 
 def hedge_target(second: Endpoint, first: Endpoint, backend: Backend, now: float) -> bool:
     """Whether ``second`` (the pick among the others) may take a hedge of ``first``'s call:
-    another endpoint, not ejected, no throttle rule firing on it, not refusing calls
-    (``calls.py``), (``kv_aware``) not saturated."""
-    if second is first or second.ejected_until or second.throttled:
+    another endpoint, not ejected, no throttle rule firing on it, not being warmed
+    (``joining.py``), not refusing calls (``calls.py``), (``kv_aware``) not saturated."""
+    if second is first or second.ejected_until or second.throttled or second.warming:
         return False
     if second.refused_until > now:
         return False

@@ -1,7 +1,8 @@
 """Warm-up: requests sent to each backend before the gateway reports ready, so the first
 user request never pays a cold start (the case study's first request timed out).  A
 backend of several ``endpoints`` is warmed on each of them: a replica left cold would make
-whichever request is picked for it pay (endpoints found by ``discovery`` later are not)."""
+whichever request is picked for it pay.  Endpoints ``discovery`` finds are each warmed as
+they join, before they take calls (``joining.py``)."""
 
 from __future__ import annotations
 

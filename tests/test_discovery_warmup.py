@@ -1,0 +1,101 @@
+"""An endpoint discovery adds to a backend with ``warmup`` requests is warmed before it takes
+calls (``transport.joining``): it is ``warming`` while its warm-up runs, gets no call while
+another endpoint can take it, joins once warmed, and joins all the same when its warm-up
+gives up.  Servers on loopback addresses (real sockets), an injected resolver, a fake
+clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.metrics import Metrics
+from gateway.policy.backend import WarmupRequest
+from gateway.policy.model import Backend, Discovery
+from gateway.testing import FakeClock, FakeResolver
+from gateway.transport.endpoints import EndpointSet
+from tests.helpers import until
+from tests.test_discovery import HOSTS, answer, instances
+
+__all__ = ["instances"]  # the fixture, for pytest
+
+
+def warmed_backend(port: int, timeout_s: float = 30.0) -> Backend:
+    """Discovered endpoints whose warm-up waits on the server's ``/gated`` (its gate)."""
+    return Backend(
+        "llm",
+        discovery=Discovery("llm.svc", port, interval_s=5),
+        balance="round_robin",
+        warmup=(WarmupRequest("/gated", method="GET"),),
+        warmup_timeout_s=timeout_s,
+    )
+
+
+def state(metrics: Metrics, url: str, name: str) -> float:
+    return float(metrics.endpoint_state.labels("llm", url, name)._value.get())
+
+
+def warmups(metrics: Metrics, outcome: str) -> float:
+    return float(metrics.endpoint_warmups.labels("llm", outcome)._value.get())
+
+
+async def test_a_new_endpoint_takes_no_call_until_its_warm_up_has_answered(instances) -> None:
+    port, gates = instances
+    gates[HOSTS[0]].set()  # the first instance warms at once
+    clock, resolver = FakeClock(), FakeResolver({"llm.svc": [HOSTS[0]]})
+    backend, metrics = warmed_backend(port), Metrics()
+    endpoints = EndpointSet(backend, metrics, clock=clock)
+    endpoints.follow(resolver)
+    try:
+        await until(lambda: warmups(metrics, "warmed") == 1)
+        resolver.set("llm.svc", list(HOSTS[:2]))  # scaled up: a second replica
+        clock.advance(5)
+        await until(lambda: len(endpoints.endpoints) == 2)
+        new = next(e for e in endpoints.endpoints if HOSTS[1] in e.url)
+        assert new.warming and state(metrics, new.url, "warming") == 1
+        # round robin would alternate; the cold replica gets none of them
+        assert {await answer(endpoints, backend) for _ in range(6)} == {HOSTS[0]}
+        gates[HOSTS[1]].set()  # its warm-up answers
+        await until(lambda: not new.warming)
+        assert state(metrics, new.url, "active") == 1
+        assert {await answer(endpoints, backend) for _ in range(6)} == set(HOSTS[:2])
+        assert warmups(metrics, "warmed") == 2
+    finally:
+        await endpoints.aclose()
+
+
+async def test_a_new_endpoint_whose_warm_up_gives_up_joins_all_the_same(instances) -> None:
+    port, gates = instances
+    gates[HOSTS[0]].set()
+    # a second address with nothing listening: every warm-up is refused
+    clock, resolver = FakeClock(), FakeResolver({"llm.svc": [HOSTS[0], "127.0.0.9"]})
+    backend, metrics = warmed_backend(port, timeout_s=3), Metrics()
+    endpoints = EndpointSet(backend, metrics, clock=clock)
+    endpoints.follow(resolver)
+    try:
+        await until(lambda: len(endpoints.endpoints) == 2)
+        dead = next(e for e in endpoints.endpoints if "127.0.0.9" in e.url)
+        for _ in range(4):  # a retry a second, for the 3 s it has
+            await until(lambda: clock.sleepers >= 2 or not dead.warming)
+            clock.advance(1)
+            await asyncio.sleep(0)
+        await until(lambda: not dead.warming)
+        assert warmups(metrics, "gave_up") == 1
+        assert state(metrics, dead.url, "active") == 1  # joined; ejection judges it now
+        # a call picked for it cannot connect, and goes to the other: no call fails
+        assert {await answer(endpoints, backend) for _ in range(4)} == {HOSTS[0]}
+    finally:
+        await endpoints.aclose()
+
+
+async def test_without_warm_up_requests_a_new_endpoint_takes_calls_at_once(instances) -> None:
+    port, _ = instances
+    clock, resolver = FakeClock(), FakeResolver({"llm.svc": list(HOSTS[:2])})
+    backend = Backend("llm", discovery=Discovery("llm.svc", port), balance="round_robin")
+    endpoints = EndpointSet(backend, Metrics(), clock=clock)
+    endpoints.follow(resolver)
+    try:
+        await until(lambda: len(endpoints.endpoints) == 2)
+        assert not any(e.warming for e in endpoints.endpoints)
+        assert {await answer(endpoints, backend) for _ in range(4)} == set(HOSTS[:2])
+    finally:
+        await endpoints.aclose()
