@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 
 from gateway.metrics import Metrics
+from gateway.policy import parse_policy_text
 from gateway.policy.backend import WarmupRequest
-from gateway.policy.model import Backend, Discovery
+from gateway.policy.model import Backend, Discovery, Policy
 from gateway.testing import FakeClock, FakeResolver
+from gateway.transport.backends import Upstreams
 from gateway.transport.endpoints import EndpointSet
 from tests.helpers import until
 from tests.test_discovery import HOSTS, answer, instances
@@ -99,3 +101,24 @@ async def test_without_warm_up_requests_a_new_endpoint_takes_calls_at_once(insta
         assert {await answer(endpoints, backend) for _ in range(4)} == set(HOSTS[:2])
     finally:
         await endpoints.aclose()
+
+
+async def test_a_reload_that_changes_the_warm_up_applies_to_the_endpoints_joining_after_it():
+    def parsed(warmup: str) -> Policy:
+        text = (
+            "backends:\n  llm:\n    discovery: {dns: llm.svc, port: 8000}\n"
+            f"    warmup: [{{path: {warmup}, method: GET}}]\n"
+            "routes: [{match: {path: '/v1/*'}, backend: llm}]\n"
+        )
+        return parse_policy_text(text, "p.yaml")
+
+    upstreams = Upstreams(Metrics(), FakeClock(), FakeResolver({"llm.svc": []}))
+    try:
+        upstreams.sync(parsed("/health"))
+        endpoints = upstreams.endpoint_set("llm")
+        assert endpoints is not None and endpoints.joining is not None
+        upstreams.sync(parsed("/v1/models"))
+        assert upstreams.endpoint_set("llm") is endpoints  # kept across the reload
+        assert endpoints.joining.backend.warmup[0].path == "/v1/models"
+    finally:
+        await upstreams.aclose()

@@ -55,6 +55,8 @@ class Upstreams:
                 self._pools[name].keep_warm()
         for name, pool in self._pools.items():
             pool.rules = tuple(r for r in policy.throttle if r.backend == name)
+            if pool.joining is not None:  # the warm-up the policy now asks of joiners
+                pool.joining.backend = wanted[name]
         self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
 
     def endpoint_set(self, name: str) -> EndpointSet | None:

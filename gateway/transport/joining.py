@@ -45,7 +45,7 @@ class Joining:
         clock: Clock,
         sleep: Callable[[float], Awaitable[Any]],
     ) -> None:
-        self._backend = backend
+        self.backend = backend  # the live definition (a reload may change its `warmup`)
         self._clock = clock
         self._sleep = sleep
         self._tasks: set[asyncio.Task[None]] = set()
@@ -53,7 +53,7 @@ class Joining:
 
     def join(self, endpoint: Endpoint) -> None:
         """Warm ``endpoint`` (new to the backend) before it takes calls."""
-        if not self._backend.warmup:
+        if not self.backend.warmup:
             return
         endpoint.warming = True
         endpoint.show_state()
@@ -62,7 +62,7 @@ class Joining:
         task.add_done_callback(self._tasks.discard)
 
     async def _warm(self, endpoint: Endpoint) -> None:
-        backend = self._backend
+        backend = self.backend
         deadline = self._clock.now() + backend.warmup_timeout_s
         try:
             while not await warm(endpoint.pool, backend):
@@ -87,4 +87,4 @@ class Joining:
             task.cancel()
 
     def __repr__(self) -> str:
-        return f"<Joining {self._backend.name} warming={len(self._tasks)}>"
+        return f"<Joining {self.backend.name} warming={len(self._tasks)}>"
