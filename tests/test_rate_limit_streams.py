@@ -1,7 +1,7 @@
 """A stream's tokens settle a tokens limit too (``rates.py``): once it has ended, from the
 usage event it carries (asked by its client, or for it by the route's ``stream_usage:
-ask``), so a tenant cannot stream past its ``tokens_per_min``; a stream cut before its
-usage keeps its estimate."""
+ask``), so a tenant cannot stream past its ``tokens_per_min``; a stream without its usage
+is settled at a token per event it streamed."""
 
 from __future__ import annotations
 
@@ -58,17 +58,30 @@ async def test_the_route_asking_for_usage_settles_a_stream_whose_client_did_not(
     await until(lambda: left(gw) == LIMIT - USED)
 
 
-async def test_a_stream_without_its_usage_keeps_its_estimate(pipeline):
+async def test_a_stream_without_its_usage_is_settled_at_a_token_per_event(pipeline):
+    """A model server streams a token an event: a stream that carried no usage (its client
+    did not ask, or it was cut before it) is settled at its prompt's estimate and a token
+    for each event it streamed, not at its ``max_tokens``."""
     main = Model("main")
     gw = await pipeline(limited(), main, clock=FakeClock())
     answer = await streamed(gw).done()
     estimated = LIMIT - int(told(answer)["x-ratelimit-remaining-tokens"])
-    assert left(gw) == LIMIT - estimated
-    main.break_stream_after = 2  # cut before its usage: nothing to settle it with
+    prompt = estimated - 500  # its max_tokens, paid up front
+    await until(lambda: left(gw) == LIMIT - prompt - events(answer.body))
+    assert events(answer.body) < 500
+    before = left(gw)
+    main.break_stream_after = 2  # cut before its usage
     cut = await streamed(gw, stream_options={"include_usage": True}).done()
-    assert left(gw) == int(told(cut)["x-ratelimit-remaining-tokens"]) < LIMIT - estimated
+    assert b'"usage"' not in cut.body and events(cut.body) >= 1
+    prompt = int(before) - int(told(cut)["x-ratelimit-remaining-tokens"]) - 500  # a longer body
+    await until(lambda: left(gw) == before - prompt - events(cut.body))
     answer = await post(gw, headers=ALICE)  # a whole body settles as before
     assert answer.status_code == 200
+
+
+def events(body: bytes) -> int:
+    """The ``data:`` events of a streamed body, but ``[DONE]``."""
+    return body.count(b"data:") - body.count(b"data: [DONE]")
 
 
 def test_a_tokens_limit_on_a_route_passing_streams_as_asked_is_warned_of(tmp_path: Path):

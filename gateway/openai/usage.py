@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 _MARK = b'"usage"'
+_EVENT, _DONE = b"data:", b"data: [DONE]"
 _PIECE = re.compile(r"\w+|[^\w\s]")
 # Keys at JSON level, not inside a string value (where their quotes would be escaped).
 _PROMPT = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d+)')
@@ -164,16 +165,20 @@ class StreamUsage:
     Anthropic's ``message_start`` and ``message_delta``), however the stream is split into
     chunks; keeps only the line under way, and of a line longer than ``MAX_LINE_BYTES`` (a
     ``response.completed`` repeats the whole answer) its last ``MAX_LINE_BYTES``, where the
-    ``usage`` is, then read without a parse."""
+    ``usage`` is, then read without a parse.  ``events`` counts the ``data:`` events but
+    ``[DONE]``: a model server streams a token an event, so for a stream that carries no
+    usage it is the tokens it generated, near enough (``rates.py`` settles on it)."""
 
-    __slots__ = ("_clipped", "_partial", "counts")
+    __slots__ = ("_clipped", "_partial", "counts", "events")
 
     def __init__(self) -> None:
         self._partial = b""
         self._clipped = False
         self.counts: tuple[int, int] | None = None
+        self.events = 0
 
     def feed(self, chunk: bytes) -> None:
+        self.events += chunk.count(_EVENT) - chunk.count(_DONE)
         data = self._partial + chunk if self._partial else chunk
         if _MARK not in data or data.count(_MARK) == len(_NO_USAGE.findall(data)):
             # the common case: content only; keep the line under way (a marker may be split)

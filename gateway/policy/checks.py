@@ -129,8 +129,9 @@ def warn_route(route: Route) -> Found:
         (
             "stream_usage",
             "is `pass`: a stream whose client does not ask for its usage "
-            "(`stream_options.include_usage`) is charged its estimate only, never the "
-            "tokens it streamed; `stream_usage: ask` settles every stream",
+            "(`stream_options.include_usage`) is settled at a token per event it streamed, "
+            "near its count but not exact (a server may send several in one event); "
+            "`stream_usage: ask` settles every stream on its own count",
         )
     ]
 

@@ -6,7 +6,9 @@ A call is admitted only when every limit it counts against can pay for it (429 w
 ``Retry-After`` past one); model tokens are estimated up front and settled against the
 answer's ``usage``: a whole body's at once, a stream's once it has ended, from the usage
 event it carries (asked by its client with ``stream_options.include_usage``, or for it by
-the route's ``stream_usage: ask``; a stream without one keeps its estimate).  A spend budget
+the route's ``stream_usage: ask``; a stream without one is settled at a generated token per
+event it streamed, its prompt at its estimate, and one that streamed nothing keeps its
+estimate).  A spend budget
 (``cost_per_day``, ``cost_per_month``) is charged the tokens at their backend's ``price``:
 the estimate at the price of the backend asked, the answer's at the price of the one that
 answered (a fallback may cost more or less).  Each limit
@@ -171,8 +173,9 @@ class RateLimits:
             served = served.replace(stream=_fed(served.stream, usage), usage=usage)
 
         def done() -> None:
-            if usage.counts is not None:
-                settled = self._settle_tokens(admitted, usage.counts, served.backend)
+            counts = usage.counts or streamed_counts(admitted, usage.events)
+            if counts is not None:
+                settled = self._settle_tokens(admitted, counts, served.backend)
                 task = asyncio.ensure_future(settled)
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
@@ -208,6 +211,14 @@ class RateLimits:
             f"<RateLimits routes={sorted(self._routes)} tenants={sorted(self._tenants)} "
             f"{self._proven!r}>"
         )
+
+
+def streamed_counts(admitted: Admitted, events: int) -> tuple[int, int] | None:
+    """The (prompt, completion) tokens of a stream that carried no usage: its prompt's
+    estimate, and a token per event it streamed (None when it streamed none)."""
+    if events <= 0:
+        return None
+    return admitted.estimate - admitted.output_estimate, events
 
 
 def answer_bound(call: Call) -> int:
