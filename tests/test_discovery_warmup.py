@@ -103,6 +103,29 @@ async def test_without_warm_up_requests_a_new_endpoint_takes_calls_at_once(insta
         await endpoints.aclose()
 
 
+async def test_an_endpoint_a_reload_adds_to_a_static_list_is_warmed_and_the_others_are_not():
+    def listed(*urls: str) -> Policy:
+        text = (
+            f"backends:\n  llm:\n    endpoints: [{', '.join(urls)}]\n"
+            "    warmup: [{path: /health, method: GET}]\n"
+            "routes: [{match: {path: '/v1/*'}, backend: llm}]\n"
+        )
+        return parse_policy_text(text, "p.yaml")
+
+    kept, added = "http://127.0.0.1:9", "http://127.0.0.9:9"  # nothing listens: it stays cold
+    upstreams = Upstreams(Metrics(), FakeClock(), FakeResolver())
+    try:
+        upstreams.sync(listed(kept, "http://127.0.0.8:9"))  # at start: warm_up's to warm
+        first = upstreams.endpoint_set("llm")
+        assert first is not None and not any(e.warming for e in first.endpoints)
+        upstreams.sync(listed(kept, added))  # a policy edit: one replica out, one in
+        second = upstreams.endpoint_set("llm")
+        assert second is not None and second is not first
+        assert {e.url: e.warming for e in second.endpoints} == {kept: False, added: True}
+    finally:
+        await upstreams.aclose()
+
+
 async def test_a_reload_that_changes_the_warm_up_applies_to_the_endpoints_joining_after_it():
     def parsed(warmup: str) -> Policy:
         text = (

@@ -344,7 +344,7 @@ class Backend:
         metadata=doc(
             "Requests sent at start; `/readyz` stays unready until each has answered, "
             "so the first user request never pays the cold start. An endpoint `discovery` "
-            "adds later gets them too, and no call until they have answered."
+            "or a reload adds later gets them too, and no call until they have answered."
         ),
     )
     warmup_timeout_s: float = field(

@@ -37,9 +37,11 @@ class Upstreams:
     def sync(self, policy: Policy) -> None:
         """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
         wanted = {b.name: b for b in policy.backends}
+        replaced: dict[str, list[str]] = {}  # the endpoints of each set being replaced
         for name, pool in list(self._pools.items()):
             backend = wanted.get(name)
             if backend is None or set_key(backend) != pool.key:
+                replaced[name] = [e.url for e in pool.endpoints]
                 pool.retire()
                 del self._pools[name]
                 if not pool.closed:
@@ -50,6 +52,8 @@ class Upstreams:
                 self._pools[name] = EndpointSet(
                     backend, self._metrics, clock=self._clock, demand=self.demand
                 )
+                if name in replaced:  # a reload changed it: warm the endpoints it adds
+                    self._pools[name].join_new(replaced[name])
                 self._pools[name].follow(self._resolver)
                 self._pools[name].watch_load()
                 self._pools[name].keep_warm()

@@ -130,7 +130,8 @@ class EndpointSet:
         if self.sizing is not None:
             self.sizing.assign(self.endpoints)
         sleep = getattr(clock, "sleep", asyncio.sleep)
-        joins = backend.discovery is not None and self.sizing is None
+        several = backend.discovery is not None or len(self.endpoints) > 1
+        joins = several and self.sizing is None
         self.joining = Joining(backend, metrics, clock, sleep) if joins else None
         self.rules: tuple[ThrottleRule, ...] = ()  # the backend's, judged per endpoint
         self.scraped_at: float | None = None  # the last round of telemetry scrapes
@@ -197,6 +198,14 @@ class EndpointSet:
             self.sizing.assign(self.endpoints)
         self.healthy()
         self.resolved.set()
+
+    def join_new(self, known: Sequence[str]) -> None:
+        """A reload made this set in place of one with the endpoints ``known``: warm those
+        it adds before they take calls (``joining.py``; discovery's join as they come)."""
+        if self.joining is not None and self._backend.discovery is None:
+            for e in self.endpoints:
+                if e.url not in known:
+                    self.joining.join(e)
 
     def keep_warm(self) -> None:
         """With a ``pool``, send warm-up requests to idle core endpoints (``Sizing``)."""

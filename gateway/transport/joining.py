@@ -1,14 +1,15 @@
-"""Endpoints that join a backend through ``discovery`` are warmed before they take calls.
+"""Endpoints that join a backend are warmed before they take calls: those ``discovery``
+finds, and those a reload adds to its ``endpoints``.
 
-A replica discovery finds (scaled up by the autoscaler, a pod restarted, the first answer at
-start) is cold: its model server has not run a request yet, and whichever call is picked
-for it first pays for that (the case study's first request timed out until warm-up was
-added).  So the backend's ``warmup`` requests go to it first, over its own pool, retried
-every ``RETRY_DELAY_S`` while it is still starting (a 5xx or a refused connection: its
-model still loading), for at most ``warmup_timeout_s``.  Meanwhile it is ``warming``
-(``gateway_endpoint_state``) and takes no call while another endpoint can (``pick``).
-Then it joins the rotation; one whose warm-up gave up joins all the same (logged), and
-outlier ejection judges it as any other.  Counted in
+A replica that joins (scaled up by the autoscaler, a pod restarted, discovery's first answer
+at start, one a policy edit lists) is cold: its model server has not run a request yet, and
+whichever call is picked for it first pays for that (the case study's first request timed
+out until warm-up was added).  So the backend's ``warmup`` requests go to it first, over its
+own pool, retried every ``RETRY_DELAY_S`` while it is still starting (a 5xx or a refused
+connection: its model still loading), for at most ``warmup_timeout_s``.  Meanwhile it is
+``warming`` (``gateway_endpoint_state``) and takes no call while another endpoint can
+(``pick``).  Then it joins the rotation; one whose warm-up gave up joins all the same
+(logged), and outlier ejection judges it as any other.  Counted in
 ``gateway_endpoint_warmups_total{backend, outcome}`` (``warmed``, ``gave_up``).
 
 A backend with a ``pool`` warms its standby endpoints its own way (``sizing.py``), and one
