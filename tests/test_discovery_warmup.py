@@ -89,6 +89,30 @@ async def test_a_new_endpoint_whose_warm_up_gives_up_joins_all_the_same(instance
         await endpoints.aclose()
 
 
+async def test_a_joining_endpoint_that_leaves_stops_its_warm_up_and_leaves_no_series(
+    instances,
+) -> None:
+    port, gates = instances
+    gates[HOSTS[0]].set()
+    clock, resolver = FakeClock(), FakeResolver({"llm.svc": list(HOSTS[:2])})
+    backend, metrics = warmed_backend(port), Metrics()
+    endpoints = EndpointSet(backend, metrics, clock=clock)
+    endpoints.follow(resolver)
+    try:
+        await until(lambda: warmups(metrics, "warmed") == 1)  # the first; the second waits
+        leaving = next(e for e in endpoints.endpoints if HOSTS[1] in e.url)
+        assert leaving.warming
+        resolver.set("llm.svc", [HOSTS[0]])  # scaled back down before it was warm
+        clock.advance(5)
+        await until(lambda: len(endpoints.endpoints) == 1)
+        await until(lambda: not leaving.warming)  # its warm-up was cancelled, and ended
+        text = metrics.exposition().decode()
+        assert HOSTS[1] not in text  # none of its series came back
+        assert warmups(metrics, "gave_up") == 0
+    finally:
+        await endpoints.aclose()
+
+
 async def test_without_warm_up_requests_a_new_endpoint_takes_calls_at_once(instances) -> None:
     port, _ = instances
     clock, resolver = FakeClock(), FakeResolver({"llm.svc": list(HOSTS[:2])})

@@ -183,6 +183,8 @@ class EndpointSet:
         kept = {e.url: e for e in self.endpoints if e.url in wanted}
         for e in self.endpoints:
             if e.url not in kept:
+                if self.joining is not None:
+                    self.joining.leave(e)  # no warm-up of a replica that is gone
                 for pool in e.pools():
                     pool.retire()
                 e.forget(self._metrics)

@@ -49,7 +49,7 @@ class Joining:
         self.backend = backend  # the live definition (a reload may change its `warmup`)
         self._clock = clock
         self._sleep = sleep
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[Endpoint, asyncio.Task[None]] = {}
         self._counted = Counted(metrics.endpoint_warmups, backend.name)
 
     def join(self, endpoint: Endpoint) -> None:
@@ -59,8 +59,14 @@ class Joining:
         endpoint.warming = True
         endpoint.show_state()
         task = asyncio.get_running_loop().create_task(self._warm(endpoint))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[endpoint] = task
+        task.add_done_callback(lambda _: self._tasks.pop(endpoint, None))
+
+    def leave(self, endpoint: Endpoint) -> None:
+        """``endpoint`` left the backend: its warm-up, if one runs, stops."""
+        task = self._tasks.pop(endpoint, None)
+        if task is not None:
+            task.cancel()
 
     async def _warm(self, endpoint: Endpoint) -> None:
         backend = self.backend
@@ -81,10 +87,11 @@ class Joining:
             self._counted.inc("warmed")
         finally:
             endpoint.warming = False
-            endpoint.show_state()
+            if endpoint in self._tasks:  # still the backend's (``leave`` forgets it first)
+                endpoint.show_state()
 
     def close(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
 
     def __repr__(self) -> str:
