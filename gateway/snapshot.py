@@ -2,7 +2,8 @@
 the running gateway (``app.Gateway``), as protocols so that neither imports the app.
 
 What the admin port reads of the capabilities it reads through the registry, by keys typed
-here with the protocol it needs (``CACHE``, ``THROTTLE``, ``CACHE_OPERATING_POINTS``): a
+here with the protocol it needs (``CACHE``, ``THROTTLE``, ``CACHE_OPERATING_POINTS``,
+``TENANT_STANDINGS``): a
 ``Kind`` is equal to another of the same name, so each finds the capability's own piece
 without the admin importing its module."""
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.metrics import Metrics
 from gateway.openai.allowed_models import AllowedModels
@@ -102,3 +103,13 @@ THROTTLE: Kind[ThrottleSignals] = Kind("gpu_control")
 """The throttle rules' state (``resilience.gpu.GPU_CONTROL``)."""
 CACHE_OPERATING_POINTS: Kind[OperatingPoints] = Kind("cache-operating-points")
 """The embedding tier's operating points (``cache.stage.OPERATING_POINTS``)."""
+
+
+class TenantStandings(Protocol):
+    """What ``GET /tenants`` tells: where each named tenant stands in its limits."""
+
+    async def told(self, policy: Policy) -> list[dict[str, Any]]: ...
+
+
+TENANT_STANDINGS: Kind[TenantStandings] = Kind("tenant-standings")
+"""The named tenants' standings (``resilience.standings.STANDINGS``)."""

@@ -208,10 +208,12 @@ def test_the_admins_typed_keys_are_the_capabilities_own():
     from gateway.cache.embedding_seam import OPERATING_POINTS
     from gateway.cache.state import CACHE_STATE
     from gateway.resilience.gpu import GPU_CONTROL
-    from gateway.snapshot import CACHE, CACHE_OPERATING_POINTS, THROTTLE
+    from gateway.resilience.standings import STANDINGS
+    from gateway.snapshot import CACHE, CACHE_OPERATING_POINTS, TENANT_STANDINGS, THROTTLE
 
-    assert (CACHE, THROTTLE, CACHE_OPERATING_POINTS) == (
+    assert (CACHE, THROTTLE, CACHE_OPERATING_POINTS, TENANT_STANDINGS) == (
         CACHE_STATE,
         GPU_CONTROL,
         OPERATING_POINTS,
+        STANDINGS,
     )

@@ -6,8 +6,10 @@ pipeline, and in a real Redis."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -159,6 +161,9 @@ async def test_a_budget_is_one_more_key_in_redis(rates: RedisRates):  # noqa: F8
     assert 0.899 <= settled.cost.remaining <= 0.901
     await limiter.check("acme", cost=0.6)
     assert limiter.decided == {"redis": 3, "local": 0}
+    told = [await limiter.standing("acme") for _ in range(2)]  # reading takes nothing
+    remaining = [t.cost.remaining for t in told if t is not None and t.cost is not None]
+    assert len(remaining) == 2 and 0.299 <= remaining[0] <= remaining[1] <= 0.301
 
 
 async def test_an_answer_is_charged_at_the_price_of_the_backend_that_gave_it(pipeline):
@@ -199,3 +204,58 @@ async def test_the_openai_sdk_sees_a_spent_budget_as_its_rate_limit_error(
         await client.close()
     assert refused.value.code == "insufficient_quota"
     assert refused.value.response.headers["retry-after"]
+
+
+async def test_the_admin_tells_each_named_tenants_standing_taking_nothing(
+    serve_app, start_gateway, tmp_path
+):
+    """``GET /tenants``: each named tenant's own limit and each route's, bucket by bucket;
+    one untouched is full, and reading takes nothing."""
+    url = await serve_app(Recorder().app())
+    acme, globex = "sk-acme", "sk-globex"
+    doc = policy(
+        {"main": {"url": url, "price": PRICE}},
+        {"rate_limit": {"requests_per_s": 5, "burst": 10}},
+        tenants={
+            "keys": [
+                {"name": "acme", "sha256": digest(acme), "rate_limit": {"cost_per_month": 2}},
+                {"name": "globex", "sha256": digest(globex)},
+            ]
+        },
+    )
+    gw = await start_gateway(policy=write_policy(tmp_path, doc), clock=FakeClock())
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=acme, max_retries=0)
+    try:
+        messages: Any = [{"role": "user", "content": "hi"}]
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    finally:
+        await client.close()
+    async with httpx.AsyncClient() as http:
+        told = [(await http.get(gw.admin_url + "/tenants")).json() for _ in range(2)]
+    assert told[0] == told[1]  # reading spends nothing
+    by_name = {t["name"]: t for t in told[0]["tenants"]}
+    cost = by_name["acme"]["own"]["cost"]
+    assert cost["limit"] == 2 and 0 < 2 - cost["remaining"] < 0.1 and cost["reset_s"] > 0
+    assert by_name["acme"]["routes"]["chat"]["requests"]["remaining"] == pytest.approx(9, abs=0.01)
+    assert by_name["globex"]["own"] is None  # no limit of its own
+    assert by_name["globex"]["routes"]["chat"]["requests"] == {
+        "limit": 10,
+        "remaining": 10,
+        "reset_s": 0,
+    }
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def test_without_any_rate_limit_the_admin_names_the_tenants_with_nothing_to_stand_in(
+    serve_app, start_gateway, tmp_path
+):
+    url = await serve_app(Recorder().app())
+    keys = [{"name": "acme", "sha256": digest("sk-acme")}]
+    doc = policy({"main": {"url": url}}, {}, tenants={"keys": keys})
+    gw = await start_gateway(policy=write_policy(tmp_path, doc))
+    async with httpx.AsyncClient() as http:
+        told = (await http.get(gw.admin_url + "/tenants")).json()
+    assert told == {"tenants": [{"name": "acme", "own": None, "routes": {}}]}

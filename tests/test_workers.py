@@ -425,13 +425,17 @@ async def test_the_admin_token_guards_the_supervisors_endpoints_and_goes_on_to_t
             refused = [
                 (await client.get(gw.admin_url + "/workers", headers=bad)).status_code,
                 (await client.get(gw.admin_url + "/policy")).status_code,
+                (await client.get(gw.admin_url + "/tenants", headers=bad)).status_code,
                 (await client.post(gw.admin_url + "/reload", headers=bad)).status_code,
             ]
             shown = await client.get(gw.admin_url + "/policy", headers=good)
+            standings = await client.get(gw.admin_url + "/tenants", headers=good)
             reloaded = await client.post(gw.admin_url + "/reload", headers=good)
             scraped = await client.get(gw.admin_url + "/metrics")
-    assert refused == [401, 401, 401]
+    assert refused == [401, 401, 401, 401]
     assert shown.status_code == 200 and shown.json()["generation"] == 1
+    each = standings.json()["workers"]
+    assert [w["worker"] for w in each] == [0, 1] and all(w["tenants"] == [] for w in each)
     assert reloaded.status_code == 200, reloaded.text
     assert [w["reloaded"] for w in reloaded.json()["workers"]] == [False, False]  # unchanged
     assert scraped.status_code == 200

@@ -1,5 +1,6 @@
-"""The admin listener's endpoints: health, readiness, metrics, the effective policy, reload
-and cache purge; who may call which is ``admin_access``'s."""
+"""The admin listener's endpoints: health, readiness, metrics, the effective policy, the
+named tenants' standing in their limits and budgets, reload and cache purge; who may call
+which is ``admin_access``'s."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gateway.admin.access import guarded, shown
 from gateway.errors import PolicyError, StoreError
 from gateway.policy.show import to_data
-from gateway.snapshot import CACHE, CACHE_OPERATING_POINTS, THROTTLE, CachePurge, Operated
+from gateway.snapshot import (
+    CACHE,
+    CACHE_OPERATING_POINTS,
+    TENANT_STANDINGS,
+    THROTTLE,
+    CachePurge,
+    Operated,
+)
 
 
 def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
@@ -43,6 +51,17 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
             "throttle_signals": control.signal_status() if control is not None else [],
             "cache_operating_points": points.in_force(snap.policy) if points is not None else {},
         }
+        return web.json_response(data, dumps=lambda d: json.dumps(d, indent=2))
+
+    async def tenants(_: web.Request) -> web.Response:
+        standings = gateway.registry.peek(TENANT_STANDINGS)
+        policy = gateway.snapshot.policy
+        if standings is not None:
+            told = await standings.told(policy)
+        else:  # no rate limit in the policy: nothing to stand in
+            names = dict.fromkeys(key.name for key in policy.tenants.keys)
+            told = [{"name": name, "own": None, "routes": {}} for name in names]
+        data = {"tenants": told}
         return web.json_response(data, dumps=lambda d: json.dumps(d, indent=2))
 
     async def reload(_: web.Request) -> web.Response:
@@ -87,6 +106,7 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
         web.get("/policy", shown(policy, token, loopback)),
+        web.get("/tenants", shown(tenants, token, loopback)),
         web.post("/reload", guarded(reload, token, loopback)),
         web.post("/cache/purge", guarded(cache_purge, token, loopback)),
     ]

@@ -128,6 +128,17 @@ class SharedRateLimiter:
                 pass
         return self.local.charge(tenant, tokens, output, cost)
 
+    async def standing(self, tenant: str) -> Standing | None:
+        """``tenant``'s standing now, taking nothing: Redis's, else the local share's
+        (None: the local share does not know it)."""
+        peek = [(self._key(tenant, b), b, 0.0) for b in self._buckets]
+        if self._rates.usable():
+            try:
+                return told(peek, await self._rates.settle(peek))
+            except StoreError:
+                pass
+        return self.local.standing(tenant)
+
     def figures(self) -> RateLimitFigures:
         return RateLimitFigures(self.route, self.up, dict(self.decided))
 

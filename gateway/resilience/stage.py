@@ -64,6 +64,7 @@ from gateway.resilience.quality import asking_logprobs, judged, mean_logprob, pa
 from gateway.resilience.quota import without_rate_headers
 from gateway.resilience.rates import RateLimits, build_rate_limits
 from gateway.resilience.retry_budget import RetryAllowance
+from gateway.resilience.standings import STANDINGS, Standings
 from gateway.state import Kind
 
 if TYPE_CHECKING:
@@ -355,6 +356,8 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     fleet = getattr(runtime.transport, "endpoint_set", None)  # the real transport's
     control = wire_gpu(policy, registry, metrics, clock, guards, fleet)
     rates = build_rate_limits(policy, registry, clock, metrics)
+    if rates:  # GET /tenants tells where the named tenants stand in them
+        registry.get(STANDINGS, "", None, functools.partial(Standings, registry))
     vllm_priority = frozenset(b.name for b in policy.backends if b.upstream_priority == "vllm")
     max_concurrency = policy.tenants.max_concurrencies()
     client_concurrency = policy.tenants.max_concurrency

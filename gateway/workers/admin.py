@@ -7,6 +7,8 @@ gateway's, answered for all its workers, and ``GET /workers``.
   ``gateway_workers`` and ``gateway_worker_restarts_total``.
 - ``/workers``: each worker's index, pid, state, restarts, readiness, policy generation and
   hash.
+- ``/tenants``: each running worker's (with ``store: memory`` each counts for itself; with
+  ``redis`` they all tell Redis's count).
 - ``/policy``: the first running worker's; ``POST /reload`` and ``POST /cache/purge``: sent
   to every running worker, the answers combined (a purge's counts added: with the memory
   store each worker holds a cache of its own).
@@ -95,6 +97,15 @@ def supervisor_routes(supervisor: Supervised, *, loopback: bool) -> list[web.Rou
             headers={"Content-Type": "application/json"},
         )
 
+    async def tenants(request: web.Request) -> web.Response:
+        answers = await supervisor.forward("GET", "/tenants", b"", _headers(request))
+        if not answers:
+            return _json({"error": "no worker is running"}, 503)
+        failed = next((a for a in answers if a.status != 200), None)
+        if failed is not None:
+            return _json({"worker": failed.index, **failed.data()}, failed.status)
+        return _json({"workers": [{"worker": a.index, "pid": a.pid, **a.data()} for a in answers]})
+
     async def reload(request: web.Request) -> web.Response:
         answers = await supervisor.reload(_headers(request))
         each = [{"worker": a.index, "pid": a.pid, **a.data()} for a in answers]
@@ -122,6 +133,7 @@ def supervisor_routes(supervisor: Supervised, *, loopback: bool) -> list[web.Rou
         web.get("/metrics", metrics),
         web.get("/workers", shown(workers, token, loopback)),
         web.get("/policy", shown(policy, token, loopback)),
+        web.get("/tenants", shown(tenants, token, loopback)),
         web.post("/reload", guarded(reload, token, loopback)),
         web.post("/cache/purge", guarded(cache_purge, token, loopback)),
     ]
