@@ -365,6 +365,8 @@ class Edge:
                 entry["endpoint"] = redact_url(reply.endpoint)  # never a URL's credentials
             if reply is not None and reply.attempts > 1:
                 entry["upstream_attempts"] = reply.attempts
+                if reply.hedged:
+                    entry["hedge"] = reply.hedged
             record = call.record if call is not None else None
             if record is not None and record.fallback is not None:
                 entry["fallback"] = record.fallback

@@ -166,7 +166,9 @@ class Reply(NamedTuple):
     the call joined another's flight; ``endpoint`` is the URL of the endpoint that answered
     (set by the transport); ``usage`` watches the answer's token counts when a stage changed
     its events (the edge then reads them there, not from what it sends); ``attempts`` counts
-    the calls the transport made for it (a hedge, another endpoint: more than one).  A reply is
+    the calls the transport made for it (a hedge, another endpoint: more than one), and
+    ``hedged`` says how its hedge went (``won``: the second endpoint's answer; ``lost``: the
+    first's; "": none was sent).  A reply is
     immutable: a stage that changes one returns a new one (``with_headers``, ``replace``).
     It is a named tuple, not a frozen dataclass: one is made per request, and a frozen
     dataclass costs four times as much to make on CPython 3.11.
@@ -183,6 +185,7 @@ class Reply(NamedTuple):
     endpoint: str = ""
     usage: StreamUsage | None = None
     attempts: int = 1
+    hedged: str = ""
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a response header, case-insensitively."""

@@ -7,6 +7,7 @@ client."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -143,3 +144,25 @@ async def test_a_client_leaving_mid_race_frees_both_slots_and_both_calls(
         await until(lambda: admission.in_flight == 0)  # the call's slot and the hedge's
     finally:
         await client.close()
+
+
+async def test_the_access_log_says_how_a_calls_hedge_went(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    slow, fast = Server("slow"), Server("fast")
+    urls = [await serve_app(slow.app()), await serve_app(fast.app())]
+    backend = {"endpoints": urls, "balance": "round_robin", "hedge": {"after_ms": 30}}
+    doc = policy({"m": backend}, server={"access_log": True})
+    gw = await start_gateway(policy=write_policy(tmp_path, doc))
+    slow.gate = asyncio.Event()  # whichever call lands there first is hedged to the other
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0)
+    try:
+        answers = [await client.embeddings.create(model="m", input=f"q{i}") for i in range(2)]
+    finally:
+        slow.gate.set()
+        await client.close()
+    assert {a.model for a in answers} == {"fast"}
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    hedged = [line for line in lines if "hedge" in line]
+    assert [(h["hedge"], h["upstream_attempts"]) for h in hedged] == [("won", 2)]
+    assert all("hedge" not in line for line in lines if line.get("upstream_attempts") is None)

@@ -187,17 +187,19 @@ class Hedger:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 winner = next((t for t in both if t.done() and _good(t)), None)
                 if winner is not None:
-                    self._counted[kind, "won" if winner is backup else "lost"].inc()
+                    outcome = "won" if winner is backup else "lost"
+                    self._counted[kind, outcome].inc()
                     _drop(t for t in both if t is not winner)
-                    return winner.result()
+                    return winner.result().replace(hedged=outcome)
         except BaseException:
             _drop(both)
             raise
         # both failed: the first endpoint's answer, else the second's, else the first's error
         chosen = next((t for t in both if not t.cancelled() and t.exception() is None), primary)
-        self._counted[kind, "won" if chosen is backup else "lost"].inc()
+        outcome = "won" if chosen is backup else "lost"
+        self._counted[kind, outcome].inc()
         _drop(t for t in both if t is not chosen)
-        return chosen.result()
+        return chosen.result().replace(hedged=outcome)
 
 
 def _held() -> None:
