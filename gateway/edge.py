@@ -34,8 +34,6 @@ from gateway.errors import GatewayError, MalformedRequest, Overloaded, SlowReade
 from gateway.openai import body as openai_body
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
-from gateway.policy.backend import Price
-from gateway.policy.model import Policy
 from gateway.policy.routing import OPENAI_JSON_PATHS
 from gateway.policy.show import redact_url
 from gateway.server.control_paths import control_server, refusal
@@ -337,7 +335,7 @@ class Edge:
         source = token_source(reply)
         if tokens is not None and backend and source == BACKEND:
             metrics.count_tokens(backend, *tokens)
-        price = _price(snap.policy, backend) if tokens is not None else None
+        price = snap.policy.price_of(backend) if tokens is not None else None
         cost = price.of(*tokens) if price is not None and tokens is not None else 0.0
         if tenant:
             metrics.count_tenant(tenant, status, source, tokens, cost)
@@ -379,8 +377,3 @@ class Edge:
                     (record.queue_wait[1] - record.queue_wait[0]) * 1000, 3
                 )
             sys.stderr.write(json.dumps(entry) + "\n")
-
-
-def _price(policy: Policy, backend: str) -> Price | None:
-    """The ``price`` of the backend that answered (None: unpriced, or no backend)."""
-    return next((b.price for b in policy.backends if b.name == backend), None)

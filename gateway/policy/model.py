@@ -369,6 +369,6 @@ class Policy:
                 return backend
         raise KeyError(name)
 
-    def prices(self) -> dict[str, Price]:
-        """Each priced backend's ``price``, by name."""
-        return {b.name: b.price for b in self.backends if b.price is not None}
+    def price_of(self, backend: str) -> Price | None:
+        """The ``price`` of the backend called ``backend`` (None: unpriced, or none such)."""
+        return next((b.price for b in self.backends if b.name == backend), None)

@@ -30,7 +30,6 @@ from gateway.errors import RateLimited
 from gateway.metrics import Metrics
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
-from gateway.policy.backend import Price
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
     TENANT_PREFIX,
@@ -80,8 +79,8 @@ class Admitted:
     """Of ``estimate``, the tokens the answer was expected to generate (its ``max_tokens``)."""
     cost_estimate: float = 0.0
     """What ``estimate`` costs at the price of the backend asked (a spend budget's)."""
-    prices: Mapping[str, Price] | None = None
-    """Each priced backend's ``price``, for the answer's cost (a spend budget's)."""
+    policy: Policy | None = None
+    """The call's policy: the answering backend's ``price`` (a spend budget's)."""
     backend: str = ""
     """The backend asked (the answer's, when it does not name its own)."""
 
@@ -124,8 +123,7 @@ class RateLimits:
         # must wait even when it names no bound (its estimate would be none, asked of no one)
         output = max(1, answer_bound(call)) if counted else 0
         estimate = len(call.body) // CHARS_PER_TOKEN + output if counted else 0
-        prices = call.policy.prices() if counted else None
-        price = prices.get(call.backend) if prices else None
+        price = call.policy.price_of(call.backend) if counted else None
         cost = price.of(estimate - output, output) if price is not None else 0.0
         standings: list[Standing] = []
         try:
@@ -141,7 +139,7 @@ class RateLimits:
             if isinstance(exc, OverRate) and anthropic_path(call.path):
                 exc.extra_headers = tuple(self.told(call, exc.standing))
             raise
-        return Admitted(key, limits, estimate, standings, output, cost, prices, call.backend)
+        return Admitted(key, limits, estimate, standings, output, cost, call.policy, call.backend)
 
     def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
         """``standing`` as the headers of ``call``'s API (Anthropic's or OpenAI's)."""
@@ -188,7 +186,8 @@ class RateLimits:
         key = admitted.key
         difference = sum(used) - admitted.estimate
         generated = used[1] - admitted.output_estimate
-        price = admitted.prices.get(by or admitted.backend) if admitted.prices else None
+        policy = admitted.policy
+        price = policy.price_of(by or admitted.backend) if policy is not None else None
         cost = (price.of(*used) if price is not None else 0.0) - admitted.cost_estimate
         for i, limit in enumerate(admitted.limits):
             if not limit.tokens:
