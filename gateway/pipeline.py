@@ -25,6 +25,10 @@ Spare = Callable[[], Callable[[], None] | None]
 the backend has no room for it now (``resilience.guard.BackendGuard.spare``)."""
 
 
+def unbounded() -> None:
+    """The release of a leave that nothing bounds (a backend with no limits of its own)."""
+
+
 def first_header(headers: Headers, name: str, default: str | None = None) -> str | None:
     """The first value of header ``name`` in ``headers``, case-insensitively."""
     name = name.lower()

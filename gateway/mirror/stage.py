@@ -53,7 +53,7 @@ from gateway.metrics.children import Counted
 from gateway.mirror.compare import agree, comparable
 from gateway.openai import vllm_priority as vllm
 from gateway.openai.body import dumps_yielding
-from gateway.pipeline import Call, Handler, Reply, Spare, Stage
+from gateway.pipeline import Call, Handler, Reply, Spare, Stage, unbounded
 from gateway.policy.mirror import Mirror
 from gateway.policy.model import Policy
 from gateway.policy.show import redact_url
@@ -284,7 +284,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     def shadow_of(route: str, mirror: Mirror) -> Shadow:
         def room() -> Callable[[], None] | None:
             guard = registry.peek(GUARDS, mirror.backend)  # none: nothing limits its calls
-            return guard.spare() if guard is not None else _unlimited
+            return guard.spare() if guard is not None else unbounded
 
         return registry.get(
             SHADOWS,
@@ -295,7 +295,3 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
 
     shadows = {r.name: shadow_of(r.name, r.mirror) for r in policy.routes if r.mirror is not None}
     return [MirrorStage(shadows)] if shadows else []
-
-
-def _unlimited() -> None:
-    """The release of a copy to a backend without limits of its own."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from gateway.clock import Clock
 from gateway.errors import Overloaded
 from gateway.metrics import Metrics
+from gateway.pipeline import unbounded
 from gateway.policy.model import Backend
 from gateway.policy.throttle import ThrottleLimit
 from gateway.resilience.admission import Admission, AdmissionConfig, Priority, Ticket
@@ -193,12 +194,15 @@ class BackendGuard:
             self._rps.refill(self._clock.now())
             if self._rps.level < 1:
                 return None
-        ticket = self.admission.spare() if self.admission is not None else None
-        if self.admission is not None and ticket is None:
-            return None
+        release: Callable[[], None] = unbounded
+        if self.admission is not None:
+            ticket = self.admission.spare()
+            if ticket is None:
+                return None
+            release = ticket.release
         if self._rps is not None:
             self._rps.level -= 1
-        return ticket.release if ticket is not None else _unbounded
+        return release
 
     def drain(self) -> None:
         """Shutdown: the queue's waiters are refused at once (see ``Admission.drain``)."""
@@ -226,7 +230,3 @@ class BackendGuard:
         if self.breaker is not None:
             parts.append(repr(self.breaker))
         return f"<BackendGuard {' '.join(parts)}>"
-
-
-def _unbounded() -> None:
-    """The release of a hedge's leave on a backend without ``max_concurrency``."""

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from gateway.metrics import Metrics
-from gateway.pipeline import Reply, Spare
+from gateway.pipeline import Reply, Spare, unbounded
 from gateway.policy.hedge import Hedge
 from gateway.policy.model import Backend
 from gateway.transport import load
@@ -163,7 +163,7 @@ class Hedger:
             if second is None:
                 self._counted[kind, "no_endpoint"].inc()
                 return await primary
-            release = spare() if spare is not None else _held
+            release = spare() if spare is not None else unbounded
             if release is None:
                 self._counted[kind, "no_room"].inc()
                 return await primary
@@ -200,10 +200,6 @@ class Hedger:
         self._counted[kind, outcome].inc()
         _drop(t for t in both if t is not chosen)
         return chosen.result().replace(hedged=outcome)
-
-
-def _held() -> None:
-    """The release of a hedge that nothing but its ``max_ratio`` bounds."""
 
 
 def to_first_chunk(attempt: Callable[[E], Awaitable[Reply]]) -> Callable[[E], Awaitable[Reply]]:
