@@ -24,12 +24,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aiohttp import web
-
 from bench.common import machine, update_section
 from bench.plumbing import (
-    ANSWER,
     CHAT,
+    Answering,
     closed_loop,
     figures_of,
     gateway,
@@ -42,27 +40,6 @@ from bench.plumbing import (
 
 SERVICE_MS = 4.0
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
-
-
-class Replica:
-    """A model server answering in ``SERVICE_MS``, or refusing every call while it loads."""
-
-    def __init__(self, loading: bool) -> None:
-        self.loading = loading
-        self.calls = 0
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        return app
-
-    async def chat(self, request: web.Request) -> web.Response:
-        await request.read()
-        self.calls += 1
-        if self.loading:
-            return web.json_response(LOADING, status=503)
-        await asyncio.sleep(SERVICE_MS / 1000)
-        return web.json_response(ANSWER)
 
 
 def policy(urls: list[str], retries: int) -> dict[str, Any]:
@@ -82,7 +59,8 @@ async def load(urls: list[str], duration_s: float, connections: int) -> dict[str
 
 
 async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
-    replicas = [Replica(loading=False), Replica(loading=True), Replica(loading=False)]
+    loading = Answering(0, LOADING, status=503)  # at once, as a server loading its weights
+    replicas = [Answering(SERVICE_MS), loading, Answering(SERVICE_MS)]
     async with serving(*(r.app() for r in replicas)) as urls:
         async with (
             gateway(policy(urls, 0)) as without,

@@ -63,12 +63,15 @@ class Backend:
 
 
 class Answering:
-    """A model server answering each chat completion with ``answer`` after ``delay_ms``;
-    counts the calls it got."""
+    """A model server answering each chat completion with ``answer`` (its ``status``) after
+    ``delay_ms``; counts the calls it got."""
 
-    def __init__(self, delay_ms: float, answer: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, delay_ms: float, answer: dict[str, Any] | None = None, status: int = 200
+    ) -> None:
         self.delay_s = delay_ms / 1000
         self.answer = ANSWER if answer is None else answer
+        self.status = status
         self.calls = 0
 
     def app(self) -> web.Application:
@@ -79,8 +82,9 @@ class Answering:
     async def chat(self, request: web.Request) -> web.Response:
         await request.read()
         self.calls += 1
-        await asyncio.sleep(self.delay_s)
-        return web.json_response(self.answer)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return web.json_response(self.answer, status=self.status)
 
 
 class Exporter:
