@@ -51,6 +51,8 @@ class GatewayError(Exception):
     code: str = "internal_error"
     retry_after_s: float | None = None
     extra_headers: tuple[tuple[str, str], ...] = ()
+    param: str | None = None
+    """The request field at fault, where one is (OpenAI's error ``param``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,16 @@ class BadRequest(RequestError):
     """The body is not valid JSON, or not a valid body for its OpenAI endpoint."""
 
     code = "invalid_json"
+
+
+class FieldRefused(RequestError):
+    """A request field the gateway bounds asks for too much, or cannot be read as the
+    number it must be (a route's ``generation``); ``param`` names it."""
+
+    def __init__(self, message: str, param: str, code: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class NoRoute(RequestError):

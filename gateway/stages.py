@@ -17,6 +17,7 @@ import gateway.cache.stage
 import gateway.coalesce.stage
 import gateway.mirror.stage
 import gateway.openai.file_ids
+import gateway.openai.generation
 import gateway.openai.model_lists
 import gateway.openai.response_ids
 import gateway.openai.stream_usage
@@ -45,6 +46,8 @@ def build(
         *gateway.openai.response_ids.build(policy, runtime.metrics),
         # 0. the model the backend is asked for (target_models), drawn by weight
         *gateway.openai.target_models.build(policy, runtime.metrics),
+        # 0. how much one call may ask the model to generate (generation)
+        *gateway.openai.generation.build(policy, runtime.metrics),
         # 0. a stream's usage asked for where its client did not (stream_usage: ask)
         *gateway.openai.stream_usage.build(policy),
         # 0. one model list over several backends (merge_models), each asked down the line

@@ -71,7 +71,7 @@ def error_body(exc: GatewayError, path: str = "") -> bytes:
         error = {"type": kind, "message": str(exc), "code": exc.code}
         return json.dumps({"type": "error", "error": error}).encode()
     return json.dumps(
-        {"error": {"message": str(exc), "type": exc.type, "code": exc.code, "param": None}}
+        {"error": {"message": str(exc), "type": exc.type, "code": exc.code, "param": exc.param}}
     ).encode()
 
 

@@ -49,6 +49,15 @@ class TrafficFamilies:
             ["route", "model"],
             registry=r,
         )
+        self.generation_bounds = Counter(
+            "gateway_generation_bounds",
+            "Calls a route's generation bounds changed or refused, by action: clamped (asked "
+            "more output tokens than max_tokens, sent with it), defaulted (named no bound, "
+            "given default_max_tokens), refused (a 400: past max_tokens with over: refuse, "
+            "past max_choices, or a bound that is not a positive integer).",
+            ["route", "action"],
+            registry=r,
+        )
         self.mirror_requests = Counter(
             "gateway_mirror_requests",
             "Copies of a route's upstream calls sent to its mirror backend (shadow traffic), "

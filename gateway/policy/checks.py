@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import math
 
+from gateway.policy.generation import OUTPUT_FIELDS, check_generation
 from gateway.policy.hedge import check_hedge
 from gateway.policy.match import glob_regex
 from gateway.policy.mirror import check_mirror
@@ -408,4 +409,7 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
         found.extend(check_judge(semantic))
     if route.rate_limit is not None:
         found.extend(check_rate_limit(route.rate_limit))
+    if route.generation is not None:
+        takes = glob_regex(route.match.path).match
+        found.extend(check_generation(route.generation, any(map(takes, OUTPUT_FIELDS))))
     return found

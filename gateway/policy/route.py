@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.policy.generation import Generation
 from gateway.policy.match import Match
 from gateway.policy.metadata import doc
 from gateway.policy.mirror import Mirror
@@ -314,6 +315,14 @@ class Route:
     )
     batch: Batch | None = field(default=None, metadata=doc("Micro-batching into array calls."))
     rate_limit: RateLimit | None = field(default=None, metadata=doc("Per-tenant rate limit."))
+    generation: Generation | None = field(
+        default=None,
+        metadata=doc(
+            "How much one call may ask the model to generate: the most output tokens (a "
+            "larger ask clamped or refused), the bound given a call that names none, the "
+            "most choices (`n`, `best_of`)."
+        ),
+    )
     quality: Quality | None = field(default=None, metadata=doc("Low-confidence fallback."))
     prewarm: Prewarm | None = field(
         default=None,

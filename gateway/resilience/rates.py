@@ -221,16 +221,21 @@ def streamed_counts(admitted: Admitted, events: int) -> tuple[int, int] | None:
 
 
 def answer_bound(call: Call) -> int:
-    """The most tokens a request's answer may generate, as its body bounds it (none: 0)."""
+    """The most tokens a request's answer may generate, as its body bounds it (none: 0):
+    its bound on one answer times the answers it asks for (``n``, a completion's
+    ``best_of``, which decodes that many)."""
     data = call.json or {}
-    answer = (
+    answer = _count(
         data.get("max_completion_tokens")
         or data.get("max_tokens")
         or data.get("max_output_tokens")  # the Responses API
-        or 0
     )
-    answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else 0
-    return max(0, answer)  # a negative bound: none
+    return answer * max(1, _count(data.get("n")), _count(data.get("best_of")))
+
+
+def _count(value: object) -> int:
+    """``value`` as a count: an integer above 0, else 0 (a negative bound: none)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def build_rate_limits(

@@ -1,0 +1,101 @@
+"""How much one call may ask a model to generate (``routes[].generation``).
+
+A model server gives each call what it asks: ``max_tokens: 32000`` holds a slot (and its KV
+cache) for as long as 32,000 tokens take, and ``n: 64`` decodes 64 answers for one request
+that rate limits count once.  The route's bounds are the operator's: the most output tokens
+one call may ask for, the bound written into a call that names none (a call that names none
+may otherwise generate up to the model's context), and the most choices (``n``,
+``best_of``) one call may ask for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.policy.metadata import doc
+
+Found = list[tuple[str, str]]
+
+OUTPUT_FIELDS = {
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/completions": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+    "/v1/messages": ("max_tokens",),  # Anthropic's
+}
+"""Per generation endpoint, the fields bounding a call's output; the first is the one given
+to a call that names none (chat's ``max_tokens``, which every server reads)."""
+CHOICE_FIELDS = {
+    "/v1/chat/completions": ("n",),
+    "/v1/completions": ("n", "best_of"),
+}
+"""Per endpoint, the fields asking for several answers to one call."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Bounds on what one call may ask a model to generate."""
+
+    max_tokens: int | None = field(
+        default=None,
+        metadata=doc(
+            "The most output tokens one call may ask for (chat's `max_completion_tokens` and "
+            "`max_tokens`, a completion's `max_tokens`, the Responses API's "
+            "`max_output_tokens`, Anthropic's `max_tokens`). A call asking more is clamped to "
+            "it or refused (`over`); a call naming none is given `default_max_tokens`, or "
+            "this. None: any."
+        ),
+    )
+    default_max_tokens: int | None = field(
+        default=None,
+        metadata=doc(
+            "The bound written into a call that names none (or `null`), so that it cannot "
+            "generate up to the model's whole context; at most `max_tokens`. None: "
+            "`max_tokens` where that is set, else the call goes as sent."
+        ),
+    )
+    max_choices: int | None = field(
+        default=None,
+        metadata=doc(
+            "The most choices one call may ask for (`n`; a completion's `best_of`, which "
+            "decodes that many): past it a 400 (`param` names the field). None: any."
+        ),
+    )
+    over: Literal["clamp", "refuse"] = field(
+        default="clamp",
+        metadata=doc(
+            "A call asking more than `max_tokens`: `clamp` sends it with `max_tokens` (its "
+            "answer may stop at `finish_reason: length`), `refuse` answers 400 "
+            "`invalid_request_error` naming the field."
+        ),
+    )
+
+    @property
+    def bounds_tokens(self) -> bool:
+        """Whether calls' output bounds are written or checked."""
+        return self.max_tokens is not None or self.default_max_tokens is not None
+
+
+def check_generation(generation: Generation, takes_generations: bool) -> Found:
+    """A route's ``generation``: positive bounds, a default within the most, on a route a
+    generation can take (``takes_generations``)."""
+    found: Found = []
+    for key in ("max_tokens", "default_max_tokens", "max_choices"):
+        value = getattr(generation, key)
+        if value is not None and value < 1:
+            found.append((f"generation.{key}", "must be at least 1"))
+    most, default = generation.max_tokens, generation.default_max_tokens
+    if most is not None and default is not None and default > most:
+        found.append(("generation.default_max_tokens", f"must be at most max_tokens ({most})"))
+    if generation == Generation(over=generation.over):
+        found.append(("generation", "bounds nothing: give max_tokens, default_max_tokens or "
+                      "max_choices"))  # fmt: skip
+    if not takes_generations:
+        found.append(
+            (
+                "generation",
+                "only applies to a route a generation can take: its path must match "
+                + ", ".join(sorted(OUTPUT_FIELDS)),
+            )
+        )
+    return found

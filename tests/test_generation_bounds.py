@@ -1,0 +1,257 @@
+"""A route's ``generation``: how much one call may ask the model to generate.  A call asking
+for more output tokens than ``max_tokens`` is sent with ``max_tokens`` (or refused with
+``over: refuse``); a call naming no bound is given ``default_max_tokens``; more choices than
+``max_choices`` is a 400 naming the field; a bound the gateway cannot read as a positive
+integer is a 400, never passed around the cap.  A token limit's estimate is the bound the
+call is sent with, times the answers it asks for."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.openai.generation import BOUND_HEADER
+from gateway.pipeline import Reply
+from gateway.testing import Sent, json_reply
+from tests.backends import Model, started
+from tests.helpers import chat, policy, problems_of, until
+
+URL = "http://main.test"
+CHAT = "/v1/chat/completions"
+
+
+class Recorder:
+    """A backend answering every OpenAI or Anthropic call with a small answer; ``bodies``
+    holds each body it was sent."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, sent: Sent) -> Reply:
+        self.bodies.append(sent.json())
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        return json_reply({"id": "x", "object": "chat.completion", "choices": [], "usage": usage})
+
+
+async def gateway(pipeline: Any, bounds: dict[str, Any], backend: Any = None, **route: Any):
+    recorder = backend if backend is not None else Recorder()
+    gw = await pipeline(policy({"main": {"url": URL}}, {"generation": bounds, **route}), recorder)
+    return gw, recorder
+
+
+def refused(answer: Any) -> dict[str, Any]:
+    assert answer.status_code == 400, answer.body
+    return json.loads(answer.body)["error"]
+
+
+async def test_a_call_asking_more_than_the_most_is_sent_with_the_most(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 256})
+    answer = await gw.post(CHAT, chat(max_tokens=5000, max_completion_tokens=4000))
+    assert answer.status_code == 200
+    assert answer.headers[BOUND_HEADER] == "256"
+    assert backend.bodies[0]["max_tokens"] == backend.bodies[0]["max_completion_tokens"] == 256
+    assert backend.bodies[0]["messages"] == chat()["messages"]  # the rest as sent
+    assert gw.metric("gateway_generation_bounds_total", route="chat", action="clamped") == 1
+
+
+async def test_a_call_within_the_bounds_goes_byte_for_byte(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 256, "max_choices": 2})
+    sent = chat(max_tokens=256, n=2)
+    answer = await gw.post(CHAT, sent)
+    assert answer.status_code == 200 and BOUND_HEADER not in answer.headers
+    assert backend.bodies == [sent]
+    assert gw.metric("gateway_generation_bounds_total", route="chat", action="clamped") == 0
+
+
+@pytest.mark.parametrize("named", [{}, {"max_tokens": None}, {"max_completion_tokens": None}])
+async def test_a_call_naming_no_bound_is_given_the_default(pipeline, named):
+    gw, backend = await gateway(pipeline, {"max_tokens": 256, "default_max_tokens": 64})
+    answer = await gw.post(CHAT, chat(**named))
+    assert answer.headers[BOUND_HEADER] == "64"
+    assert backend.bodies[0]["max_tokens"] == 64
+    assert gw.metric("gateway_generation_bounds_total", route="chat", action="defaulted") == 1
+
+
+async def test_without_a_default_a_call_naming_none_is_given_the_most(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 128})
+    await gw.post(CHAT, chat())
+    assert backend.bodies[0]["max_tokens"] == 128  # a cap a call escapes by naming none is none
+
+
+async def test_over_refuse_answers_400_naming_the_field(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 256, "over": "refuse"})
+    error = refused(await gw.post(CHAT, chat(max_completion_tokens=257)))
+    assert (error["param"], error["code"], error["type"]) == (
+        "max_completion_tokens",
+        "integer_above_max_value",
+        "invalid_request_error",
+    )
+    assert "at most 256" in error["message"]
+    assert backend.bodies == []
+    assert gw.metric("gateway_generation_bounds_total", route="chat", action="refused") == 1
+    assert (await gw.post(CHAT, chat(max_tokens=256))).status_code == 200
+
+
+async def test_more_choices_than_allowed_is_refused_never_clamped(pipeline):
+    gw, backend = await gateway(pipeline, {"max_choices": 2})
+    error = refused(await gw.post(CHAT, chat(n=3)))
+    assert (error["param"], error["code"]) == ("n", "integer_above_max_value")
+    error = refused(await gw.post("/v1/completions", {"model": "m", "prompt": "p", "best_of": 4}))
+    assert error["param"] == "best_of"
+    assert backend.bodies == []
+    assert (await gw.post(CHAT, chat(n=2))).status_code == 200
+    assert "max_tokens" not in backend.bodies[0]  # no token bound: nothing written
+
+
+@pytest.mark.parametrize(
+    ("value", "code"),
+    [
+        ("100000", "invalid_type"),  # pydantic would read it as 100000
+        (100000.0, "invalid_type"),
+        (True, "invalid_type"),
+        ([5], "invalid_type"),
+        (-1, "integer_below_min_value"),  # llama.cpp: no bound at all
+        (0, "integer_below_min_value"),
+    ],
+)
+async def test_a_bound_that_is_not_a_positive_integer_is_refused(pipeline, value, code):
+    gw, backend = await gateway(pipeline, {"max_tokens": 256})
+    error = refused(await gw.post(CHAT, chat(max_tokens=value)))
+    assert (error["param"], error["code"]) == ("max_tokens", code)
+    assert backend.bodies == []
+
+
+async def test_a_route_without_bounds_passes_what_the_backend_will_judge(pipeline):
+    backend = Recorder()
+    gw = await pipeline(policy({"main": {"url": URL}}), backend)
+    await gw.post(CHAT, chat(max_tokens="100000", n=64))
+    assert backend.bodies[0]["max_tokens"] == "100000"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 900}, "max_tokens"),
+        (
+            "/v1/responses",
+            {"model": "m", "input": "hi", "max_output_tokens": 900},
+            "max_output_tokens",
+        ),
+        (
+            "/v1/messages",
+            {"model": "m", "max_tokens": 900, "messages": [{"role": "user", "content": "hi"}]},
+            "max_tokens",
+        ),
+    ],
+)
+async def test_each_api_has_its_own_field(pipeline, path, body, field):
+    gw, backend = await gateway(pipeline, {"max_tokens": 100})
+    assert (await gw.post(path, body)).headers[BOUND_HEADER] == "100"
+    assert backend.bodies[0][field] == 100
+    del body[field]
+    await gw.post(path, body)
+    assert backend.bodies[1][field] == 100
+
+
+async def test_anthropics_api_is_refused_in_its_own_shape(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 100, "over": "refuse"})
+    body = {"model": "m", "max_tokens": 900, "messages": [{"role": "user", "content": "hi"}]}
+    answer = await gw.post("/v1/messages", body)
+    assert answer.status_code == 400
+    data = json.loads(answer.body)
+    assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
+    assert backend.bodies == []
+
+
+async def test_embeddings_are_not_generations(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 100})
+    await gw.post("/v1/embeddings", {"model": "m", "input": "hi"})
+    assert "max_tokens" not in backend.bodies[0]
+
+
+async def test_a_clamped_call_shares_the_cache_with_one_asking_the_most(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 64}, cache={"ttl_s": 60})
+    assert (await gw.post(CHAT, chat(max_tokens=64, temperature=0))).status_code == 200
+    again = await gw.post(CHAT, chat(max_tokens=9999, temperature=0))
+    assert again.headers.get("X-Gateway-Cache") == "hit"
+    assert len(backend.bodies) == 1
+
+
+async def test_a_token_limit_counts_every_answer_a_call_asks_for(pipeline):
+    """Held calls: the second is admitted or not on the first's estimate alone.  One answer
+    of 40 tokens leaves room in a bucket of 100; three answers of 40 (``n: 3``) do not."""
+    for n, second in ((1, 200), (3, 429)):
+        assert await second_while_first_held(pipeline, n) == second, n
+
+
+async def second_while_first_held(pipeline: Any, n: int) -> int:
+    """The status of a small call while one asking for ``n`` answers of 40 tokens is held."""
+    model = Model("main")
+    model.hold()
+    route = {"rate_limit": {"tokens_per_min": 100}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), model)
+    first = started(gw, "a", max_tokens=40, n=n)
+    await until(lambda: model.waiting == 1)
+    second = started(gw, "b", max_tokens=1)
+    await until(lambda: second.done() or model.waiting == 2)  # refused, or admitted and held
+    model.let(2)
+    assert (await first).status_code == 200
+    return (await second).status_code
+
+
+@pytest.mark.parametrize(
+    ("generation", "path", "problem"),
+    [
+        ({"max_tokens": 0}, "/v1/*", "generation.max_tokens: must be at least 1"),
+        ({"max_choices": -1}, "/v1/*", "generation.max_choices: must be at least 1"),
+        (
+            {"max_tokens": 10, "default_max_tokens": 20},
+            "/v1/*",
+            "generation.default_max_tokens: must be at most max_tokens (10)",
+        ),
+        ({"over": "refuse"}, "/v1/*", "generation: bounds nothing"),
+        ({"max_tokens": 10}, "/v1/embeddings", "generation: only applies to a route a generation"),
+    ],
+)
+def test_the_policy_refuses_bounds_that_cannot_hold(generation, path, problem):
+    text = json.dumps(
+        {
+            "backends": {"main": {"url": URL}},
+            "routes": [{"match": {"path": path}, "backend": "main", "generation": generation}],
+        }
+    )
+    assert any(problem in p for p in problems_of(text)), problems_of(text)
+
+
+@pytest.mark.llm
+async def test_llama_cpp_generates_no_more_than_the_bound_it_was_sent(
+    llama, start_gateway, tmp_path
+):
+    """The real server (llama.cpp, Gemma 3 270M) reads the bound the gateway writes: a call
+    naming none stops at the default, one asking more stops at the most, both at
+    ``finish_reason: length``; the openai SDK as the client."""
+    import openai
+    from openai.types.chat import ChatCompletionUserMessageParam
+
+    from gateway.testing.llama import MODEL_ALIAS
+    from tests.helpers import write_policy
+
+    route = {"backend": "llm", "generation": {"max_tokens": 5, "default_max_tokens": 3}}
+    path = write_policy(tmp_path, {"backends": {"llm": {"url": llama.url}}, "routes": [route]})
+    gw = await start_gateway(policy=path)
+    told = ChatCompletionUserMessageParam(role="user", content="Tell me a long story.")
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as c:
+        for asked, bound in ((None, 3), (40, 5)):
+            raw = await c.chat.completions.with_raw_response.create(
+                model=MODEL_ALIAS,
+                messages=[told],
+                max_tokens=asked if asked is not None else openai.omit,
+                temperature=0,
+                extra_body={"ignore_eos": True, "cache_prompt": False},
+            )
+            answer = raw.parse()
+            assert raw.headers[BOUND_HEADER] == str(bound)
+            assert answer.usage is not None and answer.usage.completion_tokens == bound
+            assert answer.choices[0].finish_reason == "length"
