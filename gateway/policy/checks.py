@@ -372,11 +372,12 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             bad("prewarm.headroom", "must be at least 1")
         if route.prewarm.endpoint_rps is not None and route.prewarm.endpoint_rps <= 0:
             bad("prewarm.endpoint_rps", "must be greater than 0")
-    for i, name in enumerate(route.fallback):
-        if name not in backends:
-            bad(f"fallback[{i}]", f"unknown backend {name!r}")
-        elif name == route.backend:
-            bad(f"fallback[{i}]", "the primary backend cannot be its own fallback")
+    for key, names in (("fallback", route.fallback), ("context_fallback", route.context_fallback)):
+        for i, name in enumerate(names):
+            if name not in backends:
+                bad(f"{key}[{i}]", f"unknown backend {name!r}")
+            elif name == route.backend:
+                bad(f"{key}[{i}]", "the primary backend cannot be its own fallback")
     found.extend(check_merge_models(route, backends))
     found.extend(check_target_models(route))
     if route.mirror is not None:

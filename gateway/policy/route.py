@@ -267,6 +267,17 @@ class Route:
             "or its queue is full. Never after a stream has started."
         ),
     )
+    context_fallback: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "Backends tried in order when a call is refused as too long for the model's "
+            "context (llama.cpp's `exceed_context_size_error`, OpenAI's "
+            "`context_length_exceeded`, vLLM's, TGI's, SGLang's and Anthropic's refusals), "
+            "before any byte reached the client: models with a longer context. A refusal of "
+            "another kind reaches the client as it came (LiteLLM's "
+            "`context_window_fallbacks`)."
+        ),
+    )
     target_models: tuple[TargetModel, ...] = field(
         default=(),
         metadata=doc(

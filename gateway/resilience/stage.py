@@ -57,6 +57,8 @@ from gateway.policy.model import Policy, Quality
 from gateway.resilience.admission import Priority
 from gateway.resilience.breaker import Outcome
 from gateway.resilience.concurrency_redis import Counts, in_flight_counts
+from gateway.resilience.context import REASON as CONTEXT_REASON
+from gateway.resilience.context import read_refusal
 from gateway.resilience.gpu import GpuControl, wire_gpu
 from gateway.resilience.guard import BackendGuard, Pass
 from gateway.resilience.health import Failed, account
@@ -81,6 +83,7 @@ FALLBACK_REASONS = (
     "timeout",  # connect, total or idle timeout before the answer's head
     "unavailable",  # refused, reset or closed connection
     "low_confidence",  # the answer's mean token logprob was below the route's threshold
+    CONTEXT_REASON,  # refused as too long for the model's context (context_fallback)
     "circuit_open",  # the backend's circuit breaker is open (or busy probing)
     "throttle",  # a throttle rule rerouted or shed the call
     "queue_full",  # the backend's admission queue was full
@@ -168,6 +171,8 @@ class Resilience:
             served = self._served(call, reply, 0, None)
         else:
             served = await self._serve(call, call_next, (call.backend, *fallback))
+        if route.context_fallback and call.pin is None:
+            served = await self._longer_context(call, call_next, served)
         if admitted is not None:
             served = await self._rates.settle(admitted, served)
             told = self._rates.told(call, admitted.standing)
@@ -175,17 +180,36 @@ class Resilience:
                 served = served.replace(headers=without_rate_headers(served.headers) + tuple(told))
         return served
 
-    async def _serve(self, call: Call, call_next: Handler, candidates: tuple[str, ...]) -> Reply:
+    async def _longer_context(self, call: Call, call_next: Handler, served: Reply) -> Reply:
+        """``served``, or, where it refuses the call as too long for the model's context,
+        the answer of the route's ``context_fallback`` backends (``context.py``)."""
+        served, overflowed = await read_refusal(served)
+        refused_by = served.backend or call.backend
+        candidates = tuple(b for b in call.route.context_fallback if b != refused_by)
+        if not overflowed or not candidates:
+            return served
+        await _close(served)
+        return await self._serve(call, call_next, candidates, moved=CONTEXT_REASON)
+
+    async def _serve(
+        self,
+        call: Call,
+        call_next: Handler,
+        candidates: tuple[str, ...],
+        moved: str | None = None,
+    ) -> Reply:
+        """The first of ``candidates`` to serve ``call`` (``moved``: why the call left the
+        backends before them, which served it not)."""
         cap = self._caps.get(call.tenant, Priority.HIGH) if call.tenant else self._anonymous_cap
         priority = min(priority_of(call), cap)
         if call.record is not None:
             call.record.priority = priority.name.lower()
         judge = judged(call, call.route.quality)
-        reason: str | None = None
+        reason = moved
         last: Moved | None = None
         index = 0
-        for index, backend in enumerate(candidates):
-            more = index + 1 < len(candidates)
+        for index, backend in enumerate(candidates, start=moved is not None):
+            more = index + 1 < len(candidates) + (moved is not None)
             target = call if backend == call.backend else dataclasses.replace(call, backend=backend)
             quality = call.route.quality if judge and index == 0 else None
             result = await self._attempt(target, call_next, priority, more, quality)
@@ -367,7 +391,7 @@ def build(policy: Policy, runtime: Runtime) -> list[Stage]:
         or vllm_priority
         or max_concurrency
         or client_concurrency is not None
-        or any(r.fallback for r in policy.routes)
+        or any(r.fallback or r.context_fallback for r in policy.routes)
     ):
         return []
     settings = policy.retry_budget
