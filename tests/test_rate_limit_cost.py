@@ -83,6 +83,23 @@ def test_a_budget_must_be_positive_and_one_no_backend_prices_is_warned_of(tmp_pa
     assert any(w.startswith("routes[0].stream_usage: is `pass`") for w in warnings)
 
 
+def test_a_priced_budget_without_a_default_bound_is_warned_of(tmp_path):
+    """A call naming no ``max_tokens`` is held at one generated token until it settles:
+    ``generation.default_max_tokens`` holds what it may cost before it runs."""
+
+    def warned(route: dict[str, Any]) -> list[str]:
+        backends = {"main": {"url": URL, "price": PRICE}}
+        file = write_policy(
+            tmp_path, policy(backends, {"rate_limit": {"cost_per_day": 5}, **route})
+        )
+        return [f"{w.path}: {w.message}" for w in load_policy(file).warnings]
+
+    hint = "routes[0].rate_limit.cost_per_day: a call naming no `max_tokens` is held"
+    assert any(w.startswith(hint) for w in warned({}))
+    for bounds in ({"default_max_tokens": 256}, {"max_tokens": 1024}):
+        assert not any(w.startswith(hint) for w in warned({"generation": bounds}))
+
+
 def answering(completion: int) -> Any:
     """A backend whose every answer used 3 prompt tokens and generated ``completion``."""
 

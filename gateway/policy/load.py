@@ -230,7 +230,8 @@ def _merge(parts: list[_Part], problems: list[Problem], warnings: list[Problem])
         hedge = backends[r.backend].hedge if r.backend in backends else None
         _report(warn_hedge(hedge, r.match.path), part, path, warnings)
         priced = any(backends[b].price for b in (r.backend, *r.fallback) if b in backends)
-        _report(warn_cost(r.rate_limit, priced), part, path, warnings)
+        bounded = r.generation is not None and r.generation.bounds_tokens
+        _report(warn_cost(r.rate_limit, priced, bounded), part, path, warnings)
     seen: set[tuple[str, str]] = set()
     for rule, part, path in throttles:
         _report(check_throttle(rule, backends), part, path, problems)

@@ -102,13 +102,23 @@ class RateLimit:
     )
 
 
-def warn_cost(limit: RateLimit | None, priced: bool) -> list[tuple[str, str]]:
+def warn_cost(limit: RateLimit | None, priced: bool, defaulted: bool) -> list[tuple[str, str]]:
     """A spend budget on a route none of whose backends (its own, its fallbacks) has a
-    ``price``: nothing would ever be charged against it."""
-    if limit is None or priced:
+    ``price``: nothing would ever be charged against it; on a route that gives no default
+    bound (``defaulted``: ``generation.default_max_tokens`` or ``max_tokens``), calls naming
+    none are held at one generated token until their answers settle."""
+    keys = [k for k in ("cost_per_day", "cost_per_month") if limit and getattr(limit, k)]
+    if not priced:
+        return [(f"rate_limit.{k}", "no backend of this route has a `price`: nothing is charged")
+                for k in keys]  # fmt: skip
+    if defaulted:
         return []
     return [
-        (f"rate_limit.{key}", "no backend of this route has a `price`: nothing is charged")
-        for key in ("cost_per_day", "cost_per_month")
-        if getattr(limit, key) is not None
+        (
+            f"rate_limit.{k}",
+            "a call naming no `max_tokens` is held at one generated token until its answer "
+            "settles, so calls in flight may take a tenant past its budget: give the route "
+            "`generation.default_max_tokens`",
+        )
+        for k in keys
     ]
