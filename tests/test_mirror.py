@@ -36,6 +36,8 @@ class Server:
         self.streams_ended = 0
         self.voice = name  # who the answer says it is from
         self.vector = [0.6, 0.8]  # what it embeds every input as
+        self.split = 5  # where a streamed answer's text is cut into its two chunks
+        self.stream_gate: asyncio.Event | None = None  # holds a stream after its first chunk
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -67,8 +69,12 @@ class Server:
         if body.get("stream"):
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await stream.prepare(request)
-            for piece in (text[:5], text[5:]):
-                delta = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+            for at, piece in enumerate((text[: self.split], text[self.split :])):
+                if at == 1 and self.stream_gate is not None:
+                    await self.stream_gate.wait()
+                end = "stop" if at == 1 else None
+                choice = {"index": 0, "delta": {"content": piece}, "finish_reason": end}
+                delta = {"object": "chat.completion.chunk", "choices": [choice]}
                 await stream.write(f"data: {json.dumps(delta)}\n\n".encode())
             await stream.write(b"data: [DONE]\n\n")
             self.streams_ended += 1
@@ -324,6 +330,40 @@ async def test_a_stream_is_copied_and_the_mirrors_stream_read_to_its_end(
     shadow = gw.gateway.registry.peek(SHADOWS, "chat")
     await until(lambda: shadow.in_flight == 0)
     assert outcome(await scrape(gw), "2xx") == 1
+
+
+async def test_a_deterministic_streams_answer_is_compared_once_both_have_ended(
+    servers, start_gateway, tmp_path
+):
+    """Two servers cut the same text into other chunks: the same answer; another text: a
+    different one.  A stream its client leaves is not compared, and its copy ends."""
+    main, canary, main_url, canary_url = servers
+    gw = await start(start_gateway, tmp_path, mirrored(main_url, canary_url))
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+
+    def compared(text: str, result: str) -> float:
+        labels = {"route": "chat", "backend": "canary", "result": result}
+        return metric(text, "gateway_mirror_comparisons_total", **labels) or 0.0
+
+    body = chat("streamed", temperature=0, stream=True)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        canary.voice, canary.split = "main", 9  # the same words, cut elsewhere
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        await until(lambda: len(canary.calls) == 1 and shadow.in_flight == 0)
+        canary.voice = "canary"
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        await until(lambda: len(canary.calls) == 2 and shadow.in_flight == 0)
+        text = await scrape(gw)
+        assert (compared(text, "same"), compared(text, "different")) == (1, 1)
+        main.stream_gate = asyncio.Event()  # the client leaves after the first chunk
+        async with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+            async for _ in answer.aiter_bytes():
+                break
+        main.stream_gate.set()
+        await until(lambda: len(canary.calls) == 3 and shadow.in_flight == 0)
+    text = await scrape(gw)
+    assert (compared(text, "same"), compared(text, "different")) == (1, 1)
+    assert outcome(text, "2xx") == 3
 
 
 async def test_a_fraction_of_the_calls_is_copied(servers, start_gateway, tmp_path):

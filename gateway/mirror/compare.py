@@ -7,7 +7,10 @@ float.
 
 Only a deterministic call's answers are compared (the cache's test: temperature 0, one
 choice, an embedding), both whole bodies of at most ``MAX_COMPARED_BYTES``; a sampled
-answer differs by design, and a bigger one would hold the event loop to parse.
+answer differs by design, and a bigger one would hold the event loop to parse.  A streamed
+chat or text completion is compared as the answer its events assemble into (``assembled``:
+the text, tool calls, logprobs and finish reason of each choice), once both streams have
+ended whole: two servers split the same tokens into chunks differently.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ if TYPE_CHECKING:
     import numpy as np
 
 from gateway.cache.keys import cacheability
+from gateway.openai.sse import StreamRecorder, events_to_json, is_event_stream
 from gateway.pipeline import Call, Reply
 
 MAX_COMPARED_BYTES = 256 * 1024
+STREAMED_PATHS = ("/v1/chat/completions", "/v1/completions")
+"""The streams ``assembled`` reads (OpenAI's chunks)."""
 SAME_COSINE = 0.999
 """Two vectors of one input this close are one answer (float16 against float32 weights
 keeps above 0.9999; another model is far below)."""
@@ -50,6 +56,31 @@ def comparable(call: Call, reply: Reply) -> bytes | None:
     if call.json is None or call.streaming or not cacheability(call.json, call.path).ok:
         return None
     return body
+
+
+def comparable_stream(call: Call, reply: Reply) -> bool:
+    """Whether ``reply`` is a deterministic call's stream of OpenAI chunks, to compare."""
+    if reply.status != 200 or reply.stream is None or not is_event_stream(reply.headers):
+        return False
+    if call.json is None or not call.streaming or call.path not in STREAMED_PATHS:
+        return False
+    return cacheability(call.json, call.path).ok
+
+
+def assembled(events: tuple[str, ...] | None = None, data: bytes | None = None) -> bytes | None:
+    """A stream's ``events`` (or its bytes, ``data``) as the JSON answer they assemble
+    into; None for a stream cut, refused by ``StreamRecorder`` or past
+    ``MAX_COMPARED_BYTES``."""
+    if data is not None:
+        recorder = StreamRecorder(MAX_COMPARED_BYTES)
+        recorder.feed(data)
+        events = recorder.result()
+    if events is None:
+        return None
+    try:
+        return json.dumps(events_to_json(events)).encode()
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None
 
 
 def agree(ours: bytes, theirs: bytes) -> bool | None:

@@ -24,7 +24,9 @@ traffic never takes a slot a served call needs, nor adds load to a GPU a rule pr
 ``max_in_flight`` bounds its load besides.  A reload that changes the mirror, and
 shutdown, cancel the copies in flight.
 
-A deterministic call's two answers are compared (``compare.py``): whether the mirror said
+A deterministic call's two answers are compared (``compare.py``), streams too, once both
+have ended whole (the client's is recorded as it passes, at most ``MAX_COMPARED_BYTES``):
+whether the mirror said
 the same, ids, times, model names and token counts aside, is counted in
 ``gateway_mirror_comparisons_total{route, backend, result}``, and a difference logged (at
 most every ``DIFFERENCE_LOG_EVERY_S``) with the request's id, under which both servers
@@ -46,11 +48,18 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gateway.cache.replies import Tee
 from gateway.clock import Clock
 from gateway.errors import GatewayError, UpstreamError
 from gateway.metrics import Metrics
 from gateway.metrics.children import Counted
-from gateway.mirror.compare import agree, comparable
+from gateway.mirror.compare import (
+    MAX_COMPARED_BYTES,
+    agree,
+    assembled,
+    comparable,
+    comparable_stream,
+)
 from gateway.openai import vllm_priority as vllm
 from gateway.openai.body import dumps_yielding
 from gateway.pipeline import Call, Handler, Reply, Spare, Stage, unbounded
@@ -107,38 +116,47 @@ class Shadow:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def copy(self, call: Call, answered: Reply | None = None) -> None:
+    def copy(self, call: Call, answered: Reply | None = None) -> Reply | None:
         """Send a copy of ``call`` to the mirror backend, if it is drawn and there is room;
         its answer is compared with ``answered``'s, the route's backend's, where they can
-        be (``compare.comparable``)."""
+        be (``compare.comparable``, ``comparable_stream``).  Returns ``answered``, its
+        stream recorded as it passes where it is compared."""
         mirror = self._mirror
         if self._draining or (mirror.fraction < 1 and self._draw() >= mirror.fraction):
-            return
+            return answered
         if len(self._tasks) >= mirror.max_in_flight:
             self._outcomes.inc(SHED)
-            return
+            return answered
         release = self._room() if self._room is not None else None
         if self._room is not None and release is None:
             self._outcomes.inc(NO_ROOM)
-            return
-        original = comparable(call, answered) if answered is not None else None
-        task = asyncio.get_running_loop().create_task(self._send(call, original))
+            return answered
+        original: Original = None
+        if answered is not None and comparable_stream(call, answered):
+            original, answered = _recorded(answered)
+        elif answered is not None:
+            original = comparable(call, answered)
+        task = asyncio.get_running_loop().create_task(
+            self._send(call, original, release or unbounded)
+        )
         self._tasks.add(task)
         self._in_flight.set(len(self._tasks))
         task.add_done_callback(self._done)
-        if release is not None:
-            task.add_done_callback(lambda _: release())
+        return answered
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._in_flight.set(len(self._tasks))
 
-    async def _send(self, call: Call, original: bytes | None) -> None:
+    async def _send(self, call: Call, original: Original, release: Callable[[], None]) -> None:
         started = self._clock.now()
         logged = call.record is not None and call.record.logged
         try:
-            reply = await self._forward(await self._copy_of(call))
-            await _read_whole(reply)
+            try:
+                reply = await self._forward(await self._copy_of(call))
+                body = await _read_whole(reply, keep=original is not None)
+            finally:
+                release()  # the mirror's slot: not held while the client's stream goes on
         except asyncio.CancelledError:
             raise  # a reload or shutdown: not the mirror's answer
         except Exception as exc:
@@ -150,8 +168,11 @@ class Shadow:
         self._duration.observe(self._clock.now() - started)
         self._outcomes.inc(f"{reply.status // 100}xx")
         same = None
-        if original is not None and reply.status == 200 and reply.body is not None:
-            same = self._compare(call, original, reply.body)
+        if original is not None and reply.status == 200 and body is not None:
+            if isinstance(original, asyncio.Future):  # the client's stream, once it ended
+                original, body = await original, assembled(data=body)
+            if original is not None and body is not None:
+                same = self._compare(call, original, body)
         if logged:
             self._log(call, started, reply, {} if same is None else {"mirror_same": same})
 
@@ -243,15 +264,46 @@ class Shadow:
 SHADOWS: Kind[Shadow] = Kind("mirror")
 
 
-async def _read_whole(reply: Reply) -> None:
-    """Read ``reply`` to its end (a stream's chunks dropped as they come), then release it."""
+Original = bytes | asyncio.Future[bytes | None] | None
+"""The answer a copy's is compared with: a whole body, a stream's assembled answer once it
+has ended (None: cut, or too long), or none."""
+
+
+def _recorded(reply: Reply) -> tuple[asyncio.Future[bytes | None], Reply]:
+    """``reply``, its stream recorded as it passes, and the answer it assembles into once it
+    has ended (None when it was cut, left by its client or too long)."""
+    assert reply.stream is not None
+    ended: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+
+    def settle(answer: bytes | None) -> None:
+        if not ended.done():
+            ended.set_result(answer)
+
+    async def recorded(events: tuple[str, ...] | None, body: bytes | None) -> None:
+        settle(assembled(events))
+
+    tee = Tee(reply.stream, events=True, on_complete=recorded, max_bytes=MAX_COMPARED_BYTES)
+    return ended, reply.replace(stream=tee).when_done(lambda: settle(None))
+
+
+async def _read_whole(reply: Reply, keep: bool = False) -> bytes | None:
+    """Read ``reply`` to its end, then release it: its body, or when ``keep`` its stream's
+    bytes up to ``MAX_COMPARED_BYTES`` (None past them; without ``keep``, the chunks are
+    dropped as they come)."""
+    kept: bytearray | None = bytearray() if keep else None
     try:
         if reply.stream is not None:
-            async for _ in reply.stream:
-                pass
+            async for chunk in reply.stream:
+                if kept is not None:
+                    kept += chunk
+                    if len(kept) > MAX_COMPARED_BYTES:
+                        kept = None
     finally:
         if reply.close is not None:
             await reply.close()
+    if reply.stream is None:
+        return reply.body
+    return bytes(kept) if kept is not None else None
 
 
 class MirrorStage:
@@ -269,8 +321,7 @@ class MirrorStage:
         except UpstreamError:
             shadow.copy(call)  # the backend was asked: its mirror is asked too
             raise
-        shadow.copy(call, reply)
-        return reply
+        return shadow.copy(call, reply) or reply
 
     def __repr__(self) -> str:
         return f"<MirrorStage {sorted(self._shadows)}>"
