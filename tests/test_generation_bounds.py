@@ -37,7 +37,8 @@ class Recorder:
 
 async def gateway(pipeline: Any, bounds: dict[str, Any], backend: Any = None, **route: Any):
     recorder = backend if backend is not None else Recorder()
-    gw = await pipeline(policy({"main": {"url": URL}}, {"generation": bounds, **route}), recorder)
+    everything = {"match": {"path": "*"}, "generation": bounds, **route}
+    gw = await pipeline(policy({"main": {"url": URL}}, everything), recorder)
     return gw, recorder
 
 
@@ -155,6 +156,63 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
     assert backend.bodies[1][field] == 100
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "read"),
+    [
+        (  # Ollama: -1 generates until the end
+            "/api/chat",
+            {"model": "m", "messages": [], "options": {"temperature": 0, "num_predict": -1}},
+            lambda b: b["options"]["num_predict"],
+        ),
+        ("/api/generate", {"model": "m", "prompt": "p"}, lambda b: b["options"]["num_predict"]),
+        (  # llama.cpp: -2 generates until the context is full
+            "/completion",
+            {"prompt": "p", "n_predict": -2},
+            lambda b: b["n_predict"],
+        ),
+        (
+            "/generate",
+            {"inputs": "p", "parameters": {"max_new_tokens": 5000}},
+            lambda b: b["parameters"]["max_new_tokens"],
+        ),
+    ],
+    ids=["ollama-chat", "ollama-generate", "llama.cpp", "tgi"],
+)
+async def test_the_servers_own_apis_are_bounded_alike(pipeline, path, body, read):
+    gw, backend = await gateway(pipeline, {"max_tokens": 100})
+    answer = await gw.post(path, body)
+    assert answer.headers[BOUND_HEADER] == "100"
+    assert read(backend.bodies[0]) == 100
+    if "options" in body:  # the object's other members kept
+        assert backend.bodies[0]["options"].get("temperature") == body["options"].get("temperature")
+
+
+async def test_a_servers_own_api_asking_for_no_bound_is_refused_with_over_refuse(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 100, "over": "refuse"})
+    error = refused(await gw.post("/api/chat", {"model": "m", "options": {"num_predict": -1}}))
+    assert error["param"] == "options.num_predict" and "no bound" in error["message"]
+    assert backend.bodies == []
+
+
+async def test_a_servers_own_api_body_must_be_readable_under_bounds(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 100})
+    assert (await gw.request("POST", "/api/chat", body=b"{not json")).status_code == 400
+    assert refused(await gw.post("/api/chat", {"options": 5}))["param"] == "options"
+    gzipped = await gw.request(
+        "POST", "/api/chat", body=b"\x1f\x8b", headers=[("Content-Encoding", "gzip")]
+    )
+    assert gzipped.status_code == 415
+    assert backend.bodies == []
+    assert gw.metric("gateway_generation_bounds_total", route="chat", action="refused") == 3
+
+
+async def test_a_servers_own_api_without_bounds_is_not_read(pipeline):
+    backend = Recorder()
+    gw = await pipeline(policy({"main": {"url": URL}}, {"match": {"path": "*"}}), backend)
+    answer = await gw.request("POST", "/api/chat", body=b"[1, 2]")
+    assert answer.status_code == 200 and backend.bodies == [[1, 2]]
+
+
 async def test_anthropics_api_is_refused_in_its_own_shape(pipeline):
     gw, backend = await gateway(pipeline, {"max_tokens": 100, "over": "refuse"})
     body = {"model": "m", "max_tokens": 900, "messages": [{"role": "user", "content": "hi"}]}
@@ -223,6 +281,26 @@ def test_the_policy_refuses_bounds_that_cannot_hold(generation, path, problem):
         }
     )
     assert any(problem in p for p in problems_of(text)), problems_of(text)
+
+
+@pytest.mark.llm
+async def test_llama_cpps_own_api_is_bounded_too(llama, start_gateway, tmp_path):
+    """``/completion`` with ``n_predict: -1`` (until the end), or naming no bound, stops at
+    the route's most."""
+    import httpx
+
+    from tests.helpers import write_policy
+
+    route = {"backend": "llm", "generation": {"max_tokens": 4}}
+    path = write_policy(tmp_path, {"backends": {"llm": {"url": llama.url}}, "routes": [route]})
+    gw = await start_gateway(policy=path)
+    body = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}
+    async with httpx.AsyncClient(timeout=120) as http:
+        for named in ({"n_predict": -1}, {}):  # until the end; none (given max_tokens)
+            answer = await http.post(gw.url + "/completion", json={**body, **named})
+            assert answer.status_code == 200, answer.text
+            assert answer.headers[BOUND_HEADER] == "4"
+            assert answer.json()["tokens_predicted"] == 4
 
 
 @pytest.mark.llm

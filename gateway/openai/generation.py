@@ -13,6 +13,14 @@ naming the field, never passed on: model servers read loosely (pydantic turns
 ``"100000"`` and ``100000.0`` into an integer; llama.cpp reads ``-1`` as no bound at all),
 so a bound a client could write around would bound nothing.
 
+The servers' own APIs are bounded alike (``NATIVE_PATHS``): llama.cpp's ``/completion``
+(``n_predict``), Ollama's ``/api/generate`` and ``/api/chat`` (``options.num_predict``),
+TGI's ``/generate`` and ``/generate_stream`` (``parameters.max_new_tokens``).  The gateway
+reads their bodies only on a route with bounds (strict JSON, as for OpenAI's; a body it
+cannot read is a 400, a compressed one a 415), and there a bound below 1, which those
+servers take for none (``-1``: until the end; ``-2``: until the context is full), asks for
+more than ``max_tokens``.
+
 The stage stands before the cache, single flight and the limits: they see the call as it
 goes upstream, so a clamped call shares the cache and a flight with one that asked for the
 bound, and a token limit's estimate is the bound it was sent with.
@@ -24,14 +32,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import FieldRefused
+from gateway.errors import BadRequest, FieldRefused, RequestError, UnsupportedEncoding
 from gateway.metrics import Metrics
-from gateway.openai.body import dumps_yielding
+from gateway.openai.body import YIELD_FROM_BYTES, dumps_yielding, loads, loads_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
-from gateway.policy.generation import CHOICE_FIELDS, OUTPUT_FIELDS, Generation
+from gateway.policy.generation import CHOICE_FIELDS, NATIVE_PATHS, OUTPUT_FIELDS, Generation
 from gateway.policy.model import Policy
 
 BOUND_HEADER = "X-Gateway-Max-Tokens"
+UNBOUNDED = 1 << 62
+"""What a server's own API asks for with a bound below 1 (none: until the end)."""
 ACTIONS = ("clamped", "defaulted", "refused")
 
 
@@ -45,19 +55,27 @@ class GenerationBounds:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         bounds = self._routes.get(call.route.name)
-        if bounds is None or call.json is None or call.path not in OUTPUT_FIELDS:
+        if bounds is None or call.method != "POST" or call.path not in OUTPUT_FIELDS:
             return await call_next(call)
+        native = call.path in NATIVE_PATHS
         try:
-            changes, action = bounded(call.json, call.path, bounds)
-        except FieldRefused:
+            data = await _native_body(call) if native else call.json
+            if data is None:
+                return await call_next(call)
+            changes, action = bounded(data, call.path, bounds)
+        except RequestError:
             self._counted(call.route.name, "refused")
             raise
         if not changes:
             return await call_next(call)
         self._counted(call.route.name, action)
-        data = {**call.json, **changes}
+        data = _with(data, changes)
         body = await dumps_yielding(data, len(call.body))
-        reply = await call_next(dataclasses.replace(call, json=data, body=body))
+        if native:  # its body read here only: the call goes on as a server's own API's
+            sent = dataclasses.replace(call, body=body)
+        else:
+            sent = dataclasses.replace(call, json=data, body=body)
+        reply = await call_next(sent)
         return reply.with_headers(((BOUND_HEADER, str(next(iter(changes.values())))),))
 
     def __repr__(self) -> str:
@@ -82,15 +100,17 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
     fields = OUTPUT_FIELDS[path]
     changes: dict[str, int] = {}
     named = False
+    native = path in NATIVE_PATHS
     for name in fields:
-        asked = _integer(data, name)
+        asked = _integer(data, name, native)
         if asked is None:
             continue
         named = True
         if most is not None and asked > most:
             if bounds.over == "refuse":
+                told = "no bound" if asked == UNBOUNDED else str(asked)
                 raise FieldRefused(
-                    f"'{name}' is {asked}; this route allows at most {most} output tokens",
+                    f"'{name}' is {told}; this route allows at most {most} output tokens",
                     name,
                     "integer_above_max_value",
                 )
@@ -102,9 +122,50 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
     return {fields[0]: default}, "defaulted"
 
 
-def _integer(data: dict[str, Any], name: str) -> int | None:
-    """``data[name]`` as the positive integer a bound must be (absent or null: None)."""
-    value = data.get(name)
+async def _native_body(call: Call) -> dict[str, Any]:
+    """The JSON object a server's own API was sent (the gateway reads those only here)."""
+    if call.header("Content-Encoding") is not None:
+        raise UnsupportedEncoding(
+            "this route bounds what a call may generate: send its body uncompressed"
+        )
+    limit = call.policy.server.max_json_values
+    data: Any = None
+    if len(call.body) >= YIELD_FROM_BYTES:
+        data = await loads_yielding(call.body, limit)
+    elif call.body:
+        data = loads(call.body, limit)
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def _with(data: dict[str, Any], changes: dict[str, int]) -> dict[str, Any]:
+    """``data`` with each dotted field of ``changes`` set (its object made where absent)."""
+    data = dict(data)
+    for name, value in changes.items():
+        outer, _, inner = name.rpartition(".")
+        if outer:
+            data[outer] = {**(data.get(outer) or {}), inner: value}
+        else:
+            data[name] = value
+    return data
+
+
+def _integer(data: dict[str, Any], name: str, native: bool = False) -> int | None:
+    """``data``'s dotted field ``name`` as the positive integer a bound must be (absent or
+    null: None; on a server's own API, below 1 is no bound: ``UNBOUNDED``)."""
+    outer, _, inner = name.rpartition(".")
+    if outer:
+        holder = data.get(outer)
+        if holder is None:
+            return None
+        if not isinstance(holder, dict):
+            raise FieldRefused(
+                f"Invalid type for '{outer}': expected an object", outer, "invalid_type"
+            )
+        value = holder.get(inner)
+    else:
+        value = data.get(name)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
@@ -114,6 +175,8 @@ def _integer(data: dict[str, Any], name: str) -> int | None:
             name,
             "invalid_type",
         )
+    if value < 1 and native:
+        return UNBOUNDED
     if value < 1:
         raise FieldRefused(
             f"Invalid '{name}': {value}; it must be at least 1", name, "integer_below_min_value"

@@ -22,9 +22,21 @@ OUTPUT_FIELDS = {
     "/v1/completions": ("max_tokens",),
     "/v1/responses": ("max_output_tokens",),
     "/v1/messages": ("max_tokens",),  # Anthropic's
+    # llama.cpp's own API: n_predict, else max_tokens (which OpenAI-shaped servers read too)
+    "/completion": ("max_tokens", "n_predict"),
+    "/completions": ("max_tokens", "n_predict"),
+    "/api/generate": ("options.num_predict",),  # Ollama's
+    "/api/chat": ("options.num_predict",),
+    "/generate": ("parameters.max_new_tokens",),  # TGI's
+    "/generate_stream": ("parameters.max_new_tokens",),
 }
-"""Per generation endpoint, the fields bounding a call's output; the first is the one given
-to a call that names none (chat's ``max_tokens``, which every server reads)."""
+"""Per generation endpoint, the fields bounding a call's output (a dotted name: a member of
+an object member); the first is the one given to a call that names none (chat's
+``max_tokens``, which every server reads)."""
+NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startswith("/v1/")}
+"""The servers' own APIs, whose bodies the gateway reads only for a route's bounds, and
+where a bound below 1 asks for none (llama.cpp's and Ollama's -1: until the end; -2: until
+the context is full)."""
 CHOICE_FIELDS = {
     "/v1/chat/completions": ("n",),
     "/v1/completions": ("n", "best_of"),
@@ -41,9 +53,10 @@ class Generation:
         metadata=doc(
             "The most output tokens one call may ask for (chat's `max_completion_tokens` and "
             "`max_tokens`, a completion's `max_tokens`, the Responses API's "
-            "`max_output_tokens`, Anthropic's `max_tokens`). A call asking more is clamped to "
-            "it or refused (`over`); a call naming none is given `default_max_tokens`, or "
-            "this. None: any."
+            "`max_output_tokens`, Anthropic's `max_tokens`; the servers' own APIs: "
+            "llama.cpp's `/completion` `n_predict`, Ollama's `options.num_predict`, TGI's "
+            "`parameters.max_new_tokens`). A call asking more is clamped to it or refused "
+            "(`over`); a call naming none is given `default_max_tokens`, or this. None: any."
         ),
     )
     default_max_tokens: int | None = field(
