@@ -11,9 +11,13 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gateway.openai.generation import BOUND_HEADER
+from gateway.errors import RequestError
+from gateway.openai.generation import BOUND_HEADER, bounded, with_bounds
 from gateway.pipeline import Reply
+from gateway.policy.generation import OUTPUT_FIELDS, Generation
 from gateway.testing import Sent, json_reply
 from tests.backends import Model, started
 from tests.helpers import chat, policy, problems_of, until
@@ -333,3 +337,57 @@ async def test_llama_cpp_generates_no_more_than_the_bound_it_was_sent(
             assert raw.headers[BOUND_HEADER] == str(bound)
             assert answer.usage is not None and answer.usage.completion_tokens == bound
             assert answer.choices[0].finish_reason == "length"
+
+
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**20), max_value=10**20),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.sampled_from(["num_predict", "max_new_tokens", "x"]), st.integers()),
+)
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(
+    path=st.sampled_from(sorted(OUTPUT_FIELDS)),
+    values=st.dictionaries(
+        st.sampled_from(
+            [
+                "max_tokens",
+                "max_completion_tokens",
+                "max_output_tokens",
+                "n_predict",
+                "n",
+                "best_of",
+                "options",
+                "parameters",
+            ]
+        ),
+        VALUES,
+    ),
+    most=st.integers(min_value=1, max_value=4096),
+    over=st.sampled_from(["clamp", "refuse"]),
+)
+def test_whatever_a_body_holds_it_is_refused_or_sent_within_the_bound(path, values, most, over):
+    """A 400 (never another error), or a body whose every bound is an integer from 1 to the
+    most: no value, type or nesting gets a call past ``max_tokens``."""
+    bounds = Generation(max_tokens=most, max_choices=2, over=over)
+    try:
+        changes, _ = bounded(values, path, bounds)
+    except RequestError as exc:
+        assert exc.status == 400
+        return
+    sent = with_bounds(values, changes)
+    found = []
+    for name in OUTPUT_FIELDS[path]:
+        outer, _, inner = name.rpartition(".")
+        holder = sent.get(outer) if outer else sent
+        found.append(holder.get(inner) if isinstance(holder, dict) else None)
+    assert any(value is not None for value in found), sent  # named, or given the default
+    for value in found:
+        if value is not None:
+            assert isinstance(value, int) and not isinstance(value, bool), sent
+            assert 1 <= value <= most, sent

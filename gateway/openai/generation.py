@@ -69,7 +69,7 @@ class GenerationBounds:
         if not changes:
             return await call_next(call)
         self._counted(call.route.name, action)
-        data = _with(data, changes)
+        data = with_bounds(data, changes)
         body = await dumps_yielding(data, len(call.body))
         if native:  # its body read here only: the call goes on as a server's own API's
             sent = dataclasses.replace(call, body=body)
@@ -139,7 +139,7 @@ async def _native_body(call: Call) -> dict[str, Any]:
     return data
 
 
-def _with(data: dict[str, Any], changes: dict[str, int]) -> dict[str, Any]:
+def with_bounds(data: dict[str, Any], changes: dict[str, int]) -> dict[str, Any]:
     """``data`` with each dotted field of ``changes`` set (its object made where absent)."""
     data = dict(data)
     for name, value in changes.items():
