@@ -7,6 +7,7 @@ call is sent with, times the answers it asks for."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from gateway.errors import RequestError
 from gateway.openai.generation import BOUND_HEADER, bounded, with_bounds
 from gateway.pipeline import Reply
-from gateway.policy.generation import OUTPUT_FIELDS, Generation
+from gateway.policy.generation import OUTPUT_FIELDS, Generation, tighter
 from gateway.testing import Sent, json_reply
 from tests.backends import Model, started
 from tests.helpers import chat, policy, problems_of, until
@@ -225,6 +226,57 @@ async def test_anthropics_api_is_refused_in_its_own_shape(pipeline):
     data = json.loads(answer.body)
     assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
     assert backend.bodies == []
+
+
+def tenants_of(**generation: Any) -> dict[str, Any]:
+    """``tenants:`` with one named tenant, ``free``, holding ``FREE_KEY`` and ``generation``."""
+    digest = hashlib.sha256(FREE_KEY.encode()).hexdigest()
+    return {"keys": [{"name": "free", "sha256": digest, "generation": generation}]}
+
+
+FREE_KEY = "free-tier-key"
+FREE = [("Authorization", f"Bearer {FREE_KEY}")]
+
+
+async def test_a_named_tenants_bounds_hold_on_every_route_the_tighter_with_a_routes(pipeline):
+    backend = Recorder()
+    backends = {"main": {"url": URL}}
+    doc = {
+        "backends": backends,
+        "routes": [
+            {"name": "bounded", "match": {"path": "/v1/chat/*"}, "backend": "main",
+             "generation": {"max_tokens": 256, "default_max_tokens": 200}},
+            {"name": "open", "match": {"path": "*"}, "backend": "main"},
+        ],
+        "tenants": tenants_of(max_tokens=100, max_choices=1, over="refuse"),
+    }  # fmt: skip
+    gw = await pipeline(doc, backend)
+    await gw.post(CHAT, chat())  # anyone else: the route's default
+    await gw.post(CHAT, chat(), headers=FREE)  # the tenant's most is lower
+    await gw.post("/v1/completions", {"model": "m", "prompt": "p"}, headers=FREE)  # open route
+    assert [b.get("max_tokens") for b in backend.bodies] == [200, 100, 100]
+    error = refused(await gw.post(CHAT, chat(max_tokens=150), headers=FREE))  # refuse wins
+    assert error["param"] == "max_tokens"
+    assert refused(await gw.post(CHAT, chat(n=2), headers=FREE))["param"] == "n"
+    assert (await gw.post(CHAT, chat(max_tokens=150, n=2))).status_code == 200  # not free
+    assert gw.metric("gateway_generation_bounds_total", route="open", action="defaulted") == 1
+
+
+def test_tighter_takes_the_lower_of_each_bound():
+    route = Generation(max_tokens=256, default_max_tokens=200)
+    tenant = Generation(max_tokens=100, max_choices=1, over="refuse")
+    assert tighter(route, tenant) == Generation(
+        max_tokens=100, default_max_tokens=100, max_choices=1, over="refuse"
+    )
+    assert tighter(route, None) is route and tighter(None, None) is None
+
+
+def test_a_tenants_bounds_are_checked():
+    doc = policy({"main": {"url": URL}}, tenants=tenants_of(max_tokens=0))
+    assert any(
+        "tenants.keys[0].generation.max_tokens: must be at least 1" in p
+        for p in problems_of(json.dumps(doc))
+    ), problems_of(json.dumps(doc))
 
 
 async def test_embeddings_are_not_generations(pipeline):

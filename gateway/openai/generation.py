@@ -36,7 +36,13 @@ from gateway.errors import BadRequest, FieldRefused, RequestError, UnsupportedEn
 from gateway.metrics import Metrics
 from gateway.openai.body import YIELD_FROM_BYTES, dumps_yielding, loads, loads_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
-from gateway.policy.generation import CHOICE_FIELDS, NATIVE_PATHS, OUTPUT_FIELDS, Generation
+from gateway.policy.generation import (
+    CHOICE_FIELDS,
+    NATIVE_PATHS,
+    OUTPUT_FIELDS,
+    Generation,
+    tighter,
+)
 from gateway.policy.model import Policy
 
 BOUND_HEADER = "X-Gateway-Max-Tokens"
@@ -49,12 +55,30 @@ class GenerationBounds:
     """The stage; see the module docstring.  ``counted(route, action)`` counts each change
     or refusal."""
 
-    def __init__(self, routes: dict[str, Generation], counted: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        routes: dict[str, Generation],
+        counted: Callable[[str, str], None],
+        tenants: dict[str, Generation] | None = None,
+    ) -> None:
         self._routes = routes
         self._counted = counted
+        self._tenants = tenants or {}
+        self._both: dict[tuple[str, str], Generation | None] = {}  # routes x tenants at most
+
+    def _bounds(self, call: Call) -> Generation | None:
+        """The route's bounds, tightened by the named tenant's."""
+        route = self._routes.get(call.route.name)
+        tenant = self._tenants.get(call.tenant) if call.tenant else None
+        if tenant is None or route is None:
+            return route or tenant
+        pair = (call.route.name, call.tenant)
+        if pair not in self._both:
+            self._both[pair] = tighter(route, tenant)
+        return self._both[pair]
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
-        bounds = self._routes.get(call.route.name)
+        bounds = self._bounds(call)
         if bounds is None or call.method != "POST" or call.path not in OUTPUT_FIELDS:
             return await call_next(call)
         native = call.path in NATIVE_PATHS
@@ -185,13 +209,14 @@ def _integer(data: dict[str, Any], name: str, native: bool = False) -> int | Non
 
 
 def build(policy: Policy, metrics: Metrics) -> list[Stage]:
-    """The stage, when a route bounds its generations."""
+    """The stage, when a route or a named tenant bounds its generations."""
     routes = {r.name: r.generation for r in policy.routes if r.generation is not None}
-    if not routes:
+    tenants = policy.tenants.generations()
+    if not routes and not tenants:
         return []
     counters = {  # labels() costs microseconds a call: each child is made once
-        (name, action): metrics.generation_bounds.labels(name, action).inc
-        for name in routes
+        (route.name, action): metrics.generation_bounds.labels(route.name, action).inc
+        for route in policy.routes
         for action in ACTIONS
     }
-    return [GenerationBounds(routes, lambda route, action: counters[(route, action)]())]
+    return [GenerationBounds(routes, lambda route, action: counters[(route, action)](), tenants)]

@@ -89,6 +89,25 @@ class Generation:
         return self.max_tokens is not None or self.default_max_tokens is not None
 
 
+def tighter(one: Generation | None, other: Generation | None) -> Generation | None:
+    """The bounds of both (a route's and a named tenant's): each the lower where both give
+    it, the default within the most, ``refuse`` where either refuses."""
+    if one is None or other is None:
+        return one or other
+
+    def low(a: int | None, b: int | None) -> int | None:
+        return b if a is None else a if b is None else min(a, b)
+
+    most = low(one.max_tokens, other.max_tokens)
+    default = low(one.default_max_tokens, other.default_max_tokens)
+    return Generation(
+        max_tokens=most,
+        default_max_tokens=low(default, most) if default is not None else None,
+        max_choices=low(one.max_choices, other.max_choices),
+        over="refuse" if "refuse" in (one.over, other.over) else "clamp",
+    )
+
+
 def check_generation(generation: Generation, takes_generations: bool) -> Found:
     """A route's ``generation``: positive bounds, a default within the most, on a route a
     generation can take (``takes_generations``)."""

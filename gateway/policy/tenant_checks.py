@@ -4,6 +4,7 @@ tenants and their keys)."""
 from __future__ import annotations
 
 from gateway.policy.checks import Found, check_rate_limit
+from gateway.policy.generation import check_generation
 from gateway.policy.model import RateLimit, Tenants
 
 MAX_WEIGHT = 100
@@ -40,6 +41,8 @@ def check_tenants(tenants: Tenants) -> Found:
         elif digest in names and names[digest] != key.name:
             found.append((f"keys[{i}].sha256", f"is also tenant {names[digest]!r}'s key"))
         names.setdefault(digest, key.name)
+        if key.generation is not None:
+            found.extend((f"keys[{i}].{k}", m) for k, m in check_generation(key.generation, True))
         if key.rate_limit is not None:
             found.extend((f"keys[{i}].{k}", m) for k, m in check_rate_limit(key.rate_limit))
             if limits.setdefault(key.name, key.rate_limit) != key.rate_limit:

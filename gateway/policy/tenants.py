@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from gateway.policy.generation import Generation, tighter
 from gateway.policy.metadata import doc
 from gateway.policy.rate_limit import DEFAULT_RATE_LIMIT_REPLICAS, RateLimit
 
@@ -84,6 +85,15 @@ class TenantKey:
             "calls, this how many it holds: long streams cannot take every slot of a "
             "backend. Counted in `gateway_tenant_in_flight{tenant}`. Given on several of a "
             "tenant's keys, the lowest holds; none: no cap."
+        ),
+    )
+    generation: Generation | None = field(
+        default=None,
+        metadata=doc(
+            "How much one of the tenant's calls may ask the model to generate, on every "
+            "route (a route's `generation`: a free tier's shorter answers). Where a route "
+            "bounds too, each bound is the lower of the two, and `refuse` wins. Given on "
+            "several of a tenant's keys, the tightest holds."
         ),
     )
 
@@ -183,6 +193,15 @@ class Tenants:
         """Each capped tenant's ``max_concurrency``: the lowest over its keys."""
         given = [(k.name, k.max_concurrency) for k in self.keys]
         return _lowest((name, cap) for name, cap in given if cap is not None)
+
+    def generations(self) -> dict[str, Generation]:
+        """Each bounded tenant's ``generation``: the tightest over its keys."""
+        bounds: dict[str, Generation] = {}
+        for key in self.keys:
+            made = tighter(bounds.get(key.name), key.generation)
+            if made is not None:
+                bounds[key.name] = made
+        return bounds
 
     def models(self) -> dict[str, tuple[str, ...]]:
         """The model globs of each tenant held to some, by name."""
