@@ -180,8 +180,13 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
             {"inputs": "p", "parameters": {"max_new_tokens": 5000}},
             lambda b: b["parameters"]["max_new_tokens"],
         ),
+        (  # SGLang's own /generate: the bound goes where its sampling parameters are
+            "/generate",
+            {"text": "p", "sampling_params": {"temperature": 0}},
+            lambda b: b["sampling_params"]["max_new_tokens"],
+        ),
     ],
-    ids=["ollama-chat", "ollama-generate", "llama.cpp", "tgi"],
+    ids=["ollama-chat", "ollama-generate", "llama.cpp", "tgi", "sglang"],
 )
 async def test_the_servers_own_apis_are_bounded_alike(pipeline, path, body, read):
     gw, backend = await gateway(pipeline, {"max_tokens": 100})

@@ -143,7 +143,8 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
         return changes, "clamped"
     default = bounds.default_max_tokens or most
     assert default is not None  # bounds_tokens
-    return {fields[0]: default}, "defaulted"
+    sent = (f for f in fields if isinstance(data.get(f.rpartition(".")[0]), dict))
+    return {next(sent, fields[0]): default}, "defaulted"
 
 
 async def _native_body(call: Call) -> dict[str, Any]:

@@ -27,12 +27,13 @@ OUTPUT_FIELDS = {
     "/completions": ("max_tokens", "n_predict"),
     "/api/generate": ("options.num_predict",),  # Ollama's
     "/api/chat": ("options.num_predict",),
-    "/generate": ("parameters.max_new_tokens",),  # TGI's
+    # TGI's; SGLang's own /generate (sampling_params)
+    "/generate": ("parameters.max_new_tokens", "sampling_params.max_new_tokens"),
     "/generate_stream": ("parameters.max_new_tokens",),
 }
 """Per generation endpoint, the fields bounding a call's output (a dotted name: a member of
-an object member); the first is the one given to a call that names none (chat's
-``max_tokens``, which every server reads)."""
+an object member).  A call that names none is given the first whose object it sent, else
+the first (chat's ``max_tokens``, which every server reads)."""
 NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startswith("/v1/")}
 """The servers' own APIs, whose bodies the gateway reads only for a route's bounds, and
 where a bound below 1 asks for none (llama.cpp's and Ollama's -1: until the end; -2: until
