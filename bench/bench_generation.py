@@ -33,8 +33,7 @@ from bench.llama_load import percentile
 from bench.plumbing import (
     CHAT,
     Answering,
-    closed_loop,
-    figures_of,
+    chat_load,
     gateway,
     medians,
     rounds_of,
@@ -58,13 +57,7 @@ def policy(url: str, generation: dict[str, Any] | None) -> dict[str, Any]:
     return {"backends": {"main": {"url": url}}, "routes": [route]}
 
 
-async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
-    latencies, elapsed, failed = await closed_loop(
-        urls, "/v1/chat/completions", lambda: ASK, duration_s, connections
-    )
-    figures = figures_of(latencies, elapsed)
-    figures["failed"] = float(failed)
-    return figures
+load = chat_load(ASK)
 
 
 async def cost(duration_s: float, rounds: int, connections: int) -> list[str]:

@@ -33,8 +33,7 @@ from bench.common import machine, update_section
 from bench.plumbing import (
     CHAT,
     Answering,
-    closed_loop,
-    figures_of,
+    chat_load,
     gateway,
     medians,
     rounds_args,
@@ -74,13 +73,7 @@ RATES = {"requests_per_s": 1e6, "tokens_per_min": 1e9}
 BUDGET = {**RATES, "cost_per_day": 1e9}
 
 
-async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
-    latencies, elapsed, failed = await closed_loop(
-        urls, "/v1/chat/completions", lambda: ASK, duration_s, connections
-    )
-    figures = figures_of(latencies, elapsed)
-    figures["failed"] = float(failed)
-    return figures
+load = chat_load(ASK)
 
 
 async def hold(url: str, connections: int) -> dict[str, float]:

@@ -219,6 +219,21 @@ Load = Callable[[list[str], float, int], Awaitable[dict[str, float]]]
 ``answers`` among them."""
 
 
+def chat_load(body: dict[str, Any]) -> Load:
+    """The closed-loop load posting ``body`` to chat completions: its figures, with the
+    answers other than 200 as ``failed``."""
+
+    async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
+        latencies, elapsed, failed = await closed_loop(
+            urls, "/v1/chat/completions", lambda: body, duration_s, connections
+        )
+        figures = figures_of(latencies, elapsed)
+        figures["failed"] = float(failed)
+        return figures
+
+    return load
+
+
 async def rounds_of(
     paths: dict[str, list[str]],
     load: Load,
