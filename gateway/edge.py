@@ -368,6 +368,8 @@ class Edge:
             record = call.record if call is not None else None
             if record is not None and record.fallback is not None:
                 entry["fallback"] = record.fallback
+            if record is not None and record.generation is not None:
+                entry["generation"], entry["max_tokens_sent"] = record.generation
             if record is not None and record.cache is not None:
                 entry["log_cache"] = record.cache
             if record is not None and record.priority is not None:

@@ -58,6 +58,9 @@ class Record:
     """The throttle rule in force on the backend when the call was admitted."""
     fallback: str | None = None
     """Why the route's primary backend did not serve (``X-Gateway-Fallback``)."""
+    generation: tuple[str, int] | None = None
+    """What the generation bounds did (``clamped``, ``defaulted``, ``refused``) and the bound
+    the call was sent with (0 when refused)."""
     endpoint: str = ""
     """The URL of the endpoint that answered (``Reply.endpoint``)."""
     trace: object | None = None

@@ -248,6 +248,21 @@ async def test_the_access_log_tells_why_a_fallback_served(
     assert lines[-1]["backend"] == "spare" and lines[-1]["endpoint"] == spare
 
 
+async def test_the_access_log_tells_what_the_generation_bounds_did(
+    serve_app, start_gateway, tmp_path, capsys
+):
+    gw, _ = await logged_gateway(
+        serve_app, start_gateway, tmp_path, "chat", "generation: {max_tokens: 64, max_choices: 1}"
+    )
+    async with httpx.AsyncClient() as client:
+        for extra in ({"max_tokens": 500}, {}, {"n": 2}, {"max_tokens": 10}):
+            await client.post(gw.url + "/v1/chat/completions", json={**CHAT, **extra})
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    told = [(line.get("generation"), line.get("max_tokens_sent")) for line in lines]
+    assert told == [("clamped", 64), ("defaulted", 64), ("refused", 0), (None, None)]
+    assert [line["status"] for line in lines] == [200, 200, 400, 200]
+
+
 async def test_the_access_log_never_shows_the_credentials_of_an_endpoints_url(
     serve_app, start_gateway, tmp_path, capsys
 ):

@@ -89,10 +89,15 @@ class GenerationBounds:
             changes, action = bounded(data, call.path, bounds)
         except RequestError:
             self._counted(call.route.name, "refused")
+            if call.record is not None:
+                call.record.generation = ("refused", 0)
             raise
         if not changes:
             return await call_next(call)
         self._counted(call.route.name, action)
+        bound = next(iter(changes.values()))
+        if call.record is not None:
+            call.record.generation = (action, bound)
         data = with_bounds(data, changes)
         body = await dumps_yielding(data, len(call.body))
         if native:  # its body read here only: the call goes on as a server's own API's
@@ -100,7 +105,7 @@ class GenerationBounds:
         else:
             sent = dataclasses.replace(call, json=data, body=body)
         reply = await call_next(sent)
-        return reply.with_headers(((BOUND_HEADER, str(next(iter(changes.values())))),))
+        return reply.with_headers(((BOUND_HEADER, str(bound)),))
 
     def __repr__(self) -> str:
         return f"<GenerationBounds routes={sorted(self._routes)}>"

@@ -157,6 +157,10 @@ def record_attributes(record: Record) -> Attributes:
         attrs["gateway.priority"] = record.priority
     if record.fallback is not None:
         attrs["gateway.fallback.reason"] = record.fallback
+    if record.generation is not None:
+        attrs["gateway.generation.action"], attrs["gateway.generation.max_tokens"] = (
+            record.generation
+        )
     if record.throttle is not None:
         attrs["gateway.throttle.rule"] = record.throttle
     return attrs
