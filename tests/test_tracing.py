@@ -317,6 +317,26 @@ async def test_a_failed_upstream_call_is_an_error_and_the_fallback_says_why(pipe
     assert calls[1].status.status_code.name == "UNSET"
 
 
+async def test_a_call_too_long_for_the_context_and_one_clamped_say_so(pipeline, exporter):
+    """The span of a call moved to a longer context names the reason; one whose bound the
+    route set names what it did and the bound it was sent with."""
+    refusal = {"error": {"type": "exceed_context_size_error", "message": "too long"}}
+    gw = await pipeline(
+        policy("context_fallback: [spare], generation: {max_tokens: 8}"),
+        {
+            "main": lambda sent: json_reply(refusal, status=400),
+            "spare": lambda sent: json_reply(answer("spare-model")),
+        },
+        span_exporter=exporter,
+    )
+    assert (await gw.post("/v1/chat/completions", {**CHAT, "max_tokens": 99})).status_code == 200
+    [server] = server_spans(finished(gw.gateway, exporter))
+    assert server.attributes["gateway.fallback.reason"] == "context_length"
+    assert server.attributes["gateway.backend"] == "spare"
+    assert server.attributes["gateway.generation.action"] == "clamped"
+    assert server.attributes["gateway.generation.max_tokens"] == 8
+
+
 async def test_an_unreachable_backend_makes_an_error_span_with_the_gateway_error(
     pipeline, exporter
 ):
