@@ -64,18 +64,18 @@ class GenerationBounds:
         self._routes = routes
         self._counted = counted
         self._tenants = tenants or {}
-        self._both: dict[tuple[str, str], Generation | None] = {}  # routes x tenants at most
+        self._both = {  # a route's bounds tightened by each named tenant's
+            (name, tenant): tighter(bounds, own)
+            for name, bounds in routes.items()
+            for tenant, own in self._tenants.items()
+        }
 
     def _bounds(self, call: Call) -> Generation | None:
         """The route's bounds, tightened by the named tenant's."""
-        route = self._routes.get(call.route.name)
-        tenant = self._tenants.get(call.tenant) if call.tenant else None
-        if tenant is None or route is None:
-            return route or tenant
-        pair = (call.route.name, call.tenant)
-        if pair not in self._both:
-            self._both[pair] = tighter(route, tenant)
-        return self._both[pair]
+        if call.tenant and call.tenant in self._tenants:
+            both = self._both.get((call.route.name, call.tenant))
+            return both if both is not None else self._tenants[call.tenant]
+        return self._routes.get(call.route.name)
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         bounds = self._bounds(call)
