@@ -32,6 +32,7 @@ from gateway.cache import feedback
 from gateway.cache.replies import CACHE_HEADER, HIT
 from gateway.errors import GatewayError, MalformedRequest, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
+from gateway.openai.native_usage import NativeStreamUsage, from_native_body, native
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
 from gateway.policy.routing import OPENAI_JSON_PATHS
@@ -70,6 +71,21 @@ def token_source(reply: Reply | None) -> str:
     if reply.coalesced:
         return COALESCED
     return CACHED if reply.header(CACHE_HEADER) == HIT else BACKEND
+
+
+def _counts_of(call: Call, body: bytes) -> tuple[int, int] | None:
+    """The (prompt, completion) tokens a whole answer names: OpenAI's ``usage``, or a
+    server's own counts (a prompt it does not count: none)."""
+    if call.json is not None:
+        return from_body(body)
+    return from_native_body(body) if native(call.method, call.path) else None
+
+
+def _watcher(call: Call) -> StreamUsage | None:
+    """What reads a streamed answer's token counts, for its kind of call."""
+    if call.json is not None:
+        return StreamUsage()
+    return NativeStreamUsage() if native(call.method, call.path) else None
 
 
 def new_request_id() -> str:
@@ -258,11 +274,11 @@ class Edge:
             if watched is not None:
                 tokens = watched.counts
             else:
-                tokens = from_body(reply.body) if call.json is not None else None
+                tokens = _counts_of(call, reply.body)
             request.respond(reply.status, headers, reply.body)
             return tokens, None
         assert reply.stream is not None
-        usage = watched or (StreamUsage() if call.json is not None else None)
+        usage = watched or _watcher(call)
         await request.start(reply.status, headers, reply.content_length)
         first_byte: float | None = None
         try:

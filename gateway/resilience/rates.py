@@ -8,7 +8,10 @@ answer's ``usage``: a whole body's at once, a stream's once it has ended, from t
 event it carries (asked by its client with ``stream_options.include_usage``, or for it by
 the route's ``stream_usage: ask``; a stream without one is settled at a generated token per
 event it streamed, its prompt at its estimate, and one that streamed nothing keeps its
-estimate).  A spend budget
+estimate).  The servers' own APIs (llama.cpp's ``/completion``, Ollama's, TGI's, SGLang's)
+are estimated at the bound their body names and settled on the counts their answers name in
+their own words (``openai.native_usage``); a whole answer naming none is charged a
+generated token per ``CHARS_PER_TOKEN`` bytes of it, at least its estimate.  A spend budget
 (``cost_per_day``, ``cost_per_month``) is charged the tokens at their backend's ``price``:
 the estimate at the price of the backend asked, the answer's at the price of the one that
 answered (a fallback may cost more or less).  Each limit
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from gateway.clock import Clock
 from gateway.errors import RateLimited
 from gateway.metrics import Metrics
+from gateway.openai.native_usage import NativeStreamUsage, from_native_body, native, native_bound
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
 from gateway.policy.model import Policy, RateLimit
@@ -83,6 +87,8 @@ class Admitted:
     """The call's policy: the answering backend's ``price`` (a spend budget's)."""
     backend: str = ""
     """The backend asked (the answer's, when it does not name its own)."""
+    native: bool = False
+    """A call to a server's own API (its answer's counts are in its own words)."""
 
     @property
     def standing(self) -> Standing:
@@ -119,9 +125,13 @@ class RateLimits:
             return None
         key = rate_key_of(call, self._proven)
         counted = any(lim.tokens for lim in limits)
+        own = native(call.method, call.path)
         # at least one: an answer generates a token, and a tenant whose output is in debt
         # must wait even when it names no bound (its estimate would be none, asked of no one)
-        output = max(1, answer_bound(call)) if counted else 0
+        if counted:
+            output = max(1, await native_bound(call) if own else answer_bound(call))
+        else:
+            output = 0
         estimate = len(call.body) // CHARS_PER_TOKEN + output if counted else 0
         price = call.policy.price_of(call.backend) if counted else None
         cost = price.of(estimate - output, output) if price is not None else 0.0
@@ -139,7 +149,9 @@ class RateLimits:
             if isinstance(exc, OverRate) and anthropic_path(call.path):
                 exc.extra_headers = tuple(self.told(call, exc.standing))
             raise
-        return Admitted(key, limits, estimate, standings, output, cost, call.policy, call.backend)
+        return Admitted(
+            key, limits, estimate, standings, output, cost, call.policy, call.backend, own
+        )
 
     def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
         """``standing`` as the headers of ``call``'s API (Anthropic's or OpenAI's)."""
@@ -157,7 +169,7 @@ class RateLimits:
             return served
         if served.body is None:
             return self._settled_when_done(admitted, served)
-        used = from_body(served.body)
+        used = _native_counts(admitted, served.body) if admitted.native else from_body(served.body)
         if used is not None:
             await self._settle_tokens(admitted, used, served.backend)
         return served
@@ -167,7 +179,8 @@ class RateLimits:
         assert served.stream is not None
         usage = served.usage
         if usage is None:
-            usage = StreamUsage()
+            prompt = admitted.estimate - admitted.output_estimate
+            usage = NativeStreamUsage(prompt) if admitted.native else StreamUsage()
             served = served.replace(stream=_fed(served.stream, usage), usage=usage)
 
         def done() -> None:
@@ -218,6 +231,17 @@ def streamed_counts(admitted: Admitted, events: int) -> tuple[int, int] | None:
     if events <= 0:
         return None
     return admitted.estimate - admitted.output_estimate, events
+
+
+def _native_counts(admitted: Admitted, body: bytes) -> tuple[int, int]:
+    """The (prompt, completion) tokens of a server's own whole answer: the counts it names,
+    else its prompt's estimate and a generated token per ``CHARS_PER_TOKEN`` bytes of it
+    (at least the estimate: TGI names none unless asked for its ``details``)."""
+    prompt = admitted.estimate - admitted.output_estimate
+    named = from_native_body(body, prompt)
+    if named is not None:
+        return named
+    return prompt, max(admitted.output_estimate, len(body) // CHARS_PER_TOKEN)
 
 
 def answer_bound(call: Call) -> int:

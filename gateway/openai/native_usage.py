@@ -1,0 +1,139 @@
+"""Token counts of the model servers' own APIs (``policy.generation.NATIVE_PATHS``), whose
+answers carry no OpenAI ``usage``: without them, a token limit or a spend budget would
+charge a call to llama.cpp's ``/completion`` one token, however much it generated.
+
+Each server names its counts its own way, in a whole answer and in a stream's last event:
+
+- llama.cpp's ``/completion``: ``tokens_evaluated`` (the prompt) and ``tokens_predicted``
+  (an array of answers, one per prompt, for several prompts);
+- Ollama's ``/api/generate`` and ``/api/chat``: ``prompt_eval_count`` and ``eval_count`` (its
+  streams are lines of JSON, not SSE; the last, ``done: true``, carries them);
+- TGI's ``/generate`` and ``/generate_stream``: ``details.generated_tokens``, and no prompt
+  count (a whole answer has ``details`` only when asked, ``parameters.details``);
+- SGLang's ``/generate``: ``meta_info.prompt_tokens`` and ``meta_info.completion_tokens``
+  (each streamed event carries them so far).
+
+They are read as ``usage.from_body`` reads OpenAI's: without a parse, keys at JSON level only
+(inside a string, a quote is escaped, so a model cannot write a count into its answer).  A
+prompt count an answer does not carry is the caller's ``prompt`` (the estimate it was
+admitted at); a stream that names no count is counted a token per event, as a stream
+without ``usage`` is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gateway.errors import RequestError
+from gateway.openai.body import loads_yielding
+from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
+from gateway.pipeline import Call
+from gateway.policy.generation import NATIVE_PATHS, OUTPUT_FIELDS
+
+_PROMPT = re.compile(rb'(?<!\\)"(?:tokens_evaluated|prompt_eval_count|prompt_tokens)"\s*:\s*(\d+)')
+_COMPLETION = re.compile(
+    rb'(?<!\\)"(?:tokens_predicted|eval_count|generated_tokens|completion_tokens)"\s*:\s*(\d+)'
+)
+_MARKS = (b'"tokens_predicted"', b'"eval_count"', b'"generated_tokens"', b'"completion_tokens"')
+_DONE = b"[DONE]"
+
+
+def native(method: str, path: str) -> bool:
+    """Whether a call is to a server's own generation API."""
+    return method == "POST" and path in NATIVE_PATHS
+
+
+def from_native_body(body: bytes, prompt: int = 0) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of a whole answer of a server's own API: every answer's
+    counts summed (llama.cpp answers several prompts with an array); ``prompt`` where it
+    names no prompt count.  None when it names no completion count."""
+    if not any(mark in body for mark in _MARKS):
+        return None
+    completions = [int(found.group(1)) for found in _COMPLETION.finditer(body)]
+    if not completions:
+        return None
+    prompts = [int(found.group(1)) for found in _PROMPT.finditer(body)]
+    return (sum(prompts) if prompts else prompt), sum(completions)
+
+
+class NativeStreamUsage(StreamUsage):
+    """Watches a server's own stream (SSE events, or Ollama's lines of JSON) for its counts,
+    however it is split into chunks: ``events`` counts its events (``data:`` lines, or
+    lines holding an object), ``counts`` holds the last counts an event named (SGLang's
+    grow event by event, llama.cpp's too; the others name them once, at the end).  A line
+    longer than ``MAX_LINE_BYTES`` (llama.cpp's last event repeats its settings and prompt
+    after its counts) is read at its start, and of the rest its last ``MAX_LINE_BYTES``."""
+
+    __slots__ = ("_prompt",)
+
+    def __init__(self, prompt: int = 0) -> None:
+        super().__init__()
+        self._prompt = prompt
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._partial + chunk if self._partial else chunk
+        lines = data.split(b"\n")
+        tail = lines.pop()
+        for i, line in enumerate(lines):
+            self._line(line, started=not (self._clipped and i == 0))
+        clipped = self._clipped and not lines
+        if len(tail) > MAX_LINE_BYTES:
+            if not clipped:  # its start is read before it goes: the event, and its counts
+                self._line(tail, started=True)
+            tail, clipped = tail[-MAX_LINE_BYTES:], True
+        self._partial, self._clipped = tail, clipped
+
+    def _line(self, line: bytes, *, started: bool) -> None:
+        if started:
+            self._count(line)
+        self._scan(line)
+
+    def _scan(self, line: bytes) -> None:
+        """The counts ``line`` names, if any."""
+        if any(mark in line for mark in _MARKS):
+            completions = _COMPLETION.findall(line)
+            if completions:
+                prompts = _PROMPT.findall(line)
+                prompt = int(prompts[-1]) if prompts else None
+                before = self.counts[0] if self.counts is not None else self._prompt
+                self.counts = (before if prompt is None else prompt, int(completions[-1]))
+
+    def _count(self, line: bytes) -> None:
+        """One more event when ``line`` opens one: a ``data:`` line but ``[DONE]``, or a
+        line of JSON."""
+        line = line.lstrip()
+        if line.startswith(b"data:"):
+            self.events += line[5:].strip() != _DONE
+        elif line.startswith(b"{"):
+            self.events += 1
+
+
+async def native_bound(call: Call) -> int:
+    """The most tokens a call to a server's own API may generate, as its body bounds it
+    (none, or a body the gateway cannot read: 0): its bound (``OUTPUT_FIELDS``) times the
+    prompts it sends (llama.cpp answers a list of texts or token lists one by one)."""
+    if call.header("Content-Encoding") is not None or not call.body:
+        return 0
+    limit = call.policy.server.max_json_values
+    try:
+        data = await loads_yielding(call.body, limit)
+    except RequestError:  # the backend's to refuse, as it was sent
+        return 0
+    if not isinstance(data, dict):
+        return 0
+    for name in OUTPUT_FIELDS[call.path]:
+        outer, _, inner = name.rpartition(".")
+        holder = data.get(outer) if outer else data
+        value = holder.get(inner) if isinstance(holder, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value * _prompts(data.get("prompt")) if value > 0 else 0
+    return 0
+
+
+def _prompts(prompt: Any) -> int:
+    """How many prompts llama.cpp reads in ``prompt``: a list of texts or token lists is
+    one each; anything else (a text, a token list, tokens and texts mixed) is one."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return len(prompt)
+    return 1

@@ -1,0 +1,248 @@
+"""The servers' own APIs are counted in their own words (``gateway/openai/native_usage.py``):
+a token limit or a spend budget estimates a call to llama.cpp's ``/completion``, Ollama's,
+TGI's or SGLang's at the bound its body names and settles it on the counts its answer
+names, so a tenant cannot generate past its ``tokens_per_min`` by leaving OpenAI's API;
+``gateway_tokens_total`` counts them too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.openai.native_usage import NativeStreamUsage, from_native_body
+from gateway.openai.usage import MAX_LINE_BYTES
+from gateway.pipeline import Reply
+from gateway.testing import FakeClock, Sent, json_reply, stream_reply
+from tests.backends import started
+from tests.helpers import policy, until
+from tests.test_rate_headers import ALICE, URL
+from tests.test_rate_limit_streams import LIMIT, left
+
+
+def llama_event(content: str, predicted: int, *, stop: bool = False, **more: Any) -> bytes:
+    """One of llama.cpp's ``/completion`` stream events, as its server writes them."""
+    event = {"index": 0, "content": content, "tokens": [], "stop": stop, "id_slot": -1}
+    event |= {"tokens_predicted": predicted, "tokens_evaluated": 2, **more}
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+LLAMA_STREAM = b"".join(
+    [
+        llama_event(" and", 1),
+        llama_event(" welcome", 2),
+        llama_event(" to", 3),
+        llama_event("", 3, stop=True, prompt="<bos>Hello", timings={"predicted_n": 3}),
+    ]
+)
+OLLAMA_STREAM = b"".join(
+    json.dumps(line).encode() + b"\n"
+    for line in [
+        {"model": "gemma3", "response": "The", "done": False},
+        {"model": "gemma3", "response": " sky", "done": False},
+        {"model": "gemma3", "response": "", "done": True, "prompt_eval_count": 26, "eval_count": 2},
+    ]
+)
+TGI_STREAM = b"".join(
+    b"data:" + json.dumps(event).encode() + b"\n\n"
+    for event in [
+        {"index": 1, "token": {"id": 5, "text": "a"}, "generated_text": None, "details": None},
+        {
+            "index": 2,
+            "token": {"id": 6, "text": "b"},
+            "generated_text": "ab",
+            "details": {"finish_reason": "length", "generated_tokens": 2, "seed": None},
+        },
+    ]
+)
+SGLANG_STREAM = b"".join(
+    [
+        b'data: {"text":"a","meta_info":{"prompt_tokens":7,"completion_tokens":1}}\n\n',
+        b'data: {"text":"ab","meta_info":{"prompt_tokens":7,"completion_tokens":2}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("answer", "counts"),
+    [
+        ({"content": " and welcome", "tokens_predicted": 5, "tokens_evaluated": 2}, (2, 5)),
+        (  # several prompts: an answer each
+            [
+                {"content": "a", "tokens_predicted": 3, "tokens_evaluated": 2},
+                {"content": "b", "tokens_predicted": 4, "tokens_evaluated": 6},
+            ],
+            (8, 7),
+        ),
+        ({"response": "x", "done": True, "prompt_eval_count": 26, "eval_count": 290}, (26, 290)),
+        ({"generated_text": "x", "details": {"generated_tokens": 20}}, (11, 20)),  # TGI: no prompt
+        ({"text": "x", "meta_info": {"prompt_tokens": 7, "completion_tokens": 16}}, (7, 16)),
+        ({"generated_text": "x"}, None),  # TGI, its details not asked
+    ],
+)
+def test_each_servers_whole_answer_is_read_in_its_own_words(answer, counts):
+    assert from_native_body(json.dumps(answer).encode(), prompt=11) == counts
+
+
+def test_a_count_the_model_writes_into_its_answer_is_text_not_a_count():
+    written = 'I used "tokens_predicted": 1 and "eval_count": 1, "generated_tokens": 1'
+    body = json.dumps({"content": written, "tokens_predicted": 900, "tokens_evaluated": 4})
+    assert from_native_body(body.encode()) == (4, 900)
+    assert from_native_body(json.dumps({"content": written}).encode()) is None
+
+
+@pytest.mark.parametrize(
+    ("stream", "counts", "events"),
+    [
+        (LLAMA_STREAM, (2, 3), 4),
+        (OLLAMA_STREAM, (26, 2), 3),
+        (TGI_STREAM, (11, 2), 2),  # no prompt count: the estimate's
+        (SGLANG_STREAM, (7, 2), 2),  # [DONE] is no event
+    ],
+)
+@settings(max_examples=60, deadline=None, database=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12))
+def test_a_stream_is_read_however_it_is_cut_into_chunks(stream, counts, events, cuts):
+    usage = NativeStreamUsage(prompt=11)
+    at = 0
+    for cut in [*sorted({c % (len(stream) + 1) for c in cuts}), len(stream)]:
+        usage.feed(stream[at:cut])
+        at = cut
+    assert (usage.counts, usage.events) == (counts, events)
+
+
+def test_a_last_event_longer_than_a_line_is_read_at_its_start_and_its_end():
+    """llama.cpp's last event repeats the prompt after its counts: a long prompt makes it
+    longer than the line the watcher keeps, and its counts are still read."""
+    prompt = "word " * MAX_LINE_BYTES
+    stream = llama_event("a", 1) + llama_event("", 9, stop=True, prompt=prompt)
+    usage = NativeStreamUsage()
+    for at in range(0, len(stream), 4096):
+        usage.feed(stream[at : at + 4096])
+    assert (usage.counts, usage.events) == ((2, 9), 2)
+
+
+def llama_answer(sent: Sent) -> Reply:
+    """llama.cpp's ``/completion``: ``tokens_predicted`` as asked (``n_predict``)."""
+    asked = sent.json().get("n_predict", 16)
+    if sent.json().get("stream"):
+        return stream_reply([llama_event("x", i + 1) for i in range(asked)])
+    return json_reply({"content": "x" * asked, "tokens_predicted": asked, "tokens_evaluated": 9})
+
+
+def limit(tokens: int) -> dict[str, Any]:
+    return {"rate_limit": {"tokens_per_min": tokens}}
+
+
+def limited() -> dict[str, Any]:
+    return policy({"main": {"url": URL}}, {"match": {"path": "*"}, **limit(LIMIT)})
+
+
+async def test_a_token_limit_settles_llama_cpps_own_api_on_its_counts(pipeline):
+    gw = await pipeline(limited(), llama_answer, clock=FakeClock())
+    answer = await gw.post("/completion", {"prompt": "Hello", "n_predict": 300}, headers=ALICE)
+    assert answer.status_code == 200
+    assert left(gw) == LIMIT - 309  # 9 evaluated, 300 predicted, as it said
+    assert gw.metric("gateway_tokens_total", backend="main", kind="completion") == 300
+    stream = {"prompt": "Hello", "n_predict": 40, "stream": True}
+    answer = await gw.post("/completion", stream, headers=ALICE)
+    assert answer.status_code == 200
+    await until(lambda: left(gw) == LIMIT - 309 - 42)  # its last event: 2 evaluated, 40
+    assert gw.metric("gateway_tokens_total", backend="main", kind="completion") == 340
+
+
+async def test_ollamas_lines_of_json_settle_a_token_limit(pipeline):
+    def ollama(sent: Sent) -> Reply:
+        return stream_reply([OLLAMA_STREAM], content_type="application/x-ndjson")
+
+    gw = await pipeline(limited(), ollama, clock=FakeClock())
+    answer = await gw.post("/api/generate", {"model": "gemma3", "prompt": "Why?"}, headers=ALICE)
+    assert answer.body == OLLAMA_STREAM
+    await until(lambda: left(gw) == LIMIT - 28)
+
+
+async def test_an_answer_naming_no_count_is_charged_a_token_per_four_bytes(pipeline):
+    """TGI's ``/generate`` names its count only when asked for its ``details``."""
+    text = "y" * 4000
+    gw = await pipeline(
+        limited(), lambda _: json_reply({"generated_text": text}), clock=FakeClock()
+    )
+    answer = await gw.post("/generate", {"inputs": "Why?"}, headers=ALICE)
+    assert answer.status_code == 200
+    prompt = len(json.dumps({"inputs": "Why?"})) // 4
+    assert left(gw) == LIMIT - prompt - len(answer.body) // 4
+
+
+@pytest.mark.parametrize(
+    ("path", "asked"),
+    [
+        ("/completion", {"prompt": "a", "n_predict": 90}),
+        ("/completion", {"prompt": ["a", "b", "c"], "n_predict": 30}),  # three answers
+        ("/api/generate", {"prompt": "a", "options": {"num_predict": 90}}),
+        ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 90}}),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 90}}),
+    ],
+)
+async def test_a_servers_own_call_is_estimated_at_the_bound_its_body_names(pipeline, path, asked):
+    """Held calls: the second is admitted or not on the first's estimate alone.  90 tokens
+    asked of a bucket of 100 leave no room for another of 20."""
+    gate, held = asyncio.Event(), []
+
+    async def server(sent: Sent) -> Reply:
+        held.append(sent)
+        await gate.wait()
+        return json_reply({"content": "x", "tokens_predicted": 1, "tokens_evaluated": 1})
+
+    route = {"match": {"path": "*"}, **limit(100)}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), server, clock=FakeClock())
+    first = gw.send("POST", path, json=asked, headers=ALICE)
+    await until(lambda: len(held) == 1)
+    second = started(gw, "b", max_tokens=20, headers=ALICE)
+    await until(lambda: second.done() or len(held) == 2)
+    gate.set()
+    assert (await first.done()).status_code == 200
+    assert (await second).status_code == 429
+
+
+@pytest.mark.llm
+async def test_llama_cpps_own_answers_settle_a_token_limit_as_they_count(
+    llama, start_gateway, tmp_path
+):
+    """The real server (llama.cpp, Gemma 3 270M): a whole ``/completion`` and a streamed one
+    settle the tenant's tokens on the counts they name, and are counted as the backend's."""
+    import httpx
+
+    from gateway.resilience.rate_limit import RateLimiter
+    from gateway.resilience.rates import RATE_LIMITERS
+    from gateway.tenant import credential_key
+    from tests.helpers import metric, scrape_when_recorded, write_policy
+
+    route = {"name": "llm", "backend": "llm", **limit(LIMIT)}
+    path = write_policy(tmp_path, {"backends": {"llm": {"url": llama.url}}, "routes": [route]})
+    gw = await start_gateway(policy=path, clock=FakeClock())
+    limiter = gw.gateway.registry.peek(RATE_LIMITERS, "llm")
+    key = credential_key(ALICE.items())
+    assert isinstance(limiter, RateLimiter) and key is not None
+
+    def remaining() -> float | None:
+        standing = limiter.standing(key)
+        return standing.tokens.remaining if standing and standing.tokens else None
+
+    body = {"prompt": "Once upon a time", "n_predict": 6, "ignore_eos": True, "temperature": 0}
+    used = 0
+    async with httpx.AsyncClient(timeout=120, headers=ALICE) as http:
+        answer = (await http.post(gw.url + "/completion", json=body)).json()
+        used += answer["tokens_evaluated"] + answer["tokens_predicted"]
+        assert answer["tokens_predicted"] == 6 and remaining() == LIMIT - used
+        async with http.stream("POST", gw.url + "/completion", json={**body, "stream": True}) as s:
+            lines = [line async for line in s.aiter_lines() if line.startswith("data:")]
+        last = json.loads(lines[-1].removeprefix("data:"))
+        used += last["tokens_evaluated"] + last["tokens_predicted"]
+    await until(lambda: remaining() == LIMIT - used)
+    text = await scrape_when_recorded(gw.admin_url, 2)
+    assert metric(text, "gateway_tokens_total", backend="llm", kind="completion") == 12
