@@ -185,14 +185,39 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
             {"text": "p", "sampling_params": {"temperature": 0}},
             lambda b: b["sampling_params"]["max_new_tokens"],
         ),
+        (  # SGLang's, naming no sampling parameters: its prompt's field names its server
+            "/generate",
+            {"text": "p"},
+            lambda b: b["sampling_params"]["max_new_tokens"],
+        ),
+        ("/generate", {"inputs": "p"}, lambda b: b["parameters"]["max_new_tokens"]),  # TGI's
+        (  # vLLM's demonstration server: SamplingParams' fields at the top; -1 is none
+            "/generate",
+            {"prompt": "p", "max_tokens": -1},
+            lambda b: b["max_tokens"],
+        ),
+        ("/generate", {"prompt": "p"}, lambda b: b["max_tokens"]),
+        ("/infill", {"input_prefix": "def f(", "input_suffix": ")"}, lambda b: b["max_tokens"]),
     ],
-    ids=["ollama-chat", "ollama-generate", "llama.cpp", "tgi", "sglang"],
+    ids=[
+        "ollama-chat",
+        "ollama-generate",
+        "llama.cpp",
+        "tgi",
+        "sglang",
+        "sglang-by-text",
+        "tgi-by-inputs",
+        "vllm",
+        "vllm-by-prompt",
+        "llama.cpp-infill",
+    ],
 )
 async def test_the_servers_own_apis_are_bounded_alike(pipeline, path, body, read):
     gw, backend = await gateway(pipeline, {"max_tokens": 100})
     answer = await gw.post(path, body)
     assert answer.headers[BOUND_HEADER] == "100"
     assert read(backend.bodies[0]) == 100
+    assert len(set(backend.bodies[0]) - set(body)) <= 1  # no other server's field written
     if "options" in body:  # the object's other members kept
         assert backend.bodies[0]["options"].get("temperature") == body["options"].get("temperature")
 

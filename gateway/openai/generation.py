@@ -15,7 +15,9 @@ so a bound a client could write around would bound nothing.
 
 The servers' own APIs are bounded alike (``NATIVE_PATHS``): llama.cpp's ``/completion``
 (``n_predict``), Ollama's ``/api/generate`` and ``/api/chat`` (``options.num_predict``),
-TGI's ``/generate`` and ``/generate_stream`` (``parameters.max_new_tokens``).  The gateway
+TGI's ``/generate`` and ``/generate_stream`` (``parameters.max_new_tokens``), SGLang's
+``/generate`` (``sampling_params.max_new_tokens``), vLLM's demonstration server's
+``/generate`` (``max_tokens``), llama.cpp's ``/infill``.  The gateway
 reads their bodies only on a route with bounds (strict JSON, as for OpenAI's; a body it
 cannot read is a 400, a compressed one a 415), and there a bound below 1, which those
 servers take for none (``-1``: until the end; ``-2``: until the context is full), asks for
@@ -37,6 +39,7 @@ from gateway.metrics import Metrics
 from gateway.openai.body import YIELD_FROM_BYTES, dumps_yielding, loads, loads_yielding
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.generation import (
+    BY_PROMPT,
     CHOICE_FIELDS,
     NATIVE_PATHS,
     OUTPUT_FIELDS,
@@ -149,7 +152,8 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
     default = bounds.default_max_tokens or most
     assert default is not None  # bounds_tokens
     sent = (f for f in fields if isinstance(data.get(f.rpartition(".")[0]), dict))
-    return {next(sent, fields[0]): default}, "defaulted"
+    by_prompt = (f for prompt, f in BY_PROMPT.get(path, {}).items() if prompt in data)
+    return {next(sent, next(by_prompt, fields[0])): default}, "defaulted"
 
 
 async def _native_body(call: Call) -> dict[str, Any]:

@@ -25,15 +25,27 @@ OUTPUT_FIELDS = {
     # llama.cpp's own API: n_predict, else max_tokens (which OpenAI-shaped servers read too)
     "/completion": ("max_tokens", "n_predict"),
     "/completions": ("max_tokens", "n_predict"),
+    "/infill": ("max_tokens", "n_predict"),  # llama.cpp's code infilling
     "/api/generate": ("options.num_predict",),  # Ollama's
     "/api/chat": ("options.num_predict",),
-    # TGI's; SGLang's own /generate (sampling_params)
-    "/generate": ("parameters.max_new_tokens", "sampling_params.max_new_tokens"),
+    # TGI's; SGLang's (sampling_params); vLLM's demonstration server's (at the top)
+    "/generate": ("parameters.max_new_tokens", "sampling_params.max_new_tokens", "max_tokens"),
     "/generate_stream": ("parameters.max_new_tokens",),
 }
 """Per generation endpoint, the fields bounding a call's output (a dotted name: a member of
 an object member).  A call that names none is given the first whose object it sent, else
-the first (chat's ``max_tokens``, which every server reads)."""
+the one its prompt's field names its server by (``BY_PROMPT``), else the first (chat's
+``max_tokens``, which every server reads)."""
+BY_PROMPT = {
+    "/generate": {
+        "inputs": "parameters.max_new_tokens",  # TGI's
+        "text": "sampling_params.max_new_tokens",  # SGLang's
+        "input_ids": "sampling_params.max_new_tokens",
+        "prompt": "max_tokens",  # vLLM's api_server: SamplingParams' own fields at the top
+    }
+}
+"""Where several servers share a path, the field naming a call's prompt names its server,
+and so the field its default bound is written in: each refuses, or ignores, the others'."""
 NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startswith("/v1/")}
 """The servers' own APIs, whose bodies the gateway reads only for a route's bounds, and
 where a bound below 1 asks for none (llama.cpp's and Ollama's -1: until the end; -2: until
@@ -55,8 +67,10 @@ class Generation:
             "The most output tokens one call may ask for (chat's `max_completion_tokens` and "
             "`max_tokens`, a completion's `max_tokens`, the Responses API's "
             "`max_output_tokens`, Anthropic's `max_tokens`; the servers' own APIs: "
-            "llama.cpp's `/completion` `n_predict`, Ollama's `options.num_predict`, TGI's "
-            "`parameters.max_new_tokens`). A call asking more is clamped to it or refused "
+            "llama.cpp's `/completion` and `/infill` `n_predict`, Ollama's "
+            "`options.num_predict`, TGI's `parameters.max_new_tokens`, SGLang's "
+            "`sampling_params.max_new_tokens`, vLLM's `/generate` `max_tokens`). A call asking "
+            "more is clamped to it or refused "
             "(`over`); a call naming none is given `default_max_tokens`, or this. None: any."
         ),
     )
