@@ -13,11 +13,14 @@ none refused):
 - the gateway without a limit;
 - a rate limit of requests and tokens (``requests_per_s``, ``tokens_per_min``), in memory;
 - a spend budget (``cost_per_day``) beside it, in memory;
-- the same in Redis (``store: redis``: one script call to admit, one to settle).
+- the same in Redis (``store: redis``: one script call to admit, one to settle);
+- the same in memory on llama.cpp's own API (``/completion``: its bound ``n_predict``, its
+  answer's counts ``tokens_evaluated`` and ``tokens_predicted``), and direct to it.
 
 Then the budget's hold: tenants with a day's budget worth ``BUDGET_ANSWERS`` answers send
 as fast as they are answered on ``--connections`` connections, and the answers they got
-before the first 429 and in all are counted against that worth.
+before the first 429 and in all are counted against that worth: on chat completions, and
+on llama.cpp's own API.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from bench.plumbing import (
     CHAT,
     Answering,
     chat_load,
+    closed_loop,
+    figures_of,
     gateway,
     medians,
     rounds_args,
@@ -56,10 +61,12 @@ ANSWER = {
     "usage": {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13},
 }
 ASK = {**CHAT, "max_tokens": 10}
+NATIVE = "/completion"
+NATIVE_ASK = {"prompt": "Say hello", "n_predict": 10}
 
 
 def policy(url: str, redis: str, limit: dict[str, Any] | None) -> dict[str, Any]:
-    route: dict[str, Any] = {"match": {"path": "/v1/*"}, "backend": "main", "coalesce": False}
+    route: dict[str, Any] = {"match": {"path": "*"}, "backend": "main", "coalesce": False}
     if limit is not None:
         route["rate_limit"] = limit
     return {
@@ -73,10 +80,25 @@ RATES = {"requests_per_s": 1e6, "tokens_per_min": 1e9}
 BUDGET = {**RATES, "cost_per_day": 1e9}
 
 
-load = chat_load(ASK)
+chat = chat_load(ASK)
 
 
-async def hold(url: str, connections: int) -> dict[str, float]:
+async def native_load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
+    """The closed-loop load posting ``NATIVE_ASK`` to llama.cpp's ``/completion``."""
+    latencies, elapsed, failed = await closed_loop(
+        urls, NATIVE, lambda: NATIVE_ASK, duration_s, connections
+    )
+    return {**figures_of(latencies, elapsed), "failed": float(failed)}
+
+
+async def load(targets: list[str], duration_s: float, connections: int) -> dict[str, float]:
+    """Each path's load: a path (``(url, NATIVE)``) to ``/completion`` gets the native one."""
+    urls = [t.removesuffix(NATIVE) for t in targets]
+    native = any(t.endswith(NATIVE) for t in targets)
+    return await (native_load if native else chat)(urls, duration_s, connections)
+
+
+async def hold(url: str, connections: int, path: str = "/v1/chat/completions") -> dict[str, float]:
     """A fresh tenant with a day's budget worth ``BUDGET_ANSWERS`` answers, sending on
     ``connections`` connections until refused ten times each: its answers before the first
     429, and in all."""
@@ -87,7 +109,8 @@ async def hold(url: str, connections: int) -> dict[str, float]:
         nonlocal answered, first_refusal
         refused = 0
         while refused < 10:
-            async with session.post(url + "/v1/chat/completions", json=ASK) as answer:
+            body = NATIVE_ASK if path == NATIVE else ASK
+            async with session.post(url + path, json=body) as answer:
                 await answer.read()
                 if answer.status == 200:
                     answered += 1
@@ -119,6 +142,10 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
                     "gateway, `requests_per_s` and `tokens_per_min` in memory": [rates],
                     "gateway, the same and `cost_per_day` in memory": [spend],
                     "gateway, the same in Redis (`store: redis`)": [shared],
+                    "direct, llama.cpp's own `/completion`": [url + NATIVE],
+                    "gateway, `cost_per_day` in memory, on llama.cpp's own `/completion`": [
+                        spend + NATIVE
+                    ],
                 }
                 for target in paths.values():  # connections made, Redis scripts loaded
                     await load(target, 0.5, connections)
@@ -128,6 +155,9 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
                 held_runs = {
                     "in memory": [await hold(held, connections) for _ in range(rounds)],
                     "in Redis": [await hold(held_shared, connections) for _ in range(rounds)],
+                    "in memory, on llama.cpp's own `/completion`": [
+                        await hold(held, connections, NATIVE) for _ in range(rounds)
+                    ],
                 }
     return [*medians(runs, COLUMNS), "", *hold_table(held_runs, connections)]
 

@@ -62,9 +62,14 @@ class Backend:
         return web.json_response(ANSWER)
 
 
+NATIVE_ANSWER = {"content": "ok", "stop": True, "tokens_predicted": 10, "tokens_evaluated": 3}
+"""llama.cpp's ``/completion`` answer, its counts in its own words (as ``ANSWER``'s usage)."""
+
+
 class Answering:
     """A model server answering each chat completion with ``answer`` (its ``status``) after
-    ``delay_ms``; counts the calls it got."""
+    ``delay_ms``, and each call of llama.cpp's own ``/completion`` with ``NATIVE_ANSWER``;
+    counts the calls it got."""
 
     def __init__(
         self, delay_ms: float, answer: dict[str, Any] | None = None, status: int = 200
@@ -77,6 +82,7 @@ class Answering:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/completion", self.completion)
         return app
 
     async def chat(self, request: web.Request) -> web.Response:
@@ -85,6 +91,13 @@ class Answering:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return web.json_response(self.answer, status=self.status)
+
+    async def completion(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return web.json_response(NATIVE_ANSWER, status=self.status)
 
 
 class Exporter:
