@@ -112,6 +112,31 @@ async def test_more_choices_than_allowed_is_refused_never_clamped(pipeline):
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "answers"),
+    [
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c"], "n": 2}, 6),
+        ("/v1/completions", {"model": "m", "prompt": [[1, 2], [3]], "best_of": 3}, 6),
+        ("/completion", {"prompt": ["a", "b", "c", "d", "e"]}, 5),  # llama.cpp: an answer each
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c", "d"]}, 4),
+        ("/v1/completions", {"model": "m", "prompt": list(range(100))}, 1),  # one token list
+        ("/completion", {"prompt": [1, "a", 2]}, 1),  # llama.cpp: tokens and text, one prompt
+    ],
+)
+async def test_a_list_of_prompts_asks_for_an_answer_each(pipeline, path, body, answers):
+    """``max_choices`` bounds the answers one call asks for: ``n`` (or ``best_of``) for
+    each prompt of a completion's list."""
+    gw, backend = await gateway(pipeline, {"max_choices": 4})
+    answer = await gw.post(path, body)
+    if answers <= 4:
+        assert answer.status_code == 200
+        return
+    error = refused(answer)
+    assert (error["param"], error["code"]) == ("prompt", "array_above_max_length")
+    assert f"{answers} answers" in error["message"]
+    assert backend.bodies == []
+
+
+@pytest.mark.parametrize(
     ("value", "code"),
     [
         ("100000", "invalid_type"),  # pydantic would read it as 100000

@@ -186,6 +186,7 @@ async def test_an_answer_naming_no_count_is_charged_a_token_per_four_bytes(pipel
         ("/api/generate", {"prompt": "a", "options": {"num_predict": 90}}),
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 90}}),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 90}}),
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 30}),
     ],
 )
 async def test_a_servers_own_call_is_estimated_at_the_bound_its_body_names(pipeline, path, asked):

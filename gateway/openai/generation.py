@@ -43,7 +43,9 @@ from gateway.policy.generation import (
     CHOICE_FIELDS,
     NATIVE_PATHS,
     OUTPUT_FIELDS,
+    PROMPT_LISTS,
     Generation,
+    prompts_in,
     tighter,
 )
 from gateway.policy.model import Policy
@@ -118,6 +120,7 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
     """The fields of ``data`` (a call to ``path``) that ``bounds`` changes, with the action
     (``clamped``, ``defaulted``; none: ``{}``); ``FieldRefused`` for a call it refuses."""
     if bounds.max_choices is not None:
+        each = 1  # the answers asked for each prompt
         for name in CHOICE_FIELDS.get(path, ()):
             asked = _integer(data, name)
             if asked is not None and asked > bounds.max_choices:
@@ -126,6 +129,15 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
                     name,
                     "integer_above_max_value",
                 )
+            each = max(each, asked or 1)
+        prompts = prompts_in(data.get("prompt")) if path in PROMPT_LISTS else 1
+        if prompts * each > bounds.max_choices:
+            raise FieldRefused(
+                f"'prompt' holds {prompts} prompts, {prompts * each} answers in all; this "
+                f"route allows at most {bounds.max_choices}",
+                "prompt",
+                "array_above_max_length",
+            )
     if not bounds.bounds_tokens:
         return {}, ""
     most = bounds.max_tokens

@@ -23,13 +23,12 @@ without ``usage`` is.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from gateway.errors import RequestError
 from gateway.openai.body import loads_yielding
 from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
 from gateway.pipeline import Call
-from gateway.policy.generation import NATIVE_PATHS, OUTPUT_FIELDS
+from gateway.policy.generation import NATIVE_PATHS, OUTPUT_FIELDS, prompts_in
 
 _PROMPT = re.compile(rb'(?<!\\)"(?:tokens_evaluated|prompt_eval_count|prompt_tokens)"\s*:\s*(\d+)')
 _COMPLETION = re.compile(
@@ -127,13 +126,5 @@ async def native_bound(call: Call) -> int:
         holder = data.get(outer) if outer else data
         value = holder.get(inner) if isinstance(holder, dict) else None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value * _prompts(data.get("prompt")) if value > 0 else 0
+            return value * prompts_in(data.get("prompt")) if value > 0 else 0
     return 0
-
-
-def _prompts(prompt: Any) -> int:
-    """How many prompts llama.cpp reads in ``prompt``: a list of texts or token lists is
-    one each; anything else (a text, a token list, tokens and texts mixed) is one."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        return len(prompt)
-    return 1

@@ -11,7 +11,7 @@ may otherwise generate up to the model's context), and the most choices (``n``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.policy.metadata import doc
 
@@ -55,6 +55,17 @@ CHOICE_FIELDS = {
     "/v1/completions": ("n", "best_of"),
 }
 """Per endpoint, the fields asking for several answers to one call."""
+PROMPT_LISTS = frozenset({"/v1/completions", "/completion", "/completions"})
+"""Endpoints whose ``prompt`` may be a list of prompts, each answered (``n`` times)."""
+
+
+def prompts_in(prompt: Any) -> int:
+    """How many prompts ``prompt`` holds: a list of texts or of token lists is one each;
+    anything else (a text, one token list, tokens and texts mixed: llama.cpp's one prompt)
+    is one."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +97,8 @@ class Generation:
         default=None,
         metadata=doc(
             "The most choices one call may ask for (`n`; a completion's `best_of`, which "
-            "decodes that many): past it a 400 (`param` names the field). None: any."
+            "decodes that many; times the prompts of a completion's `prompt` list, each "
+            "answered): past it a 400 (`param` names the field). None: any."
         ),
     )
     over: Literal["clamp", "refuse"] = field(

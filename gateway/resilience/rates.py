@@ -34,6 +34,7 @@ from gateway.metrics import Metrics
 from gateway.openai.native_usage import NativeStreamUsage, from_native_body, native, native_bound
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
+from gateway.policy.generation import PROMPT_LISTS, prompts_in
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
     TENANT_PREFIX,
@@ -247,14 +248,17 @@ def _native_counts(admitted: Admitted, body: bytes) -> tuple[int, int]:
 def answer_bound(call: Call) -> int:
     """The most tokens a request's answer may generate, as its body bounds it (none: 0):
     its bound on one answer times the answers it asks for (``n``, a completion's
-    ``best_of``, which decodes that many)."""
+    ``best_of``, which decodes that many), times a completion's prompts (a list of them is
+    answered one by one)."""
     data = call.json or {}
     answer = _count(
         data.get("max_completion_tokens")
         or data.get("max_tokens")
         or data.get("max_output_tokens")  # the Responses API
     )
-    return answer * max(1, _count(data.get("n")), _count(data.get("best_of")))
+    each = max(1, _count(data.get("n")), _count(data.get("best_of")))
+    prompts = prompts_in(data.get("prompt")) if call.path in PROMPT_LISTS else 1
+    return answer * each * prompts
 
 
 def _count(value: object) -> int:
