@@ -155,6 +155,37 @@ async def test_endpoint_retries_0_and_a_spent_budget_let_the_503_through(serve_a
     assert ready.calls == ["/v1/embeddings"]
 
 
+async def test_the_budget_is_the_backends_endpoint_retry_budget(serve_app):
+    """Half a retry a call: the second call with nothing saved goes on; with a budget of 0
+    none does, whatever was asked."""
+    loading, ready = Server("loading", 503, LOADING), Server("ready")
+    backend, endpoints = await fleet(serve_app, loading, ready, endpoint_retry_budget=0.5)
+    endpoints.calls.saved = 0.0
+    assert (await send(endpoints, backend)).status == 503  # half a retry: not one
+    later(endpoints)
+    assert (await send(endpoints, backend)).status == 200  # a whole one
+    backend, endpoints = await fleet(serve_app, loading, ready, endpoint_retry_budget=0)
+    endpoints.calls.saved = 0.0
+    for _ in range(5):
+        later(endpoints)
+        assert (await send(endpoints, backend)).status == 503
+    assert retries(endpoints, "upstream_503", "budget") == 5
+
+
+def test_the_retry_budget_is_a_share_of_the_calls():
+    for given in (-0.1, 1.5):
+        text = json.dumps(
+            {
+                "backends": {
+                    "m": {"endpoints": ["http://a", "http://b"], "endpoint_retry_budget": given}
+                },
+                "routes": [{"backend": "m"}],
+            }
+        )
+        problem = "backends.m.endpoint_retry_budget: must be between 0 and 1"
+        assert any(problem in p for p in problems_of(text))
+
+
 async def test_an_endpoint_that_refused_gets_calls_only_after_the_others_for_a_while(
     serve_app,
 ):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from gateway.policy.hedge import Hedge
 from gateway.policy.metadata import doc
+from gateway.policy.price import Price
 
 DEFAULT_DISCOVERY_INTERVAL_S = 5.0
 DEFAULT_TIMEOUT_S = 120.0
@@ -23,6 +24,7 @@ DEFAULT_MAX_QUEUE_WAITING = 5.0
 DEFAULT_MAX_KV_CACHE_USAGE = 0.8
 DEFAULT_QUEUE_TIMEOUT_MS = 5000
 DEFAULT_ENDPOINT_RETRIES = 2
+DEFAULT_ENDPOINT_RETRY_BUDGET = 0.2  # Envoy's default retry budget: 20%
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,20 +123,6 @@ class Saturation:
     kv_cache_usage: float = field(
         default=DEFAULT_MAX_KV_CACHE_USAGE, metadata=doc("Its KV cache fuller than this (0..1).")
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Price:
-    """What a backend's tokens cost, for chargeback: per million, in one currency (the same
-    for every backend)."""
-
-    input_per_million: float = field(default=0.0, metadata=doc("A million prompt tokens."))
-    output_per_million: float = field(
-        default=0.0, metadata=doc("A million generated (completion) tokens.")
-    )
-
-    def of(self, prompt: int, completion: int) -> float:
-        return (prompt * self.input_per_million + completion * self.output_per_million) / 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,10 +385,19 @@ class Backend:
             "another, when the one picked did not serve it (a 503: overloaded, or still "
             "loading its model; a 429: its own queue full; a reset or misframed answer), "
             "before any byte of the answer left. Only calls that change nothing "
-            "(inference calls, safe methods, an `Idempotency-Key`); within a budget of 20% "
-            "more calls per backend. 0 turns it off. Either way an endpoint that answered "
+            "(inference calls, safe methods, an `Idempotency-Key`); within "
+            "`endpoint_retry_budget`. 0 turns it off. Either way an endpoint that answered "
             "503 gets calls only when every other refuses too, for its "
             "`Retry-After` (at most 30 s) or 1 s."
+        ),
+    )
+    endpoint_retry_budget: float = field(
+        default=DEFAULT_ENDPOINT_RETRY_BUDGET,
+        metadata=doc(
+            "The retries `endpoint_retries` may add, as a share of the backend's calls over "
+            "time (Envoy's retry budget): each call earns this much of a retry, each retry "
+            "spends one, and at most 10 are saved up (as many to start with), so a fleet "
+            "failing as a whole is not sent its load again on top. 0..1."
         ),
     )
     hedge: Hedge | None = field(

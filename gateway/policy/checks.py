@@ -198,6 +198,8 @@ def check_backend(b: Backend) -> Found:
             bad(f"endpoints[{i}]", f"must start with http:// or https://, not {url!r}")
     if not 0 <= b.endpoint_retries <= MAX_ENDPOINTS:
         bad("endpoint_retries", f"must be between 0 and {MAX_ENDPOINTS}")
+    if not 0 <= b.endpoint_retry_budget <= 1:
+        bad("endpoint_retry_budget", "must be between 0 and 1")
     if b.hedge is not None:
         found.extend(check_hedge(b.hedge, len(b.endpoints), b.discovery is not None))
     if b.price is not None and min(b.price.input_per_million, b.price.output_per_million) < 0:

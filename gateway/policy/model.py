@@ -16,7 +16,6 @@ from gateway.policy.backend import (
     CircuitBreaker,
     Discovery,
     ModelPool,
-    Price,
     Queue,
     Saturation,
     TelemetrySource,
@@ -24,6 +23,7 @@ from gateway.policy.backend import (
 )
 from gateway.policy.match import Match, glob_regex
 from gateway.policy.metadata import doc
+from gateway.policy.price import Price
 from gateway.policy.rate_limit import RateLimit
 from gateway.policy.redis import DEFAULT_REDIS_URL, Redis
 from gateway.policy.route import (

@@ -17,7 +17,8 @@ up to ``backends.<name>.endpoint_retries`` times (nginx's ``proxy_next_upstream`
 (``upstream.resendable``), and only while nothing of its answer has left for the client
 (the head is read before a single byte is relayed).  A timeout is not retried: it spent the
 backend's ``timeout_s`` already.  Retries are budgeted per backend as Envoy budgets them:
-each call earns ``RETRY_RATIO`` of a retry and each retry spends one, at most ``MAX_SAVED``
+each call earns its backend's ``endpoint_retry_budget`` of a retry (0.2, Envoy's default)
+and each retry spends one, at most ``MAX_SAVED``
 saved up (as many to start with), so a fleet failing as a whole is not sent its load again
 on top.  When no endpoint serves it, the last answer or error is the call's, and the route's
 ``fallback`` takes it from there.  Counted in ``gateway_endpoint_retries_total{backend,
@@ -39,8 +40,6 @@ from gateway.transport.endpoint import Endpoint
 from gateway.transport.hedge import Hedger, hedge_target, hedgeable
 from gateway.transport.upstream import resendable
 
-RETRY_RATIO = 0.2
-"""Retries per call at most, over time (Envoy's default retry budget: 20%)."""
 MAX_SAVED = 10.0
 """Retries saved up at most by a backend whose calls have been served."""
 RETRIED_STATUSES = {503: "upstream_503", 429: "upstream_429"}
@@ -143,7 +142,7 @@ class Calls:
         retries = 0
         if several and pinned is None and (inert or resendable(method, path_qs, headers)):
             retries = backend.endpoint_retries
-            self.saved = min(MAX_SAVED, self.saved + RETRY_RATIO)
+            self.saved = min(MAX_SAVED, self.saved + backend.endpoint_retry_budget)
         while True:
             endpoint = pinned if pinned is not None else endpoints.pick(tried, affinity, model)
             tried.append(endpoint)
