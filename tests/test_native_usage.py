@@ -101,19 +101,20 @@ def test_a_count_the_model_writes_into_its_answer_is_text_not_a_count():
     [
         (LLAMA_STREAM, (2, 3), 4),
         (OLLAMA_STREAM, (26, 2), 3),
-        (TGI_STREAM, (11, 2), 2),  # no prompt count: the estimate's
+        (TGI_STREAM, (0, 2), 2),  # no prompt count
         (SGLANG_STREAM, (7, 2), 2),  # [DONE] is no event
     ],
 )
 @settings(max_examples=60, deadline=None, database=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12))
 def test_a_stream_is_read_however_it_is_cut_into_chunks(stream, counts, events, cuts):
-    usage = NativeStreamUsage(prompt=11)
+    usage = NativeStreamUsage()
     at = 0
     for cut in [*sorted({c % (len(stream) + 1) for c in cuts}), len(stream)]:
         usage.feed(stream[at:cut])
         at = cut
     assert (usage.counts, usage.events) == (counts, events)
+    assert usage.prompt_named == (stream is not TGI_STREAM)
 
 
 def test_a_last_event_longer_than_a_line_is_read_at_its_start_and_its_end():
@@ -164,6 +165,18 @@ async def test_ollamas_lines_of_json_settle_a_token_limit(pipeline):
     answer = await gw.post("/api/generate", {"model": "gemma3", "prompt": "Why?"}, headers=ALICE)
     assert answer.body == OLLAMA_STREAM
     await until(lambda: left(gw) == LIMIT - 28)
+
+
+async def test_tgis_stream_settles_its_prompt_at_the_estimate_and_counts_none(pipeline):
+    """TGI names no prompt count: the limit keeps the prompt's estimate, and
+    ``gateway_tokens_total`` counts no prompt tokens rather than a guess."""
+    gw = await pipeline(limited(), lambda _: stream_reply([TGI_STREAM]), clock=FakeClock())
+    body = {"inputs": "Why is the sky blue?", "parameters": {"max_new_tokens": 50}}
+    answer = await gw.post("/generate_stream", body, headers=ALICE)
+    assert answer.body == TGI_STREAM
+    await until(lambda: left(gw) == LIMIT - len(json.dumps(body)) // 4 - 2)
+    assert gw.metric("gateway_tokens_total", backend="main", kind="completion") == 2
+    assert gw.metric("gateway_tokens_total", backend="main", kind="prompt") == 0
 
 
 async def test_an_answer_naming_no_count_is_charged_a_token_per_four_bytes(pipeline):

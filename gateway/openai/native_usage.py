@@ -16,8 +16,8 @@ Each server names its counts its own way, in a whole answer and in a stream's la
 They are read as ``usage.from_body`` reads OpenAI's: without a parse, keys at JSON level only
 (inside a string, a quote is escaped, so a model cannot write a count into its answer).  A
 prompt count an answer does not carry is the caller's ``prompt`` (the estimate it was
-admitted at); a stream that names no count is counted a token per event, as a stream
-without ``usage`` is.
+admitted at; a stream's watcher says whether one was named, ``prompt_named``); a stream that
+names no count is counted a token per event, as a stream without ``usage`` is.
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ class NativeStreamUsage(StreamUsage):
     longer than ``MAX_LINE_BYTES`` (llama.cpp's last event repeats its settings and prompt
     after its counts) is read at its start, and of the rest its last ``MAX_LINE_BYTES``."""
 
-    __slots__ = ("_prompt",)
+    __slots__ = ("prompt_named",)
 
-    def __init__(self, prompt: int = 0) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._prompt = prompt
+        self.prompt_named = False
+        """Whether an event named the prompt's count (TGI's never do: ``counts`` holds 0)."""
 
     def feed(self, chunk: bytes) -> None:
         data = self._partial + chunk if self._partial else chunk
@@ -95,8 +96,9 @@ class NativeStreamUsage(StreamUsage):
             if completions:
                 prompts = _PROMPT.findall(line)
                 prompt = int(prompts[-1]) if prompts else None
-                before = self.counts[0] if self.counts is not None else self._prompt
+                before = self.counts[0] if self.counts is not None else 0
                 self.counts = (before if prompt is None else prompt, int(completions[-1]))
+                self.prompt_named = self.prompt_named or prompt is not None
 
     def _count(self, line: bytes) -> None:
         """One more event when ``line`` opens one: a ``data:`` line but ``[DONE]``, or a

@@ -180,12 +180,14 @@ class RateLimits:
         assert served.stream is not None
         usage = served.usage
         if usage is None:
-            prompt = admitted.estimate - admitted.output_estimate
-            usage = NativeStreamUsage(prompt) if admitted.native else StreamUsage()
+            usage = NativeStreamUsage() if admitted.native else StreamUsage()
             served = served.replace(stream=_fed(served.stream, usage), usage=usage)
 
         def done() -> None:
             counts = usage.counts or streamed_counts(admitted, usage.events)
+            if counts is not None and isinstance(usage, NativeStreamUsage):
+                if not usage.prompt_named:  # TGI's: the prompt at its estimate
+                    counts = (admitted.estimate - admitted.output_estimate, counts[1])
             if counts is not None:
                 settled = self._settle_tokens(admitted, counts, served.backend)
                 task = asyncio.ensure_future(settled)
