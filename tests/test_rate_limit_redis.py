@@ -405,3 +405,35 @@ async def test_a_tokens_standing_is_told_from_redis_for_a_call_estimated_at_none
     after = await shared.check(tenant, 0)  # asks none: takes none
     assert after.tokens is not None and 500 <= after.tokens.remaining < 501
     assert shared.decided == {"redis": 3, "local": 0}
+
+
+async def test_the_admin_reads_many_tenants_standings_from_redis_in_their_order(
+    pipeline: Any,
+    redis_url: str,  # noqa: F811
+):
+    """``GET /tenants`` reads each tenant's standing in each limit from Redis,
+    ``standings.MAX_READS`` at a time, and tells them in the policy's order."""
+    import hashlib
+
+    from gateway.resilience.standings import MAX_READS, tenant_standings
+
+    count = 3 * MAX_READS
+    names = [f"t{i:02d}" for i in range(count)]
+    keys = [{"name": n, "sha256": hashlib.sha256(n.encode()).hexdigest()} for n in names]
+    doc = shared_policy(redis_url, {"requests_per_s": 0.001, "burst": 10})
+    doc["tenants"] = {"keys": keys}
+    doc["tenants"]["keys"][5]["rate_limit"] = {
+        "requests_per_s": 0.001,
+        "burst": 4,
+        "store": "redis",
+    }
+    gw = await pipeline(doc, Model("main"), clock=FakeClock())
+    for i, name in enumerate(names[:8]):
+        for _ in range(i % 4):
+            assert (await post(gw, headers={"Authorization": f"Bearer {name}"})).status_code == 200
+    told = await tenant_standings(gw.gateway.snapshot.policy, gw.gateway.registry)
+    assert [t["name"] for t in told] == names
+    left = [round(t["routes"]["chat"]["requests"]["remaining"]) for t in told]
+    assert left == [10 - i % 4 for i in range(8)] + [10] * (count - 8)
+    assert round(told[5]["own"]["requests"]["remaining"]) == 3  # its own limit: one call
+    assert all(t["own"] is None for t in told if t["name"] != "t05")
