@@ -32,6 +32,7 @@ from gateway.cache import feedback
 from gateway.cache.replies import CACHE_HEADER, HIT
 from gateway.errors import GatewayError, MalformedRequest, Overloaded, SlowReader, UpstreamError
 from gateway.openai import body as openai_body
+from gateway.openai.allowed_models import native_body, native_names
 from gateway.openai.native_usage import NativeStreamUsage, from_native_body, native
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Record, Reply
@@ -231,7 +232,11 @@ class Edge:
                 data = await openai_body.parse_yielding(path, body, limit)
         access = snap.models.get(tenant) if tenant and snap.models is not None else None
         if access is not None:  # before routing: a refused request learns nothing of routes
-            access.check(request.method, path, data)
+            own = None
+            if native_names(request.method, path):  # Ollama's: its model is in its body
+                encoding = request.header("Content-Encoding")
+                own = await native_body(body, encoding, policy.server.max_json_values)
+            access.check(request.method, path, data, own)
         model = data.get("model") if data is not None else None
         route = snap.router.route(path, model, tenant, raw)
         headers = strip(raw, owned)

@@ -45,7 +45,18 @@ class AnyModelServer:
         app.router.add_post("/v2/models/{name}/infer", self.infer)
         app.router.add_post("/v1/models/{tail:.+}", self.infer)
         app.router.add_post("/api/chat", self.chat)
+        app.router.add_post("/api/show", self.chat)
+        app.router.add_get("/api/tags", self.tags)
         return app
+
+    async def tags(self, request: web.Request) -> web.Response:
+        """Ollama's list: its models by ``name``, gzipped for a client that accepts it."""
+        self.listing_encodings.append(request.headers.get("Accept-Encoding", ""))
+        names = ["llama-3.1-8b:latest", "secret-model:latest", "ft:x", "gpt-4o-mini:q4"]
+        models = [{"name": n, "model": n, "size": 1} for n in names]
+        response = web.json_response({"models": models})
+        response.enable_compression()
+        return response
 
     async def models(self, request: web.Request) -> web.Response:
         self.listing_encodings.append(request.headers.get("Accept-Encoding", ""))
@@ -219,14 +230,70 @@ async def test_the_model_in_a_kserve_or_tf_serving_path_is_the_one_named(served)
 async def test_a_path_that_names_no_model_is_refused_for_such_a_tenant_only(served):
     server, gw = served
     async with httpx.AsyncClient(base_url=gw.url) as client:
-        ollama = {"model": "llama-3.1-8b", "messages": [{"role": "user", "content": "hi"}]}
-        acme = await client.post("/api/chat", json=ollama, headers={"X-Api-Key": KEYS["acme"]})
-        globex = await client.post("/api/chat", json=ollama, headers={"X-Api-Key": KEYS["globex"]})
-        anonymous = await client.post("/api/chat", json=ollama)
+        tgi = {"inputs": "hi", "parameters": {"max_new_tokens": 5}}
+        acme = await client.post("/generate", json=tgi, headers={"X-Api-Key": KEYS["acme"]})
+        globex = await client.post("/generate", json=tgi, headers={"X-Api-Key": KEYS["globex"]})
+        anonymous = await client.post("/generate", json=tgi)
     assert acme.status_code == 403
     assert acme.json()["error"]["code"] == "model_access_denied"
-    assert (globex.status_code, anonymous.status_code) == (200, 200)
-    assert len(server.seen) == 2
+    assert (globex.status_code, anonymous.status_code) == (404, 404)  # passed: none serves it
+    assert server.seen == []
+
+
+async def test_ollamas_own_api_names_its_model_in_the_body(served):
+    """A held tenant uses Ollama's ``/api/chat`` for its models (a name without a tag is
+    its ``:latest``) and is told the others do not exist; its ``/api/tags`` holds only its
+    own."""
+    server, gw = served
+    acme = {"X-Api-Key": KEYS["acme"]}
+
+    def chat(model: str, **more: Any) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": "hi"}], **more}
+
+    async with httpx.AsyncClient(base_url=gw.url, headers=acme) as client:
+        for model in ("llama-3.1-8b", "llama-3.1-8b:latest", "gpt-4o-mini:latest"):
+            assert (await client.post("/api/chat", json=chat(model))).status_code == 200, model
+        for model in ("secret-model", "gpt-4o-mini:q4", "GPT-4O-MINI"):
+            refused = await client.post("/api/chat", json=chat(model))
+            assert refused.status_code == 404, model
+            assert refused.json()["error"]["code"] == "model_not_found"
+        shown = await client.post("/api/show", json={"name": "llama-3.1-8b"})  # older spelling
+        assert shown.status_code == 200
+        tags = await client.get("/api/tags", headers={"Accept-Encoding": "gzip"})
+    assert [m["name"] for m in tags.json()["models"]] == ["llama-3.1-8b:latest", "ft:x"]
+    assert server.listing_encodings[-1] == "identity"  # asked uncompressed, to be cut
+    assert all("secret" not in model for _, _, model in server.seen)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b'{"model": "llama-3.1-8b", "MODEL": "secret-model"}', 400),  # Go reads the last
+        (b'{"Model": "secret-model"}', 404),  # Go reads it as model
+        (b'{"messages": []}', 400),  # none named
+        (b'{"model": 5}', 400),
+        (b"[1]", 400),
+        (b"{not json", 400),
+    ],
+)
+async def test_an_ollama_body_is_read_as_ollama_reads_it(served, body, status):
+    """Ollama's Go server matches a key case-insensitively, the last one winning: a body
+    naming its model under two spellings would be read one way here and another there."""
+    server, gw = served
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        answer = await client.post(
+            "/api/chat",
+            content=body,
+            headers={"X-Api-Key": KEYS["acme"], "Content-Type": "application/json"},
+        )
+        gzipped = await client.post(
+            "/api/chat",
+            content=b"\x1f\x8b",
+            headers={"X-Api-Key": KEYS["acme"], "Content-Encoding": "gzip"},
+        )
+    assert answer.status_code == status, answer.text
+    assert gzipped.status_code == 415
+    assert server.seen == []
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,16 @@ A tenant held to some models may name only those, wherever the gateway can read 
   reads it;
 - ``GET /v1/models``: served, and the backend's list is cut to the models the tenant may
   name (asked for without compression, so it can be read; one that cannot be read is a
-  502, never the whole list).
+  502, never the whole list);
+- Ollama's own API (``OLLAMA_MODEL_PATHS``): the body's ``model`` (``/api/show``'s older
+  ``name`` too), read as Ollama's Go server reads it: a key matches case-insensitively
+  there, so a body naming its model under two spellings (``model`` and ``MODEL``) is a
+  400, never read one way here and the other there; a name without a tag is its
+  ``:latest``.  Its lists (``/api/tags``, ``/api/ps``) are cut as OpenAI's is.
 
 Any other path names no model the gateway can read, so such a tenant is refused there (a
 403): a key held to some models must not reach the others through a native API
-(``/api/chat``, ``/generate``).  Checked before routing, so a refused request learns
+(``/generate``, ``/completion``).  Checked before routing, so a refused request learns
 nothing of the routes.
 """
 
@@ -26,7 +31,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from gateway.errors import RequestError, UpstreamError, shown
+from gateway.errors import BadRequest, RequestError, UnsupportedEncoding, UpstreamError, shown
+from gateway.openai.body import loads_yielding
 from gateway.pipeline import Headers, Reply, first_header
 from gateway.policy.match import glob_regex
 from gateway.policy.route import MODEL_LIST_PATH
@@ -46,6 +52,12 @@ OWN_OBJECTS = re.compile(r"/v1/(?:files|uploads|vector_stores|containers)(?:/.*)
 their tenant like responses (``file_ids``), and none runs a model the client names.  Not
 ``/v1/batches``: a batch runs the models its input file names, which the gateway cannot
 read."""
+OLLAMA_MODEL_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings"})
+"""Ollama's own calls naming their model in the body (``/api/show`` too, ``OLLAMA_SHOW``)."""
+OLLAMA_SHOW = "/api/show"
+OLLAMA_LISTINGS = frozenset({"/api/tags", "/api/ps"})
+"""Ollama's model lists (``models[].name``): cut to the tenant's models."""
+LATEST = ":latest"
 TF_SERVING_VERB = re.compile(r":(predict|classify|regress)\Z")
 """What TF Serving's ``<m>:predict`` adds to a model's name (an OpenAI id may hold ``:``)."""
 _STALE_AFTER_CUT = frozenset({"etag", "content-md5", "digest", "last-modified"})
@@ -97,8 +109,31 @@ class AllowedModels:
     def allows(self, model: str) -> bool:
         return any(match(model) is not None for match in self._matchers)
 
-    def check(self, method: str, path: str, body: Mapping[str, Any] | None) -> None:
-        """Raise the refusal of a request this tenant may not make."""
+    def allows_ollama(self, name: str) -> bool:
+        """Whether ``name`` is one of the tenant's models as Ollama names them: a name
+        without a tag is its ``:latest``."""
+        if self.allows(name):
+            return True
+        if name.endswith(LATEST):
+            return self.allows(name.removesuffix(LATEST))
+        return ":" not in name.rpartition("/")[2] and self.allows(name + LATEST)
+
+    def check(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        native: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Raise the refusal of a request this tenant may not make (``native``: the body of
+        a server's own API that names its model there, ``native_body``)."""
+        if native_names(method, path):
+            named = ollama_model(path, native or {})
+            if not self.allows_ollama(named):
+                self._named(named)
+            return
+        if path in OLLAMA_LISTINGS and method in ("GET", "HEAD"):
+            return
         if path in OPENAI_JSON_PATHS and body is not None:
             model = body.get("model")
             if not isinstance(model, str) or not model:
@@ -135,12 +170,14 @@ class AllowedModels:
 
     def upstream_headers(self, method: str, path: str, headers: Headers) -> Headers:
         """A listing is asked for uncompressed, so that it can be cut."""
-        if path != LISTING or method != "GET":
+        if (path != LISTING and path not in OLLAMA_LISTINGS) or method != "GET":
             return headers
         return uncompressed(headers)
 
     def cut_listing(self, method: str, path: str, reply: Reply) -> Reply:
         """The backend's model list cut to this tenant's models (other answers as they are)."""
+        if path in OLLAMA_LISTINGS and method == "GET" and reply.status == 200:
+            return self._cut_ollama(reply)
         if path != LISTING or method != "GET" or reply.status != 200:
             return reply
         listing = read_listing(reply)
@@ -150,8 +187,49 @@ class AllowedModels:
         headers = tuple((k, v) for k, v in reply.headers if k.lower() not in _STALE_AFTER_CUT)
         return reply._replace(headers=headers, body=json.dumps(listing).encode())
 
+    def _cut_ollama(self, reply: Reply) -> Reply:
+        listing = read_listing(reply, "models", "name")
+        if listing is None:
+            raise _unreadable(reply)
+        listing["models"] = [e for e in listing["models"] if self.allows_ollama(e["name"])]
+        headers = tuple((k, v) for k, v in reply.headers if k.lower() not in _STALE_AFTER_CUT)
+        return reply._replace(headers=headers, body=json.dumps(listing).encode())
+
     def __repr__(self) -> str:
         return f"<AllowedModels {list(self.globs)}>"
+
+
+def native_names(method: str, path: str) -> bool:
+    """Whether a call names its model in the body of a server's own API (Ollama's)."""
+    return method == "POST" and (path in OLLAMA_MODEL_PATHS or path == OLLAMA_SHOW)
+
+
+async def native_body(raw: bytes, encoding: str | None, limit: int) -> dict[str, Any]:
+    """The JSON object of a call that names its model in a server's own API's body; a 400
+    (415 compressed) for one it cannot be read from."""
+    if encoding not in (None, "identity"):
+        raise UnsupportedEncoding("this key may use only some models: send the body uncompressed")
+    data = await loads_yielding(raw, limit) if raw else None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def ollama_model(path: str, data: Mapping[str, Any]) -> str:
+    """The model an Ollama call names, as its server reads it (a 400 where two keys could
+    name it)."""
+    names = ("model", "name") if path == OLLAMA_SHOW else ("model",)
+    for name in names:
+        # Go's encoding/json matches a key case-insensitively, the last one winning
+        spellings = [key for key in data if key.lower() == name]
+        if len(spellings) > 1:
+            raise BadRequest(f"the body names its {name!r} more than once: {spellings}")
+        value = data.get(spellings[0]) if spellings else None
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"{spellings[0]!r} must be a string")
+        if value:
+            return value
+    raise ModelRequired("you must provide a model parameter: this key may use only some models")
 
 
 def uncompressed(headers: Headers) -> Headers:
@@ -160,9 +238,10 @@ def uncompressed(headers: Headers) -> Headers:
     return (*kept, ("Accept-Encoding", "identity"))
 
 
-def read_listing(reply: Reply) -> dict[str, Any] | None:
-    """A whole, uncompressed model list as OpenAI shapes it, its ``data`` kept to the
-    entries that have an ``id``; None when it is not one."""
+def read_listing(reply: Reply, field: str = "data", key: str = "id") -> dict[str, Any] | None:
+    """A whole, uncompressed model list as OpenAI shapes it (Ollama's: ``models``, by
+    ``name``), its ``field`` kept to the entries that have a ``key``; None when it is not
+    one."""
     if reply.body is None or first_header(reply.headers, "content-encoding") not in (
         None,
         "identity",
@@ -172,11 +251,11 @@ def read_listing(reply: Reply) -> dict[str, Any] | None:
         listing = json.loads(reply.body)
     except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
         return None
-    entries = listing.get("data") if isinstance(listing, dict) else None
+    entries = listing.get(field) if isinstance(listing, dict) else None
     if not isinstance(entries, list):
         return None
-    listing["data"] = [
-        entry for entry in entries if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+    listing[field] = [
+        entry for entry in entries if isinstance(entry, dict) and isinstance(entry.get(key), str)
     ]
     return listing
 

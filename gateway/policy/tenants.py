@@ -50,7 +50,8 @@ class TenantKey:
         metadata=doc(
             "Globs of the models the tenant may name (`gpt-4o*`, `llama-3.1-*`); none "
             "given: every model. Any other model is a 404 `model_not_found`, `GET "
-            "/v1/models` lists only these, and a path whose model the gateway cannot read "
+            "/v1/models` (and Ollama's `/api/tags`) lists only these, Ollama's own API is "
+            "held by its body's `model`, and a path whose model the gateway cannot read "
             "is a 403. Give it on one of the tenant's keys, or the same on each."
         ),
     )
