@@ -257,13 +257,16 @@ async def test_a_servers_own_api_asking_for_no_bound_is_refused_with_over_refuse
 async def test_a_servers_own_api_body_must_be_readable_under_bounds(pipeline):
     gw, backend = await gateway(pipeline, {"max_tokens": 100})
     assert (await gw.request("POST", "/api/chat", body=b"{not json")).status_code == 400
+    # Ollama's Go server would read the second spelling: unbounded
+    twice = {"options": {"num_predict": 10}, "OPTIONS": {"num_predict": -1}}
+    assert "twice" in refused(await gw.post("/api/generate", twice))["message"]
     assert refused(await gw.post("/api/chat", {"options": 5}))["param"] == "options"
     gzipped = await gw.request(
         "POST", "/api/chat", body=b"\x1f\x8b", headers=[("Content-Encoding", "gzip")]
     )
     assert gzipped.status_code == 415
     assert backend.bodies == []
-    assert gw.metric("gateway_generation_bounds_total", route="chat", action="refused") == 3
+    assert gw.metric("gateway_generation_bounds_total", route="chat", action="refused") == 4
 
 
 async def test_a_servers_own_api_without_bounds_is_not_read(pipeline):

@@ -141,3 +141,28 @@ def test_a_json_object_is_told_in_every_encoding_pythons_parser_reads(encoding):
     for text in ('["a"]', '"a"', "1", "--boundary\r\n", "a {", ""):
         assert not json_object(text.encode(encoding))
     assert not json_object(b"\x00\x00\x00 \x00\x00\x00x")
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ({"MODEL": "secret"}, True),  # a Go server (Ollama) reads the last spelling
+        ({"Max_Tokens": 99999}, True),
+        ({"metadata": {"ID": 1, "id": 2}}, False),  # nested: the client's own data
+        ({"user": "u"}, False),
+    ],
+)
+def test_a_member_named_under_two_spellings_is_refused(extra, refused):
+    """Ollama's Go server matches a JSON key to its field case-insensitively, the last one
+    winning: a body naming ``model`` and ``MODEL`` would be read one way by the gateway (the
+    model a tenant may use, the bound it clamped) and the other by the server."""
+    from gateway.openai.body import parse
+
+    body = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **extra}
+    ).encode()
+    if not refused:
+        assert parse("/v1/chat/completions", body)["model"] == "m"
+        return
+    with pytest.raises(BadRequest, match="twice"):
+        parse("/v1/chat/completions", body)

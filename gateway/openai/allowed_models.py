@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from gateway.errors import BadRequest, RequestError, UnsupportedEncoding, UpstreamError, shown
-from gateway.openai.body import loads_yielding
+from gateway.openai.body import loads_yielding, one_spelling
 from gateway.pipeline import Headers, Reply, first_header
 from gateway.policy.match import glob_regex
 from gateway.policy.route import MODEL_LIST_PATH
@@ -212,21 +212,19 @@ async def native_body(raw: bytes, encoding: str | None, limit: int) -> dict[str,
     data = await loads_yielding(raw, limit) if raw else None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
+    one_spelling(data)
     return data
 
 
 def ollama_model(path: str, data: Mapping[str, Any]) -> str:
-    """The model an Ollama call names, as its server reads it (a 400 where two keys could
-    name it)."""
+    """The model an Ollama call names, as its server reads it."""
     names = ("model", "name") if path == OLLAMA_SHOW else ("model",)
     for name in names:
-        # Go's encoding/json matches a key case-insensitively, the last one winning
-        spellings = [key for key in data if key.lower() == name]
-        if len(spellings) > 1:
-            raise BadRequest(f"the body names its {name!r} more than once: {spellings}")
-        value = data.get(spellings[0]) if spellings else None
+        # Go's encoding/json matches a key case-insensitively (one spelling: ``native_body``)
+        key = next((k for k in data if k.lower() == name), None)
+        value = data.get(key) if key is not None else None
         if value is not None and not isinstance(value, str):
-            raise BadRequest(f"{spellings[0]!r} must be a string")
+            raise BadRequest(f"{key!r} must be a string")
         if value:
             return value
     raise ModelRequired("you must provide a model parameter: this key may use only some models")

@@ -319,6 +319,24 @@ _REQUIRED: dict[str, tuple[str, type | tuple[type, ...]]] = {
 _MESSAGE_LISTS = frozenset({"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"})
 
 
+def one_spelling(data: dict[str, Any]) -> None:
+    """``BadRequest`` for an object naming one member under two spellings (``max_tokens``
+    and ``MAX_TOKENS``).  A server written in Go (Ollama, its OpenAI API too) matches a
+    JSON key to its field case-insensitively, the last one winning, so the gateway would
+    read one value (the model a tenant may use, the bound it clamped) and the server the
+    other."""
+    if len(data) < 2:
+        return
+    seen: dict[str, str] = {}
+    for key in data:
+        folded = key.lower()
+        if folded in seen:
+            raise BadRequest(
+                f"the body names {seen[folded]!r} twice, also as {key!r}: send it once"
+            )
+        seen[folded] = key
+
+
 def parse(path: str, body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> dict[str, Any]:
     """The body as a JSON object, checked for what routing, caching and batching rely on."""
     if not body:
@@ -339,6 +357,7 @@ def checked(path: str, data: Any) -> dict[str, Any]:
     """``data`` if it is the object ``path`` expects, else ``BadRequest``."""
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
+    one_spelling(data)
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")

@@ -36,7 +36,13 @@ from typing import Any
 
 from gateway.errors import BadRequest, FieldRefused, RequestError, UnsupportedEncoding
 from gateway.metrics import Metrics
-from gateway.openai.body import YIELD_FROM_BYTES, dumps_yielding, loads, loads_yielding
+from gateway.openai.body import (
+    YIELD_FROM_BYTES,
+    dumps_yielding,
+    loads,
+    loads_yielding,
+    one_spelling,
+)
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.generation import (
     BY_PROMPT,
@@ -182,6 +188,7 @@ async def _native_body(call: Call) -> dict[str, Any]:
         data = loads(call.body, limit)
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
+    one_spelling(data)  # Ollama's Go server: {"options": ..., "OPTIONS": ...} reads the last
     return data
 
 
