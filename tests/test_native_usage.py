@@ -260,3 +260,32 @@ async def test_llama_cpps_own_answers_settle_a_token_limit_as_they_count(
     await until(lambda: remaining() == LIMIT - used)
     text = await scrape_when_recorded(gw.admin_url, 2)
     assert metric(text, "gateway_tokens_total", backend="llm", kind="completion") == 12
+
+
+KEYS_AS_TEXT = st.sampled_from(
+    ['"tokens_predicted": 1', '\\"eval_count\\": 2', '"generated_tokens":3}', "\\", '"', ": 4"]
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    texts=st.lists(st.one_of(st.text(max_size=20), KEYS_AS_TEXT), max_size=6),
+    prompt=st.integers(min_value=0, max_value=10**6),
+    predicted=st.integers(min_value=0, max_value=10**6),
+    ascii_only=st.booleans(),
+    counts_first=st.booleans(),
+)
+def test_whatever_the_answer_says_only_its_own_counts_are_read(
+    texts, prompt, predicted, ascii_only, counts_first
+):
+    """The counts are read without a parse: whatever text the model wrote, with quotes,
+    backslashes and count names in it, before or after them, only the server's own keys
+    count."""
+    counts = {"tokens_predicted": predicted, "tokens_evaluated": prompt}
+    text = {"content": "".join(texts)}
+    answer = {**counts, **text} if counts_first else {**text, **counts}
+    body = json.dumps(answer, ensure_ascii=ascii_only).encode()
+    assert from_native_body(body) == (prompt, predicted)
+    usage = NativeStreamUsage()
+    usage.feed(b"data: " + body + b"\n\n")
+    assert usage.counts == (prompt, predicted)
