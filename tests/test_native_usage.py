@@ -289,3 +289,10 @@ def test_whatever_the_answer_says_only_its_own_counts_are_read(
     usage = NativeStreamUsage()
     usage.feed(b"data: " + body + b"\n\n")
     assert usage.counts == (prompt, predicted)
+
+
+def test_one_servers_words_are_read_never_two_added_up():
+    """An answer in llama.cpp's words that also carried an OpenAI-style count (a later
+    version, a proxy between) is counted once."""
+    both = {"tokens_predicted": 7, "tokens_evaluated": 2, "usage": {"completion_tokens": 7}}
+    assert from_native_body(json.dumps(both).encode()) == (2, 7)

@@ -30,12 +30,31 @@ from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
 from gateway.pipeline import Call
 from gateway.policy.generation import NATIVE_PATHS, OUTPUT_FIELDS, prompts_in
 
-_PROMPT = re.compile(rb'(?<!\\)"(?:tokens_evaluated|prompt_eval_count|prompt_tokens)"\s*:\s*(\d+)')
-_COMPLETION = re.compile(
-    rb'(?<!\\)"(?:tokens_predicted|eval_count|generated_tokens|completion_tokens)"\s*:\s*(\d+)'
+
+def _count(name: str) -> re.Pattern[bytes]:
+    """A count under the key ``name`` at JSON level (inside a string its quote is escaped)."""
+    return re.compile(rb'(?<!\\)"' + name.encode() + rb'"\s*:\s*(\d+)')
+
+
+_FAMILIES = (  # (the completion key, its count, the prompt's count): each server's words
+    (b'"tokens_predicted"', _count("tokens_predicted"), _count("tokens_evaluated")),
+    (b'"eval_count"', _count("eval_count"), _count("prompt_eval_count")),
+    (b'"generated_tokens"', _count("generated_tokens"), None),  # TGI counts no prompt
+    (b'"completion_tokens"', _count("completion_tokens"), _count("prompt_tokens")),
 )
-_MARKS = (b'"tokens_predicted"', b'"eval_count"', b'"generated_tokens"', b'"completion_tokens"')
+"""One server's counts are read, the first whose words an answer holds: never two
+servers' words added up."""
 _DONE = b"[DONE]"
+
+
+def _counts(data: bytes) -> tuple[list[int], list[int]] | None:
+    """Every (completion, prompt) count of the first server's words ``data`` holds."""
+    for mark, completion, prompt in _FAMILIES:
+        if mark in data:
+            completions = [int(n) for n in completion.findall(data)]
+            if completions:
+                return completions, [int(n) for n in prompt.findall(data)] if prompt else []
+    return None
 
 
 def native(method: str, path: str) -> bool:
@@ -47,12 +66,10 @@ def from_native_body(body: bytes, prompt: int = 0) -> tuple[int, int] | None:
     """(prompt, completion) tokens of a whole answer of a server's own API: every answer's
     counts summed (llama.cpp answers several prompts with an array); ``prompt`` where it
     names no prompt count.  None when it names no completion count."""
-    if not any(mark in body for mark in _MARKS):
+    found = _counts(body)
+    if found is None:
         return None
-    completions = [int(found.group(1)) for found in _COMPLETION.finditer(body)]
-    if not completions:
-        return None
-    prompts = [int(found.group(1)) for found in _PROMPT.finditer(body)]
+    completions, prompts = found
     return (sum(prompts) if prompts else prompt), sum(completions)
 
 
@@ -91,14 +108,13 @@ class NativeStreamUsage(StreamUsage):
 
     def _scan(self, line: bytes) -> None:
         """The counts ``line`` names, if any."""
-        if any(mark in line for mark in _MARKS):
-            completions = _COMPLETION.findall(line)
-            if completions:
-                prompts = _PROMPT.findall(line)
-                prompt = int(prompts[-1]) if prompts else None
-                before = self.counts[0] if self.counts is not None else 0
-                self.counts = (before if prompt is None else prompt, int(completions[-1]))
-                self.prompt_named = self.prompt_named or prompt is not None
+        found = _counts(line)
+        if found is not None:
+            completions, prompts = found
+            prompt = prompts[-1] if prompts else None
+            before = self.counts[0] if self.counts is not None else 0
+            self.counts = (before if prompt is None else prompt, completions[-1])
+            self.prompt_named = self.prompt_named or prompt is not None
 
     def _count(self, line: bytes) -> None:
         """One more event when ``line`` opens one: a ``data:`` line but ``[DONE]``, or a
