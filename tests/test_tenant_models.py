@@ -260,6 +260,8 @@ async def test_ollamas_own_api_names_its_model_in_the_body(served):
         shown = await client.post("/api/show", json={"name": "llama-3.1-8b"})  # older spelling
         assert shown.status_code == 200
         tags = await client.get("/api/tags", headers={"Accept-Encoding": "gzip"})
+        assert (await client.get("/api/version")).status_code == 404  # passed: none serves it
+        assert (await client.post("/api/version")).status_code == 403
     assert [m["name"] for m in tags.json()["models"]] == ["llama-3.1-8b:latest", "ft:x"]
     assert server.listing_encodings[-1] == "identity"  # asked uncompressed, to be cut
     assert all("secret" not in model for _, _, model in server.seen)

@@ -57,6 +57,8 @@ OLLAMA_MODEL_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/ap
 OLLAMA_SHOW = "/api/show"
 OLLAMA_LISTINGS = frozenset({"/api/tags", "/api/ps"})
 """Ollama's model lists (``models[].name``): cut to the tenant's models."""
+MODEL_FREE_READS = frozenset({"/api/version"})
+"""Reads that name and run no model (Ollama's clients ask its version first)."""
 LATEST = ":latest"
 TF_SERVING_VERB = re.compile(r":(predict|classify|regress)\Z")
 """What TF Serving's ``<m>:predict`` adds to a model's name (an OpenAI id may hold ``:``)."""
@@ -132,7 +134,7 @@ class AllowedModels:
             if not self.allows_ollama(named):
                 self._named(named)
             return
-        if path in OLLAMA_LISTINGS and method in ("GET", "HEAD"):
+        if (path in OLLAMA_LISTINGS or path in MODEL_FREE_READS) and method in ("GET", "HEAD"):
             return
         if path in OPENAI_JSON_PATHS and body is not None:
             model = body.get("model")
