@@ -296,3 +296,21 @@ def test_one_servers_words_are_read_never_two_added_up():
     version, a proxy between) is counted once."""
     both = {"tokens_predicted": 7, "tokens_evaluated": 2, "usage": {"completion_tokens": 7}}
     assert from_native_body(json.dumps(both).encode()) == (2, 7)
+
+
+async def test_a_native_calls_counts_are_on_its_trace(pipeline):
+    """The server span of a llama.cpp ``/completion`` says what it used, as an OpenAI
+    call's does (``gen_ai.usage.*``)."""
+    memory = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    exporter = memory.InMemorySpanExporter()
+    doc = {
+        **policy({"main": {"url": URL}}, {"match": {"path": "*"}}),
+        "tracing": {"sample_ratio": 1},
+    }
+    gw = await pipeline(doc, llama_answer, span_exporter=exporter)
+    answer = await gw.post("/completion", {"prompt": "Hello", "n_predict": 12})
+    assert answer.status_code == 200
+    assert gw.gateway.tracer is not None and gw.gateway.tracer.flush()
+    [server] = [s for s in exporter.get_finished_spans() if s.kind.name == "SERVER"]
+    assert server.attributes["gen_ai.usage.input_tokens"] == 9
+    assert server.attributes["gen_ai.usage.output_tokens"] == 12
