@@ -314,3 +314,28 @@ async def test_a_native_calls_counts_are_on_its_trace(pipeline):
     [server] = [s for s in exporter.get_finished_spans() if s.kind.name == "SERVER"]
     assert server.attributes["gen_ai.usage.input_tokens"] == 9
     assert server.attributes["gen_ai.usage.output_tokens"] == 12
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        (b"{not json", {}),
+        (b"[1, 2]", {}),
+        (b"\x1f\x8b\x08", {"Content-Encoding": "gzip"}),
+        (b"", {}),
+    ],
+)
+async def test_a_body_the_gateway_cannot_read_goes_on_at_one_token_and_settles_on_its_answer(
+    pipeline, body, headers
+):
+    """A token limit does not judge a server's own body: the server refuses it or answers,
+    and its answer's counts settle the call."""
+    gw = await pipeline(limited(), llama_answer_any, clock=FakeClock())
+    answer = await gw.request("POST", "/completion", body=body, headers={**ALICE, **headers})
+    assert answer.status_code == 200
+    assert left(gw) == LIMIT - 16 - 9
+
+
+def llama_answer_any(sent: Sent) -> Reply:
+    """llama.cpp's answer to any body: 9 evaluated, 16 predicted."""
+    return json_reply({"content": "x", "tokens_predicted": 16, "tokens_evaluated": 9})

@@ -15,7 +15,9 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway.errors import UpstreamError
 from gateway.openai.allowed_models import AllowedModels, ModelNotAllowed, PathNotAllowed
+from gateway.pipeline import Reply
 from tests.helpers import problems_of, write_policy
 
 MODELS = ["gpt-4o-mini", "gpt-4o", "llama-3.1-8b", "ft:gpt-4o-mini:acme:1", "secret-model"]
@@ -263,6 +265,9 @@ async def test_ollamas_own_api_names_its_model_in_the_body(served):
         assert (await client.get("/api/version")).status_code == 404  # passed: none serves it
         assert (await client.post("/api/version")).status_code == 403
     assert [m["name"] for m in tags.json()["models"]] == ["llama-3.1-8b:latest", "ft:x"]
+    cut = AllowedModels(["a*"]).cut_listing
+    with pytest.raises(UpstreamError):  # a list that cannot be read is never passed whole
+        cut("GET", "/api/tags", Reply(200, (), body=b'{"models": "secret"}'))
     assert server.listing_encodings[-1] == "identity"  # asked uncompressed, to be cut
     assert all("secret" not in model for _, _, model in server.seen)
 
