@@ -56,13 +56,40 @@ def test_a_servers_adapters_are_read_from_its_latest_lora_gauge():
     figures = {"waiting": 0, "running": "sql-lora, chat-lora", "waiting_adapters": "new"}
     series = parse_exposition(exposition(figures), load._READ)
     adapters = load.adapters_of(series)
-    assert adapters == load.Adapters(BASE, frozenset({"sql-lora", "chat-lora", "new"}), 2)
+    serving = frozenset({"sql-lora", "chat-lora", "new"})
+    assert adapters == load.Adapters(BASE, serving, 2, ("chat-lora", "new", "sql-lora"))
     assert not adapters.room  # three for two places: it is swapping already
     assert load.adapters_of(parse_exposition("vllm:num_requests_waiting 0\n")) is None
     odd = 'vllm:lora_requests_info{max_lora="many",running_lora_adapters=""} 1\n'
     assert load.adapters_of(parse_exposition(odd, load._READ)) == load.Adapters(
         None, frozenset(), None
     )
+
+
+async def test_an_adapter_between_two_requests_is_still_held_where_it_was_served():
+    """vLLM names only the adapters of its requests in flight, but keeps the ``max_lora``
+    used last in GPU memory: an adapter whose requests ended a moment ago is still there,
+    and its next request belongs there, not on a server that would evict another for it."""
+
+    def scraped(before: load.Adapters | None, running: str) -> load.Adapters:
+        figures = {"waiting": 0, "running": running, "waiting_adapters": ""}
+        found = load.adapters_of(parse_exposition(exposition(figures), load._READ), before)
+        assert found is not None
+        return found
+
+    held = scraped(scraped(None, "sql-lora"), "chat-lora")
+    assert held.resident == ("chat-lora", "sql-lora") and not held.room
+    assert held.holds("sql-lora")  # no request of it in flight: still in memory
+    later = scraped(scraped(held, ""), "new-lora")
+    assert later.resident == ("new-lora", "chat-lora")  # the least recently used went
+    assert not later.holds("sql-lora")
+
+    backend = Backend("m", endpoints=("http://a", "http://b"), balance="kv_aware")
+    endpoints = EndpointSet(backend, Metrics(), clock=FakeClock())
+    a, b = endpoints.endpoints
+    a.adapters, b.adapters = held, scraped(scraped(None, "x-lora"), "y-lora")
+    assert load.for_model("sql-lora", [a, b], backend) == ([a], "serving")
+    await endpoints.aclose()
 
 
 async def test_an_adapters_requests_go_where_it_is_served_else_where_there_is_room(serve_app):

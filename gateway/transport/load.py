@@ -58,16 +58,25 @@ from gateway.transport.upstream import BackendPool
 @dataclass(frozen=True, slots=True)
 class Adapters:
     """What a vLLM server says of its LoRA adapters: the base model it serves (``model_name``),
-    the adapters of the requests it is running or queueing, and how many it holds at once."""
+    the adapters of the requests it is running or queueing, and how many it holds at once;
+    and what the gateway makes of it: the adapters it holds in GPU memory (``resident``,
+    most recent first: those it serves now, then those it served before, up to ``most``).
+    vLLM keeps the ``max_lora`` adapters used last and evicts the least recently used, but
+    says only which its requests in flight use: an adapter between two requests is still
+    there, and a request for it belongs there."""
 
     base: str | None
     serving: frozenset[str]
     most: int | None
+    resident: tuple[str, ...] = ()
 
     @property
     def room(self) -> bool:
         """Whether it can take another adapter without evicting one."""
-        return self.most is None or len(self.serving) < self.most
+        return self.most is None or len(self.resident or self.serving) < self.most
+
+    def holds(self, adapter: str) -> bool:
+        return adapter in self.serving or adapter in self.resident
 
 
 class Endpoint(Protocol):
@@ -151,7 +160,7 @@ async def scrape(endpoint: Endpoint, backend: Backend) -> None:
         except (UpstreamError, ValueError, TimeoutError) as exc:
             log.debug("load of %s at %s: %r", endpoint.url, url, exc)
     series = [s for text in texts for s in parse_exposition(text, _READ)]
-    endpoint.adapters = adapters_of(series)
+    endpoint.adapters = adapters_of(series, endpoint.adapters)
     read = read_series(series, Selector(t.select, t.gpu, t.gpu_instance)).signals
     signals = {}
     for k, v in read.items():
@@ -163,8 +172,9 @@ async def scrape(endpoint: Endpoint, backend: Backend) -> None:
     endpoint.kv_cache_usage = signals.get("kv_cache_usage")
 
 
-def adapters_of(series: Sequence[Series]) -> Adapters | None:
-    """The adapters of a server's latest ``vllm:lora_requests_info``; None without one."""
+def adapters_of(series: Sequence[Series], before: Adapters | None = None) -> Adapters | None:
+    """The adapters of a server's latest ``vllm:lora_requests_info`` (with those ``before``
+    held, while there is room: ``Adapters.resident``); None without one."""
     latest = max((s for s in series if s.name == LORA_INFO), key=lambda s: s.value, default=None)
     if latest is None:
         return None
@@ -174,9 +184,17 @@ def adapters_of(series: Sequence[Series]) -> Adapters | None:
         for name in (latest.label(label) or "").split(",")
         if name.strip()
     }
-    most = latest.label("max_lora")
+    given = latest.label("max_lora")
+    most = int(given) if given and given.isdigit() else None
     base = next((s.label("model_name") for s in series if s.name in QUEUE_WAITING), None)
-    return Adapters(base, frozenset(serving), int(most) if most and most.isdigit() else None)
+    earlier = [a for a in (before.resident if before else ()) if a not in serving]
+    room = (most if most is not None else MAX_RESIDENT) - len(serving)
+    resident = (*sorted(serving), *earlier[: max(0, room)])
+    return Adapters(base, frozenset(serving), most, resident)
+
+
+MAX_RESIDENT = 64
+"""The adapters remembered of a server that names no ``max_lora``."""
 
 
 E = TypeVar("E", bound=Endpoint)
@@ -194,7 +212,7 @@ def for_model(model: str, choices: list[E], backend: Backend) -> tuple[list[E], 
     if not told or any(a.base == model for a in told):
         return choices, ""
     fresh = [e for e in choices if not saturated(e, backend)] or choices
-    serving = [e for e in fresh if e.adapters is not None and model in e.adapters.serving]
+    serving = [e for e in fresh if e.adapters is not None and e.adapters.holds(model)]
     if serving:
         return serving, "serving"
     room = [e for e in fresh if e.adapters is not None and e.adapters.room]
