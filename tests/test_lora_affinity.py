@@ -60,10 +60,20 @@ def test_a_servers_adapters_are_read_from_its_latest_lora_gauge():
     assert adapters == load.Adapters(BASE, serving, 2, ("chat-lora", "new", "sql-lora"))
     assert not adapters.room  # three for two places: it is swapping already
     assert load.adapters_of(parse_exposition("vllm:num_requests_waiting 0\n")) is None
-    odd = 'vllm:lora_requests_info{max_lora="many",running_lora_adapters=""} 1\n'
-    assert load.adapters_of(parse_exposition(odd, load._READ)) == load.Adapters(
-        None, frozenset(), None
-    )
+    for most in ("many", "²", "9" * 5000):  # int() would raise on the last two
+        odd = f'vllm:lora_requests_info{{max_lora="{most}",running_lora_adapters=""}} 1\n'
+        assert load.adapters_of(parse_exposition(odd, load._READ)) == load.Adapters(
+            None, frozenset(), None
+        )
+
+
+def test_an_exporter_naming_new_adapters_each_scrape_grows_no_memory():
+    held = None
+    for i in range(500):
+        text = f'vllm:lora_requests_info{{max_lora="999999",running_lora_adapters="a{i}"}} 1\n'
+        held = load.adapters_of(parse_exposition(text, load._READ), held)
+    assert held is not None and len(held.resident) == load.MAX_RESIDENT
+    assert held.resident[0] == "a499" and held.room
 
 
 async def test_an_adapter_between_two_requests_is_still_held_where_it_was_served():

@@ -184,17 +184,20 @@ def adapters_of(series: Sequence[Series], before: Adapters | None = None) -> Ada
         for name in (latest.label(label) or "").split(",")
         if name.strip()
     }
-    given = latest.label("max_lora")
-    most = int(given) if given and given.isdigit() else None
+    given = latest.label("max_lora") or ""
+    # ASCII digits, few: int() refuses '²' and 5,000 digits with a ValueError
+    most = int(given) if given.isascii() and given.isdigit() and len(given) <= 6 else None
     base = next((s.label("model_name") for s in series if s.name in QUEUE_WAITING), None)
     earlier = [a for a in (before.resident if before else ()) if a not in serving]
-    room = (most if most is not None else MAX_RESIDENT) - len(serving)
+    room = min(most if most is not None else MAX_RESIDENT, MAX_RESIDENT) - len(serving)
     resident = (*sorted(serving), *earlier[: max(0, room)])
     return Adapters(base, frozenset(serving), most, resident)
 
 
 MAX_RESIDENT = 64
-"""The adapters remembered of a server that names no ``max_lora``."""
+"""The most adapters remembered of a server (all it names in flight, then as many of those
+before as ``max_lora`` allows, within this): an exporter naming new adapters each scrape
+must not grow the memory."""
 
 
 E = TypeVar("E", bound=Endpoint)
