@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from gateway.errors import BadRequest, RequestError, UnsupportedEncoding, UpstreamError, shown
-from gateway.openai.body import loads_yielding, one_spelling
+from gateway.errors import BadRequest, RequestError, UpstreamError, shown
+from gateway.openai.body import native_object
 from gateway.pipeline import Headers, Reply, first_header
 from gateway.policy.match import glob_regex
 from gateway.policy.route import MODEL_LIST_PATH
@@ -207,15 +207,8 @@ def native_names(method: str, path: str) -> bool:
 
 
 async def native_body(raw: bytes, encoding: str | None, limit: int) -> dict[str, Any]:
-    """The JSON object of a call that names its model in a server's own API's body; a 400
-    (415 compressed) for one it cannot be read from."""
-    if encoding not in (None, "identity"):
-        raise UnsupportedEncoding("this key may use only some models: send the body uncompressed")
-    data = await loads_yielding(raw, limit) if raw else None
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    one_spelling(data)
-    return data
+    """The JSON object of a call that names its model in a server's own API's body."""
+    return await native_object(raw, encoding, limit, "this key may use only some models")
 
 
 def ollama_model(path: str, data: Mapping[str, Any]) -> str:

@@ -337,6 +337,22 @@ def one_spelling(data: dict[str, Any]) -> None:
         seen[folded] = key
 
 
+async def native_object(
+    raw: bytes, encoding: str | None, max_values: int, reader: str
+) -> dict[str, Any]:
+    """The JSON object of a call to a server's own API, where the gateway must read it
+    (``reader``: why, in the 415's words).  Such a body is forwarded as sent, never decoded,
+    so a compressed one is a 415; anything but one object naming each member once
+    (``one_spelling``) is a 400."""
+    if encoding not in (None, "identity"):
+        raise UnsupportedEncoding(f"{reader}: send the body uncompressed")
+    data = await loads_yielding(raw, max_values) if raw else None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    one_spelling(data)
+    return data
+
+
 def parse(path: str, body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> dict[str, Any]:
     """The body as a JSON object, checked for what routing, caching and batching rely on."""
     if not body:

@@ -34,15 +34,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import BadRequest, FieldRefused, RequestError, UnsupportedEncoding
+from gateway.errors import FieldRefused, RequestError
 from gateway.metrics import Metrics
-from gateway.openai.body import (
-    YIELD_FROM_BYTES,
-    dumps_yielding,
-    loads,
-    loads_yielding,
-    one_spelling,
-)
+from gateway.openai.body import dumps_yielding, native_object
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.generation import (
     BY_PROMPT,
@@ -175,21 +169,13 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
 
 
 async def _native_body(call: Call) -> dict[str, Any]:
-    """The JSON object a server's own API was sent (the gateway reads those only here)."""
-    if call.header("Content-Encoding") is not None:
-        raise UnsupportedEncoding(
-            "this route bounds what a call may generate: send its body uncompressed"
-        )
-    limit = call.policy.server.max_json_values
-    data: Any = None
-    if len(call.body) >= YIELD_FROM_BYTES:
-        data = await loads_yielding(call.body, limit)
-    elif call.body:
-        data = loads(call.body, limit)
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    one_spelling(data)  # Ollama's Go server: {"options": ..., "OPTIONS": ...} reads the last
-    return data
+    """The JSON object a server's own API was sent (read for its bounds only)."""
+    return await native_object(
+        call.body,
+        call.header("Content-Encoding"),
+        call.policy.server.max_json_values,
+        "this route bounds what a call may generate",
+    )
 
 
 def with_bounds(data: dict[str, Any], changes: dict[str, int]) -> dict[str, Any]:

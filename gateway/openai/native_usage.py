@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 
 from gateway.errors import RequestError
-from gateway.openai.body import loads_yielding
+from gateway.openai.body import native_object
 from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
 from gateway.pipeline import Call
 from gateway.policy.generation import NATIVE_PATHS, OUTPUT_FIELDS, prompts_in
@@ -130,14 +130,14 @@ async def native_bound(call: Call) -> int:
     """The most tokens a call to a server's own API may generate, as its body bounds it
     (none, or a body the gateway cannot read: 0): its bound (``OUTPUT_FIELDS``) times the
     prompts it sends (llama.cpp answers a list of texts or token lists one by one)."""
-    if call.header("Content-Encoding") is not None or not call.body:
-        return 0
-    limit = call.policy.server.max_json_values
     try:
-        data = await loads_yielding(call.body, limit)
+        data = await native_object(
+            call.body,
+            call.header("Content-Encoding"),
+            call.policy.server.max_json_values,
+            "a limit",
+        )
     except RequestError:  # the backend's to refuse, as it was sent
-        return 0
-    if not isinstance(data, dict):
         return 0
     for name in OUTPUT_FIELDS[call.path]:
         outer, _, inner = name.rpartition(".")
