@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -178,22 +178,19 @@ class AllowedModels:
 
     def cut_listing(self, method: str, path: str, reply: Reply) -> Reply:
         """The backend's model list cut to this tenant's models (other answers as they are)."""
-        if path in OLLAMA_LISTINGS and method == "GET" and reply.status == 200:
-            return self._cut_ollama(reply)
-        if path != LISTING or method != "GET" or reply.status != 200:
+        if method != "GET" or reply.status != 200:
             return reply
-        listing = read_listing(reply)
+        allows: Callable[[str], bool]
+        if path == LISTING:
+            field, key, allows = "data", "id", self.allows
+        elif path in OLLAMA_LISTINGS:
+            field, key, allows = "models", "name", self.allows_ollama
+        else:
+            return reply
+        listing = read_listing(reply, field, key)
         if listing is None:
             raise _unreadable(reply)
-        listing["data"] = [entry for entry in listing["data"] if self.allows(entry["id"])]
-        headers = tuple((k, v) for k, v in reply.headers if k.lower() not in _STALE_AFTER_CUT)
-        return reply._replace(headers=headers, body=json.dumps(listing).encode())
-
-    def _cut_ollama(self, reply: Reply) -> Reply:
-        listing = read_listing(reply, "models", "name")
-        if listing is None:
-            raise _unreadable(reply)
-        listing["models"] = [e for e in listing["models"] if self.allows_ollama(e["name"])]
+        listing[field] = [entry for entry in listing[field] if allows(entry[key])]
         headers = tuple((k, v) for k, v in reply.headers if k.lower() not in _STALE_AFTER_CUT)
         return reply._replace(headers=headers, body=json.dumps(listing).encode())
 
