@@ -325,7 +325,7 @@ def one_spelling(data: dict[str, Any]) -> None:
     JSON key to its field case-insensitively, the last one winning, so the gateway would
     read one value (the model a tenant may use, the bound it clamped) and the server the
     other."""
-    if len(data) < 2:
+    if len(data) < 2 or len({key.lower() for key in data}) == len(data):
         return
     seen: dict[str, str] = {}
     for key in data:

@@ -92,6 +92,11 @@ class Admitted:
     """A call to a server's own API (its answer's counts are in its own words)."""
 
     @property
+    def prompt_estimate(self) -> int:
+        """Of ``estimate``, the prompt's tokens (its body's size)."""
+        return self.estimate - self.output_estimate
+
+    @property
     def standing(self) -> Standing:
         """The tightest standing of each kind."""
         return tightest(self.standings)
@@ -187,7 +192,7 @@ class RateLimits:
             counts = usage.counts or streamed_counts(admitted, usage.events)
             if counts is not None and isinstance(usage, NativeStreamUsage):
                 if not usage.prompt_named:  # TGI's: the prompt at its estimate
-                    counts = (admitted.estimate - admitted.output_estimate, counts[1])
+                    counts = (admitted.prompt_estimate, counts[1])
             if counts is not None:
                 settled = self._settle_tokens(admitted, counts, served.backend)
                 task = asyncio.ensure_future(settled)
@@ -233,14 +238,14 @@ def streamed_counts(admitted: Admitted, events: int) -> tuple[int, int] | None:
     estimate, and a token per event it streamed (None when it streamed none)."""
     if events <= 0:
         return None
-    return admitted.estimate - admitted.output_estimate, events
+    return admitted.prompt_estimate, events
 
 
 def _native_counts(admitted: Admitted, body: bytes) -> tuple[int, int]:
     """The (prompt, completion) tokens of a server's own whole answer: the counts it names,
     else its prompt's estimate and a generated token per ``CHARS_PER_TOKEN`` bytes of it
     (at least the estimate: TGI names none unless asked for its ``details``)."""
-    prompt = admitted.estimate - admitted.output_estimate
+    prompt = admitted.prompt_estimate
     named = from_native_body(body, prompt)
     if named is not None:
         return named

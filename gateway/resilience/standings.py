@@ -16,7 +16,6 @@ budget.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
 from typing import Any
 
 from gateway.policy.model import Policy, RateLimit
@@ -57,17 +56,14 @@ async def tenant_standings(policy: Policy, registry: Registry) -> list[dict[str,
     async def entry(name: str) -> dict[str, Any]:
         key = TENANT_PREFIX + name
         limit = own.get(name)
-        mine: Awaitable[dict[str, Any] | None] = (
-            read(key, limit, key) if limit is not None else _nothing()
-        )
-        found = await asyncio.gather(mine, *(read(r, rate, key) for r, rate in routes.items()))
-        return {"name": name, "own": found[0], "routes": dict(zip(routes, found[1:], strict=True))}
+        jobs = [read(r, rate, key) for r, rate in routes.items()]
+        if limit is not None:
+            jobs.append(read(key, limit, key))
+        found = await asyncio.gather(*jobs)
+        mine = found.pop() if limit is not None else None
+        return {"name": name, "own": mine, "routes": dict(zip(routes, found, strict=True))}
 
     return list(await asyncio.gather(*(entry(name) for name in names)))
-
-
-async def _nothing() -> None:
-    return None
 
 
 async def _standing(
