@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 
 from bench.common import machine, update_section
-from bench.llama_load import percentile
+from bench.llama_load import chat, percentile
 from bench.plumbing import gateway
-from gateway.testing.llama import MODEL_ALIAS, LlamaOptions, start_servers, stop_all
+from gateway.testing.llama import LlamaOptions, start_servers, stop_all
 
 SHORT_CONTEXT = 256
 LONG_CONTEXT = 1024
@@ -40,13 +40,7 @@ CHAT = "/v1/chat/completions"
 
 def body(long: bool, i: int) -> dict[str, Any]:
     text = ("word " * LONG_WORDS if long else "") + f"Say hello to {i}."
-    return {
-        "model": MODEL_ALIAS,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "cache_prompt": False,
-    }
+    return chat(None, text, MAX_TOKENS) | {"cache_prompt": False}
 
 
 async def run(urls: list[str], calls: int) -> dict[str, list[float] | int]:
