@@ -16,9 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import RequestError
+from gateway.openai.body import texts_read, texts_written
 from gateway.openai.generation import BOUND_HEADER, bounded, with_bounds
 from gateway.pipeline import Reply
-from gateway.policy.generation import OUTPUT_FIELDS, Generation, tighter
+from gateway.policy.load import parse_policy_text
+from gateway.policy.generation import (
+    OUTPUT_FIELDS,
+    TEXT_MEMBERS,
+    Generation,
+    is_native,
+    output_fields,
+    tighter,
+)
 from gateway.testing import Sent, json_reply
 from tests.backends import Model, started
 from tests.helpers import chat, policy, problems_of, until
@@ -223,6 +232,22 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         ),
         ("/generate", {"prompt": "p"}, lambda b: b["max_tokens"]),
         ("/infill", {"input_prefix": "def f(", "input_suffix": ")"}, lambda b: b["max_tokens"]),
+        (  # Triton's generate extension: TensorRT-LLM's input tensor at the top
+            "/v2/models/llama/generate",
+            {"text_input": "p", "max_tokens": 5000, "bad_words": "", "stop_words": ""},
+            lambda b: b["max_tokens"],
+        ),
+        (  # its vLLM backend: the request's parameters
+            "/v2/models/llama/versions/2/generate_stream",
+            {"text_input": "p", "parameters": {"stream": True, "temperature": 0}},
+            lambda b: b["parameters"]["max_tokens"],
+        ),
+        ("/v2/models/llama/generate", {"text_input": "p"}, lambda b: b["parameters"]["max_tokens"]),
+        (  # or the JSON text of its sampling parameters, read in their place
+            "/v2/models/llama/generate",
+            {"text_input": "p", "sampling_parameters": '{"max_tokens": 5000, "temperature": 0}'},
+            lambda b: json.loads(b["sampling_parameters"])["max_tokens"],
+        ),
     ],
     ids=[
         "ollama-chat",
@@ -235,6 +260,10 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         "vllm",
         "vllm-by-prompt",
         "llama.cpp-infill",
+        "triton-tensorrt-llm",
+        "triton-vllm",
+        "triton-default",
+        "triton-vllm-text",
     ],
 )
 async def test_the_servers_own_apis_are_bounded_alike(pipeline, path, body, read):
@@ -245,6 +274,52 @@ async def test_the_servers_own_apis_are_bounded_alike(pipeline, path, body, read
     assert len(set(backend.bodies[0]) - set(body)) <= 1  # no other server's field written
     if "options" in body:  # the object's other members kept
         assert backend.bodies[0]["options"].get("temperature") == body["options"].get("temperature")
+
+
+async def test_tritons_sampling_parameters_text_is_bounded_and_sent_as_text(pipeline):
+    """vLLM's backend for Triton reads ``sampling_parameters`` (a JSON text) in place of
+    ``parameters``: bounding only the object would bound nothing."""
+    gw, backend = await gateway(pipeline, {"max_tokens": 100})
+    text = json.dumps({"max_tokens": 5000, "temperature": 0.5, "n": 1})
+    body = {"text_input": "p", "parameters": {"max_tokens": 10}, "sampling_parameters": text}
+    answer = await gw.post("/v2/models/llama/generate", body)
+    assert answer.status_code == 200
+    sent = backend.bodies[0]
+    assert sent["parameters"] == {"max_tokens": 10}
+    assert isinstance(sent["sampling_parameters"], str)
+    assert json.loads(sent["sampling_parameters"]) == {
+        "max_tokens": 100,
+        "temperature": 0.5,
+        "n": 1,
+    }
+    within = {"text_input": "p", "sampling_parameters": '{"max_tokens": 7}'}
+    await gw.post("/v2/models/llama/generate", within)
+    assert backend.bodies[1] == within  # as sent
+    for broken, told in (
+        ("{not json", "'sampling_parameters' is not the JSON text of an object"),
+        ("[1]", "'sampling_parameters' is not the JSON text of an object"),
+        ('{"max_tokens": 1, "MAX_TOKENS": 9}', "twice"),
+    ):
+        bad = {"text_input": "p", "sampling_parameters": broken}
+        assert told in refused(await gw.post("/v2/models/llama/generate", bad))["message"]
+    assert len(backend.bodies) == 2
+
+
+@pytest.mark.parametrize(
+    "path", ["/v2/models/llama/generate", "/v2/models/*/generate_stream", "/v2/*"]
+)
+def test_a_route_to_tritons_generate_may_bound_it(path):
+    route = {"match": {"path": path}, "backend": "main", "generation": {"max_tokens": 10}}
+    text = json.dumps({"backends": {"main": {"url": URL}}, "routes": [route]})
+    assert parse_policy_text(text, "p.yaml").routes[0].generation is not None
+
+
+async def test_tritons_other_paths_are_not_generations(pipeline):
+    gw, backend = await gateway(pipeline, {"max_tokens": 100})
+    body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}
+    await gw.post("/v2/models/llama/infer", body)
+    await gw.post("/v2/models/llama/generate/extra", {"max_tokens": 5000})
+    assert backend.bodies == [body, {"max_tokens": 5000}]
 
 
 async def test_a_servers_own_api_asking_for_no_bound_is_refused_with_over_refuse(pipeline):
@@ -385,6 +460,7 @@ async def second_while_first_held(pipeline: Any, n: int) -> int:
         ),
         ({"over": "refuse"}, "/v1/*", "generation: bounds nothing"),
         ({"max_tokens": 10}, "/v1/embeddings", "generation: only applies to a route a generation"),
+        ({"max_tokens": 10}, "/v2/models/*/infer", "generation: only applies to a route a gen"),
     ],
 )
 def test_the_policy_refuses_bounds_that_cannot_hold(generation, path, problem):
@@ -457,12 +533,13 @@ VALUES = st.one_of(
     st.text(max_size=8),
     st.lists(st.integers(), max_size=2),
     st.dictionaries(st.sampled_from(["num_predict", "max_new_tokens", "x"]), st.integers()),
+    st.dictionaries(st.sampled_from(["max_tokens", "x"]), st.integers()).map(json.dumps),
 )
 
 
 @settings(max_examples=400, deadline=None, database=None)
 @given(
-    path=st.sampled_from(sorted(OUTPUT_FIELDS)),
+    path=st.sampled_from([*sorted(OUTPUT_FIELDS), "/v2/models/m/generate"]),
     values=st.dictionaries(
         st.sampled_from(
             [
@@ -474,6 +551,7 @@ VALUES = st.one_of(
                 "best_of",
                 "options",
                 "parameters",
+                "sampling_parameters",
             ]
         ),
         VALUES,
@@ -486,13 +564,17 @@ def test_whatever_a_body_holds_it_is_refused_or_sent_within_the_bound(path, valu
     most: no value, type or nesting gets a call past ``max_tokens``."""
     bounds = Generation(max_tokens=most, max_choices=2, over=over)
     try:
+        values, texts = (
+            texts_read(values, TEXT_MEMBERS, 10_000) if is_native(path) else (values, ())
+        )
         changes, _ = bounded(values, path, bounds)
     except RequestError as exc:
         assert exc.status == 400
         return
     sent = with_bounds(values, changes)
+    assert json.loads(json.dumps(texts_written(sent, texts))) is not None
     found = []
-    for name in OUTPUT_FIELDS[path]:
+    for name in output_fields(path) or ():
         outer, _, inner = name.rpartition(".")
         holder = sent.get(outer) if outer else sent
         found.append(holder.get(inner) if isinstance(holder, dict) else None)

@@ -66,6 +66,14 @@ SGLANG_STREAM = b"".join(
         b"data: [DONE]\n\n",
     ]
 )
+TRITON_STREAM = b"".join(  # Triton's vLLM backend, asked return_num_*_tokens: each its own
+    [
+        b'data: {"model_name":"m","model_version":"1","text_output":"a","num_input_tokens":[7],'
+        b'"num_output_tokens":[2]}\n\n',
+        b'data: {"model_name":"m","model_version":"1","text_output":"bc","num_input_tokens":7,'
+        b'"num_output_tokens":3}\n\n',
+    ]
+)
 
 
 @pytest.mark.parametrize(
@@ -83,6 +91,12 @@ SGLANG_STREAM = b"".join(
         ({"generated_text": "x", "details": {"generated_tokens": 20}}, (11, 20)),  # TGI: no prompt
         ({"text": "x", "meta_info": {"prompt_tokens": 7, "completion_tokens": 16}}, (7, 16)),
         ({"generated_text": "x"}, None),  # TGI, its details not asked
+        (  # Triton's generate, its vLLM backend asked for its counts (tensors of one)
+            {"text_output": "x", "num_input_tokens": [7], "num_output_tokens": [16]},
+            (7, 16),
+        ),
+        ({"text_output": "x", "num_input_tokens": 7, "num_output_tokens": 16}, (7, 16)),
+        ({"model_name": "m", "model_version": "1", "text_output": "x"}, None),  # TensorRT-LLM
     ],
 )
 def test_each_servers_whole_answer_is_read_in_its_own_words(answer, counts):
@@ -103,6 +117,7 @@ def test_a_count_the_model_writes_into_its_answer_is_text_not_a_count():
         (OLLAMA_STREAM, (26, 2), 3),
         (TGI_STREAM, (0, 2), 2),  # no prompt count
         (SGLANG_STREAM, (7, 2), 2),  # [DONE] is no event
+        (TRITON_STREAM, (7, 5), 2),  # each event's tokens added up
     ],
 )
 @settings(max_examples=60, deadline=None, database=None)
@@ -191,6 +206,23 @@ async def test_an_answer_naming_no_count_is_charged_a_token_per_four_bytes(pipel
     assert left(gw) == LIMIT - prompt - len(answer.body) // 4
 
 
+async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):
+    """Its vLLM backend's counts when a call asks for them; otherwise (TensorRT-LLM names
+    none) a token per four bytes of the answer, as TGI's without ``details``."""
+    gw = await pipeline(limited(), lambda _: stream_reply([TRITON_STREAM]), clock=FakeClock())
+    body = {"text_input": "Why?", "return_num_output_tokens": True, "parameters": {"stream": True}}
+    answer = await gw.post("/v2/models/m/generate_stream", body, headers=ALICE)
+    assert answer.body == TRITON_STREAM
+    await until(lambda: left(gw) == LIMIT - 12)
+    assert gw.metric("gateway_tokens_total", backend="main", kind="completion") == 5
+    text = {"model_name": "m", "model_version": "1", "text_output": "y" * 4000}
+    gw = await pipeline(limited(), lambda _: json_reply(text), clock=FakeClock())
+    answer = await gw.post("/v2/models/m/generate", {"text_input": "Why?"}, headers=ALICE)
+    assert answer.status_code == 200
+    prompt = len(json.dumps({"text_input": "Why?"})) // 4
+    assert left(gw) == LIMIT - prompt - len(answer.body) // 4
+
+
 @pytest.mark.parametrize(
     ("path", "asked"),
     [
@@ -199,6 +231,9 @@ async def test_an_answer_naming_no_count_is_charged_a_token_per_four_bytes(pipel
         ("/api/generate", {"prompt": "a", "options": {"num_predict": 90}}),
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 90}}),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 90}}),
+        ("/v2/models/m/generate", {"text_input": "a", "max_tokens": 90}),  # TensorRT-LLM
+        ("/v2/models/m/generate_stream", {"text_input": "a", "parameters": {"max_tokens": 90}}),
+        ("/v2/models/m/generate", {"text_input": "a", "sampling_parameters": '{"max_tokens":90}'}),
         ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 30}),
     ],
 )

@@ -225,7 +225,7 @@ class TrafficFamilies:
             "Tokens reported by upstream `usage`, by kind (prompt, completion; the Responses "
             "API's and Anthropic's input and output, every cached prompt token included; the "
             "servers' own APIs' counts, llama.cpp's `tokens_predicted`, Ollama's `eval_count`, "
-            "TGI's `generated_tokens`, SGLang's `meta_info`): "
+            "TGI's `generated_tokens`, SGLang's `meta_info`, Triton's `num_output_tokens`): "
             "the answers the backend computed for a client, not cache hits nor answers "
             "shared by single flight.",
             ["backend", "kind"],

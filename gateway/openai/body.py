@@ -31,7 +31,7 @@ import gc
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gateway.errors import BadRequest, BodyTooLarge, UnsupportedEncoding
@@ -351,6 +351,33 @@ async def native_object(
         raise BadRequest("request body must be a JSON object")
     one_spelling(data)
     return data
+
+
+def texts_read(
+    data: dict[str, Any], names: Iterable[str], max_values: int
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``data`` with each member of ``names`` that holds a JSON text (vLLM's backend for
+    Triton reads ``sampling_parameters`` so) read into the object it holds, and the members
+    read; a text that is not one JSON object is a 400."""
+    read = tuple(name for name in names if isinstance(data.get(name), str))
+    if not read:
+        return data, read
+    data = dict(data)
+    for name in read:
+        try:
+            value = loads(data[name].encode(), max_values)
+        except BadRequest as exc:
+            raise BadRequest(f"'{name}' is not the JSON text of an object: {exc}") from exc
+        if not isinstance(value, dict):
+            raise BadRequest(f"'{name}' is not the JSON text of an object")
+        one_spelling(value)
+        data[name] = value
+    return data, read
+
+
+def texts_written(data: dict[str, Any], read: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` with the members ``texts_read`` read written back as JSON text."""
+    return {**data, **{name: dumps(data[name]).decode() for name in read}} if read else data
 
 
 def parse(path: str, body: bytes, max_values: int = DEFAULT_MAX_VALUES) -> dict[str, Any]:

@@ -17,7 +17,10 @@ The servers' own APIs are bounded alike (``NATIVE_PATHS``): llama.cpp's ``/compl
 (``n_predict``), Ollama's ``/api/generate`` and ``/api/chat`` (``options.num_predict``),
 TGI's ``/generate`` and ``/generate_stream`` (``parameters.max_new_tokens``), SGLang's
 ``/generate`` (``sampling_params.max_new_tokens``), vLLM's demonstration server's
-``/generate`` (``max_tokens``), llama.cpp's ``/infill``.  The gateway
+``/generate`` (``max_tokens``), llama.cpp's ``/infill``, and Triton's generate extension,
+``/v2/models/<m>/generate`` (TensorRT-LLM's ``max_tokens``, vLLM's backend's
+``parameters.max_tokens``, or its ``sampling_parameters``: a JSON text, read and written back
+as one).  The gateway
 reads their bodies only on a route with bounds (strict JSON, as for OpenAI's; a body it
 cannot read is a 400, a compressed one a 415), and there a bound below 1, which those
 servers take for none (``-1``: until the end; ``-2``: until the context is full), asks for
@@ -36,15 +39,16 @@ from typing import Any
 
 from gateway.errors import FieldRefused, RequestError
 from gateway.metrics import Metrics
-from gateway.openai.body import dumps_yielding, native_object
+from gateway.openai.body import dumps_yielding, native_object, texts_read, texts_written
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.generation import (
     BY_PROMPT,
     CHOICE_FIELDS,
-    NATIVE_PATHS,
-    OUTPUT_FIELDS,
     PROMPT_LISTS,
+    TEXT_MEMBERS,
     Generation,
+    is_native,
+    output_fields,
     prompts_in,
     tighter,
 )
@@ -84,13 +88,16 @@ class GenerationBounds:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         bounds = self._bounds(call)
-        if bounds is None or call.method != "POST" or call.path not in OUTPUT_FIELDS:
+        if bounds is None or call.method != "POST" or output_fields(call.path) is None:
             return await call_next(call)
-        native = call.path in NATIVE_PATHS
+        native = is_native(call.path)
+        texts: tuple[str, ...] = ()  # the members read from JSON text, written back as text
         try:
             data = await _native_body(call) if native else call.json
             if data is None:
                 return await call_next(call)
+            if native:
+                data, texts = texts_read(data, TEXT_MEMBERS, call.policy.server.max_json_values)
             changes, action = bounded(data, call.path, bounds)
         except RequestError:
             self._counted(call.route.name, "refused")
@@ -103,7 +110,7 @@ class GenerationBounds:
         bound = next(iter(changes.values()))
         if call.record is not None:
             call.record.generation = (action, bound)
-        data = with_bounds(data, changes)
+        data = texts_written(with_bounds(data, changes), texts)
         body = await dumps_yielding(data, len(call.body))
         if native:  # its body read here only: the call goes on as a server's own API's
             sent = dataclasses.replace(call, body=body)
@@ -141,10 +148,10 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
     if not bounds.bounds_tokens:
         return {}, ""
     most = bounds.max_tokens
-    fields = OUTPUT_FIELDS[path]
+    fields = output_fields(path) or ()
     changes: dict[str, int] = {}
     named = False
-    native = path in NATIVE_PATHS
+    native = is_native(path)
     for name in fields:
         asked = _integer(data, name, native)
         if asked is None:

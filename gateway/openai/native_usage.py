@@ -11,7 +11,10 @@ Each server names its counts its own way, in a whole answer and in a stream's la
 - TGI's ``/generate`` and ``/generate_stream``: ``details.generated_tokens``, and no prompt
   count (a whole answer has ``details`` only when asked, ``parameters.details``);
 - SGLang's ``/generate``: ``meta_info.prompt_tokens`` and ``meta_info.completion_tokens``
-  (each streamed event carries them so far).
+  (each streamed event carries them so far);
+- Triton's ``/v2/models/<m>/generate`` and ``generate_stream``: its vLLM backend's
+  ``num_input_tokens`` and ``num_output_tokens`` when a call asks for them (a streamed
+  event's count is its own tokens'); TensorRT-LLM's name none.
 
 They are read as ``usage.from_body`` reads OpenAI's: without a parse, keys at JSON level only
 (inside a string, a quote is escaped, so a model cannot write a count into its answer).  A
@@ -25,41 +28,52 @@ from __future__ import annotations
 import re
 
 from gateway.errors import RequestError
-from gateway.openai.body import native_object
+from gateway.openai.body import native_object, texts_read
 from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
 from gateway.pipeline import Call
-from gateway.policy.generation import NATIVE_PATHS, OUTPUT_FIELDS, prompts_in
+from gateway.policy.generation import TEXT_MEMBERS, is_native, output_fields, prompts_in
 
 
-def _count(name: str) -> re.Pattern[bytes]:
-    """A count under the key ``name`` at JSON level (inside a string its quote is escaped)."""
-    return re.compile(rb'(?<!\\)"' + name.encode() + rb'"\s*:\s*(\d+)')
+def _count(name: str, tensor: bool = False) -> re.Pattern[bytes]:
+    """A count under the key ``name`` at JSON level (inside a string its quote is escaped);
+    a ``tensor``'s may be a list of one (Triton's output tensors)."""
+    opening = rb"\[?\s*" if tensor else b""
+    return re.compile(rb'(?<!\\)"' + name.encode() + rb'"\s*:\s*' + opening + rb"(\d+)")
 
 
-_FAMILIES = (  # (the completion key, its count, the prompt's count): each server's words
-    (b'"tokens_predicted"', _count("tokens_predicted"), _count("tokens_evaluated")),
-    (b'"eval_count"', _count("eval_count"), _count("prompt_eval_count")),
-    (b'"generated_tokens"', _count("generated_tokens"), None),  # TGI counts no prompt
-    (b'"completion_tokens"', _count("completion_tokens"), _count("prompt_tokens")),
+_FAMILIES = (  # (the completion key, its count, the prompt's count, whether events add up)
+    (b'"tokens_predicted"', _count("tokens_predicted"), _count("tokens_evaluated"), False),
+    (b'"eval_count"', _count("eval_count"), _count("prompt_eval_count"), False),
+    (b'"generated_tokens"', _count("generated_tokens"), None, False),  # TGI counts no prompt
+    (b'"completion_tokens"', _count("completion_tokens"), _count("prompt_tokens"), False),
+    (  # Triton's vLLM backend, when asked (return_num_output_tokens): each event its own
+        b'"num_output_tokens"',
+        _count("num_output_tokens", tensor=True),
+        _count("num_input_tokens", tensor=True),
+        True,
+    ),
 )
 """One server's counts are read, the first whose words an answer holds: never two
-servers' words added up."""
+servers' words added up.  A stream's events name the counts so far, or (``True``) each
+the tokens it carries."""
 _DONE = b"[DONE]"
 
 
-def _counts(data: bytes) -> tuple[list[int], list[int]] | None:
-    """Every (completion, prompt) count of the first server's words ``data`` holds."""
-    for mark, completion, prompt in _FAMILIES:
+def _counts(data: bytes) -> tuple[list[int], list[int], bool] | None:
+    """Every (completion, prompt) count of the first server's words ``data`` holds, and
+    whether a stream's events add up."""
+    for mark, completion, prompt, adding in _FAMILIES:
         if mark in data:
             completions = [int(n) for n in completion.findall(data)]
             if completions:
-                return completions, [int(n) for n in prompt.findall(data)] if prompt else []
+                prompts = [int(n) for n in prompt.findall(data)] if prompt else []
+                return completions, prompts, adding
     return None
 
 
 def native(method: str, path: str) -> bool:
     """Whether a call is to a server's own generation API."""
-    return method == "POST" and path in NATIVE_PATHS
+    return method == "POST" and is_native(path)
 
 
 def from_native_body(body: bytes, prompt: int = 0) -> tuple[int, int] | None:
@@ -69,7 +83,7 @@ def from_native_body(body: bytes, prompt: int = 0) -> tuple[int, int] | None:
     found = _counts(body)
     if found is None:
         return None
-    completions, prompts = found
+    completions, prompts, _ = found
     return (sum(prompts) if prompts else prompt), sum(completions)
 
 
@@ -110,10 +124,11 @@ class NativeStreamUsage(StreamUsage):
         """The counts ``line`` names, if any."""
         found = _counts(line)
         if found is not None:
-            completions, prompts = found
+            completions, prompts, adding = found
             prompt = prompts[-1] if prompts else None
-            before = self.counts[0] if self.counts is not None else 0
-            self.counts = (before if prompt is None else prompt, completions[-1])
+            before = self.counts if self.counts is not None else (0, 0)
+            completion = before[1] + sum(completions) if adding else completions[-1]
+            self.counts = (before[0] if prompt is None else prompt, completion)
             self.prompt_named = self.prompt_named or prompt is not None
 
     def _count(self, line: bytes) -> None:
@@ -130,16 +145,13 @@ async def native_bound(call: Call) -> int:
     """The most tokens a call to a server's own API may generate, as its body bounds it
     (none, or a body the gateway cannot read: 0): its bound (``OUTPUT_FIELDS``) times the
     prompts it sends (llama.cpp answers a list of texts or token lists one by one)."""
+    limit = call.policy.server.max_json_values
     try:
-        data = await native_object(
-            call.body,
-            call.header("Content-Encoding"),
-            call.policy.server.max_json_values,
-            "a limit",
-        )
+        data = await native_object(call.body, call.header("Content-Encoding"), limit, "a limit")
+        data, _ = texts_read(data, TEXT_MEMBERS, limit)
     except RequestError:  # the backend's to refuse, as it was sent
         return 0
-    for name in OUTPUT_FIELDS[call.path]:
+    for name in output_fields(call.path) or ():
         outer, _, inner = name.rpartition(".")
         holder = data.get(outer) if outer else data
         value = holder.get(inner) if isinstance(holder, dict) else None

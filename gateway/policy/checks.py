@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import math
 
-from gateway.policy.generation import OUTPUT_FIELDS, check_generation
+from gateway.policy.generation import check_generation, takes_generations
 from gateway.policy.hedge import check_hedge
 from gateway.policy.match import glob_regex
 from gateway.policy.mirror import check_mirror
@@ -413,6 +413,5 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
     if route.rate_limit is not None:
         found.extend(check_rate_limit(route.rate_limit))
     if route.generation is not None:
-        takes = glob_regex(route.match.path).match
-        found.extend(check_generation(route.generation, any(map(takes, OUTPUT_FIELDS))))
+        found.extend(check_generation(route.generation, takes_generations(route.match.path)))
     return found

@@ -10,9 +10,11 @@ may otherwise generate up to the model's context), and the most choices (``n``,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.policy.match import glob_regex
 from gateway.policy.metadata import doc
 
 Found = list[tuple[str, str]]
@@ -50,6 +52,33 @@ NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startsw
 """The servers' own APIs, whose bodies the gateway reads only for a route's bounds, and
 where a bound below 1 asks for none (llama.cpp's and Ollama's -1: until the end; -2: until
 the context is full)."""
+TRITON_GENERATE = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/generate(?:_stream)?")
+"""Triton's generate extension, whose JSON names a model's inputs at the top (TensorRT-LLM's
+``max_tokens``) and the request's parameters under ``parameters`` (vLLM's backend reads
+``max_tokens`` there, or in ``sampling_parameters``, the JSON text of its parameters, which
+it reads in their place)."""
+TRITON_FIELDS = ("parameters.max_tokens", "sampling_parameters.max_tokens", "max_tokens")
+TEXT_MEMBERS = frozenset({"sampling_parameters"})
+"""Members a server reads as the JSON text of an object: the gateway reads, bounds and
+writes them as text."""
+
+
+def output_fields(path: str) -> tuple[str, ...] | None:
+    """The fields bounding a call's output on ``path`` (``OUTPUT_FIELDS``, Triton's
+    ``TRITON_FIELDS``); None on a path that generates nothing."""
+    fields = OUTPUT_FIELDS.get(path)
+    if fields is None and path.startswith("/v2/") and TRITON_GENERATE.fullmatch(path):
+        return TRITON_FIELDS
+    return fields
+
+
+def is_native(path: str) -> bool:
+    """Whether ``path`` is a generation endpoint of a server's own API."""
+    if path in NATIVE_PATHS:
+        return True
+    return path.startswith("/v2/") and TRITON_GENERATE.fullmatch(path) is not None
+
+
 CHOICE_FIELDS = {
     "/v1/chat/completions": ("n",),
     "/v1/completions": ("n", "best_of"),
@@ -80,8 +109,10 @@ class Generation:
             "`max_output_tokens`, Anthropic's `max_tokens`; the servers' own APIs: "
             "llama.cpp's `/completion` and `/infill` `n_predict`, Ollama's "
             "`options.num_predict`, TGI's `parameters.max_new_tokens`, SGLang's "
-            "`sampling_params.max_new_tokens`, vLLM's `/generate` `max_tokens`). A call asking "
-            "more is clamped to it or refused "
+            "`sampling_params.max_new_tokens`, vLLM's `/generate` `max_tokens`, Triton's "
+            "`/v2/models/<m>/generate` `max_tokens`, `parameters.max_tokens` or "
+            "`sampling_parameters`' `max_tokens`). A call asking more is clamped to it or "
+            "refused "
             "(`over`); a call naming none is given `default_max_tokens`, or this. None: any."
         ),
     )
@@ -135,6 +166,16 @@ def tighter(one: Generation | None, other: Generation | None) -> Generation | No
     )
 
 
+def takes_generations(path_glob: str) -> bool:
+    """Whether a route matching paths by ``path_glob`` can take a generation: a path of
+    ``OUTPUT_FIELDS``, or Triton's generate (``/v2/*`` or one model's)."""
+    matches = glob_regex(path_glob).match
+    return (
+        any(map(matches, (*OUTPUT_FIELDS, "/v2/models/m/generate")))
+        or TRITON_GENERATE.fullmatch(path_glob) is not None
+    )
+
+
 def check_generation(generation: Generation, takes_generations: bool) -> Found:
     """A route's ``generation``: positive bounds, a default within the most, on a route a
     generation can take (``takes_generations``)."""
@@ -154,7 +195,7 @@ def check_generation(generation: Generation, takes_generations: bool) -> Found:
             (
                 "generation",
                 "only applies to a route a generation can take: its path must match "
-                + ", ".join(sorted(OUTPUT_FIELDS)),
+                + ", ".join((*sorted(OUTPUT_FIELDS), "/v2/models/<m>/generate")),
             )
         )
     return found
