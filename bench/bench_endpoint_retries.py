@@ -28,6 +28,7 @@ from bench.common import machine, update_section
 from bench.plumbing import (
     CHAT,
     Answering,
+    Load,
     closed_loop,
     figures_of,
     gateway,
@@ -39,28 +40,41 @@ from bench.plumbing import (
 )
 
 SERVICE_MS = 4.0
+BEFORE = (
+    "2.3 calls in 1,000 failed (1,160 answers a second, p99 8.9 ms), as with `endpoint_retries: 0`"
+)
+"""The gateway's ``/completion`` row on the code of 86e5148, this bench's command, the same day."""
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
 def policy(urls: list[str], retries: int) -> dict[str, Any]:
     return {
         "backends": {"fleet": {"endpoints": urls, "endpoint_retries": retries}},
-        "routes": [{"match": {"path": "/v1/*"}, "backend": "fleet", "coalesce": False}],
+        "routes": [{"match": {"path": "*"}, "backend": "fleet", "coalesce": False}],
     }
 
 
-async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
-    latencies, elapsed, failed = await closed_loop(
-        urls, "/v1/chat/completions", lambda: CHAT, duration_s, connections
-    )
-    figures = figures_of(latencies, elapsed)
-    figures["failed"] = 1000 * failed / max(1, failed + len(latencies))
-    return figures
+def loading(path: str, body: dict[str, Any]) -> Load:
+    """Closed-loop calls to ``path``, with the calls that failed per 1,000."""
+
+    async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
+        latencies, elapsed, failed = await closed_loop(
+            urls, path, lambda: body, duration_s, connections
+        )
+        figures = figures_of(latencies, elapsed)
+        figures["failed"] = 1000 * failed / max(1, failed + len(latencies))
+        return figures
+
+    return load
+
+
+CHAT_LOAD = loading("/v1/chat/completions", CHAT)
+NATIVE_LOAD = loading("/completion", {"prompt": "Hello", "n_predict": 8})
 
 
 async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
-    loading = Answering(0, LOADING, status=503)  # at once, as a server loading its weights
-    replicas = [Answering(SERVICE_MS), loading, Answering(SERVICE_MS)]
+    refusing = Answering(0, LOADING, status=503)  # at once, as a server loading its weights
+    replicas = [Answering(SERVICE_MS), refusing, Answering(SERVICE_MS)]
     async with serving(*(r.app() for r in replicas)) as urls:
         async with (
             gateway(policy(urls, 0)) as without,
@@ -71,11 +85,15 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
                 "gateway, `endpoint_retries: 0`": [without],
                 "gateway, `endpoint_retries: 2` (the default)": [retrying],
             }
+            natives = {
+                "direct, llama.cpp's own `/completion`": urls,
+                "gateway, `endpoint_retries: 2`, llama.cpp's own `/completion`": [retrying],
+            }
             for target in (without, retrying):  # connections made
-                await load([target], 0.5, connections)
-            runs = await rounds_of(
-                paths, load, lambda: sum(r.calls for r in replicas), duration_s, rounds, connections
-            )
+                await CHAT_LOAD([target], 0.5, connections)
+            calls = lambda: sum(r.calls for r in replicas)  # noqa: E731
+            runs = await rounds_of(paths, CHAT_LOAD, calls, duration_s, rounds, connections)
+            runs |= await rounds_of(natives, NATIVE_LOAD, calls, duration_s, rounds, connections)
     return medians(runs, COLUMNS)
 
 
@@ -101,5 +119,7 @@ if __name__ == "__main__":
         f"load, for the whole run. {args.connections} connections send chat completions, "
         "each answered before the next; the gateway runs as a process of its own, "
         "`least_request`. Each figure is the median over the rounds, in which the paths "
-        "take turns.\n\n" + "\n".join(lines),
+        "take turns (the chat paths, then llama.cpp's own). Before the servers' own "
+        "inference calls counted as calls that change nothing (the code of 86e5148), on "
+        f"the gateway's `/completion` row {BEFORE}.\n\n" + "\n".join(lines),
     )

@@ -97,7 +97,8 @@ class Answering:
         self.calls += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        return web.json_response(NATIVE_ANSWER, status=self.status)
+        answer = NATIVE_ANSWER if self.status == 200 else self.answer  # a refusal is one
+        return web.json_response(answer, status=self.status)
 
 
 class Exporter:

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from aiohttp import web
 
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
@@ -249,6 +250,44 @@ async def test_only_calls_that_change_nothing_go_to_another_endpoint(serve_app):
     keyed = [("Idempotency-Key", "upload-1")]  # may be sent again, one after the other
     assert (await send(endpoints, backend, "/v1/files", keyed)).status == 200
     assert ready.calls == ["/v1/files"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/completion",  # llama.cpp's own API: its 503 while loading is what this is for
+        "/infill",
+        "/embedding",
+        "/tokenize",
+        "/api/chat",  # Ollama's
+        "/api/generate",
+        "/api/embed",
+        "/generate_stream",  # TGI's
+        "/v2/models/m/generate",  # Triton's generate extension
+        "/v2/models/m/versions/2/generate_stream",
+        "/v1/models/m:classify",  # TF Serving's
+        "/v1/rerank",  # vLLM's, llama.cpp's
+        "/score",
+        "/pooling",
+    ],
+)
+async def test_a_servers_own_inference_call_goes_to_another_endpoint(serve_app, path):
+    loading, ready = Server("loading", 503, LOADING), Server("ready")
+    backend, endpoints = await fleet(serve_app, loading, ready)
+    assert (await send(endpoints, backend, path)).status == 200
+    assert (loading.calls, ready.calls) == ([path], [path])
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/slots/0", "/lora-adapters", "/props", "/api/pull", "/api/delete", "/v1/load_lora_adapter"],
+)
+async def test_a_call_that_changes_a_server_stays_on_its_endpoint(serve_app, path):
+    """llama.cpp's slot saves and adapter scales, Ollama's pulls, vLLM's adapter loads."""
+    loading, ready = Server("loading", 503, LOADING), Server("ready")
+    backend, endpoints = await fleet(serve_app, loading, ready)
+    assert (await send(endpoints, backend, path)).status == 503
+    assert ready.calls == []
 
 
 async def test_a_reset_is_retried_for_an_inference_call_and_not_for_another(raw_backend, serve_app):

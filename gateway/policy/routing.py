@@ -26,12 +26,20 @@ OPENAI_JSON_PATHS = frozenset(
 their ``model``."""
 OPENAI_PATHS = OPENAI_JSON_PATHS | {"/v1/models"}
 INFERENCE_PATH = re.compile(
-    r"/v1/(chat/completions|completions|embeddings|messages(/count_tokens)?)"  # OpenAI, Anthropic
-    r"|/v2/models/[^/]+(/versions/[^/]+)?/infer"  # KServe / Triton V2
-    r"|/v1/models/[^/]+(/versions/[^/]+)?:predict"  # TF Serving
-    r"|/(embed|embed_all|embed_sparse|rerank|predict|generate)"  # TEI, TGI
+    r"/v1/(chat/completions|completions|embeddings|messages(/count_tokens)?|moderations)"
+    r"|/v2/models/[^/]+(/versions/[^/]+)?/(infer|generate|generate_stream)"  # KServe, Triton
+    r"|/v1/models/[^/]+(/versions/[^/]+)?:(predict|classify|regress)"  # TF Serving
+    r"|/(embed|embed_all|embed_sparse|rerank|predict|similarity|decode)"  # TEI
+    r"|/(generate|generate_stream|chat_tokenize|encode|classify)"  # TGI, SGLang
+    r"|/(completion|completions|infill|embedding|embeddings|apply-template)"  # llama.cpp
+    r"|/(v1/|v2/)?(rerank|reranking|score)|/pooling"  # llama.cpp, vLLM
+    r"|/(tokenize|detokenize)"  # llama.cpp, vLLM, TGI, TEI
+    r"|/api/(generate|chat|embed|embeddings|show)"  # Ollama
 )
-"""POSTs that run a model and change nothing: safe to send twice."""
+"""POSTs that run a model (or its tokenizer) and change nothing on the server: safe to send
+twice.  Not among them: what stores (OpenAI's files, batches and responses), or changes a
+server (llama.cpp's ``/slots`` and ``/lora-adapters``, Ollama's ``/api/pull``, vLLM's
+``/v1/load_lora_adapter``)."""
 
 _Matcher = Callable[[str], object]
 
