@@ -19,7 +19,6 @@ from gateway.errors import RequestError
 from gateway.openai.body import texts_read, texts_written
 from gateway.openai.generation import BOUND_HEADER, bounded, with_bounds
 from gateway.pipeline import Reply
-from gateway.policy.load import parse_policy_text
 from gateway.policy.generation import (
     OUTPUT_FIELDS,
     TEXT_MEMBERS,
@@ -28,6 +27,7 @@ from gateway.policy.generation import (
     output_fields,
     tighter,
 )
+from gateway.policy.load import parse_policy_text
 from gateway.testing import Sent, json_reply
 from tests.backends import Model, started
 from tests.helpers import chat, policy, problems_of, until
