@@ -167,3 +167,39 @@ async def test_one_callers_bad_row_never_opens_the_breaker_for_everyone(
     failures = gw.gateway.metrics.backend_failures
     assert failures.labels("mls", "batch_input")._value.get() >= 4
     assert failures.labels("mls", "status_5xx")._value.get() == 0
+
+
+async def test_a_real_kserve_servers_answers_are_cached_under_its_model_version(
+    mlserver, start_gateway, tmp_path
+):
+    """MLServer's answers through a route that caches and batches: an identical inference is
+    answered from the cache, byte for byte, another row or another id is not, and a new
+    ``model_version`` (a reload) misses at once."""
+    text = """
+        backends: {{mls: {{url: "{url}", model_version: "{version}"}}}}
+        routes:
+          - name: infer
+            match: {{path: "/v2/models/*"}}
+            backend: mls
+            cache: {{ttl_s: 60}}
+            batch: {{max_size: 16, max_wait_ms: 5}}
+        """
+    policy = write_policy(tmp_path, text.format(url=mlserver, version="rowsum@1"))
+    gw = await start_gateway(policy=policy)
+    url = gw.url + "/v2/models/rowsum/infer"
+    async with httpx.AsyncClient(timeout=30) as client:
+        first = await client.post(url, json=infer([1, 2, 3], "a"))
+        again = await client.post(url, json=infer([1, 2, 3], "a"))
+        other_id = await client.post(url, json=infer([1, 2, 3], "b"))
+        assert [r.headers["X-Gateway-Cache"] for r in (first, again, other_id)] == [
+            "miss",
+            "hit",
+            "miss",
+        ]
+        assert again.content == first.content
+        assert first.json()["outputs"][0]["data"] == [6] and other_id.json()["id"] == "b"
+        write_policy(tmp_path, text.format(url=mlserver, version="rowsum@2"))
+        gw.gateway.reload(force=True)
+        after = await client.post(url, json=infer([1, 2, 3], "a"))
+        assert after.headers["X-Gateway-Cache"] == "miss"
+        assert after.json()["outputs"][0]["data"] == [6]

@@ -17,13 +17,15 @@ tier being right.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from gateway.cache import embedding
 from gateway.cache.embedding import EmbeddingContext
+from gateway.cache.embedding.judge import VERDICTS
 from gateway.cache.keys import RequestKey
 from gateway.cache.tiers import Hit
+from gateway.metrics import EmbeddingFigures
 from gateway.policy.model import Policy, Semantic
 from gateway.state import Kind
 
@@ -35,6 +37,7 @@ __all__ = [
     "OperatingPoints",
     "TierFactory",
     "build_tier",
+    "figures_of",
 ]
 
 log = logging.getLogger("gateway.cache")
@@ -106,3 +109,20 @@ class OperatingPoints:
 
 
 OPERATING_POINTS: Kind[OperatingPoints] = Kind("cache-operating-points")
+
+
+def figures_of(tiers: Iterable[tuple[str, EmbeddingLookup | None]]) -> list[EmbeddingFigures]:
+    """The figures of each route's shipped embedding tier (``(route, tier)``), for the
+    metrics; a test's or a user's own tier has none."""
+    return [
+        EmbeddingFigures(
+            name,
+            len(tier),
+            tier.shared.counts if tier.shared is not None else None,
+            {v: tier.judge.counts[v] for v in VERDICTS} if tier.judge is not None else None,
+            len(tier.judge) if tier.judge is not None else 0,
+            dict(tier.rejections),
+        )
+        for name, tier in tiers
+        if tier is not None and isinstance(tier, embedding.EmbeddingTier)
+    ]

@@ -60,6 +60,7 @@ class RouteRules:
         self.name = route.name
         self.ttl_s = rule.ttl_s
         self.allow_sampled = rule.allow_sampled
+        self.own_apis = rule.own_apis
         self.ignore_backend = rule.ignore_backend_cache_control
         self.near = rule.semantic.method != "off"
         self.cache = cache

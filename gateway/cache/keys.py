@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,16 @@ ECHOED_FIELDS = frozenset({"user", "metadata", "safety_identifier", "service_tie
 """Fields the Responses API repeats in its answer: they key it, lest a hit repeat another
 request's."""
 _RESPONSES_IGNORED = IGNORED_FIELDS - ECHOED_FIELDS
+OWN_API_PATH = re.compile(
+    r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer"  # KServe V2, Triton
+    r"|/v1/models/[^/]+(?:/versions/[^/]+)?:(?:predict|classify|regress)"  # TF Serving
+    r"|/(?:embed|embed_all|embed_sparse|predict|similarity)"  # TEI
+    r"|/(?:v1/|v2/)?(?:rerank|reranking|score)|/pooling|/classify"  # TEI, vLLM, llama.cpp
+    r"|/embedding|/api/embed"  # llama.cpp's, Ollama's
+)
+"""The model servers' own calls whose answer their body alone decides (nothing sampled):
+cached whole and shared by single flight where the route's ``cache.own_apis`` holds, keyed
+by every field of their body (none is known not to change the answer)."""
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which
@@ -121,11 +132,14 @@ def cacheability(
     Responses API's when the server stores nothing (``_stateful_response``): a stored
     response is the server's under its id, and a continuation reads stored state.  A chat
     completion the server is asked to store (``store: true``, OpenAI's stored completions)
-    is not reused either: a hit would leave it unstored.  Other
-    endpoints' answers are not cached (``CACHED_PATHS``).
+    is not reused either: a hit would leave it unstored.  The servers' own deterministic
+    calls (``OWN_API_PATH``) are.  Other endpoints' answers are not cached
+    (``CACHED_PATHS``).
     """
     if not isinstance(body, Mapping):
         return Cacheability(False, "body is not a JSON object")
+    if OWN_API_PATH.fullmatch(path):
+        return Cacheability(True)
     if not path.endswith(CACHED_PATHS):
         return Cacheability(False, "answers of this endpoint are not cached")
     if path.endswith("/embeddings"):
@@ -164,7 +178,7 @@ def request_key(
     """The exact key of ``body``, and its context key and prompt when near-dup applies
     (and ``near`` asks for them; ``with_context`` adds them later, for a caller that tries
     the exact tier first and pays for the rest only on a miss)."""
-    ignored = _RESPONSES_IGNORED if path.endswith(RESPONSES_PATH) else IGNORED_FIELDS
+    ignored = _ignored(path)
     canon = _canon({k: v for k, v in body.items() if k not in ignored})
     prefix = _prefix(scope, route, backend, model_version, path, query, vary) + _shape(body, path)
     prompt = _near_prompt(body, path)
@@ -222,6 +236,13 @@ def _prefix(
     if vary:
         prefix += ("vary:" + vary,)
     return prefix
+
+
+def _ignored(path: str) -> frozenset[str]:
+    """The body fields left out of ``path``'s keys: none of a server's own API's."""
+    if path.endswith(RESPONSES_PATH):
+        return _RESPONSES_IGNORED
+    return IGNORED_FIELDS if path.endswith(CACHED_PATHS) else frozenset()
 
 
 def _shape(body: Mapping[str, Any], path: str) -> tuple[str, ...]:

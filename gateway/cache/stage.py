@@ -20,7 +20,9 @@ it costs the backend nothing.  For each call on a caching route:
   ``replies.Tee`` once it has ended normally (so an entry is visible by the time its
   response has reached the client, and a cut stream is never stored);
 * ``/v1/embeddings`` is cached per input item: only the missing items go upstream, in one
-  call, and the answer is assembled in input order.
+  call, and the answer is assembled in input order;
+* the servers' own deterministic calls (KServe V2 ``infer``, TEI's ``/embed``...) are cached
+  whole where the route's ``cache.own_apis`` holds (``own_apis``).
 
 A store that is down, slow or flushed makes a miss, counted in
 ``gateway_cache_store_errors_total``; it never fails a request.
@@ -32,9 +34,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from gateway.cache import embedding
+from gateway.cache import embedding, own_apis
 from gateway.cache.control import asked_not_to
-from gateway.cache.embedding.judge import VERDICTS
 from gateway.cache.embedding_seam import (
     EMBEDDING,
     OPERATING_POINTS,
@@ -43,6 +44,7 @@ from gateway.cache.embedding_seam import (
     OperatingPoints,
     TierFactory,
     build_tier,
+    figures_of,
 )
 from gateway.cache.entry import CachedResponse, select_headers
 from gateway.cache.item_stage import ItemCache, RouteRules
@@ -148,18 +150,7 @@ class CacheStage:
 
     def embedding_figures(self) -> list[EmbeddingFigures]:
         """The figures of every route's shipped embedding tier, for the metrics."""
-        return [
-            EmbeddingFigures(
-                name,
-                len(tier),
-                tier.shared.counts if tier.shared is not None else None,
-                {v: tier.judge.counts[v] for v in VERDICTS} if tier.judge is not None else None,
-                len(tier.judge) if tier.judge is not None else 0,
-                dict(tier.rejections),
-            )
-            for name, rules in self._routes.items()
-            if (tier := rules.embedding) is not None and isinstance(tier, embedding.EmbeddingTier)
-        ]
+        return figures_of((name, rules.embedding) for name, rules in self._routes.items())
 
     def _rules(
         self, policy: Policy, runtime: Runtime, route: Route, rule: RouteCache
@@ -200,6 +191,10 @@ class CacheStage:
         if rules is None:
             return await call_next(call)
         body = call.json
+        if body is None and rules.own_apis and (keyed := await own_apis.keyed(call)):
+            # a server's own call: its body read for the key, the call sent on as it came
+            call_next = own_apis.sending(call_next, call)
+            call, body = keyed, keyed.json
         if body is None or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok:
             return await self._pass(rules, call, call_next)
         no_cache, no_store = asked_not_to(call.header("cache-control"))

@@ -17,6 +17,10 @@ is cancelled only when every caller has gone; its failure, or a stream cut off, 
 caller.  Joiners are counted in ``gateway_coalesced_requests_total`` and answered with
 ``X-Gateway-Coalesced: 1``.
 
+The servers' own deterministic calls (``cache.own_apis``: KServe V2 ``infer``, TEI's
+``/embed``...) are coalesced by the same key, their body read for it and sent as it came;
+their answers are handed whole, as the backend sent them.
+
 Anthropic's Messages API is coalesced too, at temperature 0, and the Responses API when the
 server stores nothing (``store: false``): a stream joins only streams and a whole answer
 only whole answers (the shape is in the key, with Anthropic's ``anthropic-version`` and
@@ -29,6 +33,7 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from gateway.cache import own_apis
 from gateway.cache.keys import AS_SENT_PATHS, api_headers, cacheability, request_key
 from gateway.coalesce.singleflight import SingleFlight
 from gateway.errors import UpstreamUnavailable
@@ -54,13 +59,19 @@ class CoalesceStage:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         flights = self._flights.get(call.route.name)
-        key = coalesce_key(call) if flights is not None else None
-        if flights is None or key is None:
+        if flights is None:
             return await call_next(call)
+        sent = call
+        cache = call.route.cache
+        if call.json is None and (cache is None or cache.own_apis):
+            call = await own_apis.keyed(call) or call  # a server's own: its body read for a key
+        key = coalesce_key(call)
+        if key is None:
+            return await call_next(sent)
         # Anthropic's and the Responses API's answers are handed as the backend sent them,
         # never assembled: a whole answer and a stream have keys of their own (``keys._shape``).
         as_sent = call.streaming or call.path.endswith(AS_SENT_PATHS)
-        reply = await flights.do(key, lambda: call_next(call), stream=as_sent)
+        reply = await flights.do(key, lambda: call_next(sent), stream=as_sent)
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
 
     def __repr__(self) -> str:

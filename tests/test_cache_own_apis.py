@@ -1,0 +1,203 @@
+"""The model servers' own deterministic calls are cached and shared by single flight
+(``cache.own_apis``, ``gateway/cache/own_apis.py``): KServe V2 / Triton ``infer``, TF
+Serving ``:predict``, TEI's ``/embed`` and ``/rerank``, llama.cpp's ``/embedding``,
+Ollama's ``/api/embed``, vLLM's ``/pooling`` and ``/score``.  Each is keyed by every field of
+its body, within the tenant's scope and the backend's model version, and goes upstream as it
+came, byte for byte.  Before, every one of them passed a caching route uncached
+(``X-Gateway-Cache: bypass``), the case study's recommendation model (KServe V2) among
+them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+from typing import Any
+
+import pytest
+
+from gateway.cache.keys import OWN_API_PATH, request_key
+from gateway.pipeline import Reply
+from gateway.testing import Sent, json_reply
+from tests.helpers import policy, until
+
+URL = "http://main.test"
+INFER = "/v2/models/recommender/infer"
+ALICE = [("Authorization", "Bearer sk-alice")]
+BOB = [("Authorization", "Bearer sk-bob")]
+
+
+def infer(row: list[float], **more: Any) -> dict[str, Any]:
+    return {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": row}], **more}
+
+
+class Model:
+    """A model server answering each call with a new answer (its number), holding calls
+    while ``gate`` is closed; ``bodies`` holds the raw bodies it was sent."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self, sent: Sent) -> Reply:
+        self.bodies.append(sent.body)
+        if self.gate is not None:
+            await self.gate.wait()
+        data = [float(len(self.bodies))]
+        output = {"name": "y", "shape": [1, 1], "datatype": "FP32", "data": data}
+        return json_reply({"model_name": "recommender", "outputs": [output]})
+
+
+async def gateway(pipeline: Any, cache: dict[str, Any] | None = None, **route: Any):
+    model = Model()
+    routes = {"match": {"path": "*"}, "cache": {"ttl_s": 60, **(cache or {})}, **route}
+    gw = await pipeline(policy({"main": {"url": URL}}, routes), model)
+    return gw, model
+
+
+async def test_a_kserve_inference_is_answered_from_the_cache(pipeline):
+    gw, model = await gateway(pipeline)
+    first = await gw.post(INFER, infer([1, 2, 3]), headers=ALICE)
+    again = await gw.post(INFER, infer([1, 2, 3]), headers=ALICE)
+    assert first.headers["X-Gateway-Cache"] == "miss"
+    assert again.headers["X-Gateway-Cache"] == "hit"
+    assert again.json() == first.json() and len(model.bodies) == 1
+    other = await gw.post(INFER, infer([1, 2, 4]), headers=ALICE)
+    assert other.headers["X-Gateway-Cache"] == "miss" and other.json() != first.json()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"id": "req-2"},  # the answer echoes it
+        {"parameters": {"binary_data_output": True}},
+        {"outputs": [{"name": "y"}]},
+    ],
+)
+async def test_every_field_of_a_servers_own_body_keys_it(pipeline, change):
+    gw, model = await gateway(pipeline)
+    await gw.post(INFER, infer([1, 2, 3], id="req-1"), headers=ALICE)
+    answer = await gw.post(INFER, {**infer([1, 2, 3], id="req-1"), **change}, headers=ALICE)
+    assert answer.headers["X-Gateway-Cache"] == "miss" and len(model.bodies) == 2
+
+
+async def test_another_tenant_and_another_model_never_share_an_entry(pipeline):
+    gw, model = await gateway(pipeline)
+    await gw.post(INFER, infer([1, 2, 3]), headers=ALICE)
+    assert (await gw.post(INFER, infer([1, 2, 3]), headers=BOB)).headers["X-Gateway-Cache"] == (
+        "miss"
+    )
+    elsewhere = await gw.post("/v2/models/ranker/infer", infer([1, 2, 3]), headers=ALICE)
+    assert elsewhere.headers["X-Gateway-Cache"] == "miss" and len(model.bodies) == 3
+
+
+def test_the_backends_model_version_is_in_the_key():
+    body = infer([1, 2, 3])
+    keys = {
+        request_key(body, scope="s", route="r", backend="b", model_version=v, path=INFER).exact
+        for v in ("v1", "v2")
+    }
+    assert len(keys) == 2
+
+
+async def test_the_call_goes_upstream_as_it_came(pipeline):
+    gw, model = await gateway(pipeline)
+    raw = b'{ "inputs" : [ {"name":"x","shape":[1,3],"datatype":"FP32","data":[1.0,2,3]} ] }'
+    answer = await gw.request("POST", INFER, body=raw, headers=ALICE)
+    assert answer.status_code == 200 and model.bodies == [raw]
+    compact = json.dumps(json.loads(raw), separators=(",", ":")).encode()
+    again = await gw.request("POST", INFER, body=compact, headers=ALICE)
+    assert again.headers["X-Gateway-Cache"] == "hit"  # the same call, however written
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        (zlib.compress(json.dumps(infer([1, 2, 3])).encode()), [("Content-Encoding", "deflate")]),
+        (b"\x00\x01binary tensor", [("Inference-Header-Content-Length", "2")]),
+        (b"[1, 2, 3]", []),
+        (b'{"inputs": [], "INPUTS": [1]}', []),
+    ],
+    ids=["compressed", "binary-extension", "not-an-object", "two-spellings"],
+)
+async def test_a_body_the_gateway_cannot_read_passes_uncached_as_it_came(pipeline, body, headers):
+    gw, model = await gateway(pipeline)
+    for _ in range(2):
+        answer = await gw.request("POST", INFER, body=body, headers=ALICE + headers)
+        assert answer.status_code == 200
+        assert answer.headers["X-Gateway-Cache"] == "bypass"
+    assert model.bodies == [body, body]
+
+
+async def test_own_apis_false_caches_only_openais_and_anthropics(pipeline):
+    gw, model = await gateway(pipeline, {"own_apis": False})
+    for _ in range(2):
+        answer = await gw.post(INFER, infer([1, 2, 3]), headers=ALICE)
+        assert answer.headers["X-Gateway-Cache"] == "bypass"
+    assert len(model.bodies) == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/models/recommender:predict", {"instances": [[1.0, 2.0]]}),  # TF Serving
+        ("/v2/models/recommender/versions/3/infer", infer([1, 2, 3])),
+        ("/embed", {"inputs": ["a question"], "normalize": True}),  # TEI
+        ("/rerank", {"query": "q", "texts": ["a", "b"]}),  # TEI, llama.cpp
+        ("/predict", {"inputs": "a review"}),  # TEI's classifier
+        ("/embedding", {"content": "a question"}),  # llama.cpp
+        ("/api/embed", {"model": "nomic-embed-text", "input": ["a", "b"]}),  # Ollama
+        ("/pooling", {"model": "m", "input": "a"}),  # vLLM
+        ("/score", {"model": "m", "text_1": "a", "text_2": "b"}),
+    ],
+)
+async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, body):
+    gw, model = await gateway(pipeline)
+    await gw.post(path, body, headers=ALICE)
+    assert (await gw.post(path, body, headers=ALICE)).headers["X-Gateway-Cache"] == "hit"
+    assert len(model.bodies) == 1
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/completion",  # generations sample: their own rules, not these
+        "/api/generate",
+        "/v2/models/m/generate",
+        "/api/embeddings",  # Ollama's older API: ``/embeddings`` is OpenAI's, item by item
+        "/v2/models/m/infer/extra",
+        "/v2/repository/index",
+    ],
+)
+def test_only_the_servers_deterministic_calls_are_their_own_apis(path):
+    assert OWN_API_PATH.fullmatch(path) is None
+
+
+def joined(gw: Any) -> float:
+    return gw.metric("gateway_coalesced_requests_total", route="chat") or 0.0
+
+
+async def test_identical_inferences_in_flight_share_one_call(pipeline):
+    gw, model = await gateway(pipeline)
+    model.gate = asyncio.Event()
+    calls = [gw.send("POST", INFER, json=infer([1, 2, 3]), headers=ALICE) for _ in range(3)]
+    other = gw.send("POST", INFER, json=infer([1, 2, 3]), headers=BOB)  # another tenant's
+    await until(lambda: len(model.bodies) == 2 and joined(gw) == 2)
+    model.gate.set()
+    answers = [await call.done() for call in calls]
+    assert len(model.bodies) == 2
+    assert sum(a.headers.get("X-Gateway-Coalesced") == "1" for a in answers) == 2
+    assert len({json.dumps(a.json()) for a in answers}) == 1
+    assert (await other.done()).status_code == 200
+
+
+async def test_a_route_that_coalesces_without_a_cache_shares_them_too(pipeline):
+    model = Model()
+    route = {"match": {"path": "*"}, "coalesce": True}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), model)
+    model.gate = asyncio.Event()
+    calls = [gw.send("POST", "/embed", json={"inputs": ["q"]}, headers=ALICE) for _ in range(2)]
+    await until(lambda: len(model.bodies) == 1 and joined(gw) == 1)
+    model.gate.set()
+    assert [(await c.done()).status_code for c in calls] == [200, 200]
+    assert len(model.bodies) == 1
