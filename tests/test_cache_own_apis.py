@@ -1,9 +1,9 @@
 """The model servers' own deterministic calls are cached and shared by single flight
 (``cache.own_apis``, ``gateway/cache/own_apis.py``): KServe V2 / Triton ``infer``, TF
 Serving ``:predict``, TEI's ``/embed`` and ``/rerank``, llama.cpp's ``/embedding``,
-Ollama's ``/api/embed``, vLLM's ``/pooling`` and ``/score``.  Each is keyed by every field of
-its body, within the tenant's scope and the backend's model version, and goes upstream as it
-came, byte for byte.  Before, every one of them passed a caching route uncached
+Ollama's ``/api/embed``, vLLM's ``/pooling`` and ``/score``.  Each is keyed by its body's
+bytes (and the headers framing them), within the tenant's scope and the backend's model
+version, and goes upstream as it came, byte for byte.  Before, every one of them passed a caching route uncached
 (``X-Gateway-Cache: bypass``), the case study's recommendation model (KServe V2) among
 them."""
 
@@ -100,33 +100,59 @@ def test_the_backends_model_version_is_in_the_key():
     assert len(keys) == 2
 
 
-async def test_the_call_goes_upstream_as_it_came(pipeline):
+async def test_the_call_goes_upstream_as_it_came_and_is_keyed_by_its_bytes(pipeline):
     gw, model = await gateway(pipeline)
     raw = b'{ "inputs" : [ {"name":"x","shape":[1,3],"datatype":"FP32","data":[1.0,2,3]} ] }'
     answer = await gw.request("POST", INFER, body=raw, headers=ALICE)
     assert answer.status_code == 200 and model.bodies == [raw]
+    again = await gw.request("POST", INFER, body=raw, headers=ALICE)
+    assert again.headers["X-Gateway-Cache"] == "hit"
     compact = json.dumps(json.loads(raw), separators=(",", ":")).encode()
-    again = await gw.request("POST", INFER, body=compact, headers=ALICE)
-    assert again.headers["X-Gateway-Cache"] == "hit"  # the same call, however written
+    written = await gw.request("POST", INFER, body=compact, headers=ALICE)
+    assert written.headers["X-Gateway-Cache"] == "miss"  # other bytes: another entry
+    assert model.bodies == [raw, compact]
 
 
 @pytest.mark.parametrize(
-    ("body", "headers"),
+    ("body", "framing", "other"),
     [
-        (zlib.compress(json.dumps(infer([1, 2, 3])).encode()), [("Content-Encoding", "deflate")]),
-        (b"\x00\x01binary tensor", [("Inference-Header-Content-Length", "2")]),
-        (b"[1, 2, 3]", []),
-        (b'{"inputs": [], "INPUTS": [1]}', []),
+        (
+            zlib.compress(json.dumps(infer([1, 2, 3])).encode()),
+            [("Content-Encoding", "deflate")],
+            [("Content-Encoding", "gzip")],
+        ),
+        (  # KServe's binary tensor extension: its JSON header's length frames the bytes
+            b'{"inputs":[]}\x00\x01\x02\x03',
+            [("Inference-Header-Content-Length", "13")],
+            [("Inference-Header-Content-Length", "14")],
+        ),
+        (b"[1, 2, 3]", [("Content-Type", "application/json")], [("Content-Type", "text/csv")]),
     ],
-    ids=["compressed", "binary-extension", "not-an-object", "two-spellings"],
+    ids=["compressed", "binary-extension", "any-bytes"],
 )
-async def test_a_body_the_gateway_cannot_read_passes_uncached_as_it_came(pipeline, body, headers):
+async def test_any_body_is_keyed_by_its_bytes_and_the_headers_framing_them(
+    pipeline, body, framing, other
+):
+    """Never parsed: the bytes the server reads, read as the headers say."""
     gw, model = await gateway(pipeline)
-    for _ in range(2):
+    for headers in (framing, framing, other):
         answer = await gw.request("POST", INFER, body=body, headers=ALICE + headers)
         assert answer.status_code == 200
-        assert answer.headers["X-Gateway-Cache"] == "bypass"
+    assert answer.headers["X-Gateway-Cache"] == "miss"
     assert model.bodies == [body, body]
+
+
+async def test_a_large_tensor_is_keyed_without_being_parsed(pipeline):
+    """8 MB of numbers, more values than ``server.max_json_values`` would let a parse read:
+    hashed (milliseconds), never parsed and written canonically (a second of the event
+    loop, every other call held meanwhile)."""
+    gw, model = await gateway(pipeline)
+    data = ",".join(["0.123456789"] * 700_000)
+    raw = '{"inputs":[{"name":"x","shape":[1,700000],"datatype":"FP32","data":[' + data + "]}]}"
+    for expected in ("miss", "hit"):
+        answer = await gw.request("POST", INFER, body=raw.encode(), headers=ALICE)
+        assert answer.headers["X-Gateway-Cache"] == expected
+    assert len(model.bodies) == 1
 
 
 async def test_own_apis_false_caches_only_openais_and_anthropics(pipeline):

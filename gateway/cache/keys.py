@@ -84,7 +84,7 @@ OWN_API_PATH = re.compile(
 )
 """The model servers' own calls whose answer their body alone decides (nothing sampled):
 cached whole and shared by single flight where the route's ``cache.own_apis`` holds, keyed
-by every field of their body (none is known not to change the answer)."""
+by their body's bytes (``own_apis``)."""
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which

@@ -18,7 +18,7 @@ caller.  Joiners are counted in ``gateway_coalesced_requests_total`` and answere
 ``X-Gateway-Coalesced: 1``.
 
 The servers' own deterministic calls (``cache.own_apis``: KServe V2 ``infer``, TEI's
-``/embed``...) are coalesced by the same key, their body read for it and sent as it came;
+``/embed``...) are coalesced by the same key, their body's digest, and sent as they came;
 their answers are handed whole, as the backend sent them.
 
 Anthropic's Messages API is coalesced too, at temperature 0, and the Responses API when the
@@ -64,7 +64,7 @@ class CoalesceStage:
         sent = call
         cache = call.route.cache
         if call.json is None and (cache is None or cache.own_apis):
-            call = await own_apis.keyed(call) or call  # a server's own: its body read for a key
+            call = own_apis.keyed(call) or call  # a server's own: keyed by its body's digest
         key = coalesce_key(call)
         if key is None:
             return await call_next(sent)

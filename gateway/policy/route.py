@@ -167,7 +167,7 @@ class RouteCache:
         default=True,
         metadata=doc(
             "Also cache, and share by single flight, the model servers' own calls whose "
-            "answer their body alone decides, keyed by every field of it: KServe V2 / "
+            "answer their body alone decides, keyed by its bytes: KServe V2 / "
             "Triton `infer`, TF Serving `:predict`, TEI's `/embed`, `/rerank` and "
             "`/predict`, llama.cpp's `/embedding`, Ollama's `/api/embed`, vLLM's `/pooling`, "
             "`/score` and `/classify`. Off: for a model that samples behind one of them (an "
