@@ -389,3 +389,22 @@ async def test_a_refusing_endpoint_is_shown_in_its_state_until_it_answers_otherw
     await send(endpoints, backend)
     assert (shown("active"), shown("refusing")) == (1, 0)
     assert first.refused_until == 0.0
+
+
+@pytest.mark.llm
+async def test_llama_cpps_own_completion_never_sees_a_replica_still_loading(
+    llama, serve_app, start_gateway, tmp_path
+):
+    """The real server (llama.cpp, Gemma 3 270M) beside one answering as llama.cpp does while
+    its weights load: every ``/completion`` is answered by the real one (before, the calls
+    sent to the loading one were its 503s)."""
+    loading = Server("loading", 503, LOADING)
+    urls = [await serve_app(loading.app()), llama.url]
+    doc = policy({"m": {"endpoints": urls, "balance": "round_robin"}}, {"match": {"path": "*"}})
+    gw = await start_gateway(policy=write_policy(tmp_path, doc))
+    body = {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as client:
+        answers = [await client.post(gw.url + "/completion", json=body) for _ in range(4)]
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.json()["tokens_predicted"] == 4 for a in answers)
+    assert loading.calls == ["/completion"]  # then it was left out: it refuses calls
