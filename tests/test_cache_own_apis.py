@@ -227,3 +227,37 @@ async def test_a_route_that_coalesces_without_a_cache_shares_them_too(pipeline):
     model.gate.set()
     assert [(await c.done()).status_code for c in calls] == [200, 200]
     assert len(model.bodies) == 1
+
+
+async def test_whatever_is_sent_a_hit_is_only_ever_the_callers_own_answer(pipeline):
+    """300 calls drawn (a fixed seed) from bodies alike but for a byte, framings and
+    tenants: each is answered what the server answers its own bytes, framing and
+    credential, and from the cache exactly when that triple was asked before."""
+    import hashlib
+    import random
+
+    def echo(sent: Sent) -> Reply:
+        framing = sent.header("Content-Encoding") or ""
+        seen = sent.body + framing.encode() + (sent.header("Authorization") or "").encode()
+        return json_reply({"echo": hashlib.sha256(seen).hexdigest()})
+
+    route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), echo)
+    draw = random.Random(26)
+    bodies = [b'{"inputs":[1,2,3]}', b'{"inputs":[1,2,4]}', b'{"inputs":[1,2,3]} ', b"\x00\x01"]
+    framings = [[], [("Content-Encoding", "gzip")], [("Content-Encoding", "deflate")]]
+    tenants = [[], ALICE, BOB, [("Authorization", "bearer sk-alice ")]]  # Alice's, written so
+    asked: dict[tuple[int, int, int], str] = {}  # each triple's first answer
+    for _ in range(300):
+        b, f, t = draw.randrange(len(bodies)), draw.randrange(len(framings)), draw.randrange(4)
+        answer = await gw.request("POST", INFER, body=bodies[b], headers=framings[f] + tenants[t])
+        assert answer.status_code == 200
+        scope = 1 if t == 3 else t  # the scheme's case and the spaces are not a tenant
+        state = "hit" if (b, f, scope) in asked else "miss"
+        assert answer.headers["X-Gateway-Cache"] == state
+        sent = tenants[t][0][1] if tenants[t] else ""
+        mine = bodies[b] + (framings[f][0][1] if framings[f] else "").encode()
+        if state == "miss":
+            assert answer.json()["echo"] == hashlib.sha256(mine + sent.encode()).hexdigest()
+            asked[(b, f, scope)] = answer.json()["echo"]
+        assert answer.json()["echo"] == asked[(b, f, scope)]
