@@ -173,6 +173,8 @@ async def test_own_apis_false_caches_only_openais_and_anthropics(pipeline):
         ("/predict", {"inputs": "a review"}),  # TEI's classifier
         ("/embedding", {"content": "a question"}),  # llama.cpp
         ("/api/embed", {"model": "nomic-embed-text", "input": ["a", "b"]}),  # Ollama
+        ("/api/embeddings", {"model": "nomic-embed-text", "prompt": "a"}),  # its older API
+        ("/embeddings", {"input": ["a", "b"]}),  # llama.cpp's own: whole, not item by item
         ("/pooling", {"model": "m", "input": "a"}),  # vLLM
         ("/score", {"model": "m", "text_1": "a", "text_2": "b"}),
     ],
@@ -190,9 +192,9 @@ async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, bod
         "/completion",  # generations sample: their own rules, not these
         "/api/generate",
         "/v2/models/m/generate",
-        "/api/embeddings",  # Ollama's older API: ``/embeddings`` is OpenAI's, item by item
         "/v2/models/m/infer/extra",
         "/v2/repository/index",
+        "/v1/embeddings",  # OpenAI's: cached item by item, by its own rules
     ],
 )
 def test_only_the_servers_deterministic_calls_are_their_own_apis(path):

@@ -80,7 +80,7 @@ OWN_API_PATH = re.compile(
     r"|/v1/models/[^/]+(?:/versions/[^/]+)?:(?:predict|classify|regress)"  # TF Serving
     r"|/(?:embed|embed_all|embed_sparse|predict|similarity)"  # TEI
     r"|/(?:v1/|v2/)?(?:rerank|reranking|score)|/pooling|/classify"  # TEI, vLLM, llama.cpp
-    r"|/embedding|/api/embed"  # llama.cpp's, Ollama's
+    r"|/embeddings?|/api/embed(?:dings)?"  # llama.cpp's, Ollama's (whole: not OpenAI's items)
 )
 """The model servers' own calls whose answer their body alone decides (nothing sampled):
 cached whole and shared by single flight where the route's ``cache.own_apis`` holds, keyed
