@@ -43,7 +43,17 @@ class Server:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/embeddings", self.embed)
+        app.router.add_post("/v2/models/{model}/infer", self.infer)
         return app
+
+    async def infer(self, request: web.Request) -> web.Response:
+        """A KServe V2 model scoring its input as ``vector`` says, naming itself and its
+        version (the mirror is another)."""
+        body = await request.json()
+        self.calls.append(({k.lower(): v for k, v in request.headers.items()}, body))
+        scores = {"name": "y", "shape": [1, 2], "datatype": "FP32", "data": self.vector}
+        version = {"model_name": request.match_info["model"], "model_version": self.name}
+        return web.json_response({**version, "id": body.get("id"), "outputs": [scores]})
 
     async def embed(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -412,6 +422,45 @@ def test_a_mirror_is_checked(tmp_path, mirror, problem):
     backends = {"main": {"url": "http://127.0.0.1:1"}, "canary": {"url": "http://127.0.0.1:2"}}
     path = write_policy(tmp_path, policy(backends, {"mirror": mirror}))
     assert any(problem in p for p in problems_of(path.read_text()))
+
+
+async def test_a_kserve_models_scores_are_compared_to_three_digits(
+    servers, start_gateway, tmp_path
+):
+    """A new model version shadowed on real traffic: its scores within a thousandth of the
+    route's backend's agree (another GPU's last bits), other scores do not, whatever the
+    model name and version each answer names."""
+    _main, canary, main_url, canary_url = servers
+    gw = await start(
+        start_gateway, tmp_path, mirrored(main_url, canary_url, {"match": {"path": "*"}})
+    )
+    row = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}]}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        canary.vector = [0.6002, 0.8]  # the same scores, other last bits
+        await client.post("/v2/models/recs/infer", json=row)
+        await until(lambda: len(canary.calls) == 1)
+        canary.vector = [0.7, 0.3]  # a model that ranks otherwise
+        await client.post("/v2/models/recs/infer", json=row)
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: len(canary.calls) == 2 and shadow.in_flight == 0)
+    text = await scrape(gw)
+    labels = {"route": "chat", "backend": "canary"}
+    assert metric(text, "gateway_mirror_comparisons_total", result="same", **labels) == 1
+    assert metric(text, "gateway_mirror_comparisons_total", result="different", **labels) == 1
+
+
+def test_numbers_agree_within_a_thousandth_and_nothing_else_does():
+    def scores(*data: Any, **more: Any) -> bytes:
+        return json.dumps({"model_name": "m", "outputs": [{"data": list(data)}], **more}).encode()
+
+    ours = scores(0.5, 2, 1e-9)
+    assert agree(ours, scores(0.5004, 2.0, 0.0, model_name="m2", model_version="7")) is True
+    assert agree(ours, scores(0.501, 2, 1e-9)) is False
+    assert agree(ours, scores(0.5, 3, 1e-9)) is False
+    assert agree(ours, scores(0.5, 2)) is False
+    assert agree(ours, scores(0.5, "2", 1e-9)) is False
+    assert agree(ours, scores(0.5, True, 1e-9)) is False
+    assert agree(scores(1), scores(True)) is False
 
 
 def test_two_answers_agree_whatever_their_ids_times_and_token_counts():

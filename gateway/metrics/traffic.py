@@ -78,9 +78,10 @@ class TrafficFamilies:
         )
         self.mirror_comparisons = Counter(
             "gateway_mirror_comparisons",
-            "Deterministic calls (temperature 0, embeddings) whose mirror answered 200 as the "
-            "route's backend did, by result: same (the same answer, ids, times, model names "
-            "and token counts aside; embeddings at cosine 0.999 or more) or different.",
+            "Deterministic calls (temperature 0, embeddings, the servers' own such as KServe "
+            "V2 infer) whose mirror answered 200 as the route's backend did, by result: same "
+            "(the same answer, ids, times, model names and versions and token counts aside; "
+            "numbers within a thousandth; embeddings at cosine 0.999 or more) or different.",
             ["route", "backend", "result"],
             registry=r,
         )

@@ -5,8 +5,14 @@ two embeddings answers agree when each input's vectors point the same way (cosin
 ``SAME_COSINE``), since another GPU, kernel or batch size moves the last bits of every
 float.
 
+Numbers agree within ``SAME_REL_TOL`` of each other (``SAME_ABS_TOL`` near 0): another GPU,
+kernel or batch size moves the last bits of a model's outputs too, a KServe model's scores
+as an answer's logprobs.
+
 Only a deterministic call's answers are compared (the cache's test: temperature 0, one
-choice, an embedding), both whole bodies of at most ``MAX_COMPARED_BYTES``; a sampled
+choice, an embedding; the servers' own calls whose answer their body decides,
+``keys.OWN_API_PATH``: a KServe V2 ``infer``, TEI's ``/embed``, unless the route's
+``cache.own_apis`` is off), both whole bodies of at most ``MAX_COMPARED_BYTES``; a sampled
 answer differs by design, and a bigger one would hold the event loop to parse.  A streamed
 chat or text completion is compared as the answer its events assemble into (``assembled``:
 the text, tool calls, logprobs and finish reason of each choice), once both streams have
@@ -18,12 +24,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
-from gateway.cache.keys import cacheability
+from gateway.cache.keys import OWN_API_PATH, cacheability
 from gateway.openai.sse import StreamRecorder, events_to_json, is_event_stream
 from gateway.pipeline import Call, Reply
 
@@ -33,6 +40,9 @@ STREAMED_PATHS = ("/v1/chat/completions", "/v1/completions")
 SAME_COSINE = 0.999
 """Two vectors of one input this close are one answer (float16 against float32 weights
 keeps above 0.9999; another model is far below)."""
+SAME_REL_TOL = 1e-3
+SAME_ABS_TOL = 1e-6
+"""Two numbers this close are one (float16 against float32 outputs differ by about 5e-4)."""
 VOLATILE = frozenset(
     {
         "id",
@@ -43,6 +53,8 @@ VOLATILE = frozenset(
         "usage",
         "timings",  # llama.cpp's
         "service_tier",
+        "model_name",  # KServe V2's: the mirror is another model, or another version of it
+        "model_version",
     }
 )
 """Fields in which two servers' answers to one call differ whatever they say."""
@@ -53,7 +65,11 @@ def comparable(call: Call, reply: Reply) -> bytes | None:
     body = reply.body
     if reply.status != 200 or body is None or len(body) > MAX_COMPARED_BYTES:
         return None
-    if call.json is None or call.streaming or not cacheability(call.json, call.path).ok:
+    if call.json is None:  # a server's own call: compared when its body decides its answer
+        cache = call.route.cache
+        own = call.method == "POST" and OWN_API_PATH.fullmatch(call.path) is not None
+        return body if own and (cache is None or cache.own_apis) else None
+    if call.streaming or not cacheability(call.json, call.path).ok:
         return None
     return body
 
@@ -94,11 +110,19 @@ def agree(ours: bytes, theirs: bytes) -> bool | None:
     ours_vectors, theirs_vectors = _vectors(a), _vectors(b)
     if ours_vectors is not None and theirs_vectors is not None:
         return _same_directions(ours_vectors, theirs_vectors)
-    return _canonical(a) == _canonical(b)
+    return _same(_stable(a), _stable(b))
 
 
-def _canonical(data: Any) -> str:
-    return json.dumps(_stable(data), sort_keys=True, separators=(",", ":"))
+def _same(a: Any, b: Any) -> bool:
+    """Whether two JSON values are one: numbers within the tolerances, the rest equal."""
+    if isinstance(a, float) or isinstance(b, float):
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b))
+        return numbers and math.isclose(a, b, rel_tol=SAME_REL_TOL, abs_tol=SAME_ABS_TOL)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
 
 
 def _vectors(answer: Any) -> list[np.ndarray] | None:
