@@ -279,6 +279,18 @@ async def test_a_client_never_sets_its_copies_place_in_a_vllm_mirrors_queue(
     assert [b.get("priority") for b in main.bodies] == [-1, "high", None]  # as the client wrote
 
 
+async def comparisons(gw: Any, canary: Server, copies: int) -> tuple[float | None, ...]:
+    """(same, different) once the mirror has answered ``copies`` copies."""
+    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
+    await until(lambda: len(canary.calls) == copies and shadow.in_flight == 0)
+    text = await scrape(gw)
+    labels = {"route": "chat", "backend": "canary"}
+    return tuple(
+        metric(text, "gateway_mirror_comparisons_total", result=result, **labels)
+        for result in ("same", "different")
+    )
+
+
 async def test_a_deterministic_calls_two_answers_are_compared(servers, start_gateway, tmp_path):
     """Same but for their ids, times, model names and token counts; a sampled call and a
     stream are not compared."""
@@ -316,12 +328,7 @@ async def test_embeddings_from_another_gpu_agree_and_from_another_model_do_not(
         await until(lambda: len(canary.calls) == 1)
         canary.vector = [0.8, 0.6]  # another model
         await client.post("/v1/embeddings", json={"model": "e", "input": "two"})
-    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
-    await until(lambda: len(canary.calls) == 2 and shadow.in_flight == 0)
-    text = await scrape(gw)
-    labels = {"route": "chat", "backend": "canary"}
-    assert metric(text, "gateway_mirror_comparisons_total", result="same", **labels) == 1
-    assert metric(text, "gateway_mirror_comparisons_total", result="different", **labels) == 1
+    assert await comparisons(gw, canary, 2) == (1, 1)
 
 
 async def test_a_stream_is_copied_and_the_mirrors_stream_read_to_its_end(
@@ -441,12 +448,7 @@ async def test_a_kserve_models_scores_are_compared_to_three_digits(
         await until(lambda: len(canary.calls) == 1)
         canary.vector = [0.7, 0.3]  # a model that ranks otherwise
         await client.post("/v2/models/recs/infer", json=row)
-    shadow = gw.gateway.registry.peek(SHADOWS, "chat")
-    await until(lambda: len(canary.calls) == 2 and shadow.in_flight == 0)
-    text = await scrape(gw)
-    labels = {"route": "chat", "backend": "canary"}
-    assert metric(text, "gateway_mirror_comparisons_total", result="same", **labels) == 1
-    assert metric(text, "gateway_mirror_comparisons_total", result="different", **labels) == 1
+    assert await comparisons(gw, canary, 2) == (1, 1)
 
 
 def test_numbers_agree_within_a_thousandth_and_nothing_else_does():
