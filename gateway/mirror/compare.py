@@ -110,19 +110,27 @@ def agree(ours: bytes, theirs: bytes) -> bool | None:
     ours_vectors, theirs_vectors = _vectors(a), _vectors(b)
     if ours_vectors is not None and theirs_vectors is not None:
         return _same_directions(ours_vectors, theirs_vectors)
-    return _same(_stable(a), _stable(b))
+    return _same(a, b)
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two JSON values are one: numbers within the tolerances, the rest equal."""
-    if isinstance(a, float) or isinstance(b, float):
-        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b))
-        return numbers and math.isclose(a, b, rel_tol=SAME_REL_TOL, abs_tol=SAME_ABS_TOL)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return type(a) is type(b) and a == b
+    """Whether two parsed JSON values are one: ``VOLATILE`` members aside, numbers within
+    the tolerances, the rest equal."""
+    kind = type(a)
+    if kind is type(b):
+        if kind is dict:
+            keys = a.keys() - VOLATILE
+            return keys == b.keys() - VOLATILE and all(_same(a[k], b[k]) for k in keys)
+        if kind is list:
+            return len(a) == len(b) and all(map(_same, a, b))
+        if a == b:
+            return True
+    if float in (kind, type(b)) and {kind, type(b)} <= _NUMBERS:
+        return math.isclose(a, b, rel_tol=SAME_REL_TOL, abs_tol=SAME_ABS_TOL)
+    return False
+
+
+_NUMBERS = {int, float}
 
 
 def _vectors(answer: Any) -> list[np.ndarray] | None:
@@ -163,9 +171,3 @@ def _same_directions(ours: list[np.ndarray], theirs: list[np.ndarray]) -> bool:
     return True
 
 
-def _stable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
-    if isinstance(value, list):
-        return [_stable(v) for v in value]
-    return value
