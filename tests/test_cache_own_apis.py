@@ -127,8 +127,13 @@ async def test_the_call_goes_upstream_as_it_came_and_is_keyed_by_its_bytes(pipel
             [("Inference-Header-Content-Length", "14")],
         ),
         (b"[1, 2, 3]", [("Content-Type", "application/json")], [("Content-Type", "text/csv")]),
+        (  # a second value: the server may read either
+            b"{}",
+            [("Content-Encoding", "identity")],
+            [("Content-Encoding", "identity"), ("Content-Encoding", "gzip")],
+        ),
     ],
-    ids=["compressed", "binary-extension", "any-bytes"],
+    ids=["compressed", "binary-extension", "any-bytes", "two-values"],
 )
 async def test_any_body_is_keyed_by_its_bytes_and_the_headers_framing_them(
     pipeline, body, framing, other

@@ -30,10 +30,10 @@ def keyed(call: Call) -> Call | None:
     if call.json is not None or call.method != "POST" or not OWN_API_PATH.fullmatch(call.path):
         return None
     digest = hashlib.sha256()
-    for name in FRAMING_HEADERS:
-        value = call.header(name) or ""
-        digest.update(f"{name}:{value}\n".encode(errors="surrogateescape"))
-    digest.update(call.body)
+    for name, value in call.headers:  # every value, in order: a server may read any
+        if name.lower() in FRAMING_HEADERS:
+            digest.update(f"{name.lower()}:{value}\n".encode(errors="surrogateescape"))
+    digest.update(b"\n" + call.body)
     return dataclasses.replace(call, json={BODY_DIGEST: digest.hexdigest()})
 
 

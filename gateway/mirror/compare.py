@@ -169,5 +169,3 @@ def _same_directions(ours: list[np.ndarray], theirs: list[np.ndarray]) -> bool:
         if not norms or float(np.dot(a, b)) / norms < SAME_COSINE:
             return False
     return True
-
-
