@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from gateway.cache.keys import OWN_API_PATH, request_key
+from gateway.cache.keys import request_key
+from gateway.cache.own_apis import OWN_API_PATH
 from gateway.pipeline import Reply
 from gateway.testing import Sent, json_reply
 from tests.helpers import policy, until
@@ -182,6 +183,16 @@ async def test_own_apis_false_caches_only_openais_and_anthropics(pipeline):
         ("/embeddings", {"input": ["a", "b"]}),  # llama.cpp's own: whole, not item by item
         ("/pooling", {"model": "m", "input": "a"}),  # vLLM
         ("/score", {"model": "m", "text_1": "a", "text_2": "b"}),
+        # greedy generations asked whole: llama.cpp's
+        ("/completion", {"prompt": "Paris is", "n_predict": 8, "temperature": 0}),
+        ("/completion", {"prompt": "Paris is", "temperature": -1, "stream": False}),
+        ("/completions", {"prompt": ["a", "b"], "temperature": 0.0}),
+        ("/infill", {"input_prefix": "def f(", "input_suffix": ")", "temperature": 0}),
+        (  # Ollama's: greedy, and asked not to stream
+            "/api/chat",
+            {"model": "gemma3", "messages": [], "stream": False, "options": {"temperature": 0}},
+        ),
+        ("/api/generate", {"model": "gemma3", "stream": False, "options": {"temperature": 0}}),
     ],
 )
 async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, body):
@@ -192,11 +203,40 @@ async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, bod
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/completion", {"prompt": "p"}),  # llama.cpp samples at 0.8 unless told
+        ("/completion", {"prompt": "p", "temperature": 0.7}),
+        ("/completion", {"prompt": "p", "temperature": "0"}),
+        ("/completion", {"prompt": "p", "temperature": 0, "stream": True}),  # a stream
+        ("/api/chat", {"model": "m", "options": {"temperature": 0}}),  # Ollama streams
+        ("/api/generate", {"model": "m", "stream": False, "options": {"temperature": 0.1}}),
+        ("/api/generate", {"model": "m", "stream": False, "temperature": 0}),  # not Ollama's
+        ("/api/chat", {"model": "m", "stream": False, "options": [0]}),
+    ],
+)
+async def test_a_sampled_or_streamed_generation_is_not_cached(pipeline, path, body):
+    gw, model = await gateway(pipeline)
+    for _ in range(2):
+        answer = await gw.post(path, body, headers=ALICE)
+        assert answer.headers["X-Gateway-Cache"] == "bypass"
+    assert len(model.bodies) == 2
+
+
+async def test_a_generation_body_the_gateway_cannot_read_is_not_cached(pipeline):
+    gw, model = await gateway(pipeline)
+    for body in (b"{not json", b'{"temperature": 0, "TEMPERATURE": 1, "prompt": "p"}'):
+        for _ in range(2):
+            answer = await gw.request("POST", "/completion", body=body, headers=ALICE)
+            assert answer.status_code == 200
+            assert answer.headers["X-Gateway-Cache"] == "bypass"
+    assert len(model.bodies) == 4
+
+
+@pytest.mark.parametrize(
     "path",
     [
-        "/completion",  # generations sample: their own rules, not these
-        "/api/generate",
-        "/v2/models/m/generate",
+        "/v2/models/m/generate",  # Triton's: its sampling is each backend's own
         "/v2/models/m/infer/extra",
         "/v2/repository/index",
         "/v1/embeddings",  # OpenAI's: cached item by item, by its own rules
@@ -268,3 +308,30 @@ async def test_whatever_is_sent_a_hit_is_only_ever_the_callers_own_answer(pipeli
             assert answer.json()["echo"] == hashlib.sha256(mine + sent.encode()).hexdigest()
             asked[(b, f, scope)] = answer.json()["echo"]
         assert answer.json()["echo"] == asked[(b, f, scope)]
+
+
+@pytest.mark.llm
+async def test_llama_cpps_own_greedy_completion_is_answered_from_the_cache(
+    llama, start_gateway, tmp_path
+):
+    """The real server (llama.cpp, Gemma 3 270M): a greedy ``/completion`` asked twice is
+    generated once, the second answered from the cache as the server said it; a sampled one
+    is generated each time."""
+    import httpx
+
+    from tests.helpers import write_policy
+
+    route = {"name": "llm", "match": {"path": "*"}, "backend": "llm", "cache": {"ttl_s": 60}}
+    doc = {"backends": {"llm": {"url": llama.url}}, "routes": [route]}
+    gw = await start_gateway(policy=write_policy(tmp_path, doc))
+    greedy = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+        first = await client.post("/completion", json=greedy)
+        again = await client.post("/completion", json=greedy)
+        sampled = await client.post("/completion", json={**greedy, "temperature": 0.8})
+    assert [r.headers["X-Gateway-Cache"] for r in (first, again, sampled)] == [
+        "miss",
+        "hit",
+        "bypass",
+    ]
+    assert again.content == first.content and first.json()["tokens_predicted"] == 6

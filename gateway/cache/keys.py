@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.cache.guard import signature
+from gateway.cache.own_apis import OWN_API_PATH, OWN_GREEDY
 from gateway.wire import MESSAGES_PATH, RESPONSES_PATH
 
 IGNORED_FIELDS = frozenset(
@@ -75,16 +75,8 @@ ECHOED_FIELDS = frozenset({"user", "metadata", "safety_identifier", "service_tie
 """Fields the Responses API repeats in its answer: they key it, lest a hit repeat another
 request's."""
 _RESPONSES_IGNORED = IGNORED_FIELDS - ECHOED_FIELDS
-OWN_API_PATH = re.compile(
-    r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer"  # KServe V2, Triton
-    r"|/v1/models/[^/]+(?:/versions/[^/]+)?:(?:predict|classify|regress)"  # TF Serving
-    r"|/(?:embed|embed_all|embed_sparse|predict|similarity)"  # TEI
-    r"|/(?:v1/|v2/)?(?:rerank|reranking|score)|/pooling|/classify"  # TEI, vLLM, llama.cpp
-    r"|/embeddings?|/api/embed(?:dings)?"  # llama.cpp's, Ollama's (whole: not OpenAI's items)
-)
-"""The model servers' own calls whose answer their body alone decides (nothing sampled):
-cached whole and shared by single flight where the route's ``cache.own_apis`` holds, keyed
-by their body's bytes (``own_apis``)."""
+
+
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which
@@ -133,12 +125,13 @@ def cacheability(
     response is the server's under its id, and a continuation reads stored state.  A chat
     completion the server is asked to store (``store: true``, OpenAI's stored completions)
     is not reused either: a hit would leave it unstored.  The servers' own deterministic
-    calls (``OWN_API_PATH``) are.  Other endpoints' answers are not cached
+    calls (``OWN_API_PATH``, ``OWN_GREEDY``) are: they come here as ``own_apis.keyed``
+    keys them, only when their answer is their body's.  Other endpoints' answers are not cached
     (``CACHED_PATHS``).
     """
     if not isinstance(body, Mapping):
         return Cacheability(False, "body is not a JSON object")
-    if OWN_API_PATH.fullmatch(path):
+    if path in OWN_GREEDY or OWN_API_PATH.fullmatch(path):  # keyed only when they are
         return Cacheability(True)
     if not path.endswith(CACHED_PATHS):
         return Cacheability(False, "answers of this endpoint are not cached")

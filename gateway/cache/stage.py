@@ -191,7 +191,7 @@ class CacheStage:
         if rules is None:
             return await call_next(call)
         body = call.json
-        if body is None and rules.own_apis and (keyed := own_apis.keyed(call)):
+        if body is None and rules.own_apis and (keyed := await own_apis.keyed(call)):
             # a server's own call: keyed by its body's digest, sent on as it came
             call_next = own_apis.sending(call_next, call)
             call, body = keyed, keyed.json

@@ -64,7 +64,7 @@ class CoalesceStage:
         sent = call
         cache = call.route.cache
         if call.json is None and (cache is None or cache.own_apis):
-            call = own_apis.keyed(call) or call  # a server's own: keyed by its body's digest
+            call = await own_apis.keyed(call) or call  # a server's own: keyed by its digest
         key = coalesce_key(call)
         if key is None:
             return await call_next(sent)

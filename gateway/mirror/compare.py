@@ -11,7 +11,7 @@ as an answer's logprobs.
 
 Only a deterministic call's answers are compared (the cache's test: temperature 0, one
 choice, an embedding; the servers' own calls whose answer their body decides,
-``keys.OWN_API_PATH``: a KServe V2 ``infer``, TEI's ``/embed``, unless the route's
+``own_apis.OWN_API_PATH``: a KServe V2 ``infer``, TEI's ``/embed``, unless the route's
 ``cache.own_apis`` is off), both whole bodies of at most ``MAX_COMPARED_BYTES``; a sampled
 answer differs by design, and a bigger one would hold the event loop to parse.  A streamed
 chat or text completion is compared as the answer its events assemble into (``assembled``:
@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-from gateway.cache.keys import OWN_API_PATH, cacheability
+from gateway.cache.keys import cacheability
+from gateway.cache.own_apis import OWN_API_PATH
 from gateway.openai.sse import StreamRecorder, events_to_json, is_event_stream
 from gateway.pipeline import Call, Reply
 

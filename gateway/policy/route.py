@@ -170,8 +170,9 @@ class RouteCache:
             "answer their body alone decides, keyed by its bytes: KServe V2 / "
             "Triton `infer`, TF Serving `:predict`, TEI's `/embed`, `/rerank` and "
             "`/predict`, llama.cpp's `/embedding`, Ollama's `/api/embed`, vLLM's `/pooling`, "
-            "`/score` and `/classify`. Off: for a model that samples behind one of them (an "
-            "LLM behind `infer`)."
+            "`/score` and `/classify`; and llama.cpp's `/completion` and Ollama's `/api/chat` "
+            "and `/api/generate` asked a greedy answer, whole (temperature 0, no stream). "
+            "Off: for a model that samples behind one of them (an LLM behind `infer`)."
         ),
     )
     ignore_backend_cache_control: bool = field(
