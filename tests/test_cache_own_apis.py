@@ -56,8 +56,10 @@ async def gateway(pipeline: Any, cache: dict[str, Any] | None = None, **route: A
     return gw, model
 
 
-async def test_a_kserve_inference_is_answered_from_the_cache(pipeline):
-    gw, model = await gateway(pipeline)
+@pytest.mark.parametrize("semantic", ["off", "simhash"])
+async def test_a_kserve_inference_is_answered_from_the_cache(pipeline, semantic):
+    """Whatever the route's near-duplicate tier: it compares chat prompts, not tensors."""
+    gw, model = await gateway(pipeline, {"semantic": {"method": semantic}})
     first = await gw.post(INFER, infer([1, 2, 3]), headers=ALICE)
     again = await gw.post(INFER, infer([1, 2, 3]), headers=ALICE)
     assert first.headers["X-Gateway-Cache"] == "miss"
