@@ -7,7 +7,8 @@ for each phase so every prompt cache starts empty.
   (round robin) against the gateway's ``least_request`` without and with
   ``prefix_affinity``;
 * cache and single flight: one server, a mix of repeated, paraphrased and fresh questions;
-  requests served, p50/p99, and the tokens the server generated;
+  requests served, p50/p99, and the tokens the server generated; then the same questions
+  to llama.cpp's own ``/completion`` (greedy, whole: ``cache.own_apis``);
 * admission: one server of N slots, open-loop arrivals at twice what it serves; p99 and
   errors straight at it (its own unbounded queue) and behind ``max_concurrency: N`` with a
   short bounded queue.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.common import machine, update_section
-from bench.llama_load import Outcome, chat, closed_loop, open_loop, percentile
+from bench.llama_load import CHAT_PATH, Outcome, chat, closed_loop, open_loop, percentile
 from bench.plumbing import gateway
 from gateway.testing.llama import LlamaOptions, LlamaServer, start_servers, stop_all
 
@@ -192,20 +193,39 @@ async def cache_scene(scale: Scale, admin_port: int) -> tuple[list[dict[str, Any
         "backends": {"llm": {"url": "", "timeout_s": 300}},
         "routes": [{"match": {"path": "/v1/chat/completions"}, "backend": "llm", "cache": cache}],
     }
+    own = {"match": {"path": "/completion"}, "backend": "llm", "cache": {"ttl_s": 600}}
+    spec["routes"].append(own)
+    natives = [_completion(body) for body in bodies]
     rows = []
     saved: dict[str, Any] = {"kinds": kinds}
-    for name in ("direct", "gateway (cache + single flight)"):
+    for name, path, sent in (
+        ("direct", CHAT_PATH, bodies),
+        ("gateway (cache + single flight)", CHAT_PATH, bodies),
+        (NATIVE_DIRECT, "/completion", natives),
+        (NATIVE_GATEWAY, "/completion", natives),
+    ):
         async with servers(1, scale) as fleet:
-            if name == "direct":
-                outcome = await closed_loop(fleet[0].url, bodies, scale.cache_clients)
+            if name.startswith("direct"):
+                outcome = await closed_loop(fleet[0].url, sent, scale.cache_clients, path=path)
             else:
                 spec["backends"]["llm"]["url"] = fleet[0].url
                 async with gateway(spec, admin_port) as url:
-                    outcome = await closed_loop(url, bodies, scale.cache_clients)
-                    saved |= await _gateway_counts(admin_port)
+                    outcome = await closed_loop(url, sent, scale.cache_clients, path=path)
+                    if path == CHAT_PATH:
+                        saved |= await _gateway_counts(admin_port)
             generated = counters(fleet)["tokens_predicted_total"]
         rows.append({"name": name, **_summary(outcome), "generated": generated})
     return rows, saved
+
+
+NATIVE_DIRECT = "direct, llama.cpp's own `/completion`"
+NATIVE_GATEWAY = "gateway, `/completion` (`own_apis`: exact, single flight)"
+
+
+def _completion(chat_body: dict[str, Any]) -> dict[str, Any]:
+    """A chat question as llama.cpp's own ``/completion`` call: greedy, as many tokens."""
+    question = chat_body["messages"][-1]["content"]
+    return {"prompt": question, "n_predict": chat_body["max_tokens"], "temperature": 0}
 
 
 async def _gateway_counts(admin_port: int) -> dict[str, Any]:
@@ -283,7 +303,7 @@ def _summary(outcome: Outcome) -> dict[str, Any]:
 def report(scale: Scale, command: str, prefix: list, cache: tuple, admission: tuple) -> str:
     cache_rows, saved = cache
     capacity, admission_rows = admission
-    direct, via = cache_rows
+    direct, via, own_direct, own_via = cache_rows
     kinds = ", ".join(f"{v} {k}" for k, v in saved["kinds"].items())
     hits = ", ".join(f"{v} {k}" for k, v in sorted(saved.get("hits", {}).items())) or "none"
     base = {r["name"]: r for r in prefix}
@@ -341,7 +361,11 @@ def report(scale: Scale, command: str, prefix: list, cache: tuple, admission: tu
         "",
         f"Through the gateway the server generated {via['generated']:.0f} tokens against "
         f"{direct['generated']:.0f} ({1 - via['generated'] / direct['generated']:.0%} saved); "
-        f"cache hits by tier: {hits}; {saved.get('coalesced', 0)} requests joined one in flight.",
+        f"cache hits by tier: {hits}; {saved.get('coalesced', 0)} requests joined one in "
+        "flight. The same questions to llama.cpp's own `/completion` (greedy, whole): "
+        f"the server generated {own_via['generated']:.0f} tokens through the gateway against "
+        f"{own_direct['generated']:.0f} ({1 - own_via['generated'] / own_direct['generated']:.0%} "
+        "saved; exact hits and single flight only, no paraphrase tier on a server's own API).",
         "",
         f"**Admission.** One server of {scale.slots} slots, serving {capacity:.2f} req/s "
         f"(measured first, closed loop); {scale.admission_requests} requests arriving open "

@@ -71,8 +71,16 @@ def chat(system: str | None, user: str, max_tokens: int, *, stream: bool = False
     return body
 
 
-async def send(http: httpx.AsyncClient, url: str, body: dict, outcome: Outcome, due: float) -> None:
-    """One request, timed from ``due`` (a perf_counter time); streamed when the body says."""
+async def send(
+    http: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    outcome: Outcome,
+    due: float,
+    path: str = CHAT_PATH,
+) -> None:
+    """One request to ``path``, timed from ``due`` (a perf_counter time); streamed when the
+    body says (chat only)."""
     try:
         if body.get("stream"):
             async with http.stream("POST", url + CHAT_PATH, json=body) as reply:
@@ -88,12 +96,12 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, outcome: Outcome, 
                 if status == 200 and first is not None:
                     outcome.ttfts_ms.append((first - due) * 1000)
         else:
-            reply = await http.post(url + CHAT_PATH, json=body)
+            reply = await http.post(url + path, json=body)
             status = reply.status_code
             if status == 200:
-                outcome.completion_tokens += (
-                    reply.json().get("usage", {}).get("completion_tokens", 0)
-                )
+                answer = reply.json()  # OpenAI's usage, or llama.cpp's own count
+                counted = answer.get("usage", {}).get("completion_tokens")
+                outcome.completion_tokens += counted or answer.get("tokens_predicted", 0)
     except httpx.HTTPError as exc:
         status = 0
         outcome.failures.append(type(exc).__name__)
@@ -108,16 +116,21 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, outcome: Outcome, 
 
 
 async def closed_loop(
-    url: str | Sequence[str], bodies: Sequence[dict], clients: int, timeout_s: float = 300
+    url: str | Sequence[str],
+    bodies: Sequence[dict],
+    clients: int,
+    timeout_s: float = 300,
+    path: str = CHAT_PATH,
 ) -> Outcome:
-    """``bodies`` in order, ``clients`` at a time; several URLs are taken in turn."""
+    """``bodies`` to ``path`` in order, ``clients`` at a time; several URLs are taken in
+    turn."""
     outcome = Outcome()
     pending = iter(enumerate(bodies))
     urls = [url] if isinstance(url, str) else list(url)
 
     async def client(http: httpx.AsyncClient) -> None:
         for index, body in pending:
-            await send(http, urls[index % len(urls)], body, outcome, time.perf_counter())
+            await send(http, urls[index % len(urls)], body, outcome, time.perf_counter(), path)
 
     limits = httpx.Limits(max_connections=clients)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
