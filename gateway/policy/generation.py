@@ -58,6 +58,9 @@ TRITON_GENERATE = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/generate(?:_
 ``max_tokens`` there, or in ``sampling_parameters``, the JSON text of its parameters, which
 it reads in their place)."""
 TRITON_FIELDS = ("parameters.max_tokens", "sampling_parameters.max_tokens", "max_tokens")
+"""Its fields bounding a call's output; a call naming none is given ``parameters``' (a
+request parameter a backend that reads none ignores; an input it does not declare, Triton
+refuses)."""
 TEXT_MEMBERS = frozenset({"sampling_parameters"})
 """Members a server reads as the JSON text of an object: the gateway reads, bounds and
 writes them as text."""
