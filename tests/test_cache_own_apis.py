@@ -72,7 +72,7 @@ async def test_a_kserve_inference_is_answered_from_the_cache(pipeline, semantic)
 @pytest.mark.parametrize(
     "change",
     [
-        {"id": "req-2"},  # the answer echoes it
+        {"id": "req-2"},  # after the inputs: in the key (one opening the body is not)
         {"parameters": {"binary_data_output": True}},
         {"outputs": [{"name": "y"}]},
     ],
@@ -337,3 +337,60 @@ async def test_llama_cpps_own_greedy_completion_is_answered_from_the_cache(
         "bypass",
     ]
     assert again.content == first.content and first.json()["tokens_predicted"] == 6
+
+
+class Echoing(Model):
+    """A KServe V2 server echoing each request's ``id``, as MLServer and Triton do."""
+
+    async def __call__(self, sent: Sent) -> Reply:
+        self.bodies.append(sent.body)
+        if self.gate is not None:
+            await self.gate.wait()
+        asked = json.loads(sent.body).get("id")
+        output = {"name": "y", "shape": [1, 1], "datatype": "FP32", "data": [len(self.bodies)]}
+        answer = {"model_name": "recommender", "outputs": [output]}
+        return json_reply({"model_name": "recommender", "id": asked, **answer} if asked else answer)
+
+
+def with_id(rid: str, row: list[float]) -> bytes:
+    """As KServe's Python client writes a request: its ``id`` first, a fresh uuid4 if none."""
+    return json.dumps({"id": rid, **infer(row)}).encode()
+
+
+async def test_a_fresh_request_id_per_call_still_hits_and_gets_its_own_id_back(pipeline):
+    """KServe's client sends a new uuid4 with every call: keyed with it, nothing would hit."""
+    model = Echoing()
+    route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), model)
+    first = await gw.request("POST", INFER, body=with_id("a-1", [1, 2, 3]), headers=ALICE)
+    again = await gw.request("POST", INFER, body=with_id("b-22", [1, 2, 3]), headers=ALICE)
+    assert again.headers["X-Gateway-Cache"] == "hit" and len(model.bodies) == 1
+    assert (first.json()["id"], again.json()["id"]) == ("a-1", "b-22")
+    assert again.json()["outputs"] == first.json()["outputs"]
+    bare = await gw.request("POST", INFER, body=json.dumps(infer([1, 2, 3])).encode())
+    assert bare.headers["X-Gateway-Cache"] == "miss" and "id" not in bare.json()  # keyed apart
+    inside = json.dumps({**infer([1, 2, 3]), "id": "c-3"}).encode()  # not first: in the key
+    assert (await gw.request("POST", INFER, body=inside)).headers["X-Gateway-Cache"] == "miss"
+
+
+async def test_an_answer_framed_by_length_is_not_stored_when_its_id_was_left_out(pipeline):
+    def binary(sent: Sent) -> Reply:
+        framed = [("Inference-Header-Content-Length", "17")]
+        return json_reply({"id": "a-1", "outputs": []}, headers=framed)
+
+    route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), binary)
+    for _ in range(2):
+        answer = await gw.request("POST", INFER, body=with_id("a-1", [1, 2, 3]))
+        assert answer.headers["X-Gateway-Cache"] == "miss"
+
+
+async def test_calls_in_flight_with_their_own_ids_never_share_one_answer(pipeline):
+    model = Echoing()
+    route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), model)
+    model.gate = asyncio.Event()
+    calls = [gw.send("POST", INFER, body=with_id(f"r-{i}", [1, 2, 3])) for i in range(3)]
+    await until(lambda: len(model.bodies) == 3)
+    model.gate.set()
+    assert [(await c.done()).json()["id"] for c in calls] == ["r-0", "r-1", "r-2"]

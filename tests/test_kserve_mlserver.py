@@ -173,7 +173,8 @@ async def test_a_real_kserve_servers_answers_are_cached_under_its_model_version(
     mlserver, start_gateway, tmp_path
 ):
     """MLServer's answers through a route that caches and batches: an identical inference is
-    answered from the cache, byte for byte, another row or another id is not, and a new
+    answered from the cache, byte for byte; with another ``id`` (KServe's client sends a
+    fresh one each call) too, with its own id in the answer; another row is not, and a new
     ``model_version`` (a reload) misses at once."""
     text = """
         backends: {{mls: {{url: "{url}", model_version: "{version}"}}}}
@@ -191,13 +192,17 @@ async def test_a_real_kserve_servers_answers_are_cached_under_its_model_version(
         first = await client.post(url, json=infer([1, 2, 3], "a"))
         again = await client.post(url, json=infer([1, 2, 3], "a"))
         other_id = await client.post(url, json=infer([1, 2, 3], "b"))
-        assert [r.headers["X-Gateway-Cache"] for r in (first, again, other_id)] == [
+        other_row = await client.post(url, json=infer([1, 2, 4], "a"))
+        assert [r.headers["X-Gateway-Cache"] for r in (first, again, other_id, other_row)] == [
             "miss",
+            "hit",
             "hit",
             "miss",
         ]
         assert again.content == first.content
-        assert first.json()["outputs"][0]["data"] == [6] and other_id.json()["id"] == "b"
+        assert other_id.json() == {**first.json(), "id": "b"}
+        assert first.json()["outputs"][0]["data"] == [6]
+        assert other_row.json()["outputs"][0]["data"] == [7]
         write_policy(tmp_path, text.format(url=mlserver, version="rowsum@2"))
         gw.gateway.reload(force=True)
         after = await client.post(url, json=infer([1, 2, 3], "a"))

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.cache.guard import signature
-from gateway.cache.own_apis import OWN_API_PATH, OWN_GREEDY
+from gateway.cache.own_apis import OWN_API_PATH, OWN_GREEDY, REQUEST_ID
 from gateway.wire import MESSAGES_PATH, RESPONSES_PATH
 
 IGNORED_FIELDS = frozenset(
@@ -231,11 +231,15 @@ def _prefix(
     return prefix
 
 
+_OWN_IGNORED = frozenset({REQUEST_ID})
+"""A server's own call's key holds its body's digest, and not the id kept beside it."""
+
+
 def _ignored(path: str) -> frozenset[str]:
     """The body fields left out of ``path``'s keys: none of a server's own API's."""
     if path.endswith(RESPONSES_PATH):
         return _RESPONSES_IGNORED
-    return IGNORED_FIELDS if path.endswith(CACHED_PATHS) else frozenset()
+    return IGNORED_FIELDS if path.endswith(CACHED_PATHS) else _OWN_IGNORED
 
 
 def _shape(body: Mapping[str, Any], path: str) -> tuple[str, ...]:

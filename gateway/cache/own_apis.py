@@ -11,6 +11,15 @@ extension, a compressed body).  The stage sees the call with ``json`` holding on
 digest (``keyed``), never the next stages: the call goes on as it came (``sending``).
 A generation's body is read (strict JSON, bounded as every body the gateway reads) only to
 tell whether it asks a greedy answer, whole; one the gateway cannot read is not cached.
+
+A KServe V2 request's ``id`` is echoed in its answer, and KServe's own Python client sends a
+fresh one with every call (``uuid4``): keyed with it, no call would ever hit.  So an ``id``
+that opens the body (``{"id": "...", ...}``, as those clients write it; a plain string) is
+left out of the key and kept beside it (``REQUEST_ID``); the answer is stored with a
+placeholder where it echoed that id (``stored``), and a hit answers with the caller's own
+(``answered``).  A call without one is keyed apart from calls with one; an answer that
+frames its JSON by length (the binary tensor extension's ``Inference-Header-Content-Length``)
+is not stored for a call whose id was left out, as its id could not be rewritten.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from typing import Any
 
 from gateway.errors import RequestError
 from gateway.openai.body import native_object
-from gateway.pipeline import Call, Handler, Reply
+from gateway.pipeline import Call, Handler, Headers, Reply
 
 OWN_API_PATH = re.compile(
     r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer"  # KServe V2, Triton
@@ -61,7 +70,17 @@ def greedy_whole(body: Mapping[str, Any], path: str) -> bool:
 
 
 BODY_DIGEST = "\x00body-sha256"
-"""The one member of a keyed call's ``json``: no server's JSON names a member so."""
+"""The member of a keyed call's ``json`` holding the digest: no server's JSON names one so."""
+REQUEST_ID = "\x00request-id"
+"""The member holding the ``id`` left out of the key (``keys`` leaves it out of the key)."""
+_LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([\x20\x21\x23-\x5b\x5d-\x7e]{1,256})"\s*,')
+"""An ``id`` opening the body, a plain ASCII string (no escape, no quote): what a KServe
+client writes."""
+_ECHO = rb'"id"(\s*:\s*)"'
+_PLACEHOLDER = b"\\u0000gateway-request-id"
+"""Where a stored answer echoed its caller's id: a JSON string no server writes."""
+_FRAMED = "inference-header-content-length"
+_KSERVE_INFER = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer")
 FRAMING_HEADERS = ("content-type", "content-encoding", "inference-header-content-length")
 """Request headers that change what a body's bytes mean, keyed with them."""
 
@@ -89,8 +108,37 @@ async def keyed(call: Call) -> Call | None:
     for name, value in call.headers:  # every value, in order: a server may read any
         if name.lower() in FRAMING_HEADERS:
             digest.update(f"{name.lower()}:{value}\n".encode(errors="surrogateescape"))
-    digest.update(b"\n" + call.body)
-    return dataclasses.replace(call, json={BODY_DIGEST: digest.hexdigest()})
+    body, found = call.body, None
+    if _KSERVE_INFER.fullmatch(call.path) and (found := _LEADING_ID.match(body)):
+        body = b"{" + body[found.end() :]
+    digest.update(b"id\n" if found else b"\n")
+    digest.update(body)
+    json: dict[str, Any] = {BODY_DIGEST: digest.hexdigest()}
+    if found:
+        json[REQUEST_ID] = found.group(1).decode()
+    return dataclasses.replace(call, json=json)
+
+
+def stored(json: dict[str, Any] | None, body: bytes, headers: Headers) -> bytes | None:
+    """The answer ``body`` as a keyed call's entry stores it: where it echoed the id left
+    out of the key, a placeholder; None when it is not to be stored (its JSON framed by
+    length)."""
+    asked = (json or {}).get(REQUEST_ID)
+    if asked is None:
+        return body
+    if any(name.lower() == _FRAMED for name, _ in headers):
+        return None
+    echo = re.compile(_ECHO + re.escape(asked.encode()) + b'"')
+    return echo.sub(lambda m: b'"id"' + m.group(1) + b'"' + _PLACEHOLDER + b'"', body, count=1)
+
+
+def answered(json: dict[str, Any] | None, reply: Reply) -> Reply:
+    """A hit's ``reply`` with the caller's own id where the stored answer echoed one."""
+    body = reply.body
+    if body is None or _PLACEHOLDER not in body:
+        return reply
+    asked = (json or {}).get(REQUEST_ID, "")
+    return reply.replace(body=body.replace(_PLACEHOLDER, asked.encode(), 1))
 
 
 def sending(call_next: Handler, sent: Call) -> Handler:

@@ -229,7 +229,7 @@ class CacheStage:
             if hit is not None:
                 reply = self._answer(rules, call, hit)
                 if reply is not None:
-                    return reply
+                    return own_apis.answered(call.json, reply)
             rules.count(call, MISS, NONE)
             result = MISS
         reply = (await call_next(call)).with_headers(((CACHE_HEADER, result),))
@@ -371,6 +371,11 @@ class CacheStage:
         version = self._versions.get(backend, "")
 
         async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
+            if (
+                body is not None
+                and (body := own_apis.stored(call.json, body, reply.headers)) is None
+            ):
+                return  # a server's own answer whose echoed id cannot be rewritten
             entry = CachedResponse(
                 200, stored_headers, body, events, self._clock.wall(), backend, version,
                 call.route.name, scope,

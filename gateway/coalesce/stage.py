@@ -68,6 +68,8 @@ class CoalesceStage:
         key = coalesce_key(call)
         if key is None:
             return await call_next(sent)
+        if call.json is not None and own_apis.REQUEST_ID in call.json:  # each its own id
+            key = (key, call.json[own_apis.REQUEST_ID])
         # Anthropic's and the Responses API's answers are handed as the backend sent them,
         # never assembled: a whole answer and a stream have keys of their own (``keys._shape``).
         as_sent = call.streaming or call.path.endswith(AS_SENT_PATHS)
