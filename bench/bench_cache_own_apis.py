@@ -6,8 +6,9 @@ by the gateway (``cache.own_apis``).
 One KServe V2 model server runs one inference at a time in ``SERVICE_MS`` (a model on one
 GPU: about 200 answers a second at best, the case study's ceiling).  Clients ask it for the
 scores of one user's features, drawn from ``USERS`` users by popularity (Zipf, s = 1, a
-fixed seed: some users come back often, most rarely), over keep-alive connections, each
-answered before the next.  The paths, taking turns in each round:
+fixed seed: some users come back often, most rarely), each call with a fresh ``id`` as
+KServe's own client sends, over keep-alive connections, each answered before the next.
+The paths, taking turns in each round:
 
 - direct: to the model server;
 - the gateway (a process of its own) without a cache;
@@ -63,7 +64,8 @@ class Recommender:
         row = body["inputs"][0]["data"]
         scores = [round((row[0] * 31 + i * 17) % 97 / 97, 4) for i in range(8)]
         output = {"name": "scores", "shape": [1, 8], "datatype": "FP32", "data": scores}
-        return web.json_response({"model_name": "recommender", "outputs": [output]})
+        answer = {"model_name": "recommender", "id": body.get("id"), "outputs": [output]}
+        return web.json_response(answer)
 
 
 def requests(seed: int = 7) -> Any:
@@ -75,7 +77,8 @@ def requests(seed: int = 7) -> Any:
     def body() -> dict[str, Any]:
         user = draw.choices(users, weights)[0]
         features = [float(user), float(user % 13), float(user % 7)]
-        return {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": features}]}
+        tensor = {"name": "x", "shape": [1, 3], "datatype": "FP32", "data": features}
+        return {"id": f"{draw.getrandbits(128):032x}", "inputs": [tensor]}  # as KServe's client
 
     return body
 
@@ -130,7 +133,8 @@ if __name__ == "__main__":
         f"`{rounds_command('bench_cache_own_apis', args)}` on {machine()}. One KServe V2 "
         f"model server runs one inference at a time in {SERVICE_MS:g} ms; "
         f"{args.connections} connections ask it for one user's scores, the users drawn "
-        f"from {USERS:,} by Zipf popularity (s = 1, a fixed seed), each call answered before "
+        f"from {USERS:,} by Zipf popularity (s = 1, a fixed seed), each call with a fresh "
+        "`id` as KServe's own client sends (the server echoes it) and answered before "
         "the next; the gateway runs as a process of its own. Each figure is the median "
         "over the rounds, in which the paths take turns; the cached path's entries "
         "persist from round to round. Before `own_apis`, the third row was the second: "
