@@ -451,6 +451,16 @@ async def test_a_kserve_models_scores_are_compared_to_three_digits(
     assert await comparisons(gw, canary, 2) == (1, 1)
 
 
+@pytest.mark.parametrize("depth", [900, 100_000])
+def test_an_answer_nested_past_the_strict_readers_depth_is_not_compared(depth):
+    """A broken server's answer, ``[[[...]]]`` under 256 KiB: read by the gateway's strict
+    reader (at most 64 deep), never by recursion as deep as it goes (before: a
+    RecursionError out of the copy's task)."""
+    deep = b"[" * depth + b"]" * depth
+    assert agree(deep, deep) is None
+    assert agree(b'{"a": NaN}', b'{"a": NaN}') is None  # not JSON either
+
+
 def test_numbers_agree_within_a_thousandth_and_nothing_else_does():
     def scores(*data: Any, **more: Any) -> bytes:
         return json.dumps({"model_name": "m", "outputs": [{"data": list(data)}], **more}).encode()

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 from gateway.cache.keys import cacheability
 from gateway.cache.own_apis import OWN_API_PATH
+from gateway.errors import RequestError
+from gateway.openai.body import loads
 from gateway.openai.sse import StreamRecorder, events_to_json, is_event_stream
 from gateway.pipeline import Call, Reply
 
@@ -104,9 +106,9 @@ def agree(ours: bytes, theirs: bytes) -> bool | None:
     """Whether two answers to one call say the same; None when either cannot be read."""
     if len(ours) > MAX_COMPARED_BYTES or len(theirs) > MAX_COMPARED_BYTES:
         return None
-    try:
-        a, b = json.loads(ours), json.loads(theirs)
-    except (ValueError, UnicodeDecodeError):
+    try:  # strict and bounded (at most MAX_DEPTH deep): a broken server's answer is not read
+        a, b = loads(ours), loads(theirs)
+    except RequestError:
         return None
     ours_vectors, theirs_vectors = _vectors(a), _vectors(b)
     if ours_vectors is not None and theirs_vectors is not None:
