@@ -123,6 +123,8 @@ class Call:
     ``response_ids``), as a test of endpoint URLs; None for any endpoint.  ``spare`` asks
     the backend's guard for room for a hedge (set where its ``max_concurrency``, breaker or
     throttle rules hold the call); None: nothing bounds a hedge but its ``max_ratio``.
+    ``own_key`` is a server's own call's cache key, with the body and headers it was
+    computed from (``cache.own_apis.keyed``, once, when first asked).
     """
 
     id: str
@@ -145,6 +147,7 @@ class Call:
     verdict: Verdict | None = None
     pin: Callable[[str], bool] | None = None
     spare: Spare | None = None
+    own_key: tuple[bytes, Headers, dict[str, Any] | None] | None = field(default=None, repr=False)
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The first value of a request header, case-insensitively."""

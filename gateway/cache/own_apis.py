@@ -87,9 +87,18 @@ FRAMING_HEADERS = ("content-type", "content-encoding", "inference-header-content
 
 async def keyed(call: Call) -> Call | None:
     """``call`` with ``json`` holding its body's digest, when it is a server's own
-    deterministic call; else None."""
+    deterministic call; else None.  Computed once per call, its body and headers
+    (``Call.own_key``): the cache and single flight both ask."""
     if call.json is not None or call.method != "POST":
         return None
+    known = call.own_key
+    if known is None or known[0] is not call.body or known[1] is not call.headers:
+        known = call.own_key = (call.body, call.headers, await _key(call))
+    return dataclasses.replace(call, json=known[2]) if known[2] is not None else None
+
+
+async def _key(call: Call) -> dict[str, Any] | None:
+    """What ``keyed`` puts in a call's ``json``; None for a call that is not keyed."""
     if call.path in OWN_GREEDY:
         try:
             data = await native_object(
@@ -108,15 +117,17 @@ async def keyed(call: Call) -> Call | None:
     for name, value in call.headers:  # every value, in order: a server may read any
         if name.lower() in FRAMING_HEADERS:
             digest.update(f"{name.lower()}:{value}\n".encode(errors="surrogateescape"))
-    body, found = call.body, None
-    if _KSERVE_INFER.fullmatch(call.path) and (found := _LEADING_ID.match(body)):
-        body = b"{" + body[found.end() :]
-    digest.update(b"id\n" if found else b"\n")
-    digest.update(body)
+    found = _LEADING_ID.match(call.body) if _KSERVE_INFER.fullmatch(call.path) else None
+    if found:  # the body without its leading id, uncopied
+        digest.update(b"id\n{")
+        digest.update(memoryview(call.body)[found.end() :])
+    else:
+        digest.update(b"\n")
+        digest.update(call.body)
     json: dict[str, Any] = {BODY_DIGEST: digest.hexdigest()}
     if found:
         json[REQUEST_ID] = found.group(1).decode()
-    return dataclasses.replace(call, json=json)
+    return json
 
 
 def stored(json: dict[str, Any] | None, body: bytes, headers: Headers) -> bytes | None:
