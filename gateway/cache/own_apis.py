@@ -33,6 +33,8 @@ from typing import Any
 from gateway.errors import RequestError
 from gateway.openai.body import native_object
 from gateway.pipeline import Call, Handler, Headers, Reply
+from gateway.policy.generation import dotted
+from gateway.policy.model import Route
 
 OWN_API_PATH = re.compile(
     r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer"  # KServe V2, Triton
@@ -59,9 +61,7 @@ def greedy_whole(body: Mapping[str, Any], path: str) -> bool:
     """Whether a call to ``path`` (``OWN_GREEDY``) asks a greedy answer, whole: its
     temperature a number at or below 0, and no stream (Ollama streams unless ``stream`` is
     false; llama.cpp unless it is true)."""
-    outer, _, inner = OWN_GREEDY[path].rpartition(".")
-    holder = body.get(outer) if outer else body
-    temperature = holder.get(inner) if isinstance(holder, Mapping) else None
+    temperature = dotted(body, OWN_GREEDY[path])
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         return False
     stream = body.get("stream")
@@ -83,6 +83,13 @@ _FRAMED = "inference-header-content-length"
 _KSERVE_INFER = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer")
 FRAMING_HEADERS = ("content-type", "content-encoding", "inference-header-content-length")
 """Request headers that change what a body's bytes mean, keyed with them."""
+
+
+def taken(route: Route) -> bool:
+    """Whether ``route`` takes the servers' own calls as deterministic: its
+    ``cache.own_apis``, or, on a route without a cache, always (single flight, a mirror's
+    comparison)."""
+    return route.cache is None or route.cache.own_apis
 
 
 async def keyed(call: Call) -> Call | None:

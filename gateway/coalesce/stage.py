@@ -62,8 +62,7 @@ class CoalesceStage:
         if flights is None:
             return await call_next(call)
         sent = call
-        cache = call.route.cache
-        if call.json is None and (cache is None or cache.own_apis):
+        if call.json is None and own_apis.taken(call.route):
             call = await own_apis.keyed(call) or call  # a server's own: keyed by its digest
         key = coalesce_key(call)
         if key is None:

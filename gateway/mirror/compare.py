@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+from gateway.cache import own_apis
 from gateway.cache.keys import cacheability
 from gateway.cache.own_apis import OWN_API_PATH
 from gateway.errors import RequestError
@@ -69,9 +70,8 @@ def comparable(call: Call, reply: Reply) -> bytes | None:
     if reply.status != 200 or body is None or len(body) > MAX_COMPARED_BYTES:
         return None
     if call.json is None:  # a server's own call: compared when its body decides its answer
-        cache = call.route.cache
         own = call.method == "POST" and OWN_API_PATH.fullmatch(call.path) is not None
-        return body if own and (cache is None or cache.own_apis) else None
+        return body if own and own_apis.taken(call.route) else None
     if call.streaming or not cacheability(call.json, call.path).ok:
         return None
     return body

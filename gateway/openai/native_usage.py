@@ -31,7 +31,7 @@ from gateway.errors import RequestError
 from gateway.openai.body import native_object, texts_read
 from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
 from gateway.pipeline import Call
-from gateway.policy.generation import TEXT_MEMBERS, is_native, output_fields, prompts_in
+from gateway.policy.generation import TEXT_MEMBERS, dotted, is_native, output_fields, prompts_in
 
 
 def _count(name: str, tensor: bool = False) -> re.Pattern[bytes]:
@@ -152,9 +152,7 @@ async def native_bound(call: Call) -> int:
     except RequestError:  # the backend's to refuse, as it was sent
         return 0
     for name in output_fields(call.path) or ():
-        outer, _, inner = name.rpartition(".")
-        holder = data.get(outer) if outer else data
-        value = holder.get(inner) if isinstance(holder, dict) else None
+        value = dotted(data, name)
         if isinstance(value, int) and not isinstance(value, bool):
             return value * prompts_in(data.get("prompt")) if value > 0 else 0
     return 0

@@ -11,6 +11,7 @@ may otherwise generate up to the model's context), and the most choices (``n``,
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -89,6 +90,14 @@ CHOICE_FIELDS = {
 """Per endpoint, the fields asking for several answers to one call."""
 PROMPT_LISTS = frozenset({"/v1/completions", "/completion", "/completions"})
 """Endpoints whose ``prompt`` may be a list of prompts, each answered (``n`` times)."""
+
+
+def dotted(data: Mapping[str, Any], name: str) -> Any:
+    """``data``'s field ``name``, a dotted name reaching into an object member
+    (``options.num_predict``); None where it or its object is absent, or that is no object."""
+    outer, _, inner = name.rpartition(".")
+    holder = data.get(outer) if outer else data
+    return holder.get(inner) if isinstance(holder, Mapping) else None
 
 
 def prompts_in(prompt: Any) -> int:
