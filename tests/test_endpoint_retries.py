@@ -158,7 +158,7 @@ async def test_endpoint_retries_0_and_a_spent_budget_let_the_503_through(serve_a
 
 async def test_the_budget_is_the_backends_endpoint_retry_budget(serve_app):
     """Half a retry a call: the second call with nothing saved goes on; with a budget of 0
-    none does, whatever was asked."""
+    none does, whatever was asked, not even the retries a backend starts with."""
     loading, ready = Server("loading", 503, LOADING), Server("ready")
     backend, endpoints = await fleet(serve_app, loading, ready, endpoint_retry_budget=0.5)
     endpoints.calls.saved = 0.0
@@ -166,7 +166,7 @@ async def test_the_budget_is_the_backends_endpoint_retry_budget(serve_app):
     later(endpoints)
     assert (await send(endpoints, backend)).status == 200  # a whole one
     backend, endpoints = await fleet(serve_app, loading, ready, endpoint_retry_budget=0)
-    endpoints.calls.saved = 0.0
+    assert endpoints.calls.saved == 10.0  # saved up at the start, as a backend starts
     for _ in range(5):
         later(endpoints)
         assert (await send(endpoints, backend)).status == 503

@@ -397,7 +397,8 @@ class Backend:
             "The retries `endpoint_retries` may add, as a share of the backend's calls over "
             "time (Envoy's retry budget): each call earns this much of a retry, each retry "
             "spends one, and at most 10 are saved up (as many to start with), so a fleet "
-            "failing as a whole is not sent its load again on top. 0..1."
+            "failing as a whole is not sent its load again on top. 0..1; 0 allows no retry "
+            "at all."
         ),
     )
     hedge: Hedge | None = field(

@@ -18,9 +18,9 @@ up to ``backends.<name>.endpoint_retries`` times (nginx's ``proxy_next_upstream`
 (the head is read before a single byte is relayed).  A timeout is not retried: it spent the
 backend's ``timeout_s`` already.  Retries are budgeted per backend as Envoy budgets them:
 each call earns its backend's ``endpoint_retry_budget`` of a retry (0.2, Envoy's default)
-and each retry spends one, at most ``MAX_SAVED``
-saved up (as many to start with), so a fleet failing as a whole is not sent its load again
-on top.  When no endpoint serves it, the last answer or error is the call's, and the route's
+and each retry spends one, at most ``MAX_SAVED`` saved up (as many to start with; none
+with a budget of 0), so a fleet failing as a whole is not sent its load again on top.  When
+no endpoint serves it, the last answer or error is the call's, and the route's
 ``fallback`` takes it from there.  Counted in ``gateway_endpoint_retries_total{backend,
 reason, outcome}``.
 """
@@ -142,7 +142,9 @@ class Calls:
         retries = 0
         if several and pinned is None and (inert or resendable(method, path_qs, headers)):
             retries = backend.endpoint_retries
-            self.saved = min(MAX_SAVED, self.saved + backend.endpoint_retry_budget)
+            earned = backend.endpoint_retry_budget
+            # a budget of 0 allows none, not the retries saved at the start
+            self.saved = min(MAX_SAVED, self.saved + earned) if earned > 0 else 0.0
         while True:
             endpoint = pinned if pinned is not None else endpoints.pick(tried, affinity, model)
             tried.append(endpoint)
