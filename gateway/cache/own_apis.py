@@ -1,7 +1,7 @@
 """The model servers' own deterministic calls (``OWN_API_PATH``: KServe V2 / Triton
 ``infer``, TF Serving ``:predict``, TEI's, llama.cpp's, Ollama's and vLLM's embeddings,
 reranking and classification; ``OWN_GREEDY``: llama.cpp's and Ollama's generations
-asked greedy and whole), keyed for the cache and single flight.
+asked greedy, whole or streamed), keyed for the cache and single flight.
 
 Such a call is keyed by its body's bytes, not by its parsed JSON: a tensor of 400,000
 numbers (8 MB of JSON) takes a second of the event loop to parse and write canonically,
@@ -10,7 +10,12 @@ say how to read the bytes are keyed with them (``FRAMING_HEADERS``: KServe's bin
 extension, a compressed body).  The stage sees the call with ``json`` holding only that
 digest (``keyed``), never the next stages: the call goes on as it came (``sending``).
 A generation's body is read (strict JSON, bounded as every body the gateway reads) only to
-tell whether it asks a greedy answer, whole; one the gateway cannot read is not cached.
+tell whether it asks a greedy answer; one the gateway cannot read is not cached.  A greedy
+stream (llama.cpp's SSE, Ollama's NDJSON, Ollama's default) is keyed as its body is, with
+``stream`` in ``json`` so the stages hand it on as a stream; it is stored as it came, and
+only once it has ended as the server ends one well (``ended``: llama.cpp's last event
+``"stop": true``, Ollama's last line ``"done": true``, neither after an error), and a hit
+replays its bytes.
 
 A KServe V2 request's ``id`` is echoed in its answer, and KServe's own Python client sends a
 fresh one with every call (``uuid4``): keyed with it, no call would ever hit.  So an ``id``
@@ -35,6 +40,7 @@ from gateway.openai.body import native_object
 from gateway.pipeline import Call, Handler, Headers, Reply
 from gateway.policy.generation import dotted
 from gateway.policy.model import Route
+from gateway.transport.headers import is_streamed
 
 OWN_API_PATH = re.compile(
     r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer"  # KServe V2, Triton
@@ -54,25 +60,40 @@ OWN_GREEDY = {
     "/api/chat": "options.temperature",
 }
 """The servers' own generation paths, where each names its temperature: a call asking a
-greedy answer, whole (``greedy_whole``), is cached as ``OWN_API_PATH``'s are."""
+greedy answer (``greedy``) is cached as ``OWN_API_PATH``'s are."""
 
 
-def greedy_whole(body: Mapping[str, Any], path: str) -> bool:
-    """Whether a call to ``path`` (``OWN_GREEDY``) asks a greedy answer, whole: its
-    temperature a number at or below 0, and no stream (Ollama streams unless ``stream`` is
-    false; llama.cpp unless it is true)."""
+def greedy(body: Mapping[str, Any], path: str) -> bool:
+    """Whether a call to ``path`` (``OWN_GREEDY``) asks a greedy answer: its temperature a
+    number at or below 0."""
     temperature = dotted(body, OWN_GREEDY[path])
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         return False
+    return temperature <= 0
+
+
+def streams(body: Mapping[str, Any], path: str) -> bool:
+    """Whether a call to ``path`` (``OWN_GREEDY``) asks for a stream: Ollama streams unless
+    ``stream`` is false, llama.cpp only when it is true."""
     stream = body.get("stream")
-    whole = stream is False if path.startswith("/api/") else stream in (None, False)
-    return temperature <= 0 and whole
+    return stream is not False if path.startswith("/api/") else stream is True
 
 
 BODY_DIGEST = "\x00body-sha256"
 """The member of a keyed call's ``json`` holding the digest: no server's JSON names one so."""
 REQUEST_ID = "\x00request-id"
 """The member holding the ``id`` left out of the key (``keys`` leaves it out of the key)."""
+_ENDED = {  # how each server's stream ends well: its last piece, and an error anywhere
+    "sse": (  # llama.cpp's: the last event says "stop" (older servers add a [DONE])
+        re.compile(rb'\A\s*data: ?\{.*(?<!\\)"stop"\s*:\s*true\s*[,}]', re.DOTALL),
+        re.compile(rb'^data: ?\{\s*"error"', re.MULTILINE),
+    ),
+    "lines": (  # Ollama's: the last line says "done"
+        re.compile(rb'\A\s*\{.*(?<!\\)"done"\s*:\s*true\s*[,}]', re.DOTALL),
+        re.compile(rb'^\s*\{\s*"error"', re.MULTILINE),
+    ),
+}
+_SSE_DONE = b"data: [DONE]"
 _LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([\x20\x21\x23-\x5b\x5d-\x7e]{1,256})"\s*,')
 """An ``id`` opening the body, a plain ASCII string (no escape, no quote): what a KServe
 client writes."""
@@ -106,6 +127,7 @@ async def keyed(call: Call) -> Call | None:
 
 async def _key(call: Call) -> dict[str, Any] | None:
     """What ``keyed`` puts in a call's ``json``; None for a call that is not keyed."""
+    streamed = False
     if call.path in OWN_GREEDY:
         try:
             data = await native_object(
@@ -116,8 +138,9 @@ async def _key(call: Call) -> dict[str, Any] | None:
             )
         except RequestError:  # the backend's to judge, uncached
             return None
-        if not greedy_whole(data, call.path):
+        if not greedy(data, call.path):
             return None
+        streamed = streams(data, call.path)
     elif not OWN_API_PATH.fullmatch(call.path):
         return None
     digest = hashlib.sha256()
@@ -132,22 +155,49 @@ async def _key(call: Call) -> dict[str, Any] | None:
         digest.update(b"\n")
         digest.update(call.body)
     json: dict[str, Any] = {BODY_DIGEST: digest.hexdigest()}
+    if streamed:  # ``Call.streaming``: the stages hand it on as a stream
+        json["stream"] = True
     if found:
         json[REQUEST_ID] = found.group(1).decode()
     return json
 
 
-def stored(json: dict[str, Any] | None, body: bytes, headers: Headers) -> bytes | None:
-    """The answer ``body`` as a keyed call's entry stores it: where it echoed the id left
-    out of the key, a placeholder; None when it is not to be stored (its JSON framed by
-    length)."""
-    asked = (json or {}).get(REQUEST_ID)
+def is_keyed(call: Call) -> bool:
+    """Whether ``call`` is a server's own call as ``keyed`` keys it."""
+    return call.json is not None and BODY_DIGEST in call.json
+
+
+def stored(call: Call, body: bytes, headers: Headers) -> bytes | None:
+    """The answer ``body`` to ``call`` as its entry stores it: where it echoed the id left
+    out of the key, a placeholder; None when it is not to be stored (a keyed call's stream
+    that did not end well, ``ended``; its JSON framed by length)."""
+    if is_keyed(call) and is_streamed(headers) and not ended(call.path, body):
+        return None
+    asked = (call.json or {}).get(REQUEST_ID)
     if asked is None:
         return body
     if any(name.lower() == _FRAMED for name, _ in headers):
         return None
     echo = re.compile(_ECHO + re.escape(asked.encode()) + b'"')
     return echo.sub(lambda m: b'"id"' + m.group(1) + b'"' + _PLACEHOLDER + b'"', body, count=1)
+
+
+def ended(path: str, body: bytes) -> bool:
+    """Whether a server's own stream of ``path`` ended as the server ends one well, a
+    generation's (``OWN_GREEDY``): llama.cpp's last event ``"stop": true``, Ollama's last
+    line ``"done": true``, neither after an error.  Any other server's stream, never (no
+    other keyed path streams)."""
+    if path not in OWN_GREEDY:
+        return False
+    text = body.rstrip()
+    if path.startswith("/api/"):
+        last_piece, failed = _ENDED["lines"]
+        last = text.rpartition(b"\n")[2]
+    else:
+        last_piece, failed = _ENDED["sse"]
+        text = text.removesuffix(_SSE_DONE).rstrip()
+        last = text.rpartition(b"\n\n")[2]
+    return last_piece.match(last) is not None and failed.search(body) is None
 
 
 def answered(json: dict[str, Any] | None, reply: Reply) -> Reply:

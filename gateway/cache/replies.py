@@ -22,7 +22,7 @@ from gateway.cache.entry import CachedResponse
 from gateway.cache.keys import AS_SENT_PATHS
 from gateway.openai.sse import StreamRecorder, events_to_json, json_to_events, render_sse
 from gateway.pipeline import Headers, Reply
-from gateway.transport.headers import SSE_TYPE, is_event_stream
+from gateway.transport.headers import SSE_TYPE, is_streamed
 from gateway.wire import MESSAGES_PATH
 
 log = logging.getLogger("gateway.cache")
@@ -77,7 +77,7 @@ def hit_body(
     ``ValueError`` when a stored JSON answer cannot be converted, or when an answer stored
     as sent (``as_sent``, ``verbatim``) is not in that shape."""
     stored = _content_type(entry.headers) or ""
-    sent_as_stream = entry.body is not None and is_event_stream((("content-type", stored),))
+    sent_as_stream = entry.body is not None and is_streamed((("content-type", stored),))
     if as_sent or sent_as_stream:
         if entry.body is None or sent_as_stream != streaming:  # its own shape only
             raise ValueError("an answer stored as sent is replayed in its own shape only")

@@ -21,8 +21,8 @@ it costs the backend nothing.  For each call on a caching route:
   response has reached the client, and a cut stream is never stored);
 * ``/v1/embeddings`` is cached per input item: only the missing items go upstream, in one
   call, and the answer is assembled in input order;
-* the servers' own deterministic calls (KServe V2 ``infer``, TEI's ``/embed``...) are cached
-  whole where the route's ``cache.own_apis`` holds (``own_apis``).
+* the servers' own deterministic calls (KServe V2 ``infer``, TEI's ``/embed``, greedy
+  generations, streamed or not) are cached as they came where ``cache.own_apis`` holds.
 
 A store that is down, slow or flushed makes a miss, counted in
 ``gateway_cache_store_errors_total``; it never fails a request.
@@ -333,7 +333,7 @@ class CacheStage:
             if not carries_usage(events):
                 return None  # a stream stored without usage cannot give it: a miss
         try:
-            as_sent = verbatim(call.path)
+            as_sent = verbatim(call.path) or own_apis.is_keyed(call)
             body, content_type = hit_body(
                 hit.entry, streaming=call.streaming, include_usage=include_usage, as_sent=as_sent
             )
@@ -371,11 +371,8 @@ class CacheStage:
         version = self._versions.get(backend, "")
 
         async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
-            if (
-                body is not None
-                and (body := own_apis.stored(call.json, body, reply.headers)) is None
-            ):
-                return  # a server's own answer whose echoed id cannot be rewritten
+            if body is not None and (body := own_apis.stored(call, body, reply.headers)) is None:
+                return  # a server's own answer not to store (its stream cut, its id framed)
             entry = CachedResponse(
                 200, stored_headers, body, events, self._clock.wall(), backend, version,
                 call.route.name, scope,
@@ -383,8 +380,9 @@ class CacheStage:
             await self._put(rules, key, entry, ttl_s)
 
         events = is_event_stream(reply.headers)
-        as_sent = events and verbatim(call.path)  # stored as it came, once whole
-        store = whole_stream(put, call.path) if as_sent else put
+        verbatim_stream = events and verbatim(call.path)  # stored as it came, once whole
+        as_sent = verbatim_stream or own_apis.is_keyed(call)  # a server's own, as it came
+        store = whole_stream(put, call.path) if verbatim_stream else put
         if reply.body is not None and (not events or as_sent):
             await store(None, reply.body)
         elif reply.body is not None:

@@ -18,8 +18,9 @@ caller.  Joiners are counted in ``gateway_coalesced_requests_total`` and answere
 ``X-Gateway-Coalesced: 1``.
 
 The servers' own deterministic calls (``cache.own_apis``: KServe V2 ``infer``, TEI's
-``/embed``...) are coalesced by the same key, their body's digest, and sent as they came;
-their answers are handed whole, as the backend sent them.
+``/embed``, greedy generations, streamed or not...) are coalesced by the same key, their
+body's digest, and sent as they came; their answers are handed as the backend sent them,
+byte for byte, a stream as a stream.
 
 Anthropic's Messages API is coalesced too, at temperature 0, and the Responses API when the
 server stores nothing (``store: false``): a stream joins only streams and a whole answer
@@ -69,9 +70,10 @@ class CoalesceStage:
             return await call_next(sent)
         if call.json is not None and own_apis.REQUEST_ID in call.json:  # each its own id
             key = (key, call.json[own_apis.REQUEST_ID])
-        # Anthropic's and the Responses API's answers are handed as the backend sent them,
-        # never assembled: a whole answer and a stream have keys of their own (``keys._shape``).
-        as_sent = call.streaming or call.path.endswith(AS_SENT_PATHS)
+        # Anthropic's, the Responses API's and the servers' own answers are handed as the
+        # backend sent them, never assembled: a whole answer and a stream have keys of their
+        # own (``keys._shape``; a server's own call's body, ``stream`` in it).
+        as_sent = call.streaming or own_apis.is_keyed(call) or call.path.endswith(AS_SENT_PATHS)
         reply = await flights.do(key, lambda: call_next(sent), stream=as_sent)
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
 

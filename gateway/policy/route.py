@@ -171,7 +171,8 @@ class RouteCache:
             "Triton `infer`, TF Serving `:predict`, TEI's `/embed`, `/rerank` and "
             "`/predict`, llama.cpp's `/embedding`, Ollama's `/api/embed`, vLLM's `/pooling`, "
             "`/score` and `/classify`; and llama.cpp's `/completion` and Ollama's `/api/chat` "
-            "and `/api/generate` asked a greedy answer, whole (temperature 0, no stream). "
+            "and `/api/generate` asked a greedy answer (temperature 0), whole or streamed (a "
+            "stream stored once it ended well, replayed as it came). "
             "Off: for a model that samples behind one of them (an LLM behind `infer`)."
         ),
     )

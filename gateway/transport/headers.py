@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gateway.openai.sse import SSE_TYPE, is_event_stream, media_type
+from gateway.openai.sse import SSE_TYPE, is_event_stream, is_streamed, media_type
 from gateway.wire import connection_options
 
-__all__ = ["SSE_TYPE", "is_event_stream", "media_type"]  # read in openai.sse, one rule
+__all__ = ["SSE_TYPE", "is_event_stream", "is_streamed", "media_type"]  # openai.sse's rule
 
 # RFC 9110 7.6.1 plus the de-facto ones proxies strip (nginx, Envoy).
 HOP_BY_HOP = frozenset(

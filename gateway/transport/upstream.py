@@ -32,7 +32,7 @@ from gateway.policy.model import Backend
 from gateway.policy.routing import INFERENCE_PATH
 from gateway.transport.connection import Connection, StaleConnection
 from gateway.transport.connection import Head as ResponseHead
-from gateway.transport.headers import RESPONSE_OWNED, SSE_TYPE, media_type, strip
+from gateway.transport.headers import RESPONSE_OWNED, is_streamed, strip
 from gateway.transport.pool import HostPool, heard
 from gateway.transport.relocate import Relocation
 
@@ -184,7 +184,7 @@ class BackendPool:
         headers_out = self._relocation.headers(tuple(strip(resp.headers, RESPONSE_OWNED)))
         length = resp.content_length
         prefix: list[bytes] = []
-        if method != "HEAD" and not streaming and not _streams(resp.headers):
+        if method != "HEAD" and not streaming and not is_streamed(resp.headers):
             # An answer nobody reads piece by piece: read it whole, up to the buffer limit,
             # so that one whose framing breaks is a 502 rather than a cut answer.
             whole = conn.whole_body()  # the common case: it came with the head
@@ -338,21 +338,6 @@ async def _chunks(conn: Connection, prefix: list[bytes]) -> AsyncIterator[bytes]
         prefix.clear()
     async for chunk in conn.body_chunks():
         yield chunk
-
-
-STREAMING_TYPES = (
-    SSE_TYPE,
-    "application/x-ndjson",
-    "application/ndjson",
-    "application/jsonl",
-    "application/json-seq",
-    "application/stream+json",
-)
-"""Content types read piece by piece (SSE, Ollama's NDJSON...): relayed as they arrive."""
-
-
-def _streams(headers: list[tuple[str, str]]) -> bool:
-    return media_type(headers) in STREAMING_TYPES
 
 
 def _ssl_context(backend: Backend) -> ssl.SSLContext:

@@ -1,0 +1,210 @@
+"""A greedy generation asked of a server's own API as a stream (llama.cpp's ``/completion``
+with ``stream: true``, Ollama's ``/api/chat`` and ``/api/generate``, which stream unless
+told not to) is cached as it came (``cache.own_apis``, ``gateway/cache/own_apis.py``): stored
+once it has ended as the server ends a stream well, replayed byte for byte, and shared by
+single flight while in flight.  Before, every such call passed a caching route uncached
+(``X-Gateway-Cache: bypass``): Ollama's default, whatever its temperature."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+
+from gateway.pipeline import Reply
+from gateway.testing import Sent, stream_reply
+from tests.helpers import policy, until
+
+URL = "http://main.test"
+ALICE = [("Authorization", "Bearer sk-alice")]
+BOB = [("Authorization", "Bearer sk-bob")]
+NDJSON = "application/x-ndjson"
+LLAMA = (  # llama.cpp's /completion stream: its events, the last with "stop"
+    b'data: {"index":0,"content":" Paris","tokens":[7127],"stop":false}\n\n',
+    b'data: {"index":0,"content":".","stop":true,"tokens_predicted":2,"stop_type":"limit"}\n\n',
+)
+OLLAMA = (  # Ollama's /api/chat stream: a JSON object a line, the last one "done"
+    b'{"model":"gemma3","message":{"role":"assistant","content":"Paris"},"done":false}\n',
+    b'{"model":"gemma3","message":{"role":"assistant","content":""},"done":true,'
+    b'"done_reason":"stop","eval_count":2}\n',
+)
+GREEDY_STREAMS = [
+    ("/completion", {"prompt": "Paris is", "temperature": 0, "stream": True}, LLAMA, "sse"),
+    (  # an older llama.cpp ended its stream with a [DONE]
+        "/infill",
+        {"input_prefix": "def f(", "temperature": 0, "stream": True},
+        (*LLAMA, b"data: [DONE]\n\n"),
+        "sse",
+    ),
+    ("/api/chat", {"model": "gemma3", "messages": [], "options": {"temperature": 0}}, OLLAMA, "nd"),
+    (
+        "/api/generate",
+        {"model": "gemma3", "prompt": "p", "stream": True, "options": {"temperature": 0}},
+        OLLAMA,
+        "nd",
+    ),
+]
+
+
+class Streaming:
+    """A model server answering every call with ``chunks`` as a stream (``cut``: the
+    connection breaks after the first), holding calls while ``gate`` is closed."""
+
+    def __init__(self, chunks: Sequence[bytes], kind: str, cut: bool = False) -> None:
+        self.chunks, self.cut = chunks, cut
+        self.content_type = "text/event-stream" if kind == "sse" else NDJSON
+        self.bodies: list[bytes] = []
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self, sent: Sent) -> Reply:
+        self.bodies.append(sent.body)
+        if self.gate is not None:
+            await self.gate.wait()
+        return stream_reply(self._relay(), content_type=self.content_type)
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        for n, chunk in enumerate(self.chunks):
+            if self.cut and n == 1:
+                raise ConnectionResetError("the server went away")
+            yield chunk
+
+
+async def gateway(pipeline: Any, model: Streaming, **cache: Any) -> Any:
+    routes = {"match": {"path": "*"}, "cache": {"ttl_s": 60, **cache}}
+    return await pipeline(policy({"main": {"url": URL}}, routes), model)
+
+
+@pytest.mark.parametrize(("path", "body", "chunks", "kind"), GREEDY_STREAMS)
+async def test_a_greedy_stream_is_replayed_byte_for_byte(pipeline, path, body, chunks, kind):
+    model = Streaming(chunks, kind)
+    gw = await gateway(pipeline, model)
+    first = await gw.post(path, body, headers=ALICE)
+    again = await gw.post(path, body, headers=ALICE)
+    assert [first.headers["X-Gateway-Cache"], again.headers["X-Gateway-Cache"]] == ["miss", "hit"]
+    assert first.body == again.body == b"".join(chunks)
+    assert again.headers["Content-Type"] == model.content_type
+    assert len(model.bodies) == 1
+    other = await gw.post(path, body, headers=BOB)  # another tenant: its own call
+    assert other.headers["X-Gateway-Cache"] == "miss" and len(model.bodies) == 2
+
+
+ENDED_BADLY = [
+    ("sse", LLAMA[:1]),  # cut between events: its last not "stop"
+    ("sse", (LLAMA[0], b'data: {"error":{"code":500,"message":"out of memory"}}\n\n')),
+    ("sse", (LLAMA[0], b'data: {"error":{"code":500}}\n\n', LLAMA[1])),
+    ("sse", (LLAMA[1], LLAMA[0])),
+    ("sse", (LLAMA[0], b'data: {"content":"\\"stop\\":true","stop":false}\n\n')),
+    ("nd", OLLAMA[:1]),  # its last line not done
+    ("nd", (OLLAMA[0], b'{"error":"model runner has unexpectedly stopped"}\n')),
+    ("nd", (b'{"error":"x"}\n', OLLAMA[1])),
+    ("nd", (OLLAMA[0], OLLAMA[1].replace(b'"done":true', b'"done":false'))),
+    ("nd", (OLLAMA[0], b'{"response":"\\"done\\":true"}\n')),  # only its text says so
+]
+
+
+@pytest.mark.parametrize(("kind", "chunks"), ENDED_BADLY)
+async def test_a_stream_that_did_not_end_well_is_not_stored(pipeline, kind, chunks):
+    """A stream is stored only once it has ended as its server ends one well: llama.cpp's
+    ``data: [DONE]``, Ollama's last line ``"done": true``, neither after an error."""
+    path, body = GREEDY_STREAMS[0][:2] if kind == "sse" else GREEDY_STREAMS[2][:2]
+    model = Streaming(chunks, kind)
+    gw = await gateway(pipeline, model)
+    for _ in range(2):
+        answer = await gw.post(path, body, headers=ALICE)
+        assert answer.headers["X-Gateway-Cache"] == "miss"
+        assert answer.body == b"".join(chunks)  # relayed as the server sent it
+    assert len(model.bodies) == 2
+
+
+@pytest.mark.parametrize(("path", "body", "chunks", "kind"), GREEDY_STREAMS)
+async def test_a_stream_cut_off_is_not_stored(pipeline, path, body, chunks, kind):
+    model = Streaming(chunks, kind, cut=True)
+    gw = await gateway(pipeline, model)
+    for _ in range(2):
+        answer = await gw.post(path, body, headers=ALICE)
+        assert answer.headers["X-Gateway-Cache"] == "miss" and not answer.complete
+    assert len(model.bodies) == 2
+
+
+async def test_a_stream_and_a_whole_answer_never_share_an_entry(pipeline):
+    """The same greedy question asked streamed and whole: two entries, each replayed in its
+    own shape (the body's bytes key it, ``stream`` among them)."""
+    model = Streaming(LLAMA, "sse")
+    gw = await gateway(pipeline, model)
+    streamed = {"prompt": "Paris is", "temperature": 0, "stream": True}
+    whole = {"prompt": "Paris is", "temperature": 0}
+    states = [
+        (await gw.post("/completion", asked, headers=ALICE)).headers["X-Gateway-Cache"]
+        for asked in (streamed, whole, streamed)
+    ]
+    assert states == ["miss", "miss", "hit"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/completion", {"prompt": "p", "temperature": 0.7, "stream": True}),
+        ("/completion", {"prompt": "p", "stream": True}),  # llama.cpp samples unless told
+        ("/api/chat", {"model": "m", "messages": []}),  # Ollama's default temperature
+        ("/api/generate", {"model": "m", "options": {"temperature": 0.2}}),
+    ],
+)
+async def test_a_sampled_stream_is_not_cached(pipeline, path, body):
+    model = Streaming(LLAMA if path == "/completion" else OLLAMA, "sse")
+    gw = await gateway(pipeline, model)
+    for _ in range(2):
+        assert (await gw.post(path, body, headers=ALICE)).headers["X-Gateway-Cache"] == "bypass"
+    assert len(model.bodies) == 2
+
+
+async def test_own_apis_false_leaves_streams_uncached(pipeline):
+    model = Streaming(OLLAMA, "nd")
+    gw = await gateway(pipeline, model, own_apis=False)
+    path, body = GREEDY_STREAMS[2][:2]
+    for _ in range(2):
+        assert (await gw.post(path, body, headers=ALICE)).headers["X-Gateway-Cache"] == "bypass"
+    assert len(model.bodies) == 2
+
+
+@pytest.mark.parametrize(("path", "body", "chunks", "kind"), GREEDY_STREAMS)
+async def test_identical_greedy_streams_in_flight_share_one_call(
+    pipeline, path, body, chunks, kind
+):
+    """Three callers of one greedy stream while the first is in flight: one upstream call,
+    each caller the whole stream as the server sent it."""
+    model = Streaming(chunks, kind)
+    model.gate = asyncio.Event()
+    gw = await gateway(pipeline, model)
+    calls = [asyncio.ensure_future(gw.post(path, body, headers=ALICE)) for _ in range(3)]
+    await until(lambda: len(model.bodies) == 1)
+    await asyncio.sleep(0.05)  # the others have joined the flight by now
+    model.gate.set()
+    answers = await asyncio.gather(*calls)
+    assert len(model.bodies) == 1
+    assert [a.body for a in answers] == [b"".join(chunks)] * 3
+    assert sum(a.headers.get("X-Gateway-Coalesced") == "1" for a in answers) == 2
+
+
+@pytest.mark.llm
+async def test_llama_cpps_own_greedy_stream_is_answered_from_the_cache(
+    llama, start_gateway, tmp_path
+):
+    """The real server (llama.cpp, Gemma 3 270M): a greedy ``/completion`` streamed twice is
+    generated once, the second replayed from the cache byte for byte."""
+    import httpx
+
+    from tests.helpers import write_policy
+
+    route = {"name": "llm", "match": {"path": "*"}, "backend": "llm", "cache": {"ttl_s": 60}}
+    doc = {"backends": {"llm": {"url": llama.url}}, "routes": [route]}
+    gw = await start_gateway(policy=write_policy(tmp_path, doc))
+    asked = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+        first = await client.post("/completion", json={**asked, "stream": True})
+        again = await client.post("/completion", json={**asked, "stream": True})
+    assert [r.headers["X-Gateway-Cache"] for r in (first, again)] == ["miss", "hit"]
+    assert again.headers["Content-Type"].startswith("text/event-stream")
+    assert again.content == first.content
+    assert b'"stop":true' in first.content.rpartition(b"\n\ndata: ")[2]  # its last event
