@@ -47,22 +47,6 @@ def is_event_stream(headers: Iterable[tuple[str, str]]) -> bool:
     return media_type(headers) == SSE_TYPE
 
 
-STREAMING_TYPES = (
-    SSE_TYPE,
-    "application/x-ndjson",
-    "application/ndjson",
-    "application/jsonl",
-    "application/json-seq",
-    "application/stream+json",
-)
-"""Content types read piece by piece (SSE, Ollama's NDJSON...): relayed as they arrive."""
-
-
-def is_streamed(headers: Iterable[tuple[str, str]]) -> bool:
-    """True for a body sent as a stream of pieces (``STREAMING_TYPES``)."""
-    return media_type(headers) in STREAMING_TYPES
-
-
 def split_events(text: str) -> list[str]:
     """The complete event blocks of a stream's text, each as sent: its lines and the blank
     line that ends it, line endings kept (a block not yet ended is left out)."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gateway.openai.sse import SSE_TYPE, is_event_stream, is_streamed, media_type
+from gateway.openai.sse import SSE_TYPE, is_event_stream, media_type
 from gateway.wire import connection_options
 
-__all__ = ["SSE_TYPE", "is_event_stream", "is_streamed", "media_type"]  # openai.sse's rule
+__all__ = ["SSE_TYPE", "is_event_stream", "media_type"]  # read in openai.sse, one rule
 
 # RFC 9110 7.6.1 plus the de-facto ones proxies strip (nginx, Envoy).
 HOP_BY_HOP = frozenset(
@@ -59,3 +59,19 @@ def strip(pairs: Iterable[tuple[str, str]], owned: frozenset[str]) -> list[tuple
 
 
 _DROPS: dict[frozenset[str], frozenset[str]] = {}
+
+
+STREAMING_TYPES = (
+    SSE_TYPE,
+    "application/x-ndjson",
+    "application/ndjson",
+    "application/jsonl",
+    "application/json-seq",
+    "application/stream+json",
+)
+"""Content types read piece by piece (SSE, Ollama's NDJSON...): relayed as they arrive."""
+
+
+def is_streamed(headers: Iterable[tuple[str, str]]) -> bool:
+    """True for a body sent as a stream of pieces (``STREAMING_TYPES``)."""
+    return media_type(headers) in STREAMING_TYPES
