@@ -383,12 +383,46 @@ async def test_an_answer_framed_by_length_is_not_stored_when_its_id_was_left_out
         assert answer.headers["X-Gateway-Cache"] == "miss"
 
 
-async def test_calls_in_flight_with_their_own_ids_never_share_one_answer(pipeline):
+async def test_calls_in_flight_with_their_own_ids_share_one_call_each_its_own_id(pipeline):
+    """KServe's client sends a fresh id with every call: identical inferences in flight
+    share one call all the same, each caller given its own id where the answer echoed the
+    first's."""
     model = Echoing()
     route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
     gw = await pipeline(policy({"main": {"url": URL}}, route), model)
     model.gate = asyncio.Event()
     calls = [gw.send("POST", INFER, body=with_id(f"r-{i}", [1, 2, 3])) for i in range(3)]
-    await until(lambda: len(model.bodies) == 3)
+    await until(lambda: len(model.bodies) == 1)
+    await until(lambda: joined(gw) == 2)
+    model.gate.set()
+    answers = [await c.done() for c in calls]
+    assert [a.json()["id"] for a in answers] == ["r-0", "r-1", "r-2"]
+    assert len(model.bodies) == 1 and len({json.dumps(a.json()["outputs"]) for a in answers}) == 1
+
+
+class Framing(Echoing):
+    """Echoes each id in an answer framed by length, as for KServe's binary tensors."""
+
+    async def __call__(self, sent: Sent) -> Reply:
+        reply = await super().__call__(sent)
+        return reply.with_headers(
+            (("Inference-Header-Content-Length", str(len(reply.body or b""))),)
+        )
+
+
+@pytest.mark.parametrize("framing", ["asked", "answered"])
+async def test_calls_for_binary_tensors_in_flight_each_get_their_own_call(pipeline, framing):
+    """Asked for binary tensors, or answered framed by length unasked: an echoed id cannot
+    be rewritten, so calls with other ids never share an answer."""
+    model = Framing()
+    route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), model)
+    model.gate = asyncio.Event()
+    asked = {"parameters": {"binary_data_output": True}} if framing == "asked" else {}
+    bodies = [json.dumps({"id": f"r-{i}", **infer([1, 2, 3], **asked)}) for i in range(3)]
+    calls = [gw.send("POST", INFER, body=body.encode()) for body in bodies]
+    await until(lambda: len(model.bodies) == (3 if framing == "asked" else 1))
+    await asyncio.sleep(0.05)
     model.gate.set()
     assert [(await c.done()).json()["id"] for c in calls] == ["r-0", "r-1", "r-2"]
+    assert len(model.bodies) == 3

@@ -208,3 +208,31 @@ async def test_a_real_kserve_servers_answers_are_cached_under_its_model_version(
         after = await client.post(url, json=infer([1, 2, 3], "a"))
         assert after.headers["X-Gateway-Cache"] == "miss"
         assert after.json()["outputs"][0]["data"] == [6]
+
+
+async def test_identical_inferences_in_flight_with_fresh_ids_share_one_call(
+    mlserver, start_gateway, tmp_path
+):
+    """Five callers ask MLServer the same row at once, each with its own ``id`` as KServe's
+    client sends: one inference (the row keeps the model busy half a second), and each
+    caller gets the answer with its own id."""
+    text = f"""
+        backends: {{mls: {{url: "{mlserver}"}}}}
+        routes:
+          - name: infer
+            match: {{path: "/v2/models/*"}}
+            backend: mls
+            cache: {{ttl_s: 60}}
+        """
+    gw = await start_gateway(policy=write_policy(tmp_path, text))
+    url = gw.url + "/v2/models/rowsum/infer"
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = await asyncio.gather(
+            *(client.post(url, json=infer([999, 1, 1], f"c{i}")) for i in range(5))
+        )
+    assert [a.status_code for a in answers] == [200] * 5
+    assert [a.json()["id"] for a in answers] == [f"c{i}" for i in range(5)]
+    assert all(a.json()["outputs"] == answers[0].json()["outputs"] for a in answers)
+    assert answers[0].json()["outputs"][0]["data"] == [1001]
+    joined = [a for a in answers if a.headers.get("X-Gateway-Coalesced") == "1"]
+    assert len(joined) == 4

@@ -24,7 +24,9 @@ left out of the key and kept beside it (``REQUEST_ID``); the answer is stored wi
 placeholder where it echoed that id (``stored``), and a hit answers with the caller's own
 (``answered``).  A call without one is keyed apart from calls with one; an answer that
 frames its JSON by length (the binary tensor extension's ``Inference-Header-Content-Length``)
-is not stored for a call whose id was left out, as its id could not be rewritten.
+is not stored for a call whose id was left out, as its id could not be rewritten.  Calls
+in flight that differ only by such an id share one call by single flight the same way
+(``placeheld``, then ``answered``), unless they ask for binary tensors (``shares_answers``).
 """
 
 from __future__ import annotations
@@ -198,6 +200,28 @@ def ended(path: str, body: bytes) -> bool:
         text = text.removesuffix(_SSE_DONE).rstrip()
         last = text.rpartition(b"\n\n")[2]
     return last_piece.match(last) is not None and failed.search(body) is None
+
+
+def shares_answers(call: Call) -> bool:
+    """Whether calls in flight that differ from ``call`` (as it came) only by their leading id
+    may share its answer: none asks for KServe's binary tensors (``binary_data`` in the body,
+    a body framed by length), so the answer is JSON whose echoed id can be rewritten."""
+    return b'"binary_data' not in call.body and call.header(_FRAMED) is None
+
+
+def placeheld(call: Call, reply: Reply) -> Reply:
+    """``reply`` to a keyed ``call`` with a placeholder where it echoed the call's id, to be
+    shared by calls in flight with other ids (each gets its own back, ``answered``); as it
+    came when it cannot be rewritten (``rewritable``)."""
+    if not rewritable(reply) or (body := stored(call, reply.body or b"", reply.headers)) is None:
+        return reply
+    return reply.replace(body=body)
+
+
+def rewritable(reply: Reply) -> bool:
+    """Whether an echoed id can be rewritten in ``reply``: a whole body not framed by length
+    (a call that joined another's flight and got one that is not makes its own call)."""
+    return reply.body is not None and not any(n.lower() == _FRAMED for n, _ in reply.headers)
 
 
 def answered(json: dict[str, Any] | None, reply: Reply) -> Reply:

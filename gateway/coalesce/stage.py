@@ -20,7 +20,10 @@ caller.  Joiners are counted in ``gateway_coalesced_requests_total`` and answere
 The servers' own deterministic calls (``cache.own_apis``: KServe V2 ``infer``, TEI's
 ``/embed``, greedy generations, streamed or not...) are coalesced by the same key, their
 body's digest, and sent as they came; their answers are handed as the backend sent them,
-byte for byte, a stream as a stream.
+byte for byte, a stream as a stream.  KServe V2 calls that differ only by the ``id`` opening
+them (KServe's client sends a fresh one each call) share one call too, each caller given
+its own id where the answer echoed the first's (``own_apis.placeheld``); calls asking for
+binary tensors are kept apart by their ids.
 
 Anthropic's Messages API is coalesced too, at temperature 0, and the Responses API when the
 server stores nothing (``store: false``): a stream joins only streams and a whole answer
@@ -68,14 +71,25 @@ class CoalesceStage:
         key = coalesce_key(call)
         if key is None:
             return await call_next(sent)
-        if call.json is not None and own_apis.REQUEST_ID in call.json:  # each its own id
-            key = (key, call.json[own_apis.REQUEST_ID])
         # Anthropic's, the Responses API's and the servers' own answers are handed as the
         # backend sent them, never assembled: a whole answer and a stream have keys of their
         # own (``keys._shape``; a server's own call's body, ``stream`` in it).
         as_sent = call.streaming or own_apis.is_keyed(call) or call.path.endswith(AS_SENT_PATHS)
-        reply = await flights.do(key, lambda: call_next(sent), stream=as_sent)
+        if call.json is None or own_apis.REQUEST_ID not in call.json:
+            reply = await flights.do(key, lambda: call_next(sent), stream=as_sent)
+        elif not own_apis.shares_answers(sent):  # binary tensors: each its own id, apart
+            key = (key, call.json[own_apis.REQUEST_ID])
+            reply = await flights.do(key, lambda: call_next(sent), stream=as_sent)
+        else:  # KServe's ids: one call, each caller its own id back
+            reply = await flights.do(key, lambda: self._placeheld(call, sent, call_next))
+            if reply.coalesced and not own_apis.rewritable(reply):
+                return await call_next(sent)  # an answer its id cannot be rewritten in
+            reply = own_apis.answered(call.json, reply)
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
+
+    @staticmethod
+    async def _placeheld(call: Call, sent: Call, call_next: Handler) -> Reply:
+        return own_apis.placeheld(call, await call_next(sent))
 
     def __repr__(self) -> str:
         return f"<CoalesceStage routes={sorted(self._flights)}>"
