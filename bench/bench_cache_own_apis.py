@@ -12,6 +12,8 @@ The paths, taking turns in each round:
 
 - direct: to the model server;
 - the gateway (a process of its own) without a cache;
+- the gateway with single flight alone (``coalesce: true``, no cache): identical calls in
+  flight share one, whatever their ids;
 - the gateway caching the route (``cache: {ttl_s: 600}``; its ``own_apis`` on, the
   default), its cache warmed by nothing but the rounds before.
 
@@ -83,10 +85,12 @@ def requests(seed: int = 7) -> Any:
     return body
 
 
-def policy(url: str, cache: bool) -> dict[str, Any]:
+def policy(url: str, cache: bool, coalesce: bool = False) -> dict[str, Any]:
     route: dict[str, Any] = {"match": {"path": "/v2/models/*"}, "backend": "model"}
     if cache:
         route["cache"] = {"ttl_s": 600}
+    if coalesce:
+        route["coalesce"] = True
     return {"backends": {"model": {"url": url, "model_version": "recs@1"}}, "routes": [route]}
 
 
@@ -103,10 +107,15 @@ BODY = requests()
 async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
     model = Recommender()
     async with serving(model.app()) as (url,):
-        async with gateway(policy(url, False)) as plain, gateway(policy(url, True)) as cached:
+        async with (
+            gateway(policy(url, False)) as plain,
+            gateway(policy(url, False, coalesce=True)) as shared,
+            gateway(policy(url, True)) as cached,
+        ):
             paths = {
                 "direct, the model server": [url],
                 "gateway, no cache": [plain],
+                "gateway, `coalesce: true` (single flight alone)": [shared],
                 "gateway, `cache: {ttl_s: 600}` (`own_apis`)": [cached],
             }
             runs = await rounds_of(
@@ -137,6 +146,9 @@ if __name__ == "__main__":
         "`id` as KServe's own client sends (the server echoes it) and answered before "
         "the next; the gateway runs as a process of its own. Each figure is the median "
         "over the rounds, in which the paths take turns; the cached path's entries "
-        "persist from round to round. Before `own_apis`, the third row was the second: "
-        "every KServe V2 `infer` passed a caching route uncached.\n\n" + "\n".join(lines),
+        "persist from round to round. Before `own_apis`, the last row was the second: "
+        "every KServe V2 `infer` passed a caching route uncached. Before single flight "
+        "shared calls whatever their ids (KServe's client sends a fresh one each call), "
+        "the third row was the second too: no two calls were ever identical.\n\n"
+        + "\n".join(lines),
     )

@@ -8,7 +8,7 @@ for each phase so every prompt cache starts empty.
   ``prefix_affinity``;
 * cache and single flight: one server, a mix of repeated, paraphrased and fresh questions;
   requests served, p50/p99, and the tokens the server generated; then the same questions
-  to llama.cpp's own ``/completion`` (greedy, whole: ``cache.own_apis``);
+  to llama.cpp's own ``/completion``, greedy, whole and streamed (``cache.own_apis``);
 * admission: one server of N slots, open-loop arrivals at twice what it serves; p99 and
   errors straight at it (its own unbounded queue) and behind ``max_concurrency: N`` with a
   short bounded queue.
@@ -196,6 +196,7 @@ async def cache_scene(scale: Scale, admin_port: int) -> tuple[list[dict[str, Any
     own = {"match": {"path": "/completion"}, "backend": "llm", "cache": {"ttl_s": 600}}
     spec["routes"].append(own)
     natives = [_completion(body) for body in bodies]
+    streamed = [{**body, "stream": True} for body in natives]
     rows = []
     saved: dict[str, Any] = {"kinds": kinds}
     for name, path, sent in (
@@ -203,6 +204,8 @@ async def cache_scene(scale: Scale, admin_port: int) -> tuple[list[dict[str, Any
         ("gateway (cache + single flight)", CHAT_PATH, bodies),
         (NATIVE_DIRECT, "/completion", natives),
         (NATIVE_GATEWAY, "/completion", natives),
+        (f"{NATIVE_DIRECT}, streamed", "/completion", streamed),
+        (f"{NATIVE_GATEWAY}, streamed", "/completion", streamed),
     ):
         async with servers(1, scale) as fleet:
             if name.startswith("direct"):
@@ -303,7 +306,7 @@ def _summary(outcome: Outcome) -> dict[str, Any]:
 def report(scale: Scale, command: str, prefix: list, cache: tuple, admission: tuple) -> str:
     cache_rows, saved = cache
     capacity, admission_rows = admission
-    direct, via, own_direct, own_via = cache_rows
+    direct, via, own_direct, own_via, streamed_direct, streamed_via = cache_rows
     kinds = ", ".join(f"{v} {k}" for k, v in saved["kinds"].items())
     hits = ", ".join(f"{v} {k}" for k, v in sorted(saved.get("hits", {}).items())) or "none"
     base = {r["name"]: r for r in prefix}
@@ -365,7 +368,10 @@ def report(scale: Scale, command: str, prefix: list, cache: tuple, admission: tu
         "flight. The same questions to llama.cpp's own `/completion` (greedy, whole): "
         f"the server generated {own_via['generated']:.0f} tokens through the gateway against "
         f"{own_direct['generated']:.0f} ({1 - own_via['generated'] / own_direct['generated']:.0%} "
-        "saved; exact hits and single flight only, no paraphrase tier on a server's own API).",
+        "saved; exact hits and single flight only, no paraphrase tier on a server's own API); "
+        f"streamed (`stream: true`, each stream stored once it ended well and replayed as it "
+        f"came), {streamed_via['generated']:.0f} against {streamed_direct['generated']:.0f} "
+        f"({1 - streamed_via['generated'] / streamed_direct['generated']:.0%} saved).",
         "",
         f"**Admission.** One server of {scale.slots} slots, serving {capacity:.2f} req/s "
         f"(measured first, closed loop); {scale.admission_requests} requests arriving open "

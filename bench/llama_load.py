@@ -80,18 +80,19 @@ async def send(
     path: str = CHAT_PATH,
 ) -> None:
     """One request to ``path``, timed from ``due`` (a perf_counter time); streamed when the
-    body says (chat only)."""
+    body says (OpenAI's chat, or llama.cpp's own ``/completion``)."""
     try:
         if body.get("stream"):
-            async with http.stream("POST", url + CHAT_PATH, json=body) as reply:
+            async with http.stream("POST", url + path, json=body) as reply:
                 first = None
                 async for line in reply.aiter_lines():
                     if first is None and '"content":"' in line:
                         first = time.perf_counter()
-                    if line.startswith("data: {") and '"usage":{' in line:
-                        outcome.completion_tokens += json.loads(line[6:])["usage"][
-                            "completion_tokens"
-                        ]
+                    last = '"usage":{' in line or '"stop":true' in line  # llama.cpp's last
+                    if line.startswith("data: {") and last:
+                        event = json.loads(line[6:])
+                        counted = (event.get("usage") or {}).get("completion_tokens")
+                        outcome.completion_tokens += counted or event.get("tokens_predicted", 0)
                 status = reply.status_code
                 if status == 200 and first is not None:
                     outcome.ttfts_ms.append((first - due) * 1000)
