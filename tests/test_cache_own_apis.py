@@ -401,20 +401,28 @@ async def test_calls_in_flight_with_their_own_ids_share_one_call_each_its_own_id
 
 
 class Framing(Echoing):
-    """Echoes each id in an answer framed by length, as for KServe's binary tensors."""
+    """Echoes each id in an answer framed by length, as for KServe's binary tensors, or
+    compressed (``gzip``: as Triton answers a client that accepts it)."""
+
+    def __init__(self, compressed: bool) -> None:
+        super().__init__()
+        self.compressed = compressed
 
     async def __call__(self, sent: Sent) -> Reply:
         reply = await super().__call__(sent)
-        return reply.with_headers(
-            (("Inference-Header-Content-Length", str(len(reply.body or b""))),)
-        )
+        body = reply.body or b""
+        if self.compressed:
+            zipped = zlib.compressobj(wbits=31)
+            body = zipped.compress(body) + zipped.flush()
+            return reply.replace(body=body).with_headers((("Content-Encoding", "gzip"),))
+        return reply.with_headers((("Inference-Header-Content-Length", str(len(body))),))
 
 
-@pytest.mark.parametrize("framing", ["asked", "answered"])
+@pytest.mark.parametrize("framing", ["asked", "answered", "compressed"])
 async def test_calls_for_binary_tensors_in_flight_each_get_their_own_call(pipeline, framing):
-    """Asked for binary tensors, or answered framed by length unasked: an echoed id cannot
-    be rewritten, so calls with other ids never share an answer."""
-    model = Framing()
+    """Asked for binary tensors, or answered framed by length unasked, or compressed: an
+    echoed id cannot be rewritten, so calls with other ids never share an answer."""
+    model = Framing(compressed=framing == "compressed")
     route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
     gw = await pipeline(policy({"main": {"url": URL}}, route), model)
     model.gate = asyncio.Event()
@@ -424,5 +432,10 @@ async def test_calls_for_binary_tensors_in_flight_each_get_their_own_call(pipeli
     await until(lambda: len(model.bodies) == (3 if framing == "asked" else 1))
     await asyncio.sleep(0.05)
     model.gate.set()
-    assert [(await c.done()).json()["id"] for c in calls] == ["r-0", "r-1", "r-2"]
+    answers = [await c.done() for c in calls]
+    if framing == "compressed":
+        answers = [json.loads(zlib.decompress(a.body, wbits=31)) for a in answers]
+    else:
+        answers = [a.json() for a in answers]
+    assert [a["id"] for a in answers] == ["r-0", "r-1", "r-2"]
     assert len(model.bodies) == 3

@@ -33,7 +33,6 @@ from gateway.cache.replies import (
     NONE,
     SIMILARITY_HEADER,
     Tee,
-    content_encoded,
     read_whole,
 )
 from gateway.cache.tiers import EXACT, ResponseCache
@@ -41,6 +40,7 @@ from gateway.clock import Clock
 from gateway.pipeline import Call, Handler, Reply
 from gateway.policy.model import Route, RouteCache
 from gateway.runtime import Runtime
+from gateway.transport.headers import content_encoded
 
 log = logging.getLogger("gateway.cache")
 

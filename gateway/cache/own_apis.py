@@ -42,7 +42,7 @@ from gateway.openai.body import native_object
 from gateway.pipeline import Call, Handler, Headers, Reply
 from gateway.policy.generation import dotted
 from gateway.policy.model import Route
-from gateway.transport.headers import is_streamed
+from gateway.transport.headers import content_encoded, is_streamed
 
 OWN_API_PATH = re.compile(
     r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer"  # KServe V2, Triton
@@ -219,9 +219,11 @@ def placeheld(call: Call, reply: Reply) -> Reply:
 
 
 def rewritable(reply: Reply) -> bool:
-    """Whether an echoed id can be rewritten in ``reply``: a whole body not framed by length
-    (a call that joined another's flight and got one that is not makes its own call)."""
-    return reply.body is not None and not any(n.lower() == _FRAMED for n, _ in reply.headers)
+    """Whether an echoed id can be rewritten in ``reply``: a whole body, neither compressed
+    nor framed by length (a call that joined another's flight and got one that is not makes
+    its own call)."""
+    framed = any(name.lower() == _FRAMED for name, _ in reply.headers)
+    return reply.body is not None and not framed and not content_encoded(reply.headers)
 
 
 def answered(json: dict[str, Any] | None, reply: Reply) -> Reply:

@@ -108,14 +108,6 @@ async def once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-def content_encoded(headers: Headers) -> bool:
-    """True when a reply body is compressed (stored answers are replayed without it)."""
-    for key, value in headers:
-        if key.lower() == "content-encoding" and value.strip().lower() not in ("", "identity"):
-            return True
-    return False
-
-
 class Tee:
     """An async iterator relaying ``stream`` and recording it; ``on_complete`` gets the
     stored form once the stream has ended normally: the SSE events of an event stream

@@ -60,7 +60,6 @@ from gateway.cache.replies import (
     NONE,
     SIMILARITY_HEADER,
     Tee,
-    content_encoded,
     hit_body,
     hit_reply,
     once,
@@ -78,7 +77,7 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Route, RouteCache
 from gateway.redis import shared_link
 from gateway.state import Kind
-from gateway.transport.headers import is_event_stream
+from gateway.transport.headers import content_encoded, is_event_stream
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime

@@ -75,3 +75,11 @@ STREAMING_TYPES = (
 def is_streamed(headers: Iterable[tuple[str, str]]) -> bool:
     """True for a body sent as a stream of pieces (``STREAMING_TYPES``)."""
     return media_type(headers) in STREAMING_TYPES
+
+
+def content_encoded(headers: Iterable[tuple[str, str]]) -> bool:
+    """True when a body is compressed (``Content-Encoding`` other than ``identity``)."""
+    for key, value in headers:
+        if key.lower() == "content-encoding" and value.strip().lower() not in ("", "identity"):
+            return True
+    return False
