@@ -39,7 +39,7 @@ from typing import Any
 
 from gateway.cache import own_apis
 from gateway.cache.keys import AS_SENT_PATHS, api_headers, cacheability, request_key
-from gateway.coalesce.singleflight import SingleFlight
+from gateway.coalesce.singleflight import SingleFlight, Start
 from gateway.errors import UpstreamUnavailable
 from gateway.openai.sse import StreamRecorder, events_to_json
 from gateway.pipeline import Call, Handler, Headers, Reply, Stage
@@ -75,16 +75,17 @@ class CoalesceStage:
         # backend sent them, never assembled: a whole answer and a stream have keys of their
         # own (``keys._shape``; a server's own call's body, ``stream`` in it).
         as_sent = call.streaming or own_apis.is_keyed(call) or call.path.endswith(AS_SENT_PATHS)
-        if call.json is None or own_apis.REQUEST_ID not in call.json:
-            reply = await flights.do(key, lambda: call_next(sent), stream=as_sent)
-        elif not own_apis.shares_answers(sent):  # binary tensors: each its own id, apart
-            key = (key, call.json[own_apis.REQUEST_ID])
-            reply = await flights.do(key, lambda: call_next(sent), stream=as_sent)
-        else:  # KServe's ids: one call, each caller its own id back
-            reply = await flights.do(key, lambda: self._placeheld(call, sent, call_next))
-            if reply.coalesced and not own_apis.rewritable(reply):
-                return await call_next(sent)  # an answer its id cannot be rewritten in
-            reply = own_apis.answered(call.json, reply)
+        start: Start = lambda: call_next(sent)  # noqa: E731
+        asked = (call.json or {}).get(own_apis.REQUEST_ID)  # a KServe call's leading id
+        ids = asked is not None
+        if ids and own_apis.shares_answers(sent):  # one call, each caller its own id back
+            start = lambda: self._placeheld(call, sent, call_next)  # noqa: E731
+        elif ids:  # binary tensors: each its own id, apart
+            key = (key, asked)
+        reply = await flights.do(key, start, stream=as_sent)
+        if ids and reply.coalesced and not own_apis.rewritable(reply):
+            return await call_next(sent)  # an answer its id cannot be rewritten in
+        reply = own_apis.answered(call.json, reply) if ids else reply
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
 
     @staticmethod
