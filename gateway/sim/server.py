@@ -1,9 +1,10 @@
 """The sim as an aiohttp application, and the ways to run it (in-process or from the CLI).
 
 Routes: the OpenAI endpoints (``openai_api``, ``other_apis``, ``conversations``,
-``files``), ``/health``, ``/metrics``, and the control endpoints ``GET /sim/state``,
-``GET|POST /sim/config`` and ``POST /sim/reset``.  Errors leave as OpenAI-shaped JSON, as a
-real model server's would.
+``files``), Ollama's own (``ollama_api``), ``/health``, ``/metrics``, and the control
+endpoints ``GET /sim/state``, ``GET|POST /sim/config`` and ``POST /sim/reset``.  Errors
+leave as OpenAI-shaped JSON, as a real model server's would (Ollama's paths: as Ollama
+writes them).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import BadRequest, GatewayError
-from gateway.sim import conversations, files, openai_api, other_apis
+from gateway.sim import conversations, files, ollama_api, openai_api, other_apis
 from gateway.sim.config import SimConfig
 from gateway.sim.engine import Engine
 from gateway.sim.metrics import CONTENT_TYPE, build_registry, render
@@ -58,6 +59,10 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_post("/v1/messages", other_apis.messages)
     app.router.add_post("/v1/messages/count_tokens", other_apis.count_message_tokens)
     app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_post("/api/chat", ollama_api.chat)
+    app.router.add_post("/api/generate", ollama_api.generate)
+    app.router.add_get("/api/tags", ollama_api.tags)
+    app.router.add_get("/api/version", ollama_api.version)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/sim/state", _state)
@@ -72,6 +77,8 @@ async def _openai_errors(request: web.Request, handler: _Handler) -> web.StreamR
     try:
         return await handler(request)
     except GatewayError as exc:
+        if request.path.startswith("/api/"):  # Ollama's own API: its own error shape
+            return web.json_response({"error": str(exc)}, status=exc.status)
         body = error_body(str(exc), exc.type, exc.code)
         return web.json_response(body, status=exc.status)
     except web.HTTPException as exc:

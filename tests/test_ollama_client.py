@@ -1,0 +1,96 @@
+"""Ollama's official Python client (``ollama``) pointed at the gateway, in front of the sim's
+Ollama API (``gateway/sim/ollama_api.py``): chat and generate, streamed (the client's and
+Ollama's default when asked) and whole, pass as they came; a greedy question asked again is
+answered from the cache (``cache.own_apis``), the client reading the replayed stream as it
+read the first; a sampled one reaches the model each time; another tenant's key never
+shares an entry."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.sim import SimConfig, start_sim
+from gateway.sim.ollama_api import VERSION
+
+ollama = pytest.importorskip("ollama")  # in the test extra
+
+POLICY = """
+backends:
+  ollama: {{url: "{sim}"}}
+routes:
+  - name: ollama
+    match: {{path: "/api/*"}}
+    backend: ollama
+    cache: {{ttl_s: 60}}
+"""
+GREEDY = {"temperature": 0, "num_predict": 8}
+QUESTION = [{"role": "user", "content": "Which jacket keeps the rain out?"}]
+
+
+@pytest.fixture
+async def served(start_gateway: Any, tmp_path: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """The sim (its Ollama API) and a gateway whose route caches in front of it."""
+    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0))
+    try:
+        policy = tmp_path / "p.yaml"
+        policy.write_text(POLICY.format(sim=sim.url))
+        yield sim, await start_gateway(policy=policy, warmup=False)
+    finally:
+        await sim.close()
+
+
+async def _streamed(client: Any, **asked: Any) -> tuple[str, dict[str, Any]]:
+    text, last = "", {}
+    async for part in await client.chat(stream=True, **asked):
+        text += part.message.content or ""
+        last = part.model_dump()
+    return text, last
+
+
+async def test_ollamas_client_streams_and_a_greedy_stream_comes_back_from_the_cache(served):
+    sim, gw = served
+    client = ollama.AsyncClient(host=gw.url, headers={"Authorization": "Bearer alice"})
+    asked = {"model": "gemma3", "messages": QUESTION, "options": GREEDY}
+    first, done = await _streamed(client, **asked)
+    again, done_again = await _streamed(client, **asked)
+    assert first and again == first
+    assert done["done"] is True and done["done_reason"] == "length"
+    assert done_again == done and done["eval_count"] == 8
+    assert sim.engine.counters.requests == 1  # the second from the cache
+    whole = await client.chat(stream=False, **asked)  # a key of its own: the model again
+    assert whole.message.content == first and sim.engine.counters.requests == 2
+    assert (await client.chat(stream=False, **asked)).message.content == first
+    assert sim.engine.counters.requests == 2
+    bob = ollama.AsyncClient(host=gw.url, headers={"Authorization": "Bearer bob"})
+    assert (await _streamed(bob, **asked))[0] == first
+    assert sim.engine.counters.requests == 3  # another tenant: its own entry
+    hits = gw.gateway.metrics.cache_lookups.labels("ollama", "hit", "exact")._value.get()
+    assert hits == 2
+
+
+async def test_a_sampled_question_and_generate_reach_the_model_each_time(served):
+    sim, gw = served
+    client = ollama.AsyncClient(host=gw.url)
+    for _ in range(2):  # Ollama's default temperature samples
+        await _streamed(client, model="gemma3", messages=QUESTION)
+    assert sim.engine.counters.requests == 2
+    texts = []
+    for _ in range(2):
+        parts = await client.generate(model="gemma3", prompt="Rain?", options=GREEDY, stream=True)
+        texts.append("".join([part.response async for part in parts]))
+    assert texts[0] and texts[0] == texts[1] and sim.engine.counters.requests == 3
+    assert (await client.list()).models[0].model == sim.engine.config.model_names[0]
+    async with httpx.AsyncClient(base_url=gw.url) as http:  # the client has no call for it
+        assert (await http.get("/api/version")).json() == {"version": VERSION}
+
+
+async def test_a_bad_request_gets_ollamas_own_error(served):
+    _, gw = served
+    client = ollama.AsyncClient(host=gw.url)
+    with pytest.raises(ollama.ResponseError) as refused:
+        await client.chat(model="gemma3", messages=[], stream=False)
+    assert refused.value.status_code == 400 and "messages" in refused.value.error
