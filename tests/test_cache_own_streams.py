@@ -21,6 +21,7 @@ URL = "http://main.test"
 ALICE = [("Authorization", "Bearer sk-alice")]
 BOB = [("Authorization", "Bearer sk-bob")]
 NDJSON = "application/x-ndjson"
+NOT_STORED = "gateway_cache_not_stored_total"
 LLAMA = (  # llama.cpp's /completion stream: its events, the last with "stop"
     b'data: {"index":0,"content":" Paris","tokens":[7127],"stop":false}\n\n',
     b'data: {"index":0,"content":".","stop":true,"tokens_predicted":2,"stop_type":"limit"}\n\n',
@@ -116,6 +117,7 @@ async def test_a_stream_that_did_not_end_well_is_not_stored(pipeline, kind, chun
         assert answer.headers["X-Gateway-Cache"] == "miss"
         assert answer.body == b"".join(chunks)  # relayed as the server sent it
     assert len(model.bodies) == 2
+    assert gw.metric(NOT_STORED, route="chat", reason="unfinished") == 2
 
 
 @pytest.mark.parametrize(("path", "body", "chunks", "kind"), GREEDY_STREAMS)
@@ -126,6 +128,7 @@ async def test_a_stream_cut_off_is_not_stored(pipeline, path, body, chunks, kind
         answer = await gw.post(path, body, headers=ALICE)
         assert answer.headers["X-Gateway-Cache"] == "miss" and not answer.complete
     assert len(model.bodies) == 2
+    assert gw.metric(NOT_STORED, route="chat", reason="unfinished") == 2
 
 
 async def test_a_stream_and_a_whole_answer_never_share_an_entry(pipeline):

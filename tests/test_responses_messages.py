@@ -696,11 +696,13 @@ def test_an_answer_stored_as_sent_is_replayed_in_its_own_shape_only():
 )
 async def test_a_responses_stream_is_stored_only_once_it_ended_well(last, stored):
     kept: list[bytes | None] = []
+    refused: list[str] = []
 
     async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
         kept.append(body)
 
     head = responses_stream("m").split(b"event: response.completed")[0]
     body = head + f"event: {last}\ndata: {{}}\n\n".encode()
-    await whole_stream(put, "/v1/responses")(None, body)
+    await whole_stream(put, "/v1/responses", refused.append)(None, body)
     assert kept == ([body] if stored else [])
+    assert refused == ([] if stored else ["unfinished"])

@@ -81,9 +81,13 @@ class RouteRules:
         if rule.ok and not self.vary.learn(rule.vary):
             rule = Storable(False, "vary_too_wide")
         if not rule.ok:
-            self._not_stored.labels(self.name, rule.reason).inc()
+            self.not_stored(rule.reason)
             return None
         return rule
+
+    def not_stored(self, reason: str) -> None:
+        """Count an answer not stored, by ``reason`` (``gateway_cache_not_stored_total``)."""
+        self._not_stored.labels(self.name, reason).inc()
 
     def ttl_for(self, rule: Storable) -> float:
         """The route's ``ttl_s``, capped by the answer's ``max-age``."""
@@ -238,7 +242,8 @@ class ItemCache:
         if reply.body is not None:
             await put(None, reply.body)
         elif reply.stream is not None:
-            return reply.replace(stream=Tee(reply.stream, events=False, on_complete=put))
+            tee = Tee(reply.stream, events=False, on_complete=put, refused=rules.not_stored)
+            return reply.replace(stream=tee)
         return reply
 
     async def _put_items(

@@ -169,17 +169,27 @@ def is_keyed(call: Call) -> bool:
     return call.json is not None and BODY_DIGEST in call.json
 
 
-def stored(call: Call, body: bytes, headers: Headers) -> bytes | None:
+class NotStored(Exception):
+    """An answer that is not to be stored, and why (``reason``, as
+    ``gateway_cache_not_stored_total`` counts it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def stored(call: Call, body: bytes, headers: Headers) -> bytes:
     """The answer ``body`` to ``call`` as its entry stores it: where it echoed the id left
-    out of the key, a placeholder; None when it is not to be stored (a keyed call's stream
-    that did not end well, ``ended``; its JSON framed by length)."""
+    out of the key, a placeholder.  ``NotStored`` when it is not to be stored: a keyed
+    call's stream that did not end well (``ended``: ``unfinished``), an answer whose echoed
+    id it frames by length (``id_framed``)."""
     if is_keyed(call) and is_streamed(headers) and not ended(call.path, body):
-        return None
+        raise NotStored("unfinished")
     asked = (call.json or {}).get(REQUEST_ID)
     if asked is None:
         return body
     if any(name.lower() == _FRAMED for name, _ in headers):
-        return None
+        raise NotStored("id_framed")
     echo = re.compile(_ECHO + re.escape(asked.encode()) + b'"')
     return echo.sub(lambda m: b'"id"' + m.group(1) + b'"' + _PLACEHOLDER + b'"', body, count=1)
 
@@ -213,9 +223,12 @@ def placeheld(call: Call, reply: Reply) -> Reply:
     """``reply`` to a keyed ``call`` with a placeholder where it echoed the call's id, to be
     shared by calls in flight with other ids (each gets its own back, ``answered``); as it
     came when it cannot be rewritten (``rewritable``)."""
-    if not rewritable(reply) or (body := stored(call, reply.body or b"", reply.headers)) is None:
+    if not rewritable(reply):
         return reply
-    return reply.replace(body=body)
+    try:
+        return reply.replace(body=stored(call, reply.body or b"", reply.headers))
+    except NotStored:
+        return reply
 
 
 def rewritable(reply: Reply) -> bool:

@@ -22,7 +22,7 @@ from gateway.cache.entry import CachedResponse
 from gateway.cache.keys import AS_SENT_PATHS
 from gateway.openai.sse import StreamRecorder, events_to_json, json_to_events, render_sse
 from gateway.pipeline import Headers, Reply
-from gateway.transport.headers import SSE_TYPE, is_streamed
+from gateway.transport.headers import SSE_TYPE, is_event_stream, is_streamed
 from gateway.wire import MESSAGES_PATH
 
 log = logging.getLogger("gateway.cache")
@@ -55,19 +55,50 @@ _RESPONSES_END = (
 )
 
 
-def whole_stream(
-    put: Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]], path: str
-) -> Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]]:
+Put = Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]]
+"""Stores an answer once whole: the SSE events of an OpenAI stream, or the body as it came."""
+UNFINISHED, TOO_LARGE = "unfinished", "too_large"
+"""Why an answer was not kept (``gateway_cache_not_stored_total``'s reasons besides the
+backend's): a stream that did not end well (cut, an error event, no end), one over
+``MAX_RECORDED_BYTES``."""
+
+
+def whole_stream(put: Put, path: str, refused: Callable[[str], None]) -> Put:
     """``put`` for a verbatim stream of ``path``: only one that ended (``message_stop``;
     the Responses API's ``response.completed`` or ``response.incomplete``) without an
-    ``error`` event (or ``response.failed``) is stored."""
+    ``error`` event (or ``response.failed``) is stored; ``refused`` hears of any other."""
     ended, failed = _MESSAGES_END if path.endswith(MESSAGES_PATH) else _RESPONSES_END
 
     async def checked(events: tuple[str, ...] | None, body: bytes | None) -> None:
         if body is not None and ended.search(body) and not failed.search(body):
             await put(None, body)
+        else:
+            refused(UNFINISHED)
 
     return checked
+
+
+async def keep(
+    reply: Reply, put: Put, path: str, own: bool, refused: Callable[[str], None]
+) -> Reply:
+    """``reply``, its answer handed to ``put`` once whole: a body now, a stream once it has
+    ended normally (the reply returned tees it).  An OpenAI stream is stored as its events;
+    Anthropic's and the Responses API's (``verbatim``) and a server's own answer (``own``)
+    as they came.  ``refused`` hears why an answer was not kept (``UNFINISHED``,
+    ``TOO_LARGE``)."""
+    events = is_event_stream(reply.headers)
+    verbatim_stream = events and verbatim(path)  # stored as it came, once whole
+    as_sent = verbatim_stream or own
+    store = whole_stream(put, path, refused) if verbatim_stream else put
+    if reply.body is not None and (not events or as_sent):
+        await store(None, reply.body)
+    elif reply.body is not None:
+        async for _ in Tee(once(reply.body), events=True, on_complete=put, refused=refused):
+            pass
+    elif reply.stream is not None:
+        tee = Tee(reply.stream, events=events and not as_sent, on_complete=store, refused=refused)
+        return reply.replace(stream=tee)
+    return reply
 
 
 def hit_body(
@@ -111,15 +142,18 @@ async def once(data: bytes) -> AsyncIterator[bytes]:
 class Tee:
     """An async iterator relaying ``stream`` and recording it; ``on_complete`` gets the
     stored form once the stream has ended normally: the SSE events of an event stream
-    (only when ``StreamRecorder`` finds it complete) or the whole body of any other."""
+    (only when ``StreamRecorder`` finds it complete) or the whole body of any other.
+    ``refused`` hears why a stream was not handed on (``UNFINISHED``: cut off, or not
+    complete; ``TOO_LARGE``)."""
 
     def __init__(
         self,
         stream: AsyncIterator[bytes],
         *,
         events: bool,
-        on_complete: Callable[[tuple[str, ...] | None, bytes | None], Awaitable[None]],
+        on_complete: Put,
         max_bytes: int = MAX_RECORDED_BYTES,
+        refused: Callable[[str], None] = lambda _: None,
     ) -> None:
         self._stream = stream
         self._events = events
@@ -128,6 +162,7 @@ class Tee:
         self._max_bytes = max_bytes
         self._overflowed = False
         self._on_complete = on_complete
+        self._refused = refused
         self._done = False
 
     def __aiter__(self) -> Tee:
@@ -140,6 +175,11 @@ class Tee:
             if not self._done:
                 self._done = True
                 await self._complete()
+            raise
+        except Exception:  # the stream was cut off: its error goes on to the client
+            if not self._done:
+                self._done = True
+                self._refused(UNFINISHED)
             raise
         if self._recorder is not None:
             self._recorder.feed(chunk)
@@ -156,7 +196,11 @@ class Tee:
                 events = self._recorder.result()
                 if events is not None:
                     await self._on_complete(events, None)
-            elif not self._overflowed:
+                else:
+                    self._refused(TOO_LARGE if self._recorder.overflowed else UNFINISHED)
+            elif self._overflowed:
+                self._refused(TOO_LARGE)
+            else:
                 await self._on_complete(None, bytes(self._body))
         except Exception:  # storing must never break the client's stream
             log.exception("storing a completed stream failed")

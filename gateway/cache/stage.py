@@ -59,12 +59,10 @@ from gateway.cache.replies import (
     MISS,
     NONE,
     SIMILARITY_HEADER,
-    Tee,
     hit_body,
     hit_reply,
-    once,
+    keep,
     verbatim,
-    whole_stream,
 )
 from gateway.cache.simhash import MAX_DISTANCE
 from gateway.cache.state import CACHE_STATE, CacheState
@@ -77,7 +75,7 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.model import Policy, Route, RouteCache
 from gateway.redis import shared_link
 from gateway.state import Kind
-from gateway.transport.headers import content_encoded, is_event_stream
+from gateway.transport.headers import content_encoded
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -370,27 +368,17 @@ class CacheStage:
         version = self._versions.get(backend, "")
 
         async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
-            if body is not None and (body := own_apis.stored(call, body, reply.headers)) is None:
-                return  # a server's own answer not to store (its stream cut, its id framed)
+            try:
+                body = own_apis.stored(call, body, reply.headers) if body is not None else None
+            except own_apis.NotStored as refused:  # a server's own: its stream cut, its id
+                return rules.not_stored(refused.reason)
             entry = CachedResponse(
                 200, stored_headers, body, events, self._clock.wall(), backend, version,
                 call.route.name, scope,
             )  # fmt: skip
             await self._put(rules, key, entry, ttl_s)
 
-        events = is_event_stream(reply.headers)
-        verbatim_stream = events and verbatim(call.path)  # stored as it came, once whole
-        as_sent = verbatim_stream or own_apis.is_keyed(call)  # a server's own, as it came
-        store = whole_stream(put, call.path) if verbatim_stream else put
-        if reply.body is not None and (not events or as_sent):
-            await store(None, reply.body)
-        elif reply.body is not None:
-            async for _ in Tee(once(reply.body), events=True, on_complete=put):
-                pass
-        elif reply.stream is not None:
-            tee = Tee(reply.stream, events=events and not as_sent, on_complete=store)
-            return reply.replace(stream=tee)
-        return reply
+        return await keep(reply, put, call.path, own_apis.is_keyed(call), rules.not_stored)
 
     async def _put(
         self, rules: RouteRules, key: RequestKey, entry: CachedResponse, ttl_s: float

@@ -44,7 +44,11 @@ class CapabilityFamilies:
         )
         self.cache_not_stored = Counter(
             "gateway_cache_not_stored",
-            "Answers not stored because the backend's Cache-Control or Vary said so, by reason.",
+            "Answers not stored, by reason: the backend's Cache-Control or Vary said so "
+            "(no-store, private, no-cache, max-age=0, vary_all, vary_too_wide), or the "
+            "answer could not be kept: unfinished (a stream cut off or ended without its "
+            "end, or after an error), too_large (a stream over the 4 MiB an entry records), "
+            "id_framed (a KServe answer echoing an id it frames by length).",
             ["route", "reason"],
             registry=r,
         )
