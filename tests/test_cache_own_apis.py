@@ -44,6 +44,9 @@ class Model:
         self.bodies.append(sent.body)
         if self.gate is not None:
             await self.gate.wait()
+        return self.answer(sent)
+
+    def answer(self, sent: Sent) -> Reply:
         data = [float(len(self.bodies))]
         output = {"name": "y", "shape": [1, 1], "datatype": "FP32", "data": data}
         return json_reply({"model_name": "recommender", "outputs": [output]})
@@ -340,10 +343,7 @@ async def test_llama_cpps_own_greedy_completion_is_answered_from_the_cache(
 class Echoing(Model):
     """A KServe V2 server echoing each request's ``id``, as MLServer and Triton do."""
 
-    async def __call__(self, sent: Sent) -> Reply:
-        self.bodies.append(sent.body)
-        if self.gate is not None:
-            await self.gate.wait()
+    def answer(self, sent: Sent) -> Reply:
         asked = json.loads(sent.body).get("id")
         output = {"name": "y", "shape": [1, 1], "datatype": "FP32", "data": [len(self.bodies)]}
         answer = {"model_name": "recommender", "outputs": [output]}
@@ -408,8 +408,8 @@ class Framing(Echoing):
         super().__init__()
         self.compressed = compressed
 
-    async def __call__(self, sent: Sent) -> Reply:
-        reply = await super().__call__(sent)
+    def answer(self, sent: Sent) -> Reply:
+        reply = super().answer(sent)
         body = reply.body or b""
         if self.compressed:
             zipped = zlib.compressobj(wbits=31)

@@ -16,6 +16,7 @@ import pytest
 from gateway.pipeline import Reply
 from gateway.testing import Sent, stream_reply
 from tests.helpers import policy, until
+from tests.test_cache_own_apis import Model
 
 URL = "http://main.test"
 ALICE = [("Authorization", "Bearer sk-alice")]
@@ -49,20 +50,16 @@ GREEDY_STREAMS = [
 ]
 
 
-class Streaming:
+class Streaming(Model):
     """A model server answering every call with ``chunks`` as a stream (``cut``: the
     connection breaks after the first), holding calls while ``gate`` is closed."""
 
     def __init__(self, chunks: Sequence[bytes], kind: str, cut: bool = False) -> None:
+        super().__init__()
         self.chunks, self.cut = chunks, cut
         self.content_type = "text/event-stream" if kind == "sse" else NDJSON
-        self.bodies: list[bytes] = []
-        self.gate: asyncio.Event | None = None
 
-    async def __call__(self, sent: Sent) -> Reply:
-        self.bodies.append(sent.body)
-        if self.gate is not None:
-            await self.gate.wait()
+    def answer(self, sent: Sent) -> Reply:
         return stream_reply(self._relay(), content_type=self.content_type)
 
     async def _relay(self) -> AsyncIterator[bytes]:
