@@ -11,12 +11,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import ollama  # the test extra's
 import pytest
 
 from gateway.sim import SimConfig, start_sim
 from gateway.sim.ollama_api import VERSION
-
-ollama = pytest.importorskip("ollama")  # in the test extra
 
 POLICY = """
 backends:
