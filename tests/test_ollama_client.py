@@ -53,7 +53,7 @@ async def _streamed(client: Any, **asked: Any) -> tuple[str, dict[str, Any]]:
 async def test_ollamas_client_streams_and_a_greedy_stream_comes_back_from_the_cache(served):
     sim, gw = served
     client = ollama.AsyncClient(host=gw.url, headers={"Authorization": "Bearer alice"})
-    asked = {"model": "gemma3", "messages": QUESTION, "options": GREEDY}
+    asked: dict[str, Any] = {"model": "gemma3", "messages": QUESTION, "options": GREEDY}
     first, done = await _streamed(client, **asked)
     again, done_again = await _streamed(client, **asked)
     assert first and again == first
@@ -80,7 +80,7 @@ async def test_a_sampled_question_and_generate_reach_the_model_each_time(served)
     texts = []
     for _ in range(2):
         parts = await client.generate(model="gemma3", prompt="Rain?", options=GREEDY, stream=True)
-        texts.append("".join([part.response async for part in parts]))
+        texts.append("".join([part.response or "" async for part in parts]))
     assert texts[0] and texts[0] == texts[1] and sim.engine.counters.requests == 3
     assert (await client.list()).models[0].model == sim.engine.config.model_names[0]
     async with httpx.AsyncClient(base_url=gw.url) as http:  # the client has no call for it
