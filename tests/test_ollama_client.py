@@ -1,6 +1,6 @@
 """Ollama's official Python client (``ollama``) pointed at the gateway, in front of the sim's
-Ollama API (``gateway/sim/ollama_api.py``): chat and generate, streamed (the client's and
-Ollama's default when asked) and whole, pass as they came; a greedy question asked again is
+Ollama API (``gateway/sim/ollama_api.py``): chat, generate and embed, streamed (when asked)
+and whole, pass as they came; a greedy question asked again is
 answered from the cache (``cache.own_apis``), the client reading the replayed stream as it
 read the first; a sampled one reaches the model each time; another tenant's key never
 shares an entry."""
@@ -93,3 +93,16 @@ async def test_a_bad_request_gets_ollamas_own_error(served):
     with pytest.raises(ollama.ResponseError) as refused:
         await client.chat(model="gemma3", messages=[], stream=False)
     assert refused.value.status_code == 400 and "messages" in refused.value.error
+
+
+async def test_ollamas_embed_is_answered_from_the_cache(served):
+    """``/api/embed`` is one of the servers' own deterministic calls: the same inputs asked
+    again get the same vectors from the cache; another input reaches the model."""
+    sim, gw = served
+    client = ollama.AsyncClient(host=gw.url)
+    first = await client.embed(model="nomic-embed-text", input=["rain jacket", "boots"])
+    again = await client.embed(model="nomic-embed-text", input=["rain jacket", "boots"])
+    assert len(first.embeddings) == 2 and again.embeddings == first.embeddings
+    assert sim.engine.counters.requests == 1
+    other = await client.embed(model="nomic-embed-text", input="umbrella")
+    assert len(other.embeddings) == 1 and sim.engine.counters.requests == 2

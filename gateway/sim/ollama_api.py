@@ -1,5 +1,6 @@
 """The sim's Ollama API: ``/api/chat`` and ``/api/generate`` (NDJSON streams unless the body
-says ``"stream": false``, as Ollama answers), ``/api/tags`` and ``/api/version``.  The same
+says ``"stream": false``, as Ollama answers), ``/api/embed``, ``/api/tags`` and
+``/api/version``.  The same
 model behind another server's own API: the answer derives from the prompt as chat's does
 (``outputs.answer_tokens``), paced like chat, with Ollama's counts (``prompt_eval_count``,
 ``eval_count``) and ``done_reason``; ``options.num_predict`` bounds it.  Errors leave as
@@ -18,7 +19,7 @@ from gateway.sim import requests as req
 from gateway.sim.engine import Engine
 from gateway.sim.gpu import call_cost_ms, prefill_ms
 from gateway.sim.openai_api import ENGINE, _hold, _length
-from gateway.sim.outputs import answer_tokens, count_tokens
+from gateway.sim.outputs import answer_tokens, count_tokens, embedding
 
 NDJSON = "application/x-ndjson"
 VERSION = "0.12.6"
@@ -38,6 +39,30 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise BadRequest("'prompt' and 'system' must be strings")
     return await _answer(
         request, body, prompt, count_tokens(system) + count_tokens(prompt), _generate_piece
+    )
+
+
+async def embed(request: web.Request) -> web.Response:
+    """Ollama's ``/api/embed``: ``input`` a string or a list of them, one vector each
+    (normalised, as Ollama's are), ``prompt_eval_count`` their tokens."""
+    engine: Engine = request.app[ENGINE]
+    body = await req.read_body(request)
+    model = req.model_of(body, engine.config.model_names[0])
+    given = body.get("input")
+    texts = [given] if isinstance(given, str) else given
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("'input' must be a string or a non-empty array of strings")
+    if fault := engine.fault(len(texts)):
+        return web.json_response({"error": fault.message}, status=fault.status)
+    async with engine.call(len(texts)) as cost_ms:
+        await _hold(cost_ms)
+    vectors = [embedding(text, engine.config.dimensions) for text in texts]
+    return web.json_response(
+        {
+            "model": model,
+            "embeddings": [[round(float(x), 6) for x in vector] for vector in vectors],
+            "prompt_eval_count": sum(count_tokens(text) for text in texts),
+        }
     )
 
 

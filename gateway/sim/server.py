@@ -61,6 +61,7 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_get("/v1/models", openai_api.models)
     app.router.add_post("/api/chat", ollama_api.chat)
     app.router.add_post("/api/generate", ollama_api.generate)
+    app.router.add_post("/api/embed", ollama_api.embed)
     app.router.add_get("/api/tags", ollama_api.tags)
     app.router.add_get("/api/version", ollama_api.version)
     app.router.add_get("/health", _health)
