@@ -8,6 +8,7 @@ shares an entry."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ routes:
     cache: {{ttl_s: 60}}
 """
 GREEDY = {"temperature": 0, "num_predict": 8}
+SHIPPED = Path(__file__).resolve().parent.parent / "policies" / "ollama.yaml"
 QUESTION = [{"role": "user", "content": "Which jacket keeps the rain out?"}]
 
 
@@ -106,3 +108,26 @@ async def test_ollamas_embed_is_answered_from_the_cache(served):
     assert sim.engine.counters.requests == 1
     other = await client.embed(model="nomic-embed-text", input="umbrella")
     assert len(other.embeddings) == 1 and sim.engine.counters.requests == 2
+
+
+async def test_the_shipped_ollama_policy_caches_bounds_and_serves_ollamas_client(
+    start_gateway, tmp_path
+):
+    """``policies/ollama.yaml`` against the sim: a greedy chat streamed twice is generated
+    once; a call naming no ``num_predict`` is given the policy's 512, one asking -1 (until
+    the end) is clamped to 2048, as the sim's counts show."""
+    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0, answer_tokens=4000))
+    try:
+        local = tmp_path / "ollama.yaml"
+        local.write_text(SHIPPED.read_text().replace("http://127.0.0.1:11434", sim.url))
+        gw = await start_gateway(policy=local, warmup=False)
+        client = ollama.AsyncClient(host=gw.url)
+        asked: dict[str, Any] = {"model": "gemma3", "messages": QUESTION}
+        _, first = await _streamed(client, **asked, options={"temperature": 0})
+        _, again = await _streamed(client, **asked, options={"temperature": 0})
+        assert first == again and first["eval_count"] == 512
+        assert sim.engine.counters.requests == 1
+        endless = await client.chat(**asked, options={"num_predict": -1}, stream=False)
+        assert endless.eval_count == 2048 and endless.done_reason == "length"
+    finally:
+        await sim.close()
