@@ -8,6 +8,7 @@ single flight while in flight.  Before, every such call passed a caching route u
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -208,3 +209,42 @@ async def test_llama_cpps_own_greedy_stream_is_answered_from_the_cache(
     assert again.headers["Content-Type"].startswith("text/event-stream")
     assert again.content == first.content
     assert b'"stop":true' in first.content.rpartition(b"\n\ndata: ")[2]  # its last event
+
+
+def ollama_chat(question: str, **more: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": question}]
+    return {"model": "gemma3", "messages": messages, "options": {"temperature": 0}, **more}
+
+
+async def test_ollamas_chat_takes_the_near_duplicate_tiers(pipeline):
+    """Ollama's ``/api/chat`` has OpenAI's messages: on a route with ``semantic``, a greedy
+    question written otherwise is a SimHash hit, as chat's are, in its own shape (streamed
+    or whole), within its tenant; a different question is not."""
+    model = Streaming(OLLAMA, "nd")
+    gw = await gateway(pipeline, model, semantic={"method": "simhash"})
+    first = await gw.post("/api/chat", ollama_chat("What is the capital of France?"), headers=ALICE)
+    near = await gw.post("/api/chat", ollama_chat("what is the capital of france ?"), headers=ALICE)
+    assert [first.headers["X-Gateway-Cache"], near.headers["X-Gateway-Cache"]] == ["miss", "hit"]
+    assert near.headers["X-Gateway-Cache-Match"] == "simhash" and near.body == first.body
+    assert near.headers["Content-Type"] == NDJSON
+    asked = [
+        ("What is the capital of Spain?", {}, ALICE),  # another question
+        ("what is the capital of france ?", {"stream": False}, ALICE),  # another shape
+        ("what is the capital of france ?", {}, BOB),  # another tenant
+    ]
+    for question, more, who in asked:
+        answer = await gw.post("/api/chat", ollama_chat(question, **more), headers=who)
+        assert answer.headers["X-Gateway-Cache"] == "miss", question
+    assert len(model.bodies) == 4
+
+
+async def test_ollamas_chat_keys_by_its_json_and_its_stream_as_ollama_reads_it(pipeline):
+    """Keyed by its JSON: the same question with its fields in another order, or asking
+    ``stream: true`` (Ollama's default) outright, is the same call."""
+    model = Streaming(OLLAMA, "nd")
+    gw = await gateway(pipeline, model)
+    body = ollama_chat("Which jacket keeps the rain out?")
+    await gw.post("/api/chat", body, headers=ALICE)
+    reordered = json.dumps(dict(reversed(list({**body, "stream": True}.items())))).encode()
+    again = await gw.request("POST", "/api/chat", body=reordered, headers=ALICE)
+    assert again.headers["X-Gateway-Cache"] == "hit" and len(model.bodies) == 1

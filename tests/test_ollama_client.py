@@ -131,3 +131,36 @@ async def test_the_shipped_ollama_policy_caches_bounds_and_serves_ollamas_client
         assert endless.eval_count == 2048 and endless.done_reason == "length"
     finally:
         await sim.close()
+
+
+async def test_a_paraphrase_to_ollamas_chat_is_answered_by_the_embedding_tier(
+    start_gateway, tmp_path
+):
+    """Ollama's chat on a route with ``semantic: {method: embedding}``: a paraphrase of a
+    greedy question asked through Ollama's client is answered from the cache, verified as
+    chat's paraphrases are; another tenant's is not."""
+    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0))
+    try:
+        policy = tmp_path / "p.yaml"
+        text = POLICY.replace(
+            "cache: {{ttl_s: 60}}", "cache: {{ttl_s: 60, semantic: {{method: embedding}}}}"
+        )
+        policy.write_text(text.format(sim=sim.url))
+        gw = await start_gateway(policy=policy, warmup=False)
+
+        def ask(question: str) -> dict[str, Any]:
+            messages = [{"role": "user", "content": question}]
+            return {"model": "gemma3", "messages": messages, "options": GREEDY, "stream": False}
+
+        alice = ollama.AsyncClient(host=gw.url, headers={"Authorization": "Bearer alice"})
+        first = await alice.chat(**ask("What is the best way to learn Python?"))
+        para = await alice.chat(**ask("How can I learn Python?"))
+        assert para.message.content == first.message.content
+        assert sim.engine.counters.requests == 1
+        bob = ollama.AsyncClient(host=gw.url, headers={"Authorization": "Bearer bob"})
+        await bob.chat(**ask("How should I learn Python?"))
+        assert sim.engine.counters.requests == 2
+        hits = gw.gateway.metrics.cache_lookups.labels("ollama", "hit", "embedding")._value.get()
+        assert hits == 1
+    finally:
+        await sim.close()

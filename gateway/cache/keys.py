@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.cache.guard import signature
-from gateway.cache.own_apis import OWN_API_PATH, OWN_GREEDY, REQUEST_ID
+from gateway.cache.own_apis import OLLAMA_CHAT, OWN_API_PATH, OWN_GREEDY, REQUEST_ID
 from gateway.wire import MESSAGES_PATH, RESPONSES_PATH
 
 IGNORED_FIELDS = frozenset(
@@ -259,7 +259,7 @@ def normalise_query(query: str) -> str:
 
 
 def _near_prompt(body: Mapping[str, Any], path: str) -> str | None:
-    if not path.endswith((CHAT_PATH_SUFFIX, MESSAGES_PATH)):
+    if not path.endswith((CHAT_PATH_SUFFIX, MESSAGES_PATH)) and path != OLLAMA_CHAT:
         return None
     text = final_user_text(body)
     return text if text is not None and len(text) <= MAX_NEAR_CHARS else None

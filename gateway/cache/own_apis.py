@@ -10,8 +10,10 @@ say how to read the bytes are keyed with them (``FRAMING_HEADERS``: KServe's bin
 extension, a compressed body).  The stage sees the call with ``json`` holding only that
 digest (``keyed``), never the next stages: the call goes on as it came (``sending``).
 A generation's body is read (strict JSON, bounded as every body the gateway reads) only to
-tell whether it asks a greedy answer; one the gateway cannot read is not cached.  A greedy
-stream (llama.cpp's SSE, Ollama's NDJSON, Ollama's default) is keyed as its body is, with
+tell whether it asks a greedy answer; one the gateway cannot read is not cached.  Ollama's
+``/api/chat`` is keyed by that JSON instead of its bytes (``OLLAMA_CHAT``), so that a route's
+near-duplicate tiers serve its paraphrases as they serve chat's.  A greedy stream
+(llama.cpp's SSE, Ollama's NDJSON, Ollama's default) is keyed as its body is, with
 ``stream`` in ``json`` so the stages hand it on as a stream; it is stored as it came, and
 only once it has ended as the server ends one well (``ended``: llama.cpp's last event
 ``"stop": true``, Ollama's last line ``"done": true``, neither after an error), and a hit
@@ -81,6 +83,9 @@ def streams(body: Mapping[str, Any], path: str) -> bool:
     return stream is not False if path.startswith("/api/") else stream is True
 
 
+OLLAMA_CHAT = "/api/chat"
+"""Ollama's chat: its ``messages`` are OpenAI's, so it is keyed by its parsed JSON (``stream``
+as Ollama reads it), and the near-duplicate tiers read its last user message as chat's."""
 BODY_DIGEST = "\x00body-sha256"
 """The member of a keyed call's ``json`` holding the digest: no server's JSON names one so."""
 REQUEST_ID = "\x00request-id"
@@ -143,6 +148,8 @@ async def _key(call: Call) -> dict[str, Any] | None:
         if not greedy(data, call.path):
             return None
         streamed = streams(data, call.path)
+        if call.path == OLLAMA_CHAT:  # OpenAI's messages: keyed by its JSON, near tiers too
+            return {**data, "stream": streamed, BODY_DIGEST: ""}
     elif not OWN_API_PATH.fullmatch(call.path):
         return None
     digest = hashlib.sha256()

@@ -172,7 +172,8 @@ class RouteCache:
             "`/predict`, llama.cpp's `/embedding`, Ollama's `/api/embed`, vLLM's `/pooling`, "
             "`/score` and `/classify`; and llama.cpp's `/completion` and Ollama's `/api/chat` "
             "and `/api/generate` asked a greedy answer (temperature 0), whole or streamed (a "
-            "stream stored once it ended well, replayed as it came). "
+            "stream stored once it ended well, replayed as it came); Ollama's `/api/chat` "
+            "by its JSON, so `semantic` serves its paraphrases too. "
             "Off: for a model that samples behind one of them (an LLM behind `infer`)."
         ),
     )
