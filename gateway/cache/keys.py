@@ -75,8 +75,6 @@ ECHOED_FIELDS = frozenset({"user", "metadata", "safety_identifier", "service_tie
 """Fields the Responses API repeats in its answer: they key it, lest a hit repeat another
 request's."""
 _RESPONSES_IGNORED = IGNORED_FIELDS - ECHOED_FIELDS
-
-
 _KEY_VERSION = "gwc1"
 _BLANK = "\x00final-user-message\x00"
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, which

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -90,7 +91,7 @@ async def _answer(
     body: dict[str, Any],
     prompt: str,
     prompt_tokens: int,
-    piece: Any,
+    piece: Callable[[str], dict[str, Any]],
 ) -> web.StreamResponse:
     engine: Engine = request.app[ENGINE]
     config = engine.config
