@@ -31,13 +31,17 @@ from aiohttp import web
 
 from bench.common import machine, update_section
 from bench.plumbing import (
+    ANSWERS_S,
+    CALLS_PER_100,
+    P50_MS,
+    P99_MS,
     closed_loop,
     figures_of,
     gateway,
     medians,
-    rounds_args,
     rounds_command,
     rounds_of,
+    run_rounds,
     serving,
 )
 
@@ -125,17 +129,15 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
 
 
 COLUMNS = (
-    ("answers/s", "rps", ".0f"),
-    ("p50 ms", "p50", ".1f"),
-    ("p99 ms", "p99", ".1f"),
-    ("upstream calls per 100 answers", "calls", ".1f"),
+    ANSWERS_S,
+    P50_MS,
+    P99_MS,
+    CALLS_PER_100,
 )
 
 
 if __name__ == "__main__":
-    args = rounds_args(__doc__, 10.0, 16)
-    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
-    print("\n".join(lines))
+    args, lines = run_rounds(__doc__, 10.0, 16, main)
     update_section(
         "cache_own_apis",
         "## A recommendation model behind KServe V2, cached (`cache.own_apis`)\n\n"

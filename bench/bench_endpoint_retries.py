@@ -21,21 +21,24 @@ latency of the answered ones, and upstream calls per 100 answers.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from bench.common import machine, update_section
 from bench.plumbing import (
+    ANSWERS_S,
+    CALLS_PER_100,
     CHAT,
+    P50_MS,
+    P99_MS,
     Answering,
     Load,
     closed_loop,
     figures_of,
     gateway,
     medians,
-    rounds_args,
     rounds_command,
     rounds_of,
+    run_rounds,
     serving,
 )
 
@@ -98,18 +101,16 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
 
 
 COLUMNS = (
-    ("answers/s", "rps", ".0f"),
+    ANSWERS_S,
     ("failed per 1,000 calls", "failed", ".1f"),
-    ("p50 ms", "p50", ".1f"),
-    ("p99 ms", "p99", ".1f"),
-    ("upstream calls per 100 answers", "calls", ".1f"),
+    P50_MS,
+    P99_MS,
+    CALLS_PER_100,
 )
 
 
 if __name__ == "__main__":
-    args = rounds_args(__doc__, 10.0, 8)
-    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
-    print("\n".join(lines))
+    args, lines = run_rounds(__doc__, 10.0, 8, main)
     update_section(
         "endpoint_retries",
         "## A replica loading its model (`backends.<name>.endpoint_retries`)\n\n"

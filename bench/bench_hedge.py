@@ -35,13 +35,17 @@ from aiohttp import web
 
 from bench.common import machine, update_section
 from bench.plumbing import (
+    ANSWERS_S,
+    CALLS_PER_100,
+    P50_MS,
+    P99_MS,
     closed_loop,
     figures_of,
     gateway,
     medians,
-    rounds_args,
     rounds_command,
     rounds_of,
+    run_rounds,
     serving,
 )
 
@@ -185,25 +189,23 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
 
 
 COLUMNS = (
-    ("answers/s", "rps", ".0f"),
-    ("p50 ms", "p50", ".1f"),
-    ("p99 ms", "p99", ".1f"),
+    ANSWERS_S,
+    P50_MS,
+    P99_MS,
     ("p99.9 ms", "p999", ".1f"),
-    ("upstream calls per 100 answers", "calls", ".1f"),
+    CALLS_PER_100,
 )
 STREAM_COLUMNS = (
     ("streams/s", "rps", ".0f"),
     ("first chunk p50 ms", "p50", ".1f"),
-    ("p99 ms", "p99", ".1f"),
+    P99_MS,
     ("p99.9 ms", "p999", ".1f"),
     ("upstream calls per 100 streams", "calls", ".1f"),
 )
 
 
 if __name__ == "__main__":
-    args = rounds_args(__doc__, 10.0, 8)
-    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
-    print("\n".join(lines))
+    args, lines = run_rounds(__doc__, 10.0, 8, main)
     command = rounds_command("bench_hedge", args)
     update_section(
         "hedge",

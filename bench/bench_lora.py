@@ -32,13 +32,16 @@ from aiohttp import web
 from bench.common import machine, update_section
 from bench.plumbing import (
     ANSWER,
+    ANSWERS_S,
+    P50_MS,
+    P99_MS,
     Runs,
     closed_loop,
     gateway,
     medians,
     pcts,
-    rounds_args,
     rounds_command,
+    run_rounds,
     serving,
 )
 
@@ -143,17 +146,15 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
 
 
 COLUMNS = (
-    ("answers/s", "rps", ".0f"),
-    ("p50 ms", "p50", ".1f"),
-    ("p99 ms", "p99", ".1f"),
+    ANSWERS_S,
+    P50_MS,
+    P99_MS,
     ("adapter loads per 100 requests", "loads", ".1f"),
 )
 
 
 if __name__ == "__main__":
-    args = rounds_args(__doc__, 10.0, 12)
-    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
-    print("\n".join(lines))
+    args, lines = run_rounds(__doc__, 10.0, 12, main)
     command = rounds_command("bench_lora", args)
     update_section(
         "lora",

@@ -15,7 +15,6 @@ blocked (voluntary context switches), and the bench process's CPU.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import resource
 from collections.abc import Iterator
@@ -23,7 +22,16 @@ from pathlib import Path
 
 from bench.bench_rate_limits import ANSWER, RATES, SERVICE_MS, chat, policy
 from bench.common import machine, update_section
-from bench.plumbing import Answering, Runs, gateway, medians, rounds_args, rounds_command, serving
+from bench.plumbing import (
+    ANSWERS_S,
+    Answering,
+    Runs,
+    gateway,
+    medians,
+    rounds_command,
+    run_rounds,
+    serving,
+)
 from tests.redis_server import RedisServer
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -118,7 +126,7 @@ def port_of(url: str) -> int:
 
 
 COLUMNS = (
-    ("answers/s", "rps", ".0f"),
+    ANSWERS_S,
     ("p50 ms", "p50", ".2f"),
     ("gateway CPU us/answer", "cpu", ".0f"),
     ("gateway blocked /answer", "blocked", ".2f"),
@@ -127,9 +135,7 @@ COLUMNS = (
 
 
 if __name__ == "__main__":
-    args = rounds_args(__doc__, 5.0, 8)
-    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
-    print("\n".join(lines))
+    args, lines = run_rounds(__doc__, 5.0, 8, main)
     update_section(
         "placement",
         "## Where the processes run (the bare gateway's lower rate, explained)\n\n"

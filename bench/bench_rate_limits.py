@@ -34,6 +34,7 @@ import aiohttp
 
 from bench.common import machine, update_section
 from bench.plumbing import (
+    ANSWERS_S,
     CHAT,
     Answering,
     chat_load,
@@ -41,9 +42,9 @@ from bench.plumbing import (
     figures_of,
     gateway,
     medians,
-    rounds_args,
     rounds_command,
     rounds_of,
+    run_rounds,
     serving,
 )
 from tests.redis_server import RedisServer
@@ -163,7 +164,7 @@ async def main(duration_s: float, rounds: int, connections: int) -> list[str]:
 
 
 COLUMNS = (
-    ("answers/s", "rps", ".0f"),
+    ANSWERS_S,
     ("p50 ms", "p50", ".2f"),
     ("p99 ms", "p99", ".2f"),
     ("refused", "failed", ".0f"),
@@ -183,9 +184,7 @@ def hold_table(runs: dict[str, list[dict[str, float]]], connections: int) -> lis
 
 
 if __name__ == "__main__":
-    args = rounds_args(__doc__, 5.0, 8)
-    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
-    print("\n".join(lines))
+    args, lines = run_rounds(__doc__, 5.0, 8, main)
     update_section(
         "rate_limits",
         "## Rate limits and spend budgets (`rate_limit`)\n\n"

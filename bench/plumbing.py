@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +304,27 @@ def rounds_args(doc: str, duration_s: float, connections: int) -> argparse.Names
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", type=int, default=connections)
     return parser.parse_args()
+
+
+def run_rounds(
+    doc: str,
+    duration_s: float,
+    connections: int,
+    main: Callable[[float, int, int], Coroutine[Any, Any, list[str]]],
+) -> tuple[argparse.Namespace, list[str]]:
+    """A rounds bench's ``__main__``: its arguments (``rounds_args``), ``main`` run with them,
+    and its table, printed and returned for ``update_section``."""
+    args = rounds_args(doc, duration_s, connections)
+    lines = asyncio.run(main(args.duration, args.rounds, args.connections))
+    print("\n".join(lines))
+    return args, lines
+
+
+ANSWERS_S = ("answers/s", "rps", ".0f")
+P50_MS = ("p50 ms", "p50", ".1f")
+P99_MS = ("p99 ms", "p99", ".1f")
+CALLS_PER_100 = ("upstream calls per 100 answers", "calls", ".1f")
+"""Columns most rounds benches show (``medians``): label, figure, format."""
 
 
 def rounds_command(module: str, args: argparse.Namespace) -> str:
