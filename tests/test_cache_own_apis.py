@@ -400,6 +400,25 @@ async def test_calls_in_flight_with_their_own_ids_share_one_call_each_its_own_id
     assert len(model.bodies) == 1 and len({json.dumps(a.json()["outputs"]) for a in answers}) == 1
 
 
+async def test_calls_in_flight_of_two_tenants_never_share_one_call_whatever_their_ids(pipeline):
+    """The same inference from two tenants at once, with ids or without: each tenant's call
+    goes upstream on its own credentials, and each answer to its own caller."""
+    model = Echoing()
+    route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, route), model)
+    model.gate = asyncio.Event()
+    asked = [(with_id(f"r-{i}", [1, 2, 3]), who) for i, who in enumerate((ALICE, BOB, BOB))]
+    calls = [gw.send("POST", INFER, body=body, headers=who) for body, who in asked]
+    await until(lambda: len(model.bodies) == 2)
+    await until(lambda: joined(gw) == 1)  # Bob's second joined Bob's first, never Alice's
+    model.gate.set()
+    assert [(await c.done()).json()["id"] for c in calls] == ["r-0", "r-1", "r-2"]
+    sent = sorted(
+        dict((k.lower(), v) for k, v in s.headers)["authorization"] for s in gw.transport.sent
+    )
+    assert sent == ["Bearer sk-alice", "Bearer sk-bob"]
+
+
 class Framing(Echoing):
     """Echoes each id in an answer framed by length, as for KServe's binary tensors, or
     compressed (``gzip``: as Triton answers a client that accepts it)."""
