@@ -52,12 +52,14 @@ def anthropic(*names: str) -> tuple[bytes, ...]:
 class Backend:
     """Answers every call with ``chunks`` as a stream (``cut``: broken after them)."""
 
-    def __init__(self, chunks: tuple[bytes, ...], cut: bool = False) -> None:
-        self.chunks, self.cut, self.calls = chunks, cut, 0
+    def __init__(
+        self, chunks: tuple[bytes, ...], cut: bool = False, kind: str = "text/event-stream"
+    ) -> None:
+        self.chunks, self.cut, self.kind, self.calls = chunks, cut, kind, 0
 
     async def __call__(self, sent: Sent) -> Reply:
         self.calls += 1
-        return stream_reply(self._relay())
+        return stream_reply(self._relay(), content_type=self.kind)
 
     async def _relay(self) -> AsyncIterator[bytes]:
         for piece in self.chunks:
@@ -96,6 +98,21 @@ async def test_a_stream_past_what_an_entry_records_is_counted_too_large(pipeline
     gw = await twice(pipeline, Backend(big), "/v1/chat/completions", CHAT)
     assert gw.metric(NOT_STORED, route="chat", reason="too_large") == 2
     assert gw.metric(NOT_STORED, route="chat", reason="unfinished") is None
+
+
+async def test_a_servers_own_stream_past_what_an_entry_records_is_counted_too_large(pipeline):
+    """Ollama's greedy stream, recorded as it came (not as events): past 4 MiB it is relayed
+    whole and not kept, the recording dropped."""
+    line = b'{"message":{"role":"assistant","content":"' + b"x" * 64_000 + b'"},"done":false}\n'
+    lines = (line,) * (MAX_RECORDED_BYTES // len(line) + 2) + (b'{"done":true}\n',)
+    backend = Backend(lines, kind="application/x-ndjson")
+    routes = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, routes), backend)
+    body = {"model": "m", "messages": CHAT["messages"], "options": {"temperature": 0}}
+    for _ in range(2):
+        answer = await gw.post("/api/chat", body)
+        assert answer.headers["X-Gateway-Cache"] == "miss" and answer.body == b"".join(lines)
+    assert gw.metric(NOT_STORED, route="chat", reason="too_large") == 2
 
 
 async def test_an_anthropic_stream_without_its_end_is_counted_unfinished(pipeline):
