@@ -153,6 +153,7 @@ def test_metric_names_are_the_public_contract():
     """Dashboards and alerts depend on these names: changing one is a breaking change."""
     assert names(Metrics()) == [
         "gateway_backend_failures",
+        "gateway_backend_model_identity",
         "gateway_batch_limit",
         "gateway_batch_oom_backoffs",
         "gateway_batch_size",

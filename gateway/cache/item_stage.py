@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.cache.control import STORE_ANY, LearnedVary, Storable, storable
@@ -36,6 +36,7 @@ from gateway.cache.replies import (
     read_whole,
 )
 from gateway.cache.tiers import EXACT, ResponseCache
+from gateway.cache.versions import Versions
 from gateway.clock import Clock
 from gateway.pipeline import Call, Handler, Reply
 from gateway.policy.model import Route, RouteCache
@@ -107,7 +108,7 @@ class RouteRules:
 class ItemCache:
     """Answers embeddings requests item by item from the cache and the backend."""
 
-    def __init__(self, clock: Clock, versions: Mapping[str, str]) -> None:
+    def __init__(self, clock: Clock, versions: Versions) -> None:
         self._clock = clock
         self._versions = versions
 
@@ -269,4 +270,4 @@ class ItemCache:
         return max(0, int(self._clock.wall() - created_at))
 
     def __repr__(self) -> str:
-        return f"<ItemCache backends={sorted(self._versions)}>"
+        return f"<ItemCache {self._versions!r}>"

@@ -67,6 +67,7 @@ from gateway.cache.replies import (
 from gateway.cache.simhash import MAX_DISTANCE
 from gateway.cache.state import CACHE_STATE, CacheState
 from gateway.cache.tiers import Hit, ResponseCache
+from gateway.cache.versions import UNKNOWN, Versions
 from gateway.errors import StoreError
 from gateway.metrics import EmbeddingFigures
 from gateway.openai.sse import carries_usage
@@ -137,7 +138,7 @@ class CacheStage:
         self._embedding_tiers = embedding_tiers
         self._clock = runtime.clock
         self._metrics = runtime.metrics
-        self._versions = {b.name: b.model_version for b in policy.backends}
+        self._versions = Versions(policy.backends, runtime.transport)
         self._last_error_log = 0.0
         self._items = ItemCache(runtime.clock, self._versions)
         self._routes: dict[str, RouteRules] = {}
@@ -192,7 +193,11 @@ class CacheStage:
             # a server's own call: keyed by its body's digest, sent on as it came
             call_next = own_apis.sending(call_next, call)
             call, body = keyed, keyed.json
-        if body is None or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok:
+        if (
+            body is None
+            or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok
+            or self._versions.get(call.backend) == UNKNOWN  # model_version: auto, none said
+        ):
             return await self._pass(rules, call, call_next)
         no_cache, no_store = asked_not_to(call.header("cache-control"))
         scope = call.scope
@@ -366,6 +371,9 @@ class CacheStage:
         stored_headers = select_headers(reply.headers)
 
         version = self._versions.get(backend, "")
+        if version == UNKNOWN:  # a fallback of model_version auto whose servers said nothing
+            rules.not_stored("identity_unknown")
+            return reply
 
         async def put(events: tuple[str, ...] | None, body: bytes | None) -> None:
             try:

@@ -119,6 +119,14 @@ class TrafficFamilies:
             ["backend", "outcome"],
             registry=r,
         )
+        self.backend_model_identity = Gauge(
+            "gateway_backend_model_identity",
+            "1 for the version a backend with model_version: auto is keyed by now (auto: and "
+            "12 hex digits of what its endpoints say they serve), the value to purge its "
+            "cached answers by; none while no endpoint says ([caching](caching.md#keys)).",
+            ["backend", "identity"],
+            registry=r,
+        )
         self.endpoint_adapter_picks = Counter(
             "gateway_endpoint_adapter_picks",
             "Requests for a vLLM LoRA adapter picked an endpoint for (balance: kv_aware), by "

@@ -270,8 +270,13 @@ class Backend:
         default="",
         metadata=doc(
             "Version of the model served; part of every cache key, so bumping it "
-            "invalidates that backend's cached answers at once."
+            "invalidates that backend's cached answers at once.  `auto`: ask the servers "
+            "which weights they serve (`/info`, `/api/tags`, `/v1/models`) and key by that "
+            "(the backend is not cached while none says)."
         ),
+    )
+    model_version_interval_s: float = field(
+        default=30.0, metadata=doc("With `model_version: auto`: how often each server is asked.")
     )
     timeout_s: float = field(
         default=DEFAULT_TIMEOUT_S,

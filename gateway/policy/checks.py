@@ -228,6 +228,7 @@ def check_backend(b: Backend) -> Found:
         "idle_timeout_s",
         "keepalive_s",
         "warmup_timeout_s",
+        "model_version_interval_s",
     ):
         if getattr(b, key) <= 0:
             bad(key, "must be greater than 0")
@@ -407,6 +408,8 @@ def check_route(route: Route, backends: dict[str, Backend]) -> Found:
             bad("cache.semantic.min_score", "must be in [0, 1]")
         if semantic.embedder is not None and semantic.embedder not in backends:
             bad("cache.semantic.embedder", f"unknown backend {semantic.embedder!r}")
+        elif semantic.embedder is not None and backends[semantic.embedder].model_version == "auto":
+            bad("cache.semantic.embedder", "needs a fixed model_version: its vectors' identity")
         if semantic.embedder_model is not None and semantic.embedder is None:
             bad("cache.semantic.embedder_model", "only applies with `embedder`")
         found.extend(check_judge(semantic))

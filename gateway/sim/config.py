@@ -51,6 +51,11 @@ class SimConfig:
     host: str = _opt(DEFAULT_HOST, "address to listen on")
     port: int = _opt(DEFAULT_PORT, "port to listen on (0 picks a free one)")
     models: str = _opt(DEFAULT_MODELS, "comma-separated model names listed by /v1/models")
+    weights: str = _opt(
+        "",
+        "the weights served, as /v1/models (root) and /api/tags (digest) name them; other "
+        "weights give other answers",
+    )
     base_ms: float = _opt(DEFAULT_BASE_MS, "fixed cost of one GPU call (ms)")
     per_item_ms: float = _opt(DEFAULT_PER_ITEM_MS, "extra cost per input item in a call (ms)")
     slots: int = _opt(1, "GPU calls that run at once; the rest wait in FIFO order")

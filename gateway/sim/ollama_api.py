@@ -9,6 +9,7 @@ Ollama writes them: ``{"error": "..."}``."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -70,8 +71,17 @@ async def embed(request: web.Request) -> web.Response:
 async def tags(request: web.Request) -> web.Response:
     names = request.app[ENGINE].config.model_names
     now = _now(request.app[ENGINE])
-    models = [{"name": n, "model": n, "modified_at": now, "size": 0} for n in names]
+    weights = request.app[ENGINE].config.weights
+    models = [
+        {"name": n, "model": n, "modified_at": now, "size": 0, "digest": _sha256(weights, n)}
+        for n in names
+    ]
     return web.json_response({"models": models})
+
+
+def _sha256(weights: str, name: str) -> str:
+    """The digest Ollama names a model's weights by (here, of the sim's ``weights``)."""
+    return hashlib.sha256(f"{weights}\x00{name}".encode()).hexdigest()
 
 
 async def version(_: web.Request) -> web.Response:
@@ -103,7 +113,7 @@ async def _answer(
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
         raise BadRequest("'options.num_predict' must be an integer")
     limit = None if limit is None or limit < 0 else limit  # -1: until the model stops
-    tokens = answer_tokens(model, prompt, _length(config.answer_tokens, limit))
+    tokens = answer_tokens(model, prompt, _length(config.answer_tokens, limit), config.weights)
     reason = "length" if limit is not None and limit < config.answer_tokens else "stop"
     head = {"model": model, "created_at": _now(engine)}
     tail = {

@@ -40,7 +40,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt, prompt_tokens = req.chat_prompt(body)
     req.single_choice(body)
     limit = req.max_tokens_of(body, "max_completion_tokens", "max_tokens")
-    tokens = answer_tokens(model, prompt, _length(config.answer_tokens, limit))
+    tokens = answer_tokens(model, prompt, _length(config.answer_tokens, limit), config.weights)
     finish = "length" if limit is not None and limit < config.answer_tokens else "stop"
     logprobs = None
     if body.get("logprobs") is True:
@@ -121,7 +121,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     limit = req.max_tokens_of(body, "max_tokens")
     length = _length(config.answer_tokens, limit)
     finish = "length" if limit is not None and limit < config.answer_tokens else "stop"
-    answers = [answer_tokens(model, text, length) for text, _ in items]
+    answers = [answer_tokens(model, text, length, config.weights) for text, _ in items]
     usage = _usage(sum(req.item_tokens(i) for i in items), length * len(items))
     if fault := engine.fault(len(items)):
         return _fault_response(fault)
@@ -203,7 +203,11 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     names = request.app[ENGINE].config.model_names
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "sim"} for n in names]
+    root = request.app[ENGINE].config.weights
+    data = [
+        {"id": n, "object": "model", "created": 0, "owned_by": "sim", "root": root or n}
+        for n in names
+    ]
     return web.json_response({"object": "list", "data": data})
 
 

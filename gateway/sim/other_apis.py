@@ -83,7 +83,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if conversation is not None:
         prompt_tokens += conversation.tokens
     limit = req.max_tokens_of(body, "max_output_tokens")
-    tokens = answer_tokens(model, prompt, _length(engine.config.answer_tokens, limit))
+    length = _length(engine.config.answer_tokens, limit)
+    tokens = answer_tokens(model, prompt, length, engine.config.weights)
     if fault := engine.fault(1):
         return _fault_response(fault)
     usage = {
@@ -146,7 +147,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     model = req.model_of(body, engine.config.model_names[0])
     prompt, prompt_tokens = _messages_prompt(body)
     limit = req.max_tokens_of(body, "max_tokens")
-    tokens = answer_tokens(model, prompt, _length(engine.config.answer_tokens, limit))
+    length = _length(engine.config.answer_tokens, limit)
+    tokens = answer_tokens(model, prompt, length, engine.config.weights)
     stop = "max_tokens" if limit is not None and limit < engine.config.answer_tokens else "end_turn"
     if fault := engine.fault(1):
         return _fault_response(fault)

@@ -36,9 +36,10 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
-def answer_tokens(model: str, prompt: str, count: int) -> list[str]:
-    """``count`` answer tokens for ``prompt`` on ``model``; the first has no leading space."""
-    rng = random.Random(_digest("answer", model, prompt))
+def answer_tokens(model: str, prompt: str, count: int, weights: str = "") -> list[str]:
+    """``count`` answer tokens for ``prompt`` on ``model`` (with ``weights`` other than the
+    default, other tokens); the first has no leading space."""
+    rng = random.Random(_digest("answer", model, prompt, *([weights] if weights else [])))
     words = [rng.choice(WORDS) for _ in range(count)]
     return [word if i == 0 else " " + word for i, word in enumerate(words)]
 

@@ -4,6 +4,8 @@ its requests in flight."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Callable
 
 from gateway.clock import SYSTEM_CLOCK, Clock
@@ -11,8 +13,14 @@ from gateway.metrics import Metrics
 from gateway.pipeline import Reply, Spare
 from gateway.policy.model import Backend, Policy
 from gateway.transport.discovery import Resolver, SystemResolver
+from gateway.transport.endpoint import Endpoint
 from gateway.transport.endpoints import EndpointSet, set_key
+from gateway.transport.identity import AUTO, Identities
 from gateway.transport.sizing import Demand
+
+
+def _endpoints_of(pool: EndpointSet) -> list[Endpoint]:
+    return pool.endpoints
 
 
 class Upstreams:
@@ -33,6 +41,7 @@ class Upstreams:
         self._pools: dict[str, EndpointSet] = {}
         self._retired: dict[tuple[object, ...], EndpointSet] = {}
         self._live: dict[int, tuple[Backend, EndpointSet]] = {}  # by the live policy's objects
+        self._identities: dict[str, tuple[Identities, EndpointSet]] = {}  # model_version: auto
 
     def sync(self, policy: Policy) -> None:
         """Make the pools match ``policy``: keep, replace (retiring the old) or drop."""
@@ -62,6 +71,33 @@ class Upstreams:
             if pool.joining is not None:  # the warm-up the policy now asks of joiners
                 pool.joining.backend = wanted[name]
         self._live = {id(b): (b, self._pools[b.name]) for b in policy.backends}
+        self._watch_identities(wanted)
+
+    def _watch_identities(self, wanted: dict[str, Backend]) -> None:
+        """Ask the servers of each ``model_version: auto`` backend what they serve (those of
+        its set as it is now; what is known of an endpoint a new set keeps is kept)."""
+        for name in list(self._identities):
+            if name not in wanted or wanted[name].model_version != AUTO:
+                self._identities.pop(name)[0].forget()
+        sleep = getattr(self._clock, "sleep", asyncio.sleep)
+        for name, backend in wanted.items():
+            if backend.model_version != AUTO:
+                continue
+            pool = self._pools[name]
+            identities, watched = self._identities.get(name) or (
+                Identities(backend, self._metrics),
+                None,
+            )
+            identities.backend = backend
+            if watched is not pool:
+                identities.start(functools.partial(_endpoints_of, pool), sleep)
+            self._identities[name] = (identities, pool)
+
+    def model_identity(self, name: str) -> str | None:
+        """The version of the backend ``name`` by what its servers say they serve, if its
+        ``model_version`` is ``auto`` (``identity.UNKNOWN`` until one has said)."""
+        found = self._identities.get(name)
+        return found[0].version if found is not None else None
 
     def endpoint_set(self, name: str) -> EndpointSet | None:
         """The live set of the backend ``name``, if the policy has it."""
@@ -117,6 +153,8 @@ class Upstreams:
         )
 
     async def aclose(self) -> None:
+        for identities, _ in self._identities.values():
+            identities.stop()
         for pool in [*self._pools.values(), *self._retired.values()]:
             await pool.aclose()
         self._pools.clear()

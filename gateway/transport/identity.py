@@ -1,0 +1,227 @@
+"""Which weights a backend serves, asked of its model servers (``model_version: auto``).
+
+A cached answer is keyed by its backend's ``model_version``, so new weights never meet the
+old weights' answers.  Set by hand, the version is only as good as the deploy that bumps
+it: ``ollama pull`` replaces a tag's weights in place, a TGI pod restarted on a new
+revision keeps its model name.  With ``model_version: auto`` each endpoint is asked what it
+serves every ``model_version_interval_s``, over its own pool, by the first of these it
+answers:
+
+* ``GET /info`` (TGI, TEI): ``model_id``, ``model_sha`` (the Hub revision), ``model_dtype``;
+* ``GET /api/tags`` (Ollama): each model's name and ``digest`` (its weights' sha256);
+* ``GET /v1/models`` (vLLM, llama.cpp, any OpenAI-compatible server): each model's ``id``,
+  ``root`` and ``parent`` (vLLM's weights path and a LoRA adapter's base) and of ``meta``
+  what is the weights' (llama.cpp's parameter count, vocabulary, file size and type, never
+  its ``n_ctx``, the server's setting); never ``created`` and the like, which change on
+  every call.
+
+What an endpoint answered is its identity; the backend's version is a digest of the
+distinct identities of its endpoints (``auto:`` and 12 hex digits), the same in every
+gateway replica that sees the same servers, so replicas sharing a Redis cache share its
+entries.  Mid-rollout, replicas old and new give a version of their own, which the end of
+the rollout leaves behind.  A probe that fails keeps the endpoint's last identity (a
+hiccup must not change every key); an endpoint never identified is left out; while no
+endpoint of the backend is identified the version is unknown, and the cache neither
+answers nor stores that backend's calls.  New weights are seen within one interval: until
+then answers are filed under the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from gateway.errors import UpstreamError
+from gateway.metrics import Metrics
+from gateway.policy.model import Backend
+from gateway.transport.endpoint import Endpoint
+
+log = logging.getLogger("gateway.transport")
+
+AUTO = "auto"
+"""The ``model_version`` that asks the servers."""
+UNKNOWN = "auto:unknown"
+"""The version of a backend none of whose endpoints said what it serves (never stored)."""
+PROBE_TIMEOUT_S = 5.0
+"""The longest one probe may take (less when the interval is shorter)."""
+MAX_MODELS = 256
+"""Models of one answer read; more are ignored (a list that long is no one's weights)."""
+_OPENAI_FIELDS = ("id", "root", "parent")
+_META_FIELDS = ("vocab_type", "n_vocab", "n_ctx_train", "n_embd", "n_params", "size", "ftype")
+"""What of llama.cpp's ``meta`` is its weights' (never ``n_ctx``, the server's setting)."""
+_INFO_FIELDS = ("model_id", "model_sha", "model_dtype", "model_type")
+_GONE = ""  # no identity at that path (every identity starts with its path)
+
+
+def _info(doc: Any) -> Any:
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_id"), str):
+        return None
+    return {k: doc[k] for k in _INFO_FIELDS if doc.get(k) is not None}
+
+
+def _tags(doc: Any) -> Any:
+    models = doc.get("models") if isinstance(doc, dict) else None
+    if not isinstance(models, list):
+        return None
+    named = sorted(
+        f"{m.get('name')}@{m['digest']}"
+        for m in models[:MAX_MODELS]
+        if isinstance(m, dict) and isinstance(m.get("digest"), str) and m["digest"]
+    )
+    return named or None
+
+
+def _models(doc: Any) -> Any:
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        return None
+    named = []
+    for m in data[:MAX_MODELS]:
+        if isinstance(m, dict) and isinstance(m.get("id"), str):
+            found = {k: m[k] for k in _OPENAI_FIELDS if m.get(k) is not None}
+            meta = m.get("meta")
+            if isinstance(meta, dict):
+                found["meta"] = {k: meta[k] for k in _META_FIELDS if meta.get(k) is not None}
+            named.append(found)
+    return sorted(named, key=lambda m: json.dumps(m, sort_keys=True)) or None
+
+
+PROBES: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("/info", _info),
+    ("/api/tags", _tags),
+    ("/v1/models", _models),
+)
+"""Where a model server says what it serves, the most precise first, and what of it counts."""
+
+
+def identity_of(path: str, body: bytes) -> str | None:
+    """The identity ``body``, a server's answer at ``path``, states (None: it states none)."""
+    read = dict(PROBES)[path]
+    try:
+        found = read(json.loads(body))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if found is None:
+        return None
+    return f"{path} {json.dumps(found, sort_keys=True, separators=(',', ':'))}"
+
+
+def version_of(identities: Sequence[str]) -> str:
+    """The backend's version for its endpoints' ``identities`` (``UNKNOWN`` with none)."""
+    distinct = sorted(set(identities))
+    if not distinct:
+        return UNKNOWN
+    digest = hashlib.sha256("\n".join(distinct).encode()).hexdigest()
+    return f"{AUTO}:{digest[:12]}"
+
+
+class Identities:
+    """Keeps one ``model_version: auto`` backend's version: its endpoints probed every
+    interval, each one's identity by URL (so a set replaced by a reload keeps what is
+    known of the endpoints it keeps)."""
+
+    def __init__(self, backend: Backend, metrics: Metrics) -> None:
+        self.backend = backend
+        self._shown = metrics.backend_model_identity
+        self._by_url: dict[str, str] = {}
+        self._path: dict[str, str] = {}  # the probe each endpoint answered
+        self._urls: tuple[str, ...] = ()
+        self.version = UNKNOWN
+        self._task: asyncio.Task[None] | None = None
+        self._warned = False
+
+    def start(
+        self,
+        endpoints: Callable[[], Sequence[Endpoint]],
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        """Probe ``endpoints`` (the backend's set as it is now) until ``stop``."""
+        self.stop()
+        self._task = asyncio.get_running_loop().create_task(self._watch(endpoints, sleep))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def forget(self) -> None:
+        """The backend is gone or no longer ``auto``: stop, and drop its series."""
+        self.stop()
+        if self.version != UNKNOWN:
+            self._shown.remove(self.backend.name, self.version)
+
+    async def _watch(
+        self, endpoints: Callable[[], Sequence[Endpoint]], sleep: Callable[[float], Awaitable[Any]]
+    ) -> None:
+        while True:
+            current = list(endpoints())
+            await asyncio.gather(*(self.probe(e) for e in current))
+            self.settle([e.url for e in current])
+            await sleep(self.backend.model_version_interval_s)
+
+    async def probe(self, endpoint: Endpoint) -> None:
+        """Ask ``endpoint`` what it serves: at the probe it answered last, else at each in
+        turn while it has no such path.  One it cannot be asked now keeps what it said."""
+        known = self._path.get(endpoint.url)
+        for path in [known] if known is not None else [p for p, _ in PROBES]:
+            answer = await self._ask(endpoint, path)
+            if answer is None:
+                return
+            if answer != _GONE:
+                self._by_url[endpoint.url] = answer
+                self._path[endpoint.url] = path
+                return
+        if known is not None:  # the server says it there no more: each probe next round
+            del self._path[endpoint.url]
+
+    async def _ask(self, endpoint: Endpoint, path: str) -> str | None:
+        """The identity at ``path``; ``_GONE`` when the server has no such path (404, 405)
+        or an answer there that states none; None when it could not be asked."""
+        timeout_s = min(PROBE_TIMEOUT_S, self.backend.model_version_interval_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                reply = await endpoint.pool.send(
+                    self.backend, "GET", path, [], b"", streaming=False
+                )
+                if reply.close is not None:
+                    await reply.close()
+        except (UpstreamError, TimeoutError) as exc:
+            log.debug("model identity of %s at %s: %r", endpoint.url, path, exc)
+            return None
+        if reply.status in (404, 405):
+            return _GONE
+        if reply.status != 200:
+            return None
+        return identity_of(path, reply.body or b"") or _GONE
+
+    def settle(self, urls: Sequence[str]) -> None:
+        """Make the version that of the endpoints ``urls`` as last probed."""
+        self._by_url = {u: i for u, i in self._by_url.items() if u in urls}
+        self._path = {u: p for u, p in self._path.items() if u in urls}
+        version = version_of(list(self._by_url.values()))
+        if version == self.version:
+            if version == UNKNOWN and not self._warned and urls:
+                self._warned = True
+                log.warning(
+                    "backend %s: model_version auto, but no endpoint says what it serves "
+                    "(GET /info, /api/tags, /v1/models); its calls are not cached",
+                    self.backend.name,
+                )
+            return
+        name = self.backend.name
+        if self.version != UNKNOWN:
+            self._shown.remove(name, self.version)
+        if version != UNKNOWN:
+            self._shown.labels(name, version).set(1)
+        log.info(
+            "backend %s: model version %s (was %s): %s",
+            name,
+            version,
+            self.version,
+            "; ".join(sorted(set(self._by_url.values())))[:500] or "no endpoint identified",
+        )
+        self.version = version
