@@ -218,6 +218,10 @@ class Gateway:
     def admin_token(self) -> str | None:
         return os.environ.get("GATEWAY_ADMIN_TOKEN") or self.snapshot.policy.admin.token
 
+    def model_identity(self, name: str) -> str | None:
+        """The version a ``model_version: auto`` backend is keyed by now (None: another)."""
+        return self._upstreams.model_identity(name) if self._upstreams is not None else None
+
     # -- apps and listeners -----------------------------------------------------------------
     def admin_app(self, *, loopback: bool) -> web.Application:
         app = web.Application()

@@ -66,6 +66,8 @@ class Operated(Live, Protocol):
 
     def reload(self, *, force: bool = False) -> bool: ...
 
+    def model_identity(self, name: str) -> str | None: ...
+
 
 class CachePurge(Protocol):
     """What ``POST /cache/purge`` needs of the cache (its ``CacheState``)."""

@@ -95,6 +95,9 @@ async def test_new_weights_under_the_same_name_take_a_new_key_and_never_meet_the
     assert metric(text, shown, backend="main", identity=version(gw)) == 1
     assert metric(text, shown, backend="main", identity=first) is None
     async with httpx.AsyncClient() as client:
+        policy = (await client.get(f"{gw.admin_url}/policy")).json()
+    assert policy["model_versions"] == {"main": version(gw)}
+    async with httpx.AsyncClient() as client:
         purged = await client.post(
             f"{gw.admin_url}/cache/purge", json={"model_version": version(gw)}
         )

@@ -50,6 +50,11 @@ def admin_routes(gateway: Operated, *, loopback: bool) -> list[web.RouteDef]:
             "policy": to_data(snap.policy),
             "throttle_signals": control.signal_status() if control is not None else [],
             "cache_operating_points": points.in_force(snap.policy) if points is not None else {},
+            "model_versions": {  # model_version: auto, as the servers said (what purge takes)
+                b.name: gateway.model_identity(b.name)
+                for b in snap.policy.backends
+                if b.model_version == "auto"
+            },
         }
         return web.json_response(data, dumps=lambda d: json.dumps(d, indent=2))
 
