@@ -17,6 +17,8 @@ import pytest
 
 from gateway.sim import SimConfig, start_sim
 from gateway.sim.ollama_api import VERSION
+from gateway.transport.identity import UNKNOWN
+from tests.helpers import until
 
 POLICY = """
 backends:
@@ -113,14 +115,16 @@ async def test_ollamas_embed_is_answered_from_the_cache(served):
 async def test_the_shipped_ollama_policy_caches_bounds_and_serves_ollamas_client(
     start_gateway, tmp_path
 ):
-    """``policies/ollama.yaml`` against the sim: a greedy chat streamed twice is generated
-    once; a call naming no ``num_predict`` is given the policy's 512, one asking -1 (until
+    """``policies/ollama.yaml`` against the sim: keyed by the digests the server gives
+    (``model_version: auto``), a greedy chat streamed twice is generated once; a call naming no ``num_predict`` is given the policy's 512, one asking -1 (until
     the end) is clamped to 2048, as the sim's counts show."""
     sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0, answer_tokens=4000))
     try:
         local = tmp_path / "ollama.yaml"
         local.write_text(SHIPPED.read_text().replace("http://127.0.0.1:11434", sim.url))
         gw = await start_gateway(policy=local, warmup=False)
+        # model_version: auto, keyed by the digests the sim's /api/tags gives once asked
+        await until(lambda: gw.gateway.transport.model_identity("ollama") != UNKNOWN)
         client = ollama.AsyncClient(host=gw.url)
         asked: dict[str, Any] = {"model": "gemma3", "messages": QUESTION}
         _, first = await _streamed(client, **asked, options={"temperature": 0})
