@@ -179,6 +179,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_client_concurrency_limited",
         "gateway_client_in_flight",
         "gateway_client_timeouts",
+        "gateway_coalesced_own_calls",
         "gateway_coalesced_requests",
         "gateway_concurrency_decisions",
         "gateway_connections",

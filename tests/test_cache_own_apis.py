@@ -440,7 +440,8 @@ class Framing(Echoing):
 @pytest.mark.parametrize("framing", ["asked", "answered", "compressed"])
 async def test_calls_for_binary_tensors_in_flight_each_get_their_own_call(pipeline, framing):
     """Asked for binary tensors, or answered framed by length unasked, or compressed: an
-    echoed id cannot be rewritten, so calls with other ids never share an answer."""
+    echoed id cannot be rewritten, so calls with other ids never share an answer (the
+    joiners of the latter two make their own calls, counted as such)."""
     model = Framing(compressed=framing == "compressed")
     route = {"match": {"path": "*"}, "cache": {"ttl_s": 60}}
     gw = await pipeline(policy({"main": {"url": URL}}, route), model)
@@ -458,3 +459,5 @@ async def test_calls_for_binary_tensors_in_flight_each_get_their_own_call(pipeli
         answers = [a.json() for a in answers]
     assert [a["id"] for a in answers] == ["r-0", "r-1", "r-2"]
     assert len(model.bodies) == 3
+    own = gw.metric("gateway_coalesced_own_calls_total", route="chat") or 0.0
+    assert own == joined(gw) == (0 if framing == "asked" else 2)

@@ -58,8 +58,11 @@ _REPLACED_ON_ASSEMBLY = frozenset({"content-type", "content-encoding", "cache-co
 class CoalesceStage:
     """Runs each coalescible call through its route's single-flight table."""
 
-    def __init__(self, flights: dict[str, SingleFlight]) -> None:
+    def __init__(
+        self, flights: dict[str, SingleFlight], own_calls: dict[str, Callable[[], None]]
+    ) -> None:
         self._flights = flights
+        self._own_calls = own_calls  # joiners that made their own call after all, counted
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         flights = self._flights.get(call.route.name)
@@ -84,6 +87,7 @@ class CoalesceStage:
             key = (key, asked)
         reply = await flights.do(key, start, stream=as_sent)
         if ids and reply.coalesced and not own_apis.rewritable(reply):
+            self._own_calls[call.route.name]()
             return await call_next(sent)  # an answer its id cannot be rewritten in
         reply = own_apis.answered(call.json, reply) if ids else reply
         return reply.with_headers(((COALESCED_HEADER, "1"),)) if reply.coalesced else reply
@@ -151,13 +155,15 @@ def assemble(status: int, headers: Headers, body: bytes) -> tuple[Headers, bytes
 def build(policy: Policy, runtime: Runtime) -> list[Stage]:
     """The coalesce stage for ``policy``, or none when no route coalesces."""
     flights: dict[str, SingleFlight] = {}
+    own_calls: dict[str, Callable[[], None]] = {}
     for route in policy.routes:
         if route.coalescing:
             counted = runtime.metrics.coalesced.labels(route.name).inc
             flights[route.name] = runtime.registry.get(
                 FLIGHTS, route.name, (), _factory(route.name, counted)
             )
-    return [CoalesceStage(flights)] if flights else []
+            own_calls[route.name] = runtime.metrics.coalesced_own_calls.labels(route.name).inc
+    return [CoalesceStage(flights, own_calls)] if flights else []
 
 
 def _factory(name: str, counted: Callable[[], None]) -> Callable[[], SingleFlight]:

@@ -81,6 +81,14 @@ class CapabilityFamilies:
             ["route"],
             registry=r,
         )
+        self.coalesced_own_calls = Counter(
+            "gateway_coalesced_own_calls",
+            "Requests that joined a call in flight and then made their own after all (a "
+            "KServe answer echoing the first caller's id framed by length or compressed, so "
+            "it cannot be given another id): calls saved are the joins less these.",
+            ["route"],
+            registry=r,
+        )
         self.batch_size = Histogram(
             "gateway_batch_size",
             "Items per batched upstream call.",
