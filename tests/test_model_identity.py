@@ -19,10 +19,14 @@ import pytest
 from aiohttp import web
 
 from gateway.errors import PolicyError
+from gateway.metrics import Metrics
 from gateway.policy.load import parse_policy_text
 from gateway.sim import SimConfig, start_sim
+from gateway.testing import FakeResolver
+from gateway.transport.backends import Upstreams
 from gateway.transport.identity import UNKNOWN, identity_of, version_of
 from tests.helpers import chat, metric, until
+from tests.test_discovery import free_port_on_all
 
 POLICY = """
 backends:
@@ -356,3 +360,35 @@ async def test_llama_cpp_says_what_it_serves_and_its_greedy_answers_are_keyed_by
     async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
         answers = [await client.post("/v1/chat/completions", json=asked) for _ in range(2)]
     assert [a.headers["x-gateway-cache"] for a in answers] == ["miss", "hit"]
+
+
+async def test_an_endpoint_discovery_adds_is_asked_at_once_not_at_the_next_round(
+    sims: list[Any],
+) -> None:
+    """A rollout's new pod appears through DNS between two rounds (an hour apart here): it
+    is asked within a second, so its weights change the version before the next round."""
+    port = free_port_on_all()
+    for host, weights in (("127.0.0.2", "v1"), ("127.0.0.3", "v2")):
+        sims.append(await start_sim(SimConfig(host=host, port=port, weights=weights)))
+    resolver = FakeResolver({"llm.svc": ["127.0.0.2"]})
+    upstreams = Upstreams(Metrics(), resolver=resolver)
+    text = f"""
+backends:
+  main:
+    discovery: {{dns: llm.svc, port: {port}, interval_s: 0.02}}
+    model_version: auto
+    model_version_interval_s: 3600
+routes:
+  - {{name: chat, match: {{path: "/*"}}, backend: main, cache: {{ttl_s: 60}}}}
+"""
+    upstreams.sync(parse_policy_text(text))
+    try:
+        await until(lambda: upstreams.model_identity("main") != UNKNOWN)
+        first = upstreams.model_identity("main")
+        resolver.set("llm.svc", ["127.0.0.2", "127.0.0.3"])
+        await until(lambda: upstreams.model_identity("main") not in (first, UNKNOWN))
+        mixed = upstreams.model_identity("main")
+        resolver.set("llm.svc", ["127.0.0.3"])  # the old pod gone: the new weights' version
+        await until(lambda: upstreams.model_identity("main") not in (first, mixed, UNKNOWN))
+    finally:
+        await upstreams.aclose()

@@ -23,7 +23,8 @@ the rollout leaves behind.  A probe that fails keeps the endpoint's last identit
 hiccup must not change every key); an endpoint never identified is left out; while no
 endpoint of the backend is identified the version is unknown, and the cache neither
 answers nor stores that backend's calls.  New weights are seen within one interval: until
-then answers are filed under the old version.
+then answers are filed under the old version.  An endpoint new to the set (discovery, a
+reload) is asked within ``NEW_ENDPOINT_S``, not at the next round.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -46,6 +48,8 @@ AUTO = "auto"
 """The ``model_version`` that asks the servers."""
 UNKNOWN = "auto:unknown"
 """The version of a backend none of whose endpoints said what it serves (never stored)."""
+NEW_ENDPOINT_S = 1.0
+"""How soon an endpoint new to the backend's set is asked, between rounds."""
 PROBE_TIMEOUT_S = 5.0
 """The longest one probe may take (less when the interval is shorter)."""
 MAX_MODELS = 256
@@ -129,7 +133,7 @@ class Identities:
         self._shown = metrics.backend_model_identity
         self._by_url: dict[str, str] = {}
         self._path: dict[str, str] = {}  # the probe each endpoint answered
-        self._urls: tuple[str, ...] = ()
+        self._tried: set[str] = set()  # the endpoints asked at least once
         self.version = UNKNOWN
         self._task: asyncio.Task[None] | None = None
         self._warned = False
@@ -157,11 +161,22 @@ class Identities:
     async def _watch(
         self, endpoints: Callable[[], Sequence[Endpoint]], sleep: Callable[[float], Awaitable[Any]]
     ) -> None:
+        since = math.inf  # seconds since the last round over every endpoint
         while True:
+            interval = self.backend.model_version_interval_s
             current = list(endpoints())
-            await asyncio.gather(*(self.probe(e) for e in current))
-            self.settle([e.url for e in current])
-            await sleep(self.backend.model_version_interval_s)
+            if since >= interval:
+                asked, since = current, 0.0
+            else:  # between rounds, an endpoint new to the set (discovery, a reload) at once
+                asked = [e for e in current if e.url not in self._tried]
+            if asked:
+                self._tried.update(e.url for e in asked)
+                await asyncio.gather(*(self.probe(e) for e in asked))
+            if asked or {e.url for e in current} != self._tried:  # one came or went
+                self.settle([e.url for e in current])
+            tick = min(interval, NEW_ENDPOINT_S)
+            await sleep(tick)
+            since += tick
 
     async def probe(self, endpoint: Endpoint) -> None:
         """Ask ``endpoint`` what it serves: at the probe it answered last, else at each in
@@ -202,6 +217,7 @@ class Identities:
         """Make the version that of the endpoints ``urls`` as last probed."""
         self._by_url = {u: i for u, i in self._by_url.items() if u in urls}
         self._path = {u: p for u, p in self._path.items() if u in urls}
+        self._tried = set(urls)
         version = version_of(list(self._by_url.values()))
         if version == self.version:
             if version == UNKNOWN and not self._warned and urls:
