@@ -57,6 +57,7 @@ GAUGES: dict[str, Rule] = {
     # states and settings: the highest (any worker's 1, the newest policy, the hottest GPU)
     "gateway_policy_generation": "max",
     "gateway_policy_info": "max",
+    "gateway_backend_model_identity": "max",  # each worker's version in force (mid-change, both)
     "gateway_build_info": "max",
     "python_info": "max",
     "process_max_fds": "max",
