@@ -1,6 +1,7 @@
 """A minimal, fast HTTP/1.1 backend for proxy benchmarks (so the backend is not the
 bottleneck): answers a fixed OpenAI chat completion, or an SSE stream when the body asks
-for ``"stream": true``.  Run: ``python -m bench.backend PORT``."""
+for ``"stream": true``, and ``GET /v1/models`` with its one model (for ``model_version:
+auto``).  Run: ``python -m bench.backend PORT``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ CHAT = json.dumps(
 RESPONSE = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(CHAT)
 ) + CHAT
+MODELS = b'{"object":"list","data":[{"id":"bench","root":"/models/bench-v1"}]}'
+MODELS_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(MODELS)
+) + MODELS
 STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 )
@@ -58,7 +63,9 @@ class Backend(asyncio.Protocol):
                 return
             body = self.buf[end + 4 : total]
             self.buf = self.buf[total:]
-            if b'"stream": true' in body or b'"stream":true' in body:
+            if head.startswith(b"get /v1/models "):
+                self.transport.write(MODELS_RESPONSE)
+            elif b'"stream": true' in body or b'"stream":true' in body:
                 asyncio.get_running_loop().create_task(self.stream())
             else:
                 self.transport.write(RESPONSE)

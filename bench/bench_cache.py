@@ -25,6 +25,7 @@ import json
 import shutil
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -44,14 +45,20 @@ from bench.common import (
 CACHED = '{"model":"cached","temperature":0,"messages":[{"role":"user","content":"%s"}]}'
 STORED_TEXT = "Hello there, which espresso machine would you recommend for a beginner?"
 NEAR_TEXT = "hello there which espresso machine would you recommend for a beginner"
+AUTO_CACHED = CACHED.replace('"cached"', '"cached-auto"')
 PLAIN_BODY = '{"model":"bench","temperature":0,"messages":[{"role":"user","content":"hello"}]}'
 POLICY = """
 backends:
   fast: {{url: "http://127.0.0.1:{backend}"}}
+  asked: {{url: "http://127.0.0.1:{backend}", model_version: auto}}
 routes:
   - name: cached
     match: {{path: /v1/chat/completions, model: cached}}
     backend: fast
+    cache: {{ttl_s: 3600, semantic: {{method: simhash}}}}
+  - name: cached-auto
+    match: {{path: /v1/chat/completions, model: cached-auto}}
+    backend: asked
     cache: {{ttl_s: 3600, semantic: {{method: simhash}}}}
   - name: plain
     match: {{path: "/*"}}
@@ -91,6 +98,7 @@ def http_rows(duration: int, tmp: Path) -> dict[str, dict[str, float]]:
     scripts = {
         "plain": post_script(tmp / "plain.lua", PLAIN_BODY),
         "hit": post_script(tmp / "hit.lua", CACHED % STORED_TEXT),
+        "auto": post_script(tmp / "auto.lua", AUTO_CACHED % STORED_TEXT),
         "near": post_script(tmp / "near.lua", CACHED % NEAR_TEXT),
         "stream": post_script(tmp / "stream.lua", (CACHED % STORED_TEXT)[:-1] + ',"stream":true}'),
     }
@@ -124,11 +132,18 @@ def http_rows(duration: int, tmp: Path) -> dict[str, dict[str, float]]:
             result = post(gateway, body)[0]
             if result != "hit":
                 raise RuntimeError(f"{name} request was a {result}, not a hit")
+        for _ in range(100):  # model_version: auto caches once the backend has said
+            if post(gateway, AUTO_CACHED % STORED_TEXT)[0] == "hit":
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("the model_version: auto route never hit")
         targets = [
             ("direct", f"http://127.0.0.1:{backend_port}/v1/chat/completions", "plain"),
             ("pass-through (route without cache)", gateway, "plain"),
             ("miss (lookup, forward, store)", gateway, "miss"),
             ("exact hit", gateway, "hit"),
+            ("exact hit, `model_version: auto`", gateway, "auto"),
             ("near-duplicate hit (SimHash + guard)", gateway, "near"),
             ("exact hit replayed as SSE", gateway, "stream"),
         ]
