@@ -171,7 +171,15 @@ class Identities:
                 asked = [e for e in current if e.url not in self._tried]
             if asked:
                 self._tried.update(e.url for e in asked)
-                await asyncio.gather(*(self.probe(e) for e in asked))
+                probed = await asyncio.gather(
+                    *(self.probe(e) for e in asked), return_exceptions=True
+                )
+                for failed in {type(p): p for p in probed if isinstance(p, Exception)}.values():
+                    log.error(
+                        "backend %s: model identity probe failed",
+                        self.backend.name,
+                        exc_info=failed,
+                    )
             if asked or {e.url for e in current} != self._tried:  # one came or went
                 self.settle([e.url for e in current])
             tick = min(interval, NEW_ENDPOINT_S)
