@@ -164,6 +164,9 @@ async def test_a_server_that_says_nothing_is_not_cached_and_the_log_says_why(
         answer = await ask(gw)
         assert answer.status_code == 200 and answer.headers["x-gateway-cache"] == "bypass"
     assert calls == 2 and version(gw) == UNKNOWN
+    async with httpx.AsyncClient() as client:  # what GatewayModelIdentityUnknown reads
+        text = (await client.get(f"{gw.admin_url}/metrics")).text
+    assert metric(text, "gateway_backend_model_identity", backend="main", identity=UNKNOWN) == 1
 
 
 async def test_a_failed_probe_keeps_the_version_and_the_cache_keeps_answering(

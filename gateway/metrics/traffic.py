@@ -123,7 +123,8 @@ class TrafficFamilies:
             "gateway_backend_model_identity",
             "1 for the version a backend with model_version: auto is keyed by now (auto: and "
             "12 hex digits of what its endpoints say they serve), the value to purge its "
-            "cached answers by; none while no endpoint says ([caching](caching.md#keys)).",
+            "cached answers by; auto:unknown while no endpoint says, when its calls are not "
+            "cached ([caching](caching.md#keys)).",
             ["backend", "identity"],
             registry=r,
         )

@@ -134,6 +134,7 @@ class Identities:
         self._by_url: dict[str, str] = {}
         self._path: dict[str, str] = {}  # the probe each endpoint answered
         self._tried: set[str] = set()  # the endpoints asked at least once
+        self._shown_version: str | None = None
         self.version = UNKNOWN
         self._task: asyncio.Task[None] | None = None
         self._warned = False
@@ -155,8 +156,18 @@ class Identities:
     def forget(self) -> None:
         """The backend is gone or no longer ``auto``: stop, and drop its series."""
         self.stop()
-        if self.version != UNKNOWN:
-            self._shown.remove(self.backend.name, self.version)
+        self._show(None)
+
+    def _show(self, version: str | None) -> None:
+        """``gateway_backend_model_identity``: 1 for ``version`` (``UNKNOWN`` too: what the
+        alert on a backend left uncached reads), none once the backend is gone."""
+        if version == self._shown_version:
+            return
+        if self._shown_version is not None:
+            self._shown.remove(self.backend.name, self._shown_version)
+        if version is not None:
+            self._shown.labels(self.backend.name, version).set(1)
+        self._shown_version = version
 
     async def _watch(
         self, endpoints: Callable[[], Sequence[Endpoint]], sleep: Callable[[float], Awaitable[Any]]
@@ -227,6 +238,7 @@ class Identities:
         self._path = {u: p for u, p in self._path.items() if u in urls}
         self._tried = set(urls)
         version = version_of(list(self._by_url.values()))
+        self._show(version)
         if version == self.version:
             if version == UNKNOWN and not self._warned and urls:
                 self._warned = True
@@ -236,14 +248,9 @@ class Identities:
                     self.backend.name,
                 )
             return
-        name = self.backend.name
-        if self.version != UNKNOWN:
-            self._shown.remove(name, self.version)
-        if version != UNKNOWN:
-            self._shown.labels(name, version).set(1)
         log.info(
             "backend %s: model version %s (was %s): %s",
-            name,
+            self.backend.name,
             version,
             self.version,
             "; ".join(sorted(set(self._by_url.values())))[:500] or "no endpoint identified",
