@@ -22,7 +22,7 @@ from gateway.errors import PolicyError
 from gateway.metrics import Metrics
 from gateway.policy.load import parse_policy_text
 from gateway.sim import SimConfig, start_sim
-from gateway.testing import FakeResolver
+from gateway.testing import FakeResolver, json_reply
 from gateway.transport.backends import Upstreams
 from gateway.transport.identity import UNKNOWN, identity_of, version_of
 from tests.helpers import chat, metric, until
@@ -395,3 +395,25 @@ routes:
         await until(lambda: upstreams.model_identity("main") not in (first, mixed, UNKNOWN))
     finally:
         await upstreams.aclose()
+
+
+async def test_the_fake_transport_says_what_a_test_says_the_servers_serve(pipeline: Any) -> None:
+    """``gateway.testing``'s ``FakeTransport`` stands for the servers' statements too, for
+    a user's own tests of a ``model_version: auto`` policy without sockets."""
+    asked = 0
+
+    def answer(_: Any) -> Any:
+        nonlocal asked
+        asked += 1
+        return json_reply({"choices": [{"message": {"content": f"answer {asked}"}}]})
+
+    text = POLICY.format(where='url: "http://main.invalid"')
+    gw = await pipeline(text, {"main": answer})
+    question = chat("Which jacket keeps the rain out?", **GREEDY)
+    said = [(await gw.post("/v1/chat/completions", question)).headers["x-gateway-cache"]]
+    gw.transport.identities["main"] = "auto:0123456789ab"
+    for _ in range(2):
+        said.append((await gw.post("/v1/chat/completions", question)).headers["x-gateway-cache"])
+    gw.transport.identities["main"] = "auto:ba9876543210"  # new weights
+    said.append((await gw.post("/v1/chat/completions", question)).headers["x-gateway-cache"])
+    assert said == ["bypass", "miss", "hit", "miss"] and asked == 3

@@ -74,12 +74,18 @@ class FakeTransport:
     ``respond`` answers every call, or ``respond[backend name]`` each backend's.
 
     ``sent`` lists the calls in order; ``open_streams`` counts streamed replies not yet
-    closed, so a test can show that nothing upstream is left held."""
+    closed, so a test can show that nothing upstream is left held.  ``identities`` says
+    what each ``model_version: auto`` backend's servers serve (a version by backend name;
+    one not in it has said nothing), as ``Upstreams.model_identity`` learns it."""
 
     def __init__(self, respond: Respond | Mapping[str, Respond]) -> None:
         self._respond = respond
         self.sent: list[Sent] = []
         self.open_streams = 0
+        self.identities: dict[str, str] = {}
+
+    def model_identity(self, name: str) -> str | None:
+        return self.identities.get(name)
 
     def to(self, backend: str) -> list[Sent]:
         """The calls sent to ``backend``."""
