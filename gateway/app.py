@@ -77,7 +77,7 @@ class Gateway:
         self.clock = clock
         self.access_log = access_log
         self.metrics = Metrics()
-        self.loop_lag = LoopLag(self.metrics.event_loop_lag)
+        self.loop_lag = LoopLag(self.metrics.event_loop_lag, gc_pauses=self.metrics.gc_pause)
         self.demand: Demand = {}
         self._upstreams = (
             Upstreams(self.metrics, clock, resolver, self.demand) if transport is None else None
@@ -85,7 +85,7 @@ class Gateway:
         self.transport: Transport = transport if transport is not None else self._upstreams  # type: ignore[assignment]
         self.registry = Registry()
         self.inflight_requests = 0
-        self.warm = False
+        self.warmed = asyncio.Event()  # set once warm: what waits for readiness awaits it
         self.draining = False
         self._seen_fingerprint = ""
         self._runners: list[web.BaseRunner] = []
@@ -214,6 +214,18 @@ class Gateway:
     @property
     def ready(self) -> bool:
         return self.warm and not self.draining
+
+    @property
+    def warm(self) -> bool:
+        """The first warm-up is done (or was not asked for)."""
+        return self.warmed.is_set()
+
+    @warm.setter
+    def warm(self, done: bool) -> None:
+        if done:
+            self.warmed.set()
+        else:
+            self.warmed.clear()
 
     def admin_token(self) -> str | None:
         return os.environ.get("GATEWAY_ADMIN_TOKEN") or self.snapshot.policy.admin.token

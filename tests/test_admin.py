@@ -196,6 +196,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_event_loop_lag_seconds",
         "gateway_fallbacks",
         "gateway_forecast_requests_per_second",
+        "gateway_gc_pause_seconds",
         "gateway_generation_bounds",
         "gateway_gpu_memory_used_ratio",
         "gateway_gpu_power_ratio",

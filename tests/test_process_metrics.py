@@ -88,3 +88,41 @@ async def test_the_app_samples_the_lag_while_it_runs_and_stops_at_shutdown():
         await until(lambda: (gw.metric("gateway_event_loop_lag_seconds_count") or 0) >= 1)
     assert not gw.gateway.loop_lag.running
     assert gw.metric("gateway_event_loop_lag_seconds_count") == gw.gateway.loop_lag.samples
+
+
+async def test_the_collectors_pauses_are_timed_by_generation_while_the_app_runs():
+    """A full collection holds the loop: ``gateway_gc_pause_seconds{generation="2"}`` counts
+    it, recorded at the sampler's next tick (the hook itself takes no lock); once the app
+    has stopped its hook is gone from ``gc.callbacks``."""
+    import gc
+
+    async with Pipeline(POLICY, {}) as gw:
+        hook = gw.gateway.loop_lag._on_gc
+        assert hook in gc.callbacks
+        gc.collect()
+        await until(lambda: (gw.metric("gateway_gc_pause_seconds_count", generation="2") or 0) >= 1)
+    assert hook not in gc.callbacks
+
+
+async def test_serve_freezes_the_ready_heap_out_of_the_collectors_scans(monkeypatch):
+    """``gateway serve`` freezes what it holds once ready (``settle_heap``), so a full
+    collection scans only what came after; ``GATEWAY_GC_FREEZE=0`` leaves the heap as it
+    is.  (The test process's heap is unfrozen again after.)"""
+    import gc
+    from types import SimpleNamespace
+
+    from gateway.serve import settle_heap
+
+    gateway = SimpleNamespace(warmed=asyncio.Event())
+    monkeypatch.setenv("GATEWAY_GC_FREEZE", "0")
+    assert await settle_heap(gateway, (0.0,)) == 0 and gc.get_freeze_count() == 0
+    monkeypatch.delenv("GATEWAY_GC_FREEZE")
+    settling = asyncio.ensure_future(settle_heap(gateway, (0.0,)))
+    try:
+        await asyncio.sleep(0.2)
+        assert not settling.done()  # not before it is ready
+        gateway.warmed.set()
+        frozen = await settling
+        assert frozen > 1000 and gc.get_freeze_count() > 1000  # (less what was freed since)
+    finally:
+        gc.unfreeze()

@@ -1,20 +1,31 @@
-"""Event-loop lag: a timer due every ``interval_s``, and how late the loop runs it.
+"""Event-loop lag: a timer due every ``interval_s``, and how late the loop runs it; and
+the pauses of Python's cyclic garbage collector, one of the things that hold it.
 
 Every request of a sidecar shares one event loop, so a callback that holds it (a large
 body parsed, a hash, a blocking call) delays all of them; the lag histogram shows that next
 to the request latency it explains.  Lag is read on the loop's own clock (``loop.time()``,
 what its timers are scheduled by; 1 ms steps under uvloop), so a test can drive ``observe``
 with any numbers, or patch the loop's clock.
+
+A full collection scans every object the collector tracks, with the loop held: its pauses
+(``gateway_gc_pause_seconds{generation}``) are timed by a ``gc.callbacks`` hook.  The hook
+runs inside the collector, which may start at any allocation, also inside a metric's own
+lock: it takes none, only queues the pause, which the sampler records at its next tick.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Protocol
+import gc
+import time
+from collections import deque
+from typing import Any, Protocol
 
 INTERVAL_S = 0.25
 """How often the lag is sampled: often enough to catch a stall, rare enough to cost nothing."""
+MAX_PAUSES = 4096
+"""Collector pauses queued between two samples at most (the oldest are dropped)."""
 
 
 class Observer(Protocol):
@@ -23,15 +34,30 @@ class Observer(Protocol):
     def observe(self, amount: float) -> None: ...
 
 
-class LoopLag:
-    """The sampler: ``start()`` on the running loop, ``aclose()`` at shutdown."""
+class Labelled(Protocol):
+    """A histogram by label (a prometheus ``Histogram`` with one label)."""
 
-    def __init__(self, histogram: Observer, interval_s: float = INTERVAL_S) -> None:
+    def labels(self, *values: str) -> Observer: ...
+
+
+class LoopLag:
+    """The sampler: ``start()`` on the running loop, ``aclose()`` at shutdown; with
+    ``gc_pauses``, the collector's pauses by generation too."""
+
+    def __init__(
+        self,
+        histogram: Observer,
+        interval_s: float = INTERVAL_S,
+        gc_pauses: Labelled | None = None,
+    ) -> None:
         self._histogram = histogram
         self.interval_s = interval_s
         self.samples = 0
         self.last_s: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._gc_pauses = gc_pauses
+        self._paused: deque[tuple[int, float]] = deque(maxlen=MAX_PAUSES)
+        self._gc_started = 0.0
 
     @property
     def running(self) -> bool:
@@ -41,6 +67,23 @@ class LoopLag:
         """Start sampling on the running loop (idempotent)."""
         if not self.running:
             self._task = asyncio.get_running_loop().create_task(self._run())
+            if self._gc_pauses is not None and self._on_gc not in gc.callbacks:
+                gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        """``gc.callbacks``' hook: time a collection (no lock taken; see the module)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._paused.append((info["generation"], time.perf_counter() - self._gc_started))
+
+    def record_gc_pauses(self) -> None:
+        """Record the collector's pauses queued since the last call."""
+        if self._gc_pauses is None:
+            return
+        while self._paused:
+            generation, pause_s = self._paused.popleft()
+            self._gc_pauses.labels(str(generation)).observe(pause_s)
 
     def observe(self, due: float, ran: float) -> float:
         """Record one timer due at ``due`` that ran at ``ran`` (loop seconds); the lag."""
@@ -56,8 +99,11 @@ class LoopLag:
             due = loop.time() + self.interval_s
             await asyncio.sleep(self.interval_s)
             self.observe(due, loop.time())
+            self.record_gc_pauses()
 
     async def aclose(self) -> None:
+        with contextlib.suppress(ValueError):  # not there: never started, or closed before
+            gc.callbacks.remove(self._on_gc)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

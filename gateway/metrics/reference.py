@@ -97,6 +97,9 @@ NOTES = {
     "estimated) makes no decision; refusals are also in `gateway_rate_limited_total`.",
     "gateway_event_loop_lag_seconds": "A stall here is a stall in every request's latency; "
     "1 ms steps under uvloop (`gateway serve`'s loop).",
+    "gateway_gc_pause_seconds": "`gateway serve` freezes the objects it holds once it is "
+    "ready and a minute later (`gc.freeze`), so a full collection scans only what came after; "
+    "`GATEWAY_GC_FREEZE=0` turns that off ([architecture](architecture.md#garbage-collection)).",
 }
 """What a family's help text should not carry, by family name."""
 

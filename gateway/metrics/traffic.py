@@ -330,3 +330,11 @@ class TrafficFamilies:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "gateway_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector, by generation (0, 1, 2: 2 is a full "
+            "collection); the event loop, and every request on it, waits them out.",
+            ["generation"],
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
