@@ -58,6 +58,7 @@ class LoopLag:
         self._gc_pauses = gc_pauses
         self._paused: deque[tuple[int, float]] = deque(maxlen=MAX_PAUSES)
         self._gc_started = 0.0
+        self._gc_children: dict[int, Observer] = {}
 
     @property
     def running(self) -> bool:
@@ -81,9 +82,13 @@ class LoopLag:
         """Record the collector's pauses queued since the last call."""
         if self._gc_pauses is None:
             return
+        children = self._gc_children
         while self._paused:
             generation, pause_s = self._paused.popleft()
-            self._gc_pauses.labels(str(generation)).observe(pause_s)
+            child = children.get(generation)
+            if child is None:  # a label lookup costs more than the observation
+                child = children[generation] = self._gc_pauses.labels(str(generation))
+            child.observe(pause_s)
 
     def observe(self, due: float, ran: float) -> float:
         """Record one timer due at ``due`` that ran at ``ran`` (loop seconds); the lag."""
