@@ -417,3 +417,28 @@ async def test_the_fake_transport_says_what_a_test_says_the_servers_serve(pipeli
     gw.transport.identities["main"] = "auto:ba9876543210"  # new weights
     said.append((await gw.post("/v1/chat/completions", question)).headers["x-gateway-cache"])
     assert said == ["bypass", "miss", "hit", "miss"] and asked == 3
+
+
+async def test_a_statement_too_large_to_read_whole_is_not_read(
+    start_gateway: Any, tmp_path: Path, serve_app: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model list past what the transport reads whole (1 MiB) comes as a stream, which the
+    probe closes unread: no identity, nothing held, and the server's calls still answered."""
+
+    async def models(_: web.Request) -> web.Response:
+        data = [{"id": f"model-{i:07d}", "root": "x" * 64} for i in range(30_000)]
+        return web.json_response({"data": data})
+
+    async def completions(_: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"message": {"content": "hi"}}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", completions)
+    url = await serve_app(app)
+    with caplog.at_level(logging.WARNING, logger="gateway.transport"):
+        gw = await gateway_on(start_gateway, tmp_path, url)
+        await until(lambda: "no endpoint says what it serves" in caplog.text)
+    answer = await ask(gw)
+    assert answer.status_code == 200 and answer.headers["x-gateway-cache"] == "bypass"
+    assert version(gw) == UNKNOWN
