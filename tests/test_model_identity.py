@@ -67,6 +67,19 @@ async def gateway_on(start_gateway: Any, tmp_path: Path, *urls: str) -> Any:
     return await start_gateway(policy=policy, warmup=False)
 
 
+async def _hi(_: web.Request) -> web.Response:
+    return web.json_response({"choices": [{"message": {"content": "hi"}}]})
+
+
+async def model_server(serve_app: Any, models: Any, completions: Any = _hi) -> str:
+    """A server of chat answers whose ``GET /v1/models`` is ``models`` (no ``/info`` nor
+    ``/api/tags``: 404); its base URL."""
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", completions)
+    return str(await serve_app(app))
+
+
 async def test_new_weights_under_the_same_name_take_a_new_key_and_never_meet_the_old_answers(
     start_gateway: Any, tmp_path: Path, sims: list[Any]
 ) -> None:
@@ -153,10 +166,7 @@ async def test_a_server_that_says_nothing_is_not_cached_and_the_log_says_why(
     async def models(_: web.Request) -> web.Response:
         return web.Response(text="<html>not json</html>")
 
-    app = web.Application()  # no /info nor /api/tags (404), /v1/models says nothing
-    app.router.add_post("/v1/chat/completions", completions)
-    app.router.add_get("/v1/models", models)
-    url = await serve_app(app)
+    url = await model_server(serve_app, models, completions)  # /v1/models says nothing
     with caplog.at_level(logging.WARNING, logger="gateway.transport"):
         gw = await gateway_on(start_gateway, tmp_path, url)
         await until(lambda: "no endpoint says what it serves" in caplog.text)
@@ -180,13 +190,7 @@ async def test_a_failed_probe_keeps_the_version_and_the_cache_keeps_answering(
             return web.json_response({"error": "busy"}, status=state["models"])
         return web.json_response({"data": [{"id": "m", "root": "/models/m-v1"}]})
 
-    async def completions(_: web.Request) -> web.Response:
-        return web.json_response({"choices": [{"message": {"content": "hi"}}]})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", completions)
-    url = await serve_app(app)
+    url = await model_server(serve_app, models)
     gw = await gateway_on(start_gateway, tmp_path, url)
     await until(lambda: version(gw) != UNKNOWN)
     known = version(gw)
@@ -429,13 +433,7 @@ async def test_a_statement_too_large_to_read_whole_is_not_read(
         data = [{"id": f"model-{i:07d}", "root": "x" * 64} for i in range(30_000)]
         return web.json_response({"data": data})
 
-    async def completions(_: web.Request) -> web.Response:
-        return web.json_response({"choices": [{"message": {"content": "hi"}}]})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", completions)
-    url = await serve_app(app)
+    url = await model_server(serve_app, models)
     with caplog.at_level(logging.WARNING, logger="gateway.transport"):
         gw = await gateway_on(start_gateway, tmp_path, url)
         await until(lambda: "no endpoint says what it serves" in caplog.text)
