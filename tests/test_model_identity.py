@@ -440,3 +440,33 @@ async def test_a_statement_too_large_to_read_whole_is_not_read(
     answer = await ask(gw)
     assert answer.status_code == 200 and answer.headers["x-gateway-cache"] == "bypass"
     assert version(gw) == UNKNOWN
+
+
+async def test_a_fallbacks_answer_is_not_stored_while_its_servers_have_said_nothing(
+    pipeline: Any,
+) -> None:
+    """The primary keeps a fixed version; its fallback has ``model_version: auto`` and no
+    statement yet: the fallback's answer goes to the client and is not stored, counted as
+    ``identity_unknown`` (under no version it could ever be found by); once the fallback's
+    servers have said, its answers are stored under that version."""
+    from tests.backends import Model, post
+    from tests.helpers import policy
+
+    main, spare = Model("main"), Model("spare")
+    main.status = 500
+    backends = {
+        "main": {"url": "http://main.test", "model_version": "v1"},
+        "spare": {"url": "http://spare.test", "model_version": "auto"},
+    }
+    route = {"fallback": ["spare"], "cache": {"ttl_s": 60}}
+    gw = await pipeline(policy(backends, route), {"main": main, "spare": spare})
+    answer = await post(gw, "q", temperature=0)
+    assert answer.status_code == 200 and answer.headers["X-Gateway-Backend"] == "spare"
+    not_stored = gw.metric(
+        "gateway_cache_not_stored_total", route="chat", reason="identity_unknown"
+    )
+    assert not_stored == 1
+    gw.transport.identities["spare"] = "auto:0123456789ab"
+    await post(gw, "q", temperature=0)  # stored, under the spare's own key and version
+    again = gw.metric("gateway_cache_not_stored_total", route="chat", reason="identity_unknown")
+    assert again == 1 and len(spare.arrivals) == 2

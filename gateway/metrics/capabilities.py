@@ -48,7 +48,9 @@ class CapabilityFamilies:
             "(no-store, private, no-cache, max-age=0, vary_all, vary_too_wide), or the "
             "answer could not be kept: unfinished (a stream cut off or ended without its "
             "end, or after an error), too_large (a stream over the 4 MiB an entry records), "
-            "id_framed (a KServe answer echoing an id it frames by length).",
+            "id_framed (a KServe answer echoing an id it frames by length), identity_unknown "
+            "(a fallback's, with model_version: auto, before its servers said what they "
+            "serve).",
             ["route", "reason"],
             registry=r,
         )
