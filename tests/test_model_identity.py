@@ -24,7 +24,7 @@ from gateway.policy.load import parse_policy_text
 from gateway.sim import SimConfig, start_sim
 from gateway.testing import FakeResolver, json_reply
 from gateway.transport.backends import Upstreams
-from gateway.transport.identity import UNKNOWN, identity_of, version_of
+from gateway.transport.identity import UNKNOWN, identity_of, statement_of, version_of
 from tests.helpers import chat, metric, until
 from tests.test_discovery import free_port_on_all
 
@@ -470,3 +470,65 @@ async def test_a_fallbacks_answer_is_not_stored_while_its_servers_have_said_noth
     await post(gw, "q", temperature=0)  # stored, under the spare's own key and version
     again = gw.metric("gateway_cache_not_stored_total", route="chat", reason="identity_unknown")
     assert again == 1 and len(spare.arrivals) == 2
+
+
+async def test_each_model_is_keyed_by_its_own_weights_not_its_neighbours(
+    start_gateway: Any, tmp_path: Path, serve_app: Any
+) -> None:
+    """vLLM loads a LoRA adapter at run time, Ollama pulls another model beside the one in
+    use: the list changes, the base model's weights do not, and its cached answers stay
+    good.  The adapter's key follows its base's weights too."""
+    listed = [{"id": "base", "root": "/models/base-v1", "created": 1}]
+    calls: list[str] = []
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": listed})
+
+    async def completions(request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        calls.append(model)
+        return web.json_response({"choices": [{"message": {"content": f"{model} {len(calls)}"}}]})
+
+    url = await model_server(serve_app, models, completions)
+    gw = await gateway_on(start_gateway, tmp_path, url)
+    await until(lambda: version(gw) != UNKNOWN)
+
+    async def asks(model: str) -> str:
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+            body = {**chat("Which jacket?", **GREEDY), "model": model}
+            answer = await client.post("/v1/chat/completions", json=body)
+        return str(answer.headers["x-gateway-cache"])
+
+    assert [await asks("base"), await asks("base")] == ["miss", "hit"]
+    whole = version(gw)
+    listed.append({"id": "sql-lora", "root": "/adapters/sql", "parent": "base", "created": 2})
+    await until(lambda: version(gw) != whole)  # the server's list changed...
+    assert await asks("base") == "hit"  # ...the base model's weights did not
+    assert [await asks("sql-lora"), await asks("sql-lora")] == ["miss", "hit"]
+    listed[0] = {**listed[0], "root": "/models/base-v2"}  # new base weights: both anew
+    before = version(gw)
+    await until(lambda: version(gw) != before)
+    assert [await asks("base"), await asks("sql-lora")] == ["miss", "miss"]
+    assert calls == ["base", "sql-lora", "base", "sql-lora"]
+
+
+def test_a_statement_parts_each_model_an_adapter_with_its_base_and_ollamas_latest() -> None:
+    vllm = {
+        "data": [
+            {"id": "base", "root": "/m/base-v1"},
+            {"id": "lora", "root": "/a/lora", "parent": "base"},
+            {"id": "other", "root": "/m/other"},
+        ]
+    }
+    said = statement_of("/v1/models", json.dumps(vllm).encode())
+    assert said is not None and set(said.models) == {"base", "lora", "other"}
+    assert "/m/base-v1" in said.models["lora"] and "/m/base-v1" not in said.models["other"]
+    assert said.of("unlisted") == said.of(None) == said.whole
+    tags = {
+        "models": [{"name": "llama3:latest", "digest": "d1"}, {"name": "qwen:7b", "digest": "d2"}]
+    }
+    said = statement_of("/api/tags", json.dumps(tags).encode())
+    assert said is not None and said.of("llama3") == said.of("llama3:latest") != said.of("qwen:7b")
+    tgi = {"model_id": "bigscience/bloom-560m", "model_sha": "e515be6a"}
+    said = statement_of("/info", json.dumps(tgi).encode())
+    assert said is not None and said.of("tgi") == said.of("anything") == said.whole

@@ -262,7 +262,7 @@ class ItemCache:
             ttl_s,
             scope=scope,
             backend=call.backend,
-            model_version=self._versions.get(call.backend, ""),
+            model_version=self._versions.get(call.backend, "", call.json),
             route=call.route.name,
         )
 

@@ -196,7 +196,7 @@ class CacheStage:
         if (
             body is None
             or not cacheability(body, call.path, allow_sampled=rules.allow_sampled).ok
-            or self._versions.get(call.backend) == UNKNOWN  # model_version: auto, none said
+            or self._versions.get(call.backend, "", body) == UNKNOWN  # auto, none said
         ):
             return await self._pass(rules, call, call_next)
         no_cache, no_store = asked_not_to(call.header("cache-control"))
@@ -210,7 +210,7 @@ class CacheStage:
                     scope=scope,
                     route=call.route.name,
                     backend=call.backend,
-                    model_version=self._versions.get(call.backend, ""),
+                    model_version=self._versions.get(call.backend, "", body),
                     path=call.path,
                     query=call.query,
                     vary=vary,
@@ -255,7 +255,7 @@ class CacheStage:
             scope=scope,
             route=call.route.name,
             backend=backend,
-            model_version=self._versions.get(backend, ""),
+            model_version=self._versions.get(backend, "", call.json),
             path=call.path,
             query=call.query,
             vary=vary,
@@ -274,7 +274,7 @@ class CacheStage:
             call.json,
             route=call.route.name,
             backend=call.backend,
-            model_version=self._versions.get(call.backend, ""),
+            model_version=self._versions.get(call.backend, "", call.json),
             path=call.path,
             query=call.query,
             vary=vary,
@@ -370,7 +370,7 @@ class CacheStage:
             key = self._key(call, scope, backend, learned, near=key.context is not None)
         stored_headers = select_headers(reply.headers)
 
-        version = self._versions.get(backend, "")
+        version = self._versions.get(backend, "", call.json)
         if version == UNKNOWN:  # a fallback of model_version auto whose servers said nothing
             rules.not_stored("identity_unknown")
             return reply

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from gateway.policy.model import Backend
 from gateway.transport.identity import AUTO, UNKNOWN
@@ -18,15 +19,19 @@ class Versions:
     def __init__(self, backends: Iterable[Backend], transport: object) -> None:
         self._fixed = {b.name: b.model_version for b in backends}
         # the real transport's (``Upstreams.model_identity``); a fake one knows no weights
-        self._asked: Callable[[str], str | None] | None = getattr(transport, "model_identity", None)
+        self._asked: Callable[[str, str | None], str | None] | None = getattr(
+            transport, "model_identity", None
+        )
 
-    def get(self, name: str, default: str = "") -> str:
-        """The version of the backend ``name`` (``UNKNOWN``: an ``auto`` one not yet known,
-        under which nothing is stored)."""
+    def get(self, name: str, default: str = "", body: Mapping[str, Any] | None = None) -> str:
+        """The version of the backend ``name`` for a call with ``body`` (the model it
+        names: ``Identities.version_for``); ``UNKNOWN``: an ``auto`` one not yet known,
+        under which nothing is stored."""
         version = self._fixed.get(name, default)
-        if version != AUTO:
-            return version
-        return (self._asked(name) if self._asked is not None else None) or UNKNOWN
+        if version != AUTO or self._asked is None:
+            return UNKNOWN if version == AUTO else version
+        model = body.get("model") if body is not None else None
+        return self._asked(name, model if isinstance(model, str) else None) or UNKNOWN
 
     def __repr__(self) -> str:
         return f"<Versions {sorted(self._fixed)}>"

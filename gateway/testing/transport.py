@@ -84,7 +84,7 @@ class FakeTransport:
         self.open_streams = 0
         self.identities: dict[str, str] = {}
 
-    def model_identity(self, name: str) -> str | None:
+    def model_identity(self, name: str, model: str | None = None) -> str | None:
         return self.identities.get(name)
 
     def to(self, backend: str) -> list[Sent]:

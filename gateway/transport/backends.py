@@ -93,11 +93,12 @@ class Upstreams:
                 identities.start(functools.partial(_endpoints_of, pool), sleep)
             self._identities[name] = (identities, pool)
 
-    def model_identity(self, name: str) -> str | None:
+    def model_identity(self, name: str, model: str | None = None) -> str | None:
         """The version of the backend ``name`` by what its servers say they serve, if its
-        ``model_version`` is ``auto`` (``identity.UNKNOWN`` until one has said)."""
+        ``model_version`` is ``auto`` (``identity.UNKNOWN`` until one has said); with
+        ``model``, that model's (``Identities.version_for``)."""
         found = self._identities.get(name)
-        return found[0].version if found is not None else None
+        return found[0].version_for(model) if found is not None else None
 
     def endpoint_set(self, name: str) -> EndpointSet | None:
         """The live set of the backend ``name``, if the policy has it."""

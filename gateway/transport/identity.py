@@ -22,7 +22,10 @@ entries.  Mid-rollout, replicas old and new give a version of their own, which t
 the rollout leaves behind.  A probe that fails keeps the endpoint's last identity (a
 hiccup must not change every key); an endpoint never identified is left out; while no
 endpoint of the backend is identified the version is unknown, and the cache neither
-answers nor stores that backend's calls.  New weights are seen within one interval: until
+answers nor stores that backend's calls.  A request is keyed by the version of the model it
+names (``Identities.version_for``): that model's own part of each statement, so an adapter
+loaded or a model pulled beside it leaves its keys as they were; a model no endpoint lists
+takes the whole version.  New weights are seen within one interval: until
 then answers are filed under the old version.  An endpoint new to the set (discovery, a
 reload) is asked within ``NEW_ENDPOINT_S``, not at the next round.
 """
@@ -34,7 +37,8 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import UpstreamError
@@ -58,43 +62,55 @@ _OPENAI_FIELDS = ("id", "root", "parent")
 _META_FIELDS = ("vocab_type", "n_vocab", "n_ctx_train", "n_embd", "n_params", "size", "ftype")
 """What of llama.cpp's ``meta`` is its weights' (never ``n_ctx``, the server's setting)."""
 _INFO_FIELDS = ("model_id", "model_sha", "model_dtype", "model_type")
-_GONE = ""  # no identity at that path (every identity starts with its path)
 
 
-def _info(doc: Any) -> Any:
+Found = tuple[Any, dict[str, Any]]
+"""What a server said, whole, and each model's own part of it by the name a request gives
+it (``"*"``: whatever a request names)."""
+
+
+def _info(doc: Any) -> Found | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("model_id"), str):
         return None
-    return {k: doc[k] for k in _INFO_FIELDS if doc.get(k) is not None}
+    found = {k: doc[k] for k in _INFO_FIELDS if doc.get(k) is not None}
+    return found, {"*": found}  # one model, whatever a request calls it (TGI, TEI)
 
 
-def _tags(doc: Any) -> Any:
+def _tags(doc: Any) -> Found | None:
     models = doc.get("models") if isinstance(doc, dict) else None
     if not isinstance(models, list):
         return None
-    named = sorted(
-        f"{m.get('name')}@{m['digest']}"
-        for m in models[:MAX_MODELS]
-        if isinstance(m, dict) and isinstance(m.get("digest"), str) and m["digest"]
-    )
-    return named or None
+    parts: dict[str, Any] = {}
+    for m in models[:MAX_MODELS]:
+        if isinstance(m, dict) and isinstance(m.get("name"), str) and m.get("digest"):
+            name = m["name"]
+            parts[name] = f"{name}@{m['digest']}"
+            if name.endswith(":latest"):  # a request may name `llama3` for `llama3:latest`
+                parts[name.removesuffix(":latest")] = parts[name]
+    return (sorted(set(parts.values())), parts) if parts else None
 
 
-def _models(doc: Any) -> Any:
+def _models(doc: Any) -> Found | None:
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
         return None
-    named = []
+    parts: dict[str, Any] = {}
     for m in data[:MAX_MODELS]:
         if isinstance(m, dict) and isinstance(m.get("id"), str):
             found = {k: m[k] for k in _OPENAI_FIELDS if m.get(k) is not None}
             meta = m.get("meta")
             if isinstance(meta, dict):
                 found["meta"] = {k: meta[k] for k in _META_FIELDS if meta.get(k) is not None}
-            named.append(found)
-    return sorted(named, key=lambda m: json.dumps(m, sort_keys=True)) or None
+            parts[m["id"]] = found
+    for name, found in list(parts.items()):  # an adapter answers by its base's weights too
+        parent = found.get("parent")
+        if isinstance(parent, str) and parent in parts and parent != name:
+            parts[name] = {**found, "base": parts[parent]}
+    whole = sorted(parts.values(), key=lambda m: json.dumps(m, sort_keys=True))
+    return (whole, parts) if parts else None
 
 
-PROBES: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+PROBES: tuple[tuple[str, Callable[[Any], Found | None]], ...] = (
     ("/info", _info),
     ("/api/tags", _tags),
     ("/v1/models", _models),
@@ -102,8 +118,24 @@ PROBES: tuple[tuple[str, Callable[[Any], Any]], ...] = (
 """Where a model server says what it serves, the most precise first, and what of it counts."""
 
 
-def identity_of(path: str, body: bytes) -> str | None:
-    """The identity ``body``, a server's answer at ``path``, states (None: it states none)."""
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """What one endpoint said it serves: ``whole``, and ``models``, each model's own part
+    by the name a request gives it (``"*"``: any name), each prefixed by the path asked."""
+
+    whole: str
+    models: Mapping[str, str]
+
+    def of(self, model: str | None) -> str:
+        """What counts for a request naming ``model``: that model's part, or the whole
+        statement for a model the server does not list (or a request naming none)."""
+        if model is None:
+            return self.whole
+        return self.models.get(model) or self.models.get("*") or self.whole
+
+
+def statement_of(path: str, body: bytes) -> Statement | None:
+    """What ``body``, a server's answer at ``path``, states (None: nothing)."""
     read = dict(PROBES)[path]
     try:
         found = read(json.loads(body))
@@ -111,7 +143,24 @@ def identity_of(path: str, body: bytes) -> str | None:
         return None
     if found is None:
         return None
+    whole, parts = found
+    return Statement(_said(path, whole), {name: _said(path, p) for name, p in parts.items()})
+
+
+def identity_of(path: str, body: bytes) -> str | None:
+    """The whole identity ``body``, a server's answer at ``path``, states (None: none)."""
+    found = statement_of(path, body)
+    return found.whole if found is not None else None
+
+
+def _said(path: str, found: Any) -> str:
     return f"{path} {json.dumps(found, sort_keys=True, separators=(',', ':'))}"
+
+
+_GONE = Statement("", {})
+"""No statement at that path (the server has no such path, or says nothing there)."""
+MAX_MODEL_VERSIONS = 1024
+"""Versions of listed models remembered per backend between two changes of statement."""
 
 
 def version_of(identities: Sequence[str]) -> str:
@@ -131,7 +180,8 @@ class Identities:
     def __init__(self, backend: Backend, metrics: Metrics) -> None:
         self.backend = backend
         self._shown = metrics.backend_model_identity
-        self._by_url: dict[str, str] = {}
+        self._by_url: dict[str, Statement] = {}
+        self._of_model: dict[str, str] = {}  # versions of listed models, while nothing changes
         self._path: dict[str, str] = {}  # the probe each endpoint answered
         self._tried: set[str] = set()  # the endpoints asked at least once
         self._shown_version: str | None = None
@@ -205,15 +255,17 @@ class Identities:
             answer = await self._ask(endpoint, path)
             if answer is None:
                 return
-            if answer != _GONE:
+            if answer is not _GONE:
+                if self._by_url.get(endpoint.url) != answer:
+                    self._of_model.clear()
                 self._by_url[endpoint.url] = answer
                 self._path[endpoint.url] = path
                 return
         if known is not None:  # the server says it there no more: each probe next round
             del self._path[endpoint.url]
 
-    async def _ask(self, endpoint: Endpoint, path: str) -> str | None:
-        """The identity at ``path``; ``_GONE`` when the server has no such path (404, 405)
+    async def _ask(self, endpoint: Endpoint, path: str) -> Statement | None:
+        """The statement at ``path``; ``_GONE`` when the server has no such path (404, 405)
         or an answer there that states none; None when it could not be asked."""
         timeout_s = min(PROBE_TIMEOUT_S, self.backend.model_version_interval_s)
         try:
@@ -230,14 +282,35 @@ class Identities:
             return _GONE
         if reply.status != 200:
             return None
-        return identity_of(path, reply.body or b"") or _GONE
+        return statement_of(path, reply.body or b"") or _GONE
+
+    def version_for(self, model: str | None) -> str:
+        """The version a request naming ``model`` is keyed by: of that model's own part of
+        what each endpoint said, so one model's new weights, or an adapter loaded or a model
+        pulled beside it, leave the other models' keys as they were.  A model no endpoint
+        lists by name (or a server of one model, TGI's) takes ``version``, of everything
+        they said; only listed names are remembered (a client may name any string)."""
+        if model is None:
+            return self.version
+        found = self._of_model.get(model)
+        if found is not None:
+            return found
+        if not any(model in s.models for s in self._by_url.values()):
+            return self.version
+        found = version_of([s.of(model) for s in self._by_url.values()])
+        if len(self._of_model) >= MAX_MODEL_VERSIONS:
+            self._of_model.clear()
+        self._of_model[model] = found
+        return found
 
     def settle(self, urls: Sequence[str]) -> None:
         """Make the version that of the endpoints ``urls`` as last probed."""
+        if set(self._by_url) - set(urls):
+            self._of_model.clear()
         self._by_url = {u: i for u, i in self._by_url.items() if u in urls}
         self._path = {u: p for u, p in self._path.items() if u in urls}
         self._tried = set(urls)
-        version = version_of(list(self._by_url.values()))
+        version = version_of([s.whole for s in self._by_url.values()])
         self._show(version)
         if version == self.version:
             if version == UNKNOWN and not self._warned and urls:
@@ -253,6 +326,7 @@ class Identities:
             self.backend.name,
             version,
             self.version,
-            "; ".join(sorted(set(self._by_url.values())))[:500] or "no endpoint identified",
+            "; ".join(sorted({s.whole for s in self._by_url.values()}))[:500]
+            or "no endpoint identified",
         )
         self.version = version
