@@ -76,13 +76,18 @@ def _info(doc: Any) -> Found | None:
     return found, {"*": found}  # one model, whatever a request calls it (TGI, TEI)
 
 
+def _entries(doc: Any, key: str) -> list[dict[str, Any]]:
+    """The objects of the list ``doc[key]``, the first ``MAX_MODELS`` (none: no such list)."""
+    listed = doc.get(key) if isinstance(doc, dict) else None
+    if not isinstance(listed, list):
+        return []
+    return [m for m in listed[:MAX_MODELS] if isinstance(m, dict)]
+
+
 def _tags(doc: Any) -> Found | None:
-    models = doc.get("models") if isinstance(doc, dict) else None
-    if not isinstance(models, list):
-        return None
     parts: dict[str, Any] = {}
-    for m in models[:MAX_MODELS]:
-        if isinstance(m, dict) and isinstance(m.get("name"), str) and m.get("digest"):
+    for m in _entries(doc, "models"):
+        if isinstance(m.get("name"), str) and m.get("digest"):
             name = m["name"]
             parts[name] = f"{name}@{m['digest']}"
             if name.endswith(":latest"):  # a request may name `llama3` for `llama3:latest`
@@ -91,12 +96,9 @@ def _tags(doc: Any) -> Found | None:
 
 
 def _models(doc: Any) -> Found | None:
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list):
-        return None
     parts: dict[str, Any] = {}
-    for m in data[:MAX_MODELS]:
-        if isinstance(m, dict) and isinstance(m.get("id"), str):
+    for m in _entries(doc, "data"):
+        if isinstance(m.get("id"), str):
             found = {k: m[k] for k in _OPENAI_FIELDS if m.get(k) is not None}
             meta = m.get("meta")
             if isinstance(meta, dict):
