@@ -532,3 +532,22 @@ def test_a_statement_parts_each_model_an_adapter_with_its_base_and_ollamas_lates
     tgi = {"model_id": "bigscience/bloom-560m", "model_sha": "e515be6a"}
     said = statement_of("/info", json.dumps(tgi).encode())
     assert said is not None and said.of("tgi") == said.of("anything") == said.whole
+
+
+async def test_model_names_a_client_makes_up_take_the_whole_version_and_are_not_kept(
+    start_gateway: Any, tmp_path: Path, serve_app: Any
+) -> None:
+    """The model a request names picks its version, and a client names any string: one the
+    servers do not list takes the backend's whole version, and only listed names are
+    remembered, so made-up names cannot grow the gateway's memory."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "base", "root": "/m/base"}]})
+
+    gw = await gateway_on(start_gateway, tmp_path, await model_server(serve_app, models))
+    await until(lambda: version(gw) != UNKNOWN)
+    transport = gw.gateway.transport
+    made_up = {transport.model_identity("main", f"made-up-{i}") for i in range(5_000)}
+    assert made_up == {version(gw)}
+    assert transport.model_identity("main", "base") not in (None, UNKNOWN)
+    assert len(transport._identities["main"][0]._of_model) == 1  # "base" alone
