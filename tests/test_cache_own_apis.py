@@ -198,6 +198,11 @@ async def test_own_apis_false_caches_only_openais_and_anthropics(pipeline):
             {"model": "gemma3", "messages": [], "stream": False, "options": {"temperature": 0}},
         ),
         ("/api/generate", {"model": "gemma3", "stream": False, "options": {"temperature": 0}}),
+        # TGI's: greedy unless a parameter samples; "/" is where its Python clients post
+        ("/generate", {"inputs": "Paris is", "parameters": {"max_new_tokens": 8}}),
+        ("/generate", {"inputs": "Paris is"}),
+        ("/", {"inputs": "a", "stream": False, "parameters": {"do_sample": False, "seed": 3}}),
+        ("/", {"inputs": "a", "parameters": {"best_of": 1, "temperature": None, "top_k": None}}),
     ],
 )
 async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, body):
@@ -216,6 +221,15 @@ async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, bod
         ("/api/generate", {"model": "m", "stream": False, "options": {"temperature": 0.1}}),
         ("/api/generate", {"model": "m", "stream": False, "temperature": 0}),  # not Ollama's
         ("/api/chat", {"model": "m", "stream": False, "options": [0]}),
+        ("/generate", {"inputs": "p", "parameters": {"do_sample": True}}),  # TGI's
+        ("/generate", {"inputs": "p", "parameters": {"temperature": 1.0}}),
+        ("/generate", {"inputs": "p", "parameters": {"typical_p": 0.5}}),
+        ("/generate", {"inputs": "p", "parameters": {"best_of": True}}),
+        ("/generate", {"inputs": ["p"]}),  # not TGI's
+        ("/generate", {"text": "p", "sampling_params": {"temperature": 0}}),  # SGLang's
+        ("/generate", {"prompt": "p", "temperature": 0}),  # vLLM's demonstration server's
+        ("/", {"inputs": "p", "parameters": {"top_p": 0.5}}),
+        ("/", {"model": "m", "prompt": "p"}),  # another server's root
     ],
 )
 async def test_a_sampled_generation_is_not_cached(pipeline, path, body):

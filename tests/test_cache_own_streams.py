@@ -1,6 +1,6 @@
 """A greedy generation asked of a server's own API as a stream (llama.cpp's ``/completion``
 with ``stream: true``, Ollama's ``/api/chat`` and ``/api/generate``, which stream unless
-told not to) is cached as it came (``cache.own_apis``, ``gateway/cache/own_apis.py``): stored
+told not to, TGI's ``/generate_stream`` and ``/`` with ``stream: true``) is cached as it came (``cache.own_apis``, ``gateway/cache/own_apis.py``): stored
 once it has ended as the server ends a stream well, replayed byte for byte, and shared by
 single flight while in flight.  Before, every such call passed a caching route uncached
 (``X-Gateway-Cache: bypass``): Ollama's default, whatever its temperature."""
@@ -33,6 +33,13 @@ OLLAMA = (  # Ollama's /api/chat stream: a JSON object a line, the last one "don
     b'{"model":"gemma3","message":{"role":"assistant","content":""},"done":true,'
     b'"done_reason":"stop","eval_count":2}\n',
 )
+TGI = (  # TGI's /generate_stream: a token an event, the last with the whole text
+    b'data:{"index":0,"token":{"id":7,"text":" Paris","logprob":-0.1,"special":false},'
+    b'"generated_text":null,"details":null}\n\n',
+    b'data:{"index":1,"token":{"id":8,"text":".","logprob":-0.2,"special":false},'
+    b'"generated_text":" Paris.","details":null}\n\n',
+)
+TGI_GREEDY = {"inputs": "Paris is", "parameters": {"max_new_tokens": 2, "temperature": None}}
 GREEDY_STREAMS = [
     ("/completion", {"prompt": "Paris is", "temperature": 0, "stream": True}, LLAMA, "sse"),
     (  # an older llama.cpp ended its stream with a [DONE]
@@ -48,6 +55,8 @@ GREEDY_STREAMS = [
         OLLAMA,
         "nd",
     ),
+    ("/generate_stream", TGI_GREEDY, TGI, "sse"),
+    ("/", {**TGI_GREEDY, "stream": True}, TGI, "sse"),  # TGI's route for its Python clients
 ]
 
 
@@ -58,7 +67,7 @@ class Streaming(Model):
     def __init__(self, chunks: Sequence[bytes], kind: str, cut: bool = False) -> None:
         super().__init__()
         self.chunks, self.cut = chunks, cut
-        self.content_type = "text/event-stream" if kind == "sse" else NDJSON
+        self.content_type = NDJSON if kind == "nd" else "text/event-stream"
 
     def answer(self, sent: Sent) -> Reply:
         return stream_reply(self._relay(), content_type=self.content_type)
@@ -100,6 +109,10 @@ ENDED_BADLY = [
     ("nd", (b'{"error":"x"}\n', OLLAMA[1])),
     ("nd", (OLLAMA[0], OLLAMA[1].replace(b'"done":true', b'"done":false'))),
     ("nd", (OLLAMA[0], b'{"response":"\\"done\\":true"}\n')),  # only its text says so
+    ("tgi", TGI[:1]),  # its last event's generated_text null
+    ("tgi", (TGI[0], b'data:{"error":"Request failed during generation","error_type":"x"}\n\n')),
+    ("tgi", (b'data:{"error":"x","error_type":"generation"}\n\n', TGI[1])),
+    ("tgi", (TGI[0], TGI[0].replace(b"Paris", b'\\"generated_text\\":\\"'))),  # its text
 ]
 
 
@@ -107,7 +120,9 @@ ENDED_BADLY = [
 async def test_a_stream_that_did_not_end_well_is_not_stored(pipeline, kind, chunks):
     """A stream is stored only once it has ended as its server ends one well: llama.cpp's
     ``data: [DONE]``, Ollama's last line ``"done": true``, neither after an error."""
-    path, body = GREEDY_STREAMS[0][:2] if kind == "sse" else GREEDY_STREAMS[2][:2]
+    path, body = {"sse": GREEDY_STREAMS[0], "nd": GREEDY_STREAMS[2], "tgi": GREEDY_STREAMS[4]}[
+        kind
+    ][:2]
     model = Streaming(chunks, kind)
     gw = await gateway(pipeline, model)
     for _ in range(2):
@@ -150,6 +165,14 @@ async def test_a_stream_and_a_whole_answer_never_share_an_entry(pipeline):
         ("/completion", {"prompt": "p", "stream": True}),  # llama.cpp samples unless told
         ("/api/chat", {"model": "m", "messages": []}),  # Ollama's default temperature
         ("/api/generate", {"model": "m", "options": {"temperature": 0.2}}),
+        ("/generate_stream", {"inputs": "p", "parameters": {"do_sample": True}}),
+        ("/generate_stream", {"inputs": "p", "parameters": {"temperature": 0.5}}),
+        ("/generate_stream", {"inputs": "p", "parameters": {"top_k": 1}}),  # sampled, as TGI's
+        ("/", {"inputs": "p", "stream": True, "parameters": {"top_p": 0.9}}),
+        ("/generate_stream", {"inputs": "p", "parameters": {"best_of": 2}}),
+        ("/generate_stream", {"inputs": "p", "parameters": "greedy"}),  # not TGI's
+        ("/generate_stream", {"inputs": "p", "parameters": {"do_sample": "no"}}),
+        ("/generate_stream", {"text": "p", "sampling_params": {"temperature": 0}}),  # SGLang's
     ],
 )
 async def test_a_sampled_stream_is_not_cached(pipeline, path, body):

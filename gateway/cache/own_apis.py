@@ -1,7 +1,7 @@
 """The model servers' own deterministic calls (``OWN_API_PATH``: KServe V2 / Triton
 ``infer``, TF Serving ``:predict``, TEI's, llama.cpp's, Ollama's and vLLM's embeddings,
-reranking and classification; ``OWN_GREEDY``: llama.cpp's and Ollama's generations
-asked greedy, whole or streamed), keyed for the cache and single flight.
+reranking and classification; ``OWN_GREEDY``: llama.cpp's, Ollama's and TGI's
+generations asked greedy, whole or streamed), keyed for the cache and single flight.
 
 Such a call is keyed by its body's bytes, not by its parsed JSON: a tensor of 400,000
 numbers (8 MB of JSON) takes a second of the event loop to parse and write canonically,
@@ -16,8 +16,8 @@ near-duplicate tiers serve its paraphrases as they serve chat's.  A greedy strea
 (llama.cpp's SSE, Ollama's NDJSON, Ollama's default) is keyed as its body is, with
 ``stream`` in ``json`` so the stages hand it on as a stream; it is stored as it came, and
 only once it has ended as the server ends one well (``ended``: llama.cpp's last event
-``"stop": true``, Ollama's last line ``"done": true``, neither after an error), and a hit
-replays its bytes.
+``"stop": true``, Ollama's last line ``"done": true``, TGI's last event its whole
+``"generated_text"``, none after an error), and a hit replays its bytes.
 
 A KServe V2 request's ``id`` is echoed in its answer, and KServe's own Python client sends a
 fresh one with every call (``uuid4``): keyed with it, no call would ever hit.  So an ``id``
@@ -62,23 +62,54 @@ OWN_GREEDY = {
     "/infill": "temperature",
     "/api/generate": "options.temperature",  # Ollama's
     "/api/chat": "options.temperature",
+    "/generate": "parameters",  # TGI's: greedy unless its parameters sample (``tgi_greedy``)
+    "/generate_stream": "parameters",
+    "/": "parameters",  # TGI's compatibility route, where its Python clients post
 }
-"""The servers' own generation paths, where each names its temperature: a call asking a
-greedy answer (``greedy``) is cached as ``OWN_API_PATH``'s are."""
+"""The servers' own generation paths, where each names its temperature (TGI's: the
+parameters that sample): a call asking a greedy answer (``greedy``) is cached as
+``OWN_API_PATH``'s are."""
+TGI_PATHS = frozenset(p for p, field in OWN_GREEDY.items() if field == "parameters")
+TGI_SAMPLING = ("temperature", "top_k", "top_p", "typical_p")
+"""TGI's parameters any of which makes it sample (as its Python client reads them: set at
+all, whatever the value, with ``do_sample``)."""
 
 
 def greedy(body: Mapping[str, Any], path: str) -> bool:
     """Whether a call to ``path`` (``OWN_GREEDY``) asks a greedy answer: its temperature a
-    number at or below 0."""
+    number at or below 0; TGI's, ``tgi_greedy``."""
+    if path in TGI_PATHS:
+        return tgi_greedy(body)
     temperature = dotted(body, OWN_GREEDY[path])
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         return False
     return temperature <= 0
 
 
+def tgi_greedy(body: Mapping[str, Any]) -> bool:
+    """Whether a call to TGI's ``/generate``, ``/generate_stream`` or ``/`` asks a greedy
+    answer: TGI's body (``inputs`` a string), ``parameters.do_sample`` false or absent, none
+    of ``TGI_SAMPLING`` set, ``best_of`` absent or 1.  Any other body (SGLang's and vLLM's
+    ``/generate``) is not taken: its server's sampling rules are not read here."""
+    parameters = body.get("parameters")
+    if not isinstance(body.get("inputs"), str):
+        return False
+    if parameters is None:
+        return True
+    if not isinstance(parameters, Mapping) or parameters.get("do_sample") not in (None, False):
+        return False
+    best_of = parameters.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
+        return False
+    return all(parameters.get(name) is None for name in TGI_SAMPLING)
+
+
 def streams(body: Mapping[str, Any], path: str) -> bool:
     """Whether a call to ``path`` (``OWN_GREEDY``) asks for a stream: Ollama streams unless
-    ``stream`` is false, llama.cpp only when it is true."""
+    ``stream`` is false, llama.cpp and TGI's ``/`` only when it is true, TGI's
+    ``/generate_stream`` always and its ``/generate`` never."""
+    if path in TGI_PATHS and path != "/":
+        return path == "/generate_stream"
     stream = body.get("stream")
     return stream is not False if path.startswith("/api/") else stream is True
 
@@ -98,6 +129,10 @@ _ENDED = {  # how each server's stream ends well: its last piece, and an error a
     "lines": (  # Ollama's: the last line says "done"
         re.compile(rb'\A\s*\{.*(?<!\\)"done"\s*:\s*true\s*[,}]', re.DOTALL),
         re.compile(rb'^\s*\{\s*"error"', re.MULTILINE),
+    ),
+    "tgi": (  # TGI's: the last event carries the whole text, every other "generated_text": null
+        re.compile(rb'\A\s*data: ?\{.*(?<!\\)"generated_text"\s*:\s*"', re.DOTALL),
+        re.compile(rb'^data: ?\{\s*"error"', re.MULTILINE),
     ),
 }
 _SSE_DONE = b"data: [DONE]"
@@ -210,12 +245,15 @@ def stored(call: Call, body: bytes, headers: Headers) -> bytes:
 def ended(path: str, body: bytes) -> bool:
     """Whether a server's own stream of ``path`` ended as the server ends one well, a
     generation's (``OWN_GREEDY``): llama.cpp's last event ``"stop": true``, Ollama's last
-    line ``"done": true``, neither after an error.  Any other server's stream, never (no
-    other keyed path streams)."""
+    line ``"done": true``, TGI's last event a ``"generated_text"`` string, none after an
+    error.  Any other server's stream, never (no other keyed path streams)."""
     if path not in OWN_GREEDY:
         return False
     text = body.rstrip()
-    if path.startswith("/api/"):
+    if path in TGI_PATHS:
+        last_piece, failed = _ENDED["tgi"]
+        last = text.rpartition(b"\n\n")[2]
+    elif path.startswith("/api/"):
         last_piece, failed = _ENDED["lines"]
         last = text.rpartition(b"\n")[2]
     else:

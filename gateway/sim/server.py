@@ -1,10 +1,11 @@
 """The sim as an aiohttp application, and the ways to run it (in-process or from the CLI).
 
 Routes: the OpenAI endpoints (``openai_api``, ``other_apis``, ``conversations``,
-``files``), Ollama's own (``ollama_api``), ``/health``, ``/metrics``, and the control
+``files``), Ollama's own (``ollama_api``), TGI's (``tgi_api``: ``/generate``,
+``/generate_stream`` and ``/``), ``/health``, ``/metrics``, and the control
 endpoints ``GET /sim/state``, ``GET|POST /sim/config`` and ``POST /sim/reset``.  Errors
 leave as OpenAI-shaped JSON, as a real model server's would (Ollama's paths: as Ollama
-writes them).
+writes them, TGI's as TGI does).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import BadRequest, GatewayError
-from gateway.sim import conversations, files, ollama_api, openai_api, other_apis
+from gateway.sim import conversations, files, ollama_api, openai_api, other_apis, tgi_api
 from gateway.sim.config import SimConfig
 from gateway.sim.engine import Engine
 from gateway.sim.metrics import CONTENT_TYPE, build_registry, render
@@ -64,6 +65,9 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_post("/api/embed", ollama_api.embed)
     app.router.add_get("/api/tags", ollama_api.tags)
     app.router.add_get("/api/version", ollama_api.version)
+    app.router.add_post("/generate", tgi_api.generate)
+    app.router.add_post("/generate_stream", tgi_api.generate_stream)
+    app.router.add_post("/", tgi_api.compat)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/sim/state", _state)
