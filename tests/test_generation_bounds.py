@@ -21,6 +21,7 @@ from gateway.openai.generation import BOUND_HEADER, bounded, with_bounds
 from gateway.pipeline import Reply
 from gateway.policy.generation import (
     OUTPUT_FIELDS,
+    PROMPT_NEEDED,
     TEXT_MEMBERS,
     Generation,
     is_native,
@@ -225,6 +226,12 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
             lambda b: b["sampling_params"]["max_new_tokens"],
         ),
         ("/generate", {"inputs": "p"}, lambda b: b["parameters"]["max_new_tokens"]),  # TGI's
+        (  # TGI's compatibility route, where its Python clients post
+            "/",
+            {"inputs": "p", "stream": True, "parameters": {"max_new_tokens": 5000}},
+            lambda b: b["parameters"]["max_new_tokens"],
+        ),
+        ("/", {"inputs": "p"}, lambda b: b["parameters"]["max_new_tokens"]),
         (  # vLLM's demonstration server: SamplingParams' fields at the top; -1 is none
             "/generate",
             {"prompt": "p", "max_tokens": -1},
@@ -257,6 +264,8 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         "sglang",
         "sglang-by-text",
         "tgi-by-inputs",
+        "tgi-root",
+        "tgi-root-default",
         "vllm",
         "vllm-by-prompt",
         "llama.cpp-infill",
@@ -274,6 +283,16 @@ async def test_the_servers_own_apis_are_bounded_alike(pipeline, path, body, read
     assert len(set(backend.bodies[0]) - set(body)) <= 1  # no other server's field written
     if "options" in body:  # the object's other members kept
         assert backend.bodies[0]["options"].get("temperature") == body["options"].get("temperature")
+
+
+async def test_another_servers_body_at_the_root_is_sent_as_it_came(pipeline):
+    """``/`` is TGI's compatibility route, and any server's root: a body that does not name
+    TGI's ``inputs`` is neither bounded nor given TGI's default."""
+    gw, backend = await gateway(pipeline, {"max_tokens": 100})
+    body = {"prompt": "p", "max_tokens": 5000}
+    answer = await gw.post("/", body)
+    assert answer.status_code == 200 and BOUND_HEADER not in answer.headers
+    assert backend.bodies[0] == body
 
 
 async def test_tritons_sampling_parameters_text_is_bounded_and_sent_as_text(pipeline):
@@ -563,6 +582,8 @@ def test_whatever_a_body_holds_it_is_refused_or_sent_within_the_bound(path, valu
     """A 400 (never another error), or a body whose every bound is an integer from 1 to the
     most: no value, type or nesting gets a call past ``max_tokens``."""
     bounds = Generation(max_tokens=most, max_choices=2, over=over)
+    if (needed := PROMPT_NEEDED.get(path)) is not None:  # TGI's root: its body names inputs
+        values = {needed: "p", **values}
     try:
         values, texts = (
             texts_read(values, TEXT_MEMBERS, 10_000) if is_native(path) else (values, ())

@@ -182,12 +182,16 @@ async def test_ollamas_lines_of_json_settle_a_token_limit(pipeline):
     await until(lambda: left(gw) == LIMIT - 28)
 
 
-async def test_tgis_stream_settles_its_prompt_at_the_estimate_and_counts_none(pipeline):
+@pytest.mark.parametrize("path", ["/generate_stream", "/"])
+async def test_tgis_stream_settles_its_prompt_at_the_estimate_and_counts_none(pipeline, path):
     """TGI names no prompt count: the limit keeps the prompt's estimate, and
-    ``gateway_tokens_total`` counts no prompt tokens rather than a guess."""
+    ``gateway_tokens_total`` counts no prompt tokens rather than a guess.  Its ``/``, where
+    its Python clients post, is counted as its ``/generate_stream``."""
     gw = await pipeline(limited(), lambda _: stream_reply([TGI_STREAM]), clock=FakeClock())
     body = {"inputs": "Why is the sky blue?", "parameters": {"max_new_tokens": 50}}
-    answer = await gw.post("/generate_stream", body, headers=ALICE)
+    if path == "/":
+        body["stream"] = True
+    answer = await gw.post(path, body, headers=ALICE)
     assert answer.body == TGI_STREAM
     await until(lambda: left(gw) == LIMIT - len(json.dumps(body)) // 4 - 2)
     assert gw.metric("gateway_tokens_total", backend="main", kind="completion") == 2

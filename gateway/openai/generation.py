@@ -15,7 +15,8 @@ so a bound a client could write around would bound nothing.
 
 The servers' own APIs are bounded alike (``NATIVE_PATHS``): llama.cpp's ``/completion``
 (``n_predict``), Ollama's ``/api/generate`` and ``/api/chat`` (``options.num_predict``),
-TGI's ``/generate`` and ``/generate_stream`` (``parameters.max_new_tokens``), SGLang's
+TGI's ``/generate``, ``/generate_stream`` and ``/`` (``parameters.max_new_tokens``; at ``/``,
+only a body naming ``inputs``, TGI's: ``PROMPT_NEEDED``), SGLang's
 ``/generate`` (``sampling_params.max_new_tokens``), vLLM's demonstration server's
 ``/generate`` (``max_tokens``), llama.cpp's ``/infill``, and Triton's generate extension,
 ``/v2/models/<m>/generate`` (TensorRT-LLM's ``max_tokens``, vLLM's backend's
@@ -45,6 +46,7 @@ from gateway.policy.generation import (
     BY_PROMPT,
     CHOICE_FIELDS,
     PROMPT_LISTS,
+    PROMPT_NEEDED,
     TEXT_MEMBERS,
     Generation,
     is_native,
@@ -145,7 +147,8 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
                 "prompt",
                 "array_above_max_length",
             )
-    if not bounds.bounds_tokens:
+    needed = PROMPT_NEEDED.get(path)
+    if not bounds.bounds_tokens or (needed is not None and needed not in data):
         return {}, ""
     most = bounds.max_tokens
     fields = output_fields(path) or ()

@@ -34,6 +34,7 @@ OUTPUT_FIELDS = {
     # TGI's; SGLang's (sampling_params); vLLM's demonstration server's (at the top)
     "/generate": ("parameters.max_new_tokens", "sampling_params.max_new_tokens", "max_tokens"),
     "/generate_stream": ("parameters.max_new_tokens",),
+    "/": ("parameters.max_new_tokens",),  # TGI's compatibility route, where its clients post
 }
 """Per generation endpoint, the fields bounding a call's output (a dotted name: a member of
 an object member).  A call that names none is given the first whose object it sent, else
@@ -49,6 +50,10 @@ BY_PROMPT = {
 }
 """Where several servers share a path, the field naming a call's prompt names its server,
 and so the field its default bound is written in: each refuses, or ignores, the others'."""
+PROMPT_NEEDED = {"/": "inputs"}
+"""Paths any server may answer (a root), bounded only for a body naming its prompt by this
+field (TGI's): another server's body there is sent as it came, neither bounded nor given a
+default."""
 NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startswith("/v1/")}
 """The servers' own APIs, whose bodies the gateway reads only for a route's bounds, and
 where a bound below 1 asks for none (llama.cpp's and Ollama's -1: until the end; -2: until
