@@ -9,6 +9,7 @@ tenant's key never shares an entry."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,8 @@ import pytest
 from huggingface_hub import AsyncInferenceClient
 
 from gateway.sim import SimConfig, start_sim
+from gateway.transport.identity import UNKNOWN
+from tests.helpers import until
 
 POLICY = """
 backends:
@@ -27,6 +30,7 @@ routes:
     cache: {{ttl_s: 60}}
 """
 QUESTION = "Which jacket keeps the rain out?"
+SHIPPED = Path(__file__).resolve().parent.parent / "policies" / "tgi.yaml"
 
 
 @pytest.fixture
@@ -114,3 +118,25 @@ async def test_a_refused_question_is_tgis_own_answer_and_not_stored(served):
             assert answer.status_code == 422 and answer.json()["error_type"] == "validation"
             assert answer.headers["X-Gateway-Cache"] == "miss"
     assert _hits(gw) == 0
+
+
+async def test_the_shipped_tgi_policy_caches_bounds_and_serves_tgis_client(start_gateway, tmp_path):
+    """``policies/tgi.yaml`` against the sim: keyed by what the server says it serves
+    (``model_version: auto``), a greedy question streamed twice is generated once; a call
+    naming no ``max_new_tokens`` (the client sends ``null``) is given the policy's 512, one
+    asking 5000 is clamped to 2048, as the sim's counts show."""
+    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0, answer_tokens=4000))
+    try:
+        local = tmp_path / "tgi.yaml"
+        local.write_text(SHIPPED.read_text().replace("http://127.0.0.1:3000", sim.url))
+        gw = await start_gateway(policy=local, warmup=False)
+        await until(lambda: gw.gateway.transport.model_identity("tgi") != UNKNOWN)
+        client = AsyncInferenceClient(base_url=gw.url)
+        _, first = await _streamed(client)
+        _, again = await _streamed(client)
+        assert first == again and first.details.generated_tokens == 512
+        assert sim.engine.counters.requests == 1
+        long = await client.text_generation(QUESTION, max_new_tokens=5000, details=True)
+        assert long.details is not None and long.details.generated_tokens == 2048
+    finally:
+        await sim.close()
