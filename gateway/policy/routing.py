@@ -35,6 +35,7 @@ INFERENCE_PATH = re.compile(
     r"|/(v1/|v2/)?(rerank|reranking|score)|/pooling"  # llama.cpp, vLLM
     r"|/(tokenize|detokenize)"  # llama.cpp, vLLM, TGI, TEI
     r"|/api/(generate|chat|embed|embeddings|show)"  # Ollama
+    r"|/"  # TGI's compatibility route (where its Python clients post); an inference root
 )
 """POSTs that run a model (or its tokenizer) and change nothing on the server: safe to send
 twice.  Not among them: what stores (OpenAI's files, batches and responses), or changes a

@@ -11,8 +11,8 @@ on a connection idle long enough to have heard a close, or on a new one).  The b
 have run it before closing, so only requests that may be repeated are resent
 (``resendable``): safe methods, inference calls (``routing.INFERENCE_PATH``: the OpenAI
 endpoints, KServe/Triton V2 ``infer`` and ``generate``, TF Serving ``:predict``, and the
-servers' own APIs: llama.cpp's ``/completion``, Ollama's ``/api/chat``, TGI's, TEI's,
-SGLang's, vLLM's; they run a model and change nothing), and any request with an
+servers' own APIs: llama.cpp's ``/completion``, Ollama's ``/api/chat``, TGI's (its ``/``
+too), TEI's, SGLang's, vLLM's; they run a model and change nothing), and any request with an
 ``Idempotency-Key``.  Any other POST, a PUT, PATCH or DELETE gets a 502
 instead.
 """
