@@ -113,6 +113,9 @@ ENDED_BADLY = [
     ("tgi", (TGI[0], b'data:{"error":"Request failed during generation","error_type":"x"}\n\n')),
     ("tgi", (b'data:{"error":"x","error_type":"generation"}\n\n', TGI[1])),
     ("tgi", (TGI[0], TGI[0].replace(b"Paris", b'\\"generated_text\\":\\"'))),  # its text
+    ("tgi", (TGI[0], TGI[1][: TGI[1].index(b"Paris.")])),  # its last event cut short
+    ("sse", (LLAMA[0], LLAMA[1][: LLAMA[1].index(b"tokens_predicted")])),
+    ("nd", (OLLAMA[0], OLLAMA[1][: OLLAMA[1].index(b"eval_count")])),
 ]
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -246,7 +247,9 @@ def ended(path: str, body: bytes) -> bool:
     """Whether a server's own stream of ``path`` ended as the server ends one well, a
     generation's (``OWN_GREEDY``): llama.cpp's last event ``"stop": true``, Ollama's last
     line ``"done": true``, TGI's last event a ``"generated_text"`` string, none after an
-    error.  Any other server's stream, never (no other keyed path streams)."""
+    error, and that last piece whole: one JSON object (a server that frames its answer by
+    closing the connection and dies within its last event looks done by the words alone).
+    Any other server's stream, never (no other keyed path streams)."""
     if path not in OWN_GREEDY:
         return False
     text = body.rstrip()
@@ -260,7 +263,13 @@ def ended(path: str, body: bytes) -> bool:
         last_piece, failed = _ENDED["sse"]
         text = text.removesuffix(_SSE_DONE).rstrip()
         last = text.rpartition(b"\n\n")[2]
-    return last_piece.match(last) is not None and failed.search(body) is None
+    if last_piece.match(last) is None or failed.search(body) is not None:
+        return False
+    piece = last.lstrip()
+    try:  # the words matched: the piece must be whole too
+        return isinstance(json.loads(piece.removeprefix(b"data:")), dict)
+    except ValueError:
+        return False
 
 
 def shares_answers(call: Call) -> bool:
