@@ -167,3 +167,19 @@ def problems_of(text: str) -> list[str]:
     except PolicyError as exc:
         return [str(p) for p in exc.problems]
     raise AssertionError("the policy was accepted")
+
+
+@contextlib.asynccontextmanager
+async def sim_behind_gateway(
+    start_gateway: Any, tmp_path: Path, policy: Callable[[str], str], **sim: Any
+) -> Any:
+    """The sim (``SimConfig(port=0, **sim)``) and a gateway in front of it serving
+    ``policy(sim_url)``: yields (sim, gateway)."""
+    from gateway.sim import SimConfig, start_sim
+
+    server = await start_sim(SimConfig(port=0, **sim))
+    try:
+        path = write_policy(tmp_path, policy(server.url))
+        yield server, await start_gateway(policy=path, warmup=False)
+    finally:
+        await server.close()

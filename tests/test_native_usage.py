@@ -188,7 +188,7 @@ async def test_tgis_stream_settles_its_prompt_at_the_estimate_and_counts_none(pi
     ``gateway_tokens_total`` counts no prompt tokens rather than a guess.  Its ``/``, where
     its Python clients post, is counted as its ``/generate_stream``."""
     gw = await pipeline(limited(), lambda _: stream_reply([TGI_STREAM]), clock=FakeClock())
-    body = {"inputs": "Why is the sky blue?", "parameters": {"max_new_tokens": 50}}
+    body: dict[str, Any] = {"inputs": "Why is the sky blue?", "parameters": {"max_new_tokens": 50}}
     if path == "/":
         body["stream"] = True
     answer = await gw.post(path, body, headers=ALICE)

@@ -15,10 +15,9 @@ import httpx
 import ollama  # the test extra's
 import pytest
 
-from gateway.sim import SimConfig, start_sim
 from gateway.sim.ollama_api import VERSION
 from gateway.transport.identity import UNKNOWN
-from tests.helpers import until
+from tests.helpers import sim_behind_gateway, until
 
 POLICY = """
 backends:
@@ -37,13 +36,10 @@ QUESTION = [{"role": "user", "content": "Which jacket keeps the rain out?"}]
 @pytest.fixture
 async def served(start_gateway: Any, tmp_path: Any) -> AsyncIterator[tuple[Any, Any]]:
     """The sim (its Ollama API) and a gateway whose route caches in front of it."""
-    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0))
-    try:
-        policy = tmp_path / "p.yaml"
-        policy.write_text(POLICY.format(sim=sim.url))
-        yield sim, await start_gateway(policy=policy, warmup=False)
-    finally:
-        await sim.close()
+    async with sim_behind_gateway(
+        start_gateway, tmp_path, lambda url: POLICY.format(sim=url), base_ms=1.0, token_ms=0.0
+    ) as both:
+        yield both
 
 
 async def _streamed(client: Any, **asked: Any) -> tuple[str, dict[str, Any]]:
@@ -118,11 +114,15 @@ async def test_the_shipped_ollama_policy_caches_bounds_and_serves_ollamas_client
     """``policies/ollama.yaml`` against the sim: keyed by the digests the server gives
     (``model_version: auto``), a greedy chat streamed twice is generated once; a call naming no ``num_predict`` is given the policy's 512, one asking -1 (until
     the end) is clamped to 2048, as the sim's counts show."""
-    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0, answer_tokens=4000))
-    try:
-        local = tmp_path / "ollama.yaml"
-        local.write_text(SHIPPED.read_text().replace("http://127.0.0.1:11434", sim.url))
-        gw = await start_gateway(policy=local, warmup=False)
+    shipped = SHIPPED.read_text()
+    async with sim_behind_gateway(
+        start_gateway,
+        tmp_path,
+        lambda url: shipped.replace("http://127.0.0.1:11434", url),
+        base_ms=1.0,
+        token_ms=0.0,
+        answer_tokens=4000,
+    ) as (sim, gw):
         # model_version: auto, keyed by the digests the sim's /api/tags gives once asked
         await until(lambda: gw.gateway.transport.model_identity("ollama") != UNKNOWN)
         client = ollama.AsyncClient(host=gw.url)
@@ -133,8 +133,6 @@ async def test_the_shipped_ollama_policy_caches_bounds_and_serves_ollamas_client
         assert sim.engine.counters.requests == 1
         endless = await client.chat(**asked, options={"num_predict": -1}, stream=False)
         assert endless.eval_count == 2048 and endless.done_reason == "length"
-    finally:
-        await sim.close()
 
 
 async def test_a_paraphrase_to_ollamas_chat_is_answered_by_the_embedding_tier(
@@ -143,14 +141,12 @@ async def test_a_paraphrase_to_ollamas_chat_is_answered_by_the_embedding_tier(
     """Ollama's chat on a route with ``semantic: {method: embedding}``: a paraphrase of a
     greedy question asked through Ollama's client is answered from the cache, verified as
     chat's paraphrases are; another tenant's is not."""
-    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0))
-    try:
-        policy = tmp_path / "p.yaml"
-        text = POLICY.replace(
-            "cache: {{ttl_s: 60}}", "cache: {{ttl_s: 60, semantic: {{method: embedding}}}}"
-        )
-        policy.write_text(text.format(sim=sim.url))
-        gw = await start_gateway(policy=policy, warmup=False)
+    text = POLICY.replace(
+        "cache: {{ttl_s: 60}}", "cache: {{ttl_s: 60, semantic: {{method: embedding}}}}"
+    )
+    async with sim_behind_gateway(
+        start_gateway, tmp_path, lambda url: text.format(sim=url), base_ms=1.0, token_ms=0.0
+    ) as (sim, gw):
 
         def ask(question: str) -> dict[str, Any]:
             messages = [{"role": "user", "content": question}]
@@ -166,5 +162,3 @@ async def test_a_paraphrase_to_ollamas_chat_is_answered_by_the_embedding_tier(
         assert sim.engine.counters.requests == 2
         hits = gw.gateway.metrics.cache_lookups.labels("ollama", "hit", "embedding")._value.get()
         assert hits == 1
-    finally:
-        await sim.close()

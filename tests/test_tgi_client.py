@@ -16,9 +16,8 @@ import httpx
 import pytest
 from huggingface_hub import AsyncInferenceClient
 
-from gateway.sim import SimConfig, start_sim
 from gateway.transport.identity import UNKNOWN
-from tests.helpers import until
+from tests.helpers import sim_behind_gateway, until
 
 POLICY = """
 backends:
@@ -36,13 +35,10 @@ SHIPPED = Path(__file__).resolve().parent.parent / "policies" / "tgi.yaml"
 @pytest.fixture
 async def served(start_gateway: Any, tmp_path: Any) -> AsyncIterator[tuple[Any, Any]]:
     """The sim (its TGI API) and a gateway whose route caches in front of it."""
-    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0))
-    try:
-        policy = tmp_path / "p.yaml"
-        policy.write_text(POLICY.format(sim=sim.url))
-        yield sim, await start_gateway(policy=policy, warmup=False)
-    finally:
-        await sim.close()
+    async with sim_behind_gateway(
+        start_gateway, tmp_path, lambda url: POLICY.format(sim=url), base_ms=1.0, token_ms=0.0
+    ) as both:
+        yield both
 
 
 def _hits(gw: Any) -> float:
@@ -125,11 +121,15 @@ async def test_the_shipped_tgi_policy_caches_bounds_and_serves_tgis_client(start
     (``model_version: auto``), a greedy question streamed twice is generated once; a call
     naming no ``max_new_tokens`` (the client sends ``null``) is given the policy's 512, one
     asking 5000 is clamped to 2048, as the sim's counts show."""
-    sim = await start_sim(SimConfig(port=0, base_ms=1.0, token_ms=0.0, answer_tokens=4000))
-    try:
-        local = tmp_path / "tgi.yaml"
-        local.write_text(SHIPPED.read_text().replace("http://127.0.0.1:3000", sim.url))
-        gw = await start_gateway(policy=local, warmup=False)
+    shipped = SHIPPED.read_text()
+    async with sim_behind_gateway(
+        start_gateway,
+        tmp_path,
+        lambda url: shipped.replace("http://127.0.0.1:3000", url),
+        base_ms=1.0,
+        token_ms=0.0,
+        answer_tokens=4000,
+    ) as (sim, gw):
         await until(lambda: gw.gateway.transport.model_identity("tgi") != UNKNOWN)
         client = AsyncInferenceClient(base_url=gw.url)
         _, first = await _streamed(client)
@@ -138,5 +138,3 @@ async def test_the_shipped_tgi_policy_caches_bounds_and_serves_tgis_client(start
         assert sim.engine.counters.requests == 1
         long = await client.text_generation(QUESTION, max_new_tokens=5000, details=True)
         assert long.details is not None and long.details.generated_tokens == 2048
-    finally:
-        await sim.close()
