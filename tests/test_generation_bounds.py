@@ -293,11 +293,14 @@ async def test_another_servers_body_at_the_root_is_sent_as_it_came(pipeline):
     answer = await gw.post("/", body)
     assert answer.status_code == 200 and BOUND_HEADER not in answer.headers
     assert backend.bodies[0] == body
+    embed = {"inputs": ["a", "b"], "normalize": True}  # TEI's: texts to embed, not TGI's
+    assert BOUND_HEADER not in (await gw.post("/", embed)).headers
+    assert backend.bodies[1] == embed
     # a body it cannot read is refused there, as at /generate: TGI reads some the gateway
     # cannot (a second spelling of a field), and those would pass unbounded
     twice = b'{"inputs": "p", "INPUTS": "q", "parameters": {"max_new_tokens": 5000}}'
     refused = await gw.request("POST", "/", body=twice)
-    assert refused.status_code == 400 and len(backend.bodies) == 1
+    assert refused.status_code == 400 and len(backend.bodies) == 2
 
 
 async def test_tritons_sampling_parameters_text_is_bounded_and_sent_as_text(pipeline):

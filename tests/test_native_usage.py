@@ -210,6 +210,25 @@ async def test_an_answer_naming_no_count_is_charged_a_token_per_four_bytes(pipel
     assert left(gw) == LIMIT - prompt - len(answer.body) // 4
 
 
+@pytest.mark.parametrize(
+    ("answer", "charged"),
+    [
+        ([{"generated_text": "y" * 4000}], "size"),  # TGI's / answers a list of one
+        ([[0.25] * 2000], "estimate"),  # TEI's / answers vectors: not generated text
+    ],
+)
+async def test_an_answer_at_the_root_is_charged_by_size_only_when_it_is_generated_text(
+    pipeline, answer, charged
+):
+    gw = await pipeline(limited(), lambda _: json_reply(answer), clock=FakeClock())
+    body = {"inputs": "Why?"}
+    got = await gw.post("/", body, headers=ALICE)
+    assert got.status_code == 200
+    prompt = len(json.dumps(body)) // 4
+    spent = len(got.body) // 4 if charged == "size" else 1  # the estimate: one token
+    assert left(gw) == LIMIT - prompt - spent
+
+
 async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):
     """Its vLLM backend's counts when a call asks for them; otherwise (TensorRT-LLM names
     none) a token per four bytes of the answer, as TGI's without ``details``."""

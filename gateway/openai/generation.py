@@ -148,7 +148,7 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
                 "array_above_max_length",
             )
     needed = PROMPT_NEEDED.get(path)
-    if not bounds.bounds_tokens or (needed is not None and needed not in data):
+    if not bounds.bounds_tokens or (needed is not None and not isinstance(data.get(needed), str)):
         return {}, ""
     most = bounds.max_tokens
     fields = output_fields(path) or ()

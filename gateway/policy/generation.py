@@ -51,9 +51,9 @@ BY_PROMPT = {
 """Where several servers share a path, the field naming a call's prompt names its server,
 and so the field its default bound is written in: each refuses, or ignores, the others'."""
 PROMPT_NEEDED = {"/": "inputs"}
-"""Paths any server may answer (a root), bounded only for a body naming its prompt by this
-field (TGI's): another server's body there is sent as it came, neither bounded nor given a
-default."""
+"""Paths any server may answer (a root), bounded only for a body whose prompt is a text in
+this field (TGI's, which takes one text): another server's body there (TEI's, ``inputs`` a
+list of texts to embed) is sent as it came, neither bounded nor given a default."""
 NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startswith("/v1/")}
 """The servers' own APIs, whose bodies the gateway reads only for a route's bounds, and
 where a bound below 1 asks for none (llama.cpp's and Ollama's -1: until the end; -2: until

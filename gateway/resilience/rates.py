@@ -34,7 +34,7 @@ from gateway.metrics import Metrics
 from gateway.openai.native_usage import NativeStreamUsage, from_native_body, native, native_bound
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
-from gateway.policy.generation import PROMPT_LISTS, prompts_in
+from gateway.policy.generation import PROMPT_LISTS, PROMPT_NEEDED, prompts_in
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
     TENANT_PREFIX,
@@ -90,6 +90,8 @@ class Admitted:
     """The backend asked (the answer's, when it does not name its own)."""
     native: bool = False
     """A call to a server's own API (its answer's counts are in its own words)."""
+    shared: bool = False
+    """A call to a root any server may answer (``PROMPT_NEEDED``: TGI's ``/``, TEI's too)."""
 
     @property
     def prompt_estimate(self) -> int:
@@ -156,7 +158,16 @@ class RateLimits:
                 exc.extra_headers = tuple(self.told(call, exc.standing))
             raise
         return Admitted(
-            key, limits, estimate, standings, output, cost, call.policy, call.backend, own
+            key,
+            limits,
+            estimate,
+            standings,
+            output,
+            cost,
+            call.policy,
+            call.backend,
+            own,
+            call.path in PROMPT_NEEDED,
         )
 
     def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
@@ -241,6 +252,11 @@ def streamed_counts(admitted: Admitted, events: int) -> tuple[int, int] | None:
     return admitted.prompt_estimate, events
 
 
+_GENERATED = b'"generated_text"'
+"""What TGI's whole answer holds (its text); another server's answer at a shared root, its
+estimate stands: TEI's vectors are not generated text."""
+
+
 def _native_counts(admitted: Admitted, body: bytes) -> tuple[int, int]:
     """The (prompt, completion) tokens of a server's own whole answer: the counts it names,
     else its prompt's estimate and a generated token per ``CHARS_PER_TOKEN`` bytes of it
@@ -249,6 +265,8 @@ def _native_counts(admitted: Admitted, body: bytes) -> tuple[int, int]:
     named = from_native_body(body, prompt)
     if named is not None:
         return named
+    if admitted.shared and _GENERATED not in body:  # not TGI's text: TEI's vectors, say
+        return prompt, admitted.output_estimate
     return prompt, max(admitted.output_estimate, len(body) // CHARS_PER_TOKEN)
 
 
