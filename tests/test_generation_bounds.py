@@ -232,6 +232,13 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
             lambda b: b["parameters"]["max_new_tokens"],
         ),
         ("/", {"inputs": "p"}, lambda b: b["parameters"]["max_new_tokens"]),
+        (  # llama.cpp's OpenAI chat and Responses API without /v1
+            "/chat/completions",
+            {"messages": [], "max_completion_tokens": 5000},
+            lambda b: b["max_completion_tokens"],
+        ),
+        ("/chat/completions", {"messages": []}, lambda b: b["max_tokens"]),
+        ("/responses", {"input": "p", "max_output_tokens": 5000}, lambda b: b["max_output_tokens"]),
         (  # vLLM's demonstration server: SamplingParams' fields at the top; -1 is none
             "/generate",
             {"prompt": "p", "max_tokens": -1},
@@ -266,6 +273,9 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         "tgi-by-inputs",
         "tgi-root",
         "tgi-root-default",
+        "llama.cpp-chat-without-v1",
+        "llama.cpp-chat-without-v1-default",
+        "llama.cpp-responses-without-v1",
         "vllm",
         "vllm-by-prompt",
         "llama.cpp-infill",

@@ -397,3 +397,50 @@ async def test_a_body_the_gateway_cannot_read_goes_on_at_one_token_and_settles_o
 def llama_answer_any(sent: Sent) -> Reply:
     """llama.cpp's answer to any body: 9 evaluated, 16 predicted."""
     return json_reply({"content": "x", "tokens_predicted": 16, "tokens_evaluated": 9})
+
+
+@pytest.mark.llm
+@pytest.mark.parametrize(
+    ("endpoint", "body", "counts"),
+    [
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 500},
+            ("prompt_tokens", "completion_tokens"),
+        ),
+        (
+            "/responses",
+            {"input": "Tell me a story", "max_output_tokens": 500},
+            ("input_tokens", "output_tokens"),
+        ),
+    ],
+)
+async def test_llama_cpps_openai_apis_without_v1_are_bounded_and_counted(
+    llama, start_gateway, tmp_path, endpoint, body, counts
+):
+    """llama.cpp answers OpenAI's chat and Responses API without ``/v1`` too
+    (``/chat/completions``, ``/responses``): a route's bound and a tenant's token limit hold
+    there as with ``/v1``.  Before, a client dropping ``/v1`` asked for what it liked and was
+    charged its body's size."""
+    import httpx
+
+    from gateway.resilience.rate_limit import RateLimiter
+    from gateway.resilience.rates import RATE_LIMITERS
+    from gateway.tenant import credential_key
+    from tests.helpers import write_policy
+
+    route = {"name": "llm", "backend": "llm", "generation": {"max_tokens": 5}, **limit(LIMIT)}
+    path = write_policy(tmp_path, {"backends": {"llm": {"url": llama.url}}, "routes": [route]})
+    gw = await start_gateway(policy=path, clock=FakeClock())
+    limiter = gw.gateway.registry.peek(RATE_LIMITERS, "llm")
+    key = credential_key(ALICE.items())
+    assert isinstance(limiter, RateLimiter) and key is not None
+    async with httpx.AsyncClient(timeout=120, headers=ALICE) as http:
+        answer = await http.post(gw.url + endpoint, json={**body, "temperature": 0})
+    assert answer.status_code == 200 and answer.headers["X-Gateway-Max-Tokens"] == "5"
+    usage = answer.json()["usage"]
+    prompt, completion = (usage[name] for name in counts)
+    assert 1 <= completion <= 5
+    standing = limiter.standing(key)
+    assert standing is not None and standing.tokens is not None
+    assert standing.tokens.remaining == LIMIT - prompt - completion

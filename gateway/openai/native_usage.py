@@ -12,6 +12,9 @@ Each server names its counts its own way, in a whole answer and in a stream's la
   count (a whole answer has ``details`` only when asked, ``parameters.details``);
 - SGLang's ``/generate``: ``meta_info.prompt_tokens`` and ``meta_info.completion_tokens``
   (each streamed event carries them so far);
+- llama.cpp's OpenAI chat and Responses API without ``/v1`` (``/chat/completions``,
+  ``/responses``): their ``usage``, ``prompt_tokens`` and ``completion_tokens``, or
+  ``input_tokens`` and ``output_tokens`` (a Responses stream's in its last event);
 - Triton's ``/v2/models/<m>/generate`` and ``generate_stream``: its vLLM backend's
   ``num_input_tokens`` and ``num_output_tokens`` when a call asks for them (a streamed
   event's count is its own tokens'); TensorRT-LLM's name none.
@@ -46,6 +49,7 @@ _FAMILIES = (  # (the completion key, its count, the prompt's count, whether eve
     (b'"eval_count"', _count("eval_count"), _count("prompt_eval_count"), False),
     (b'"generated_tokens"', _count("generated_tokens"), None, False),  # TGI counts no prompt
     (b'"completion_tokens"', _count("completion_tokens"), _count("prompt_tokens"), False),
+    (b'"output_tokens"', _count("output_tokens"), _count("input_tokens"), False),  # Responses
     (  # Triton's vLLM backend, when asked (return_num_output_tokens): each event its own
         b'"num_output_tokens"',
         _count("num_output_tokens", tensor=True),

@@ -27,6 +27,10 @@ OUTPUT_FIELDS = {
     "/v1/messages": ("max_tokens",),  # Anthropic's
     # llama.cpp's own API: n_predict, else max_tokens (which OpenAI-shaped servers read too)
     "/completion": ("max_tokens", "n_predict"),
+    # llama.cpp serves OpenAI's chat and Responses API without /v1 too: the same calls, read
+    # as its own API's (else a client dropping /v1 would escape every bound)
+    "/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/responses": ("max_output_tokens",),
     "/completions": ("max_tokens", "n_predict"),
     "/infill": ("max_tokens", "n_predict"),  # llama.cpp's code infilling
     "/api/generate": ("options.num_predict",),  # Ollama's
@@ -90,6 +94,7 @@ def is_native(path: str) -> bool:
 
 CHOICE_FIELDS = {
     "/v1/chat/completions": ("n",),
+    "/chat/completions": ("n",),  # llama.cpp's, without /v1
     "/v1/completions": ("n", "best_of"),
 }
 """Per endpoint, the fields asking for several answers to one call."""
