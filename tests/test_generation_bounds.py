@@ -239,6 +239,13 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         ),
         ("/chat/completions", {"messages": []}, lambda b: b["max_tokens"]),
         ("/responses", {"input": "p", "max_output_tokens": 5000}, lambda b: b["max_output_tokens"]),
+        (  # SageMaker's route, which vLLM and TGI serve: chat, a completion, TGI's generate
+            "/invocations",
+            {"messages": [], "max_tokens": 5000},
+            lambda b: b["max_tokens"],
+        ),
+        ("/invocations", {"prompt": "p"}, lambda b: b["max_tokens"]),
+        ("/invocations", {"inputs": "p"}, lambda b: b["parameters"]["max_new_tokens"]),
         (  # vLLM's demonstration server: SamplingParams' fields at the top; -1 is none
             "/generate",
             {"prompt": "p", "max_tokens": -1},
@@ -276,6 +283,9 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         "llama.cpp-chat-without-v1",
         "llama.cpp-chat-without-v1-default",
         "llama.cpp-responses-without-v1",
+        "invocations-chat",
+        "invocations-completion-default",
+        "invocations-tgi-default",
         "vllm",
         "vllm-by-prompt",
         "llama.cpp-infill",
@@ -306,11 +316,14 @@ async def test_another_servers_body_at_the_root_is_sent_as_it_came(pipeline):
     embed = {"inputs": ["a", "b"], "normalize": True}  # TEI's: texts to embed, not TGI's
     assert BOUND_HEADER not in (await gw.post("/", embed)).headers
     assert backend.bodies[1] == embed
+    vectors = {"model": "m", "input": ["a"]}  # an embedding at SageMaker's route
+    assert BOUND_HEADER not in (await gw.post("/invocations", vectors)).headers
+    assert backend.bodies[2] == vectors
     # a body it cannot read is refused there, as at /generate: TGI reads some the gateway
     # cannot (a second spelling of a field), and those would pass unbounded
     twice = b'{"inputs": "p", "INPUTS": "q", "parameters": {"max_new_tokens": 5000}}'
     refused = await gw.request("POST", "/", body=twice)
-    assert refused.status_code == 400 and len(backend.bodies) == 2
+    assert refused.status_code == 400 and len(backend.bodies) == 3
 
 
 async def test_tritons_sampling_parameters_text_is_bounded_and_sent_as_text(pipeline):
@@ -600,8 +613,8 @@ def test_whatever_a_body_holds_it_is_refused_or_sent_within_the_bound(path, valu
     """A 400 (never another error), or a body whose every bound is an integer from 1 to the
     most: no value, type or nesting gets a call past ``max_tokens``."""
     bounds = Generation(max_tokens=most, max_choices=2, over=over)
-    if (needed := PROMPT_NEEDED.get(path)) is not None:  # TGI's root: its body names inputs
-        values = {needed: "p", **values}
+    if (needed := PROMPT_NEEDED.get(path)) is not None:  # a shared route: name a prompt
+        values = {next(iter(needed)): "p", **values}
     try:
         values, texts = (
             texts_read(values, TEXT_MEMBERS, 10_000) if is_native(path) else (values, ())

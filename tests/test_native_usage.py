@@ -229,6 +229,23 @@ async def test_an_answer_at_the_root_is_charged_by_size_only_when_it_is_generate
     assert left(gw) == LIMIT - prompt - spent
 
 
+async def test_sagemakers_route_settles_a_chat_on_its_usage_and_an_embedding_at_its_estimate(
+    pipeline,
+):
+    """``/invocations`` (vLLM's, TGI's): a chat there is counted as on ``/v1``; an embedding
+    there (vectors, no generated text) keeps its estimate."""
+    chat = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 90}}
+    gw = await pipeline(limited(), lambda _: json_reply(chat), clock=FakeClock())
+    body = {"messages": [{"role": "user", "content": "Why?"}], "max_tokens": 100}
+    assert (await gw.post("/invocations", body, headers=ALICE)).status_code == 200
+    assert left(gw) == LIMIT - 97
+    vectors = {"data": [{"embedding": [0.25] * 2000}], "usage": {"prompt_tokens": 3}}
+    gw = await pipeline(limited(), lambda _: json_reply(vectors), clock=FakeClock())
+    body = {"model": "m", "input": ["a"]}
+    assert (await gw.post("/invocations", body, headers=ALICE)).status_code == 200
+    assert left(gw) == LIMIT - len(json.dumps(body)) // 4 - 1  # its estimate: one token
+
+
 async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):
     """Its vLLM backend's counts when a call asks for them; otherwise (TensorRT-LLM names
     none) a token per four bytes of the answer, as TGI's without ``details``."""

@@ -46,9 +46,9 @@ from gateway.policy.generation import (
     BY_PROMPT,
     CHOICE_FIELDS,
     PROMPT_LISTS,
-    PROMPT_NEEDED,
     TEXT_MEMBERS,
     Generation,
+    generates,
     is_native,
     output_fields,
     prompts_in,
@@ -147,8 +147,7 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
                 "prompt",
                 "array_above_max_length",
             )
-    needed = PROMPT_NEEDED.get(path)
-    if not bounds.bounds_tokens or (needed is not None and not isinstance(data.get(needed), str)):
+    if not bounds.bounds_tokens or not generates(path, data):
         return {}, ""
     most = bounds.max_tokens
     fields = output_fields(path) or ()

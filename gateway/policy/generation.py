@@ -39,6 +39,9 @@ OUTPUT_FIELDS = {
     "/generate": ("parameters.max_new_tokens", "sampling_params.max_new_tokens", "max_tokens"),
     "/generate_stream": ("parameters.max_new_tokens",),
     "/": ("parameters.max_new_tokens",),  # TGI's compatibility route, where its clients post
+    # SageMaker's route, which vLLM and TGI both serve: chat, a completion or TGI's generate,
+    # told apart by the body
+    "/invocations": ("max_tokens", "max_completion_tokens", "parameters.max_new_tokens"),
 }
 """Per generation endpoint, the fields bounding a call's output (a dotted name: a member of
 an object member).  A call that names none is given the first whose object it sent, else
@@ -50,14 +53,33 @@ BY_PROMPT = {
         "text": "sampling_params.max_new_tokens",  # SGLang's
         "input_ids": "sampling_params.max_new_tokens",
         "prompt": "max_tokens",  # vLLM's api_server: SamplingParams' own fields at the top
-    }
+    },
+    "/invocations": {
+        "inputs": "parameters.max_new_tokens",  # TGI's generate
+        "messages": "max_tokens",  # chat (vLLM's, TGI's)
+        "prompt": "max_tokens",  # a completion (vLLM's)
+    },
 }
 """Where several servers share a path, the field naming a call's prompt names its server,
 and so the field its default bound is written in: each refuses, or ignores, the others'."""
-PROMPT_NEEDED = {"/": "inputs"}
-"""Paths any server may answer (a root), bounded only for a body whose prompt is a text in
-this field (TGI's, which takes one text): another server's body there (TEI's, ``inputs`` a
-list of texts to embed) is sent as it came, neither bounded nor given a default."""
+PROMPT_NEEDED: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "/": {"inputs": str},
+    "/invocations": {"inputs": str, "messages": list, "prompt": (str, list)},
+}
+"""Paths any server may answer (a root, SageMaker's route), bounded only for a body that
+names a prompt to generate from in one of these fields, of that type (TGI's ``inputs``, one
+text; chat's ``messages``; a completion's ``prompt``): another body there (TEI's, ``inputs``
+a list of texts to embed; an embedding's ``input``) is sent as it came, neither bounded nor
+given a default."""
+
+
+def generates(path: str, data: Mapping[str, Any]) -> bool:
+    """Whether a call to ``path`` with the JSON ``data`` asks for a generation: always,
+    but on a ``PROMPT_NEEDED`` path, where its body must name a prompt so."""
+    needed = PROMPT_NEEDED.get(path)
+    return needed is None or any(isinstance(data.get(f), kind) for f, kind in needed.items())
+
+
 NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startswith("/v1/")}
 """The servers' own APIs, whose bodies the gateway reads only for a route's bounds, and
 where a bound below 1 asks for none (llama.cpp's and Ollama's -1: until the end; -2: until
@@ -95,6 +117,7 @@ def is_native(path: str) -> bool:
 CHOICE_FIELDS = {
     "/v1/chat/completions": ("n",),
     "/chat/completions": ("n",),  # llama.cpp's, without /v1
+    "/invocations": ("n",),  # SageMaker's route (vLLM's, TGI's)
     "/v1/completions": ("n", "best_of"),
 }
 """Per endpoint, the fields asking for several answers to one call."""

@@ -91,7 +91,8 @@ class Admitted:
     native: bool = False
     """A call to a server's own API (its answer's counts are in its own words)."""
     shared: bool = False
-    """A call to a root any server may answer (``PROMPT_NEEDED``: TGI's ``/``, TEI's too)."""
+    """A call to a route several servers' APIs share (``PROMPT_NEEDED``: TGI's ``/``, TEI's
+    too; SageMaker's ``/invocations``)."""
 
     @property
     def prompt_estimate(self) -> int:
@@ -253,8 +254,8 @@ def streamed_counts(admitted: Admitted, events: int) -> tuple[int, int] | None:
 
 
 _GENERATED = b'"generated_text"'
-"""What TGI's whole answer holds (its text); another server's answer at a shared root, its
-estimate stands: TEI's vectors are not generated text."""
+"""What TGI's whole answer holds (its text); another answer naming no count on a shared
+route keeps its estimate: TEI's and vLLM's vectors are not generated text."""
 
 
 def _native_counts(admitted: Admitted, body: bytes) -> tuple[int, int]:
