@@ -41,6 +41,7 @@ import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -173,7 +174,8 @@ def train(
     class PairModel(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            kept = {} if layers == LAYERS else {"num_hidden_layers": layers}  # the lowest
+            # fewer layers: the lowest are kept
+            kept: dict[str, Any] = {} if layers == LAYERS else {"num_hidden_layers": layers}
             self.bert = BertModel.from_pretrained(str(model_dir), add_pooling_layer=False, **kept)
             self.out = torch.nn.Linear(self.bert.config.hidden_size, 1)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,9 +79,8 @@ def main() -> None:
     embedded = time.perf_counter() - started
     x = torch.tensor(inputs(used, table))
     y = torch.tensor([float(p.label) for p in used])
-    net = torch.nn.Sequential(
-        torch.nn.Linear(x.shape[1], HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1)
-    )
+    first, second = torch.nn.Linear(x.shape[1], HIDDEN), torch.nn.Linear(HIDDEN, 1)
+    net = torch.nn.Sequential(first, torch.nn.ReLU(), second)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(SEED)
     for epoch in range(EPOCHS):
@@ -96,8 +96,7 @@ def main() -> None:
             optimizer.zero_grad()
             total += loss.item() * len(rows)
         print(f"epoch {epoch + 1}: loss {total / len(used):.4f}", flush=True)
-    first, _, second = net
-    weights = {
+    weights: dict[str, Any] = {
         "w1": first.weight.detach().numpy().T.copy(),
         "b1": first.bias.detach().numpy().copy(),
         "w2": second.weight.detach().numpy().T.copy(),
