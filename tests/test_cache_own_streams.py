@@ -13,7 +13,10 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gateway.cache.own_apis import OWN_GREEDY, ended, greedy, streams, tgi_greedy
 from gateway.pipeline import Reply
 from gateway.testing import Sent, stream_reply
 from tests.helpers import policy, until
@@ -274,3 +277,37 @@ async def test_ollamas_chat_keys_by_its_json_and_its_stream_as_ollama_reads_it(p
     reordered = json.dumps(dict(reversed(list({**body, "stream": True}.items())))).encode()
     again = await gw.request("POST", "/api/chat", body=reordered, headers=ALICE)
     assert again.headers["X-Gateway-Cache"] == "hit" and len(model.bodies) == 1
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=8,
+)
+GREEDY_KEYS = ["inputs", "parameters", "do_sample", "temperature", "top_k", "best_of", "stream"]
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    body=st.dictionaries(
+        st.sampled_from(GREEDY_KEYS),
+        JSONISH | st.dictionaries(st.sampled_from(GREEDY_KEYS), JSONISH),
+    ),
+    path=st.sampled_from(sorted(OWN_GREEDY)),
+    tail=st.binary(max_size=40),
+)
+def test_whatever_a_body_or_an_answer_holds_the_checks_answer_yes_or_no(body, path, tail):
+    """The greedy and stream checks are total: any body, any bytes after a well-ended
+    stream's words, a last event nested past what ``json`` reads: a bool, never an error."""
+    assert isinstance(greedy(body, path), bool) and isinstance(streams(body, path), bool)
+    for last in (TGI[1], LLAMA[1], OLLAMA[1]):
+        assert isinstance(ended(path, last.rstrip() + tail), bool)
+    nested = b'data: {"stop": true, "generated_text": "", "done": true, "a": ' + b'{"a":' * 5000
+    assert ended(path, nested) is False and ended(path, nested[6:]) is False
+
+
+def test_tgis_greedy_rule_reads_sampling_as_its_client_does():
+    assert tgi_greedy({"inputs": "p"}) and tgi_greedy({"inputs": "p", "parameters": None})
+    assert tgi_greedy({"inputs": "p", "parameters": {"temperature": None, "seed": 4}})
+    for sampled in ({"do_sample": True}, {"temperature": 1.0}, {"top_k": 0}, {"best_of": 2}):
+        assert not tgi_greedy({"inputs": "p", "parameters": sampled})

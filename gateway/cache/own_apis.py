@@ -268,7 +268,7 @@ def ended(path: str, body: bytes) -> bool:
     piece = last.lstrip()
     try:  # the words matched: the piece must be whole too
         return isinstance(json.loads(piece.removeprefix(b"data:")), dict)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what json reads
         return False
 
 
