@@ -139,6 +139,8 @@ async def test_only_the_entrys_own_tenant_may_judge_it(cached):
         b'{"key": "k", "verdict": "wrong", "also": 1}',
         b'{"key": "' + b"k" * 5000 + b'", "verdict": "wrong"}',
         b"\xff\xfe{}",
+        b"[" * 4000,  # nested past what json reads: a RecursionError, once a 500
+        b'{"key": ' + b'{"a": ' * 600 + b"1" + b"}" * 601,
     ],
 )
 async def test_a_body_that_is_not_one_feedback_is_a_400(cached, body):

@@ -592,6 +592,12 @@ async def test_purge_by_tenant_given_raw_or_as_scope(env: Env) -> None:
     assert status == 400
     status, body = await env.purge(colour="red")
     assert status == 400 and "unknown" in body["error"]
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    for broken in (b"[" * 5000, b"\xff\xfe{}", b"{not json"):  # nested, not UTF-8, not JSON
+        async with env.session.post(
+            env.admin_url + "/cache/purge", data=broken, headers=headers
+        ) as response:
+            assert response.status == 400, broken[:10]
 
 
 # -- store failures ------------------------------------------------------------------------

@@ -128,7 +128,7 @@ async def _purge_filters(request: web.Request, state: CachePurge) -> dict[str, s
     if request.can_read_body:
         try:
             body = await request.json()
-        except json.JSONDecodeError as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nested past its depth
             raise ValueError(f"body is not JSON: {exc}") from exc
         if body is not None and not isinstance(body, dict):
             raise ValueError("body must be a JSON object of filters")

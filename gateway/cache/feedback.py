@@ -69,7 +69,7 @@ def parse(body: bytes) -> tuple[str, str]:
         raise RequestError(f"a feedback body is at most {MAX_BODY_BYTES} bytes")
     try:
         data: Any = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested past what json reads
         raise RequestError('the body must be JSON: {"key": ..., "verdict": ...}') from None
     if not isinstance(data, dict):
         raise RequestError('the body must be a JSON object: {"key": ..., "verdict": ...}')
