@@ -1,7 +1,9 @@
 """Bounded fuzzing of the client side of the data plane: mutated request heads (framing
 headers doubled, folded, misspelt or contradicting, bare line ends, stray bytes, other
 versions, upgrades, ``Expect``, ``Connection: close``) and mutated bodies of chat, the
-Responses API and Anthropic's Messages API (wide JSON past ``max_json_values`` among them), chunked bodies cut into tiny chunks with
+Responses API, Anthropic's Messages API, the servers' own APIs on a route that caches and
+bounds them, and the gateway's own ``/cache/feedback`` (wide JSON past ``max_json_values``
+and JSON nested past what a recursive parser reads among them), chunked bodies cut into tiny chunks with
 extensions and trailers (some forbidden in a trailer), each followed on the same
 connection by a well-formed request.  Whatever arrives:
 
@@ -104,12 +106,23 @@ BODIES: dict[bytes, dict[str, Any]] = {
     b"/v1/responses": {"model": "m", "input": HI, "instructions": "brief", "max_output_tokens": 5},
     b"/v1/messages": {"model": "m", "system": "brief", "max_tokens": 5, "messages": HI},
     b"/v1/messages/count_tokens": {"model": "m", "messages": HI},
+    # the servers' own APIs, read on a route that caches and bounds them, and the gateway's
+    # own feedback path
+    b"/completion": {"prompt": "p", "temperature": 0, "n_predict": 5, "stream": True},
+    b"/api/chat": {"model": "m", "messages": HI, "options": {"temperature": 0}},
+    b"/generate": {"inputs": "p", "parameters": {"max_new_tokens": 5}},
+    b"/": {"inputs": "p", "stream": False, "parameters": {"do_sample": False}},
+    b"/invocations": {"messages": HI, "max_tokens": 5},
+    b"/chat/completions": {"messages": HI, "max_tokens": 5, "n": 1},
+    b"/cache/feedback": {"key": "k", "verdict": "wrong"},
 }
 """The bodies the gateway reads, by path: chat's most often, the Responses API's and
-Anthropic's among them."""
+Anthropic's, the servers' own (cached and bounded) and the feedback among them."""
 
 
 def mutated_body(rng: random.Random, path: bytes = b"/v1/chat/completions") -> bytes:
+    if rng.random() < 0.05:  # nested past what a recursive parser reads
+        return b"[" * rng.choice([1100, 3000]) + b"]" * rng.choice([0, 3000])
     data = dict(BODIES[path])
     keys = sorted({*data, "stream", "n", "temperature"})
     for key in rng.sample(keys, 2):
@@ -206,7 +219,9 @@ async def test_no_mutated_request_gets_a_gateway_5xx_or_another_requests_answer(
     # client's 10 s read, and such a case ends in a 408.
     policy = (
         f"backends: {{main: {{url: '{url}'}}}}\n"
-        "routes: [{match: {path: '/v1/*'}, backend: main}]\n"
+        "routes: [{match: {path: '/v1/*'}, backend: main},\n"
+        "  {match: {path: '*'}, backend: main, cache: {ttl_s: 60},"
+        " generation: {max_tokens: 50, max_choices: 1}}]\n"
         f"server: {{body_timeout_s: 2, header_timeout_s: 2, max_json_values: {MAX_JSON_VALUES}}}"
     )
     gw = await start_gateway(policy=write_policy(tmp_path, policy))
