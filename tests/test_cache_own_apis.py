@@ -200,7 +200,7 @@ async def test_own_apis_false_caches_only_openais_and_anthropics(pipeline):
         ("/api/generate", {"model": "gemma3", "stream": False, "options": {"temperature": 0}}),
         # TGI's: greedy unless a parameter samples; "/" is where its Python clients post
         ("/generate", {"inputs": "Paris is", "parameters": {"max_new_tokens": 8}}),
-        ("/generate", {"inputs": "Paris is"}),
+        ("/generate", {"inputs": "Paris is", "parameters": {}}),
         ("/", {"inputs": "a", "stream": False, "parameters": {"do_sample": False, "seed": 3}}),
         ("/", {"inputs": "a", "parameters": {"best_of": 1, "temperature": None, "top_k": None}}),
     ],
@@ -222,6 +222,9 @@ async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, bod
         ("/api/generate", {"model": "m", "stream": False, "temperature": 0}),  # not Ollama's
         ("/api/chat", {"model": "m", "stream": False, "options": [0]}),
         ("/generate", {"inputs": "p", "parameters": {"do_sample": True}}),  # TGI's
+        ("/generate", {"inputs": "p"}),  # without parameters TGI samples: do_sample true
+        ("/generate", {"inputs": "p", "parameters": None}),
+        ("/generate", {"inputs": "p", "parameters": {"do_sample": None}}),
         ("/generate", {"inputs": "p", "parameters": {"temperature": 1.0}}),
         ("/generate", {"inputs": "p", "parameters": {"typical_p": 0.5}}),
         ("/generate", {"inputs": "p", "parameters": {"best_of": True}}),

@@ -306,8 +306,12 @@ def test_whatever_a_body_or_an_answer_holds_the_checks_answer_yes_or_no(body, pa
     assert ended(path, nested) is False and ended(path, nested[6:]) is False
 
 
-def test_tgis_greedy_rule_reads_sampling_as_its_client_does():
-    assert tgi_greedy({"inputs": "p"}) and tgi_greedy({"inputs": "p", "parameters": None})
+def test_tgis_greedy_rule_reads_sampling_as_its_router_does():
+    """TGI's router: ``parameters`` absent are filled in with ``do_sample: true``; given,
+    ``do_sample`` defaults to false, and any of temperature, top_k, top_p or typical_p set
+    makes it sample."""
+    assert tgi_greedy({"inputs": "p", "parameters": {}})
     assert tgi_greedy({"inputs": "p", "parameters": {"temperature": None, "seed": 4}})
+    assert not tgi_greedy({"inputs": "p"}) and not tgi_greedy({"inputs": "p", "parameters": None})
     for sampled in ({"do_sample": True}, {"temperature": 1.0}, {"top_k": 0}, {"best_of": 2}):
         assert not tgi_greedy({"inputs": "p", "parameters": sampled})

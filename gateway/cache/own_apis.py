@@ -89,15 +89,15 @@ def greedy(body: Mapping[str, Any], path: str) -> bool:
 
 def tgi_greedy(body: Mapping[str, Any]) -> bool:
     """Whether a call to TGI's ``/generate``, ``/generate_stream`` or ``/`` asks a greedy
-    answer: TGI's body (``inputs`` a string), ``parameters.do_sample`` false or absent, none
-    of ``TGI_SAMPLING`` set, ``best_of`` absent or 1.  Any other body (SGLang's and vLLM's
-    ``/generate``) is not taken: its server's sampling rules are not read here."""
+    answer: TGI's body (``inputs`` a string) with its ``parameters`` object, in it
+    ``do_sample`` false or absent, none of ``TGI_SAMPLING`` set, ``best_of`` absent or 1.
+    A body without ``parameters`` samples (TGI's router fills them in with ``do_sample:
+    true``), and any other body (SGLang's and vLLM's ``/generate``) is not taken: its
+    server's sampling rules are not read here."""
     parameters = body.get("parameters")
-    if not isinstance(body.get("inputs"), str):
+    if not isinstance(body.get("inputs"), str) or not isinstance(parameters, Mapping):
         return False
-    if parameters is None:
-        return True
-    if not isinstance(parameters, Mapping) or parameters.get("do_sample") not in (None, False):
+    if parameters.get("do_sample", False) is not False:
         return False
     best_of = parameters.get("best_of")
     if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
