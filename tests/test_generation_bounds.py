@@ -326,6 +326,27 @@ async def test_another_servers_body_at_the_root_is_sent_as_it_came(pipeline):
     assert refused.status_code == 400 and len(backend.bodies) == 3
 
 
+async def test_tgis_vertex_route_bounds_each_call_it_lists(pipeline):
+    """TGI's ``/vertex`` answers every call of ``instances`` at once, each a TGI generate or
+    a chat request: each is bounded in its own field, given the default where it names
+    none, and at most ``max_choices`` of them are asked."""
+    gw, backend = await gateway(pipeline, {"max_tokens": 100, "max_choices": 3})
+    generate = {"inputs": "p", "parameters": {"max_new_tokens": 5000}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}
+    body = {"instances": [generate, chat, {"inputs": "q"}]}
+    answer = await gw.post("/vertex", body)
+    assert answer.status_code == 200 and answer.headers[BOUND_HEADER] == "100"
+    sent = backend.bodies[0]["instances"]
+    assert sent[0]["parameters"]["max_new_tokens"] == 100 and sent[1]["max_tokens"] == 100
+    assert sent[2]["parameters"]["max_new_tokens"] == 100  # named none: the default
+    within = {"instances": [{"inputs": "p", "parameters": {"max_new_tokens": 7}}]}
+    await gw.post("/vertex", within)
+    assert backend.bodies[1] == within  # as sent
+    many = {"instances": [generate] * 4}
+    error = refused(await gw.post("/vertex", many))
+    assert error["param"] == "instances" and len(backend.bodies) == 2
+
+
 async def test_tritons_sampling_parameters_text_is_bounded_and_sent_as_text(pipeline):
     """vLLM's backend for Triton reads ``sampling_parameters`` (a JSON text) in place of
     ``parameters``: bounding only the object would bound nothing."""

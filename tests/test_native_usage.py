@@ -246,6 +246,22 @@ async def test_sagemakers_route_settles_a_chat_on_its_usage_and_an_embedding_at_
     assert left(gw) == LIMIT - len(json.dumps(body)) // 4 - 1  # its estimate: one token
 
 
+async def test_tgis_vertex_route_is_estimated_at_every_call_it_lists(pipeline):
+    """``/vertex`` answers each of its ``instances``: the estimate holds each one's bound, so
+    a tenant cannot ask for many generations at the price of one."""
+    gw = await pipeline(
+        limited(), lambda _: json_reply({"predictions": ["a", "b"]}), clock=FakeClock()
+    )
+    body = {
+        "instances": [
+            {"inputs": "p", "parameters": {"max_new_tokens": 300}},
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200},
+        ]
+    }
+    assert (await gw.post("/vertex", body, headers=ALICE)).status_code == 200
+    assert left(gw) == LIMIT - len(json.dumps(body)) // 4 - 500  # its answer names no count
+
+
 async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):
     """Its vLLM backend's counts when a call asks for them; otherwise (TensorRT-LLM names
     none) a token per four bytes of the answer, as TGI's without ``details``."""

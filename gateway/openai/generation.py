@@ -45,6 +45,7 @@ from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.generation import (
     BY_PROMPT,
     CHOICE_FIELDS,
+    LISTED_CALLS,
     PROMPT_LISTS,
     TEXT_MEMBERS,
     Generation,
@@ -90,7 +91,7 @@ class GenerationBounds:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         bounds = self._bounds(call)
-        if bounds is None or call.method != "POST" or output_fields(call.path) is None:
+        if bounds is None or call.method != "POST" or not bounded_path(call.path):
             return await call_next(call)
         native = is_native(call.path)
         texts: tuple[str, ...] = ()  # the members read from JSON text, written back as text
@@ -100,19 +101,19 @@ class GenerationBounds:
                 return await call_next(call)
             if native:
                 data, texts = texts_read(data, TEXT_MEMBERS, call.policy.server.max_json_values)
-            changes, action = bounded(data, call.path, bounds)
+            sent_data = bounded_data(data, call.path, bounds)
         except RequestError:
             self._counted(call.route.name, "refused")
             if call.record is not None:
                 call.record.generation = ("refused", 0)
             raise
-        if not changes:
+        if sent_data is None:
             return await call_next(call)
+        data, action, bound = sent_data
         self._counted(call.route.name, action)
-        bound = next(iter(changes.values()))
         if call.record is not None:
             call.record.generation = (action, bound)
-        data = texts_written(with_bounds(data, changes), texts)
+        data = texts_written(data, texts)
         body = await dumps_yielding(data, len(call.body))
         if native:  # its body read here only: the call goes on as a server's own API's
             sent = dataclasses.replace(call, body=body)
@@ -123,6 +124,46 @@ class GenerationBounds:
 
     def __repr__(self) -> str:
         return f"<GenerationBounds routes={sorted(self._routes)}>"
+
+
+def bounded_path(path: str) -> bool:
+    """Whether calls to ``path`` generate, and so are bounded."""
+    return output_fields(path) is not None or path in LISTED_CALLS
+
+
+def bounded_data(
+    data: dict[str, Any], path: str, bounds: Generation
+) -> tuple[dict[str, Any], str, int] | None:
+    """``data`` as it is sent under ``bounds``, with the action and the bound written (None
+    when it is sent as it came); ``FieldRefused`` for a call it refuses.  A body that lists
+    calls (``LISTED_CALLS``) has each bounded, and at most ``max_choices`` of them."""
+    listed = LISTED_CALLS.get(path)
+    if listed is None:
+        changes, action = bounded(data, path, bounds)
+        if not changes:
+            return None
+        return with_bounds(data, changes), action, next(iter(changes.values()))
+    member, each = listed
+    calls = data.get(member)
+    if not isinstance(calls, list):
+        return None  # the server's to refuse
+    if bounds.max_choices is not None and len(calls) > bounds.max_choices:
+        raise FieldRefused(
+            f"'{member}' holds {len(calls)} calls; this route allows at most {bounds.max_choices}",
+            member,
+            "array_above_max_length",
+        )
+    sent: list[Any] = []
+    written: tuple[str, int] | None = None
+    for one in calls:
+        changes, action = bounded(one, each, bounds) if isinstance(one, dict) else ({}, "")
+        if changes:
+            one = with_bounds(one, changes)
+            written = written or (action, next(iter(changes.values())))
+        sent.append(one)
+    if written is None:
+        return None
+    return {**data, member: sent}, *written
 
 
 def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[str, int], str]:

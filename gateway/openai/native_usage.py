@@ -29,12 +29,20 @@ names no count is counted a token per event, as a stream without ``usage`` is.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from gateway.errors import RequestError
 from gateway.openai.body import native_object, texts_read
 from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
 from gateway.pipeline import Call
-from gateway.policy.generation import TEXT_MEMBERS, dotted, is_native, output_fields, prompts_in
+from gateway.policy.generation import (
+    LISTED_CALLS,
+    TEXT_MEMBERS,
+    dotted,
+    is_native,
+    output_fields,
+    prompts_in,
+)
 
 
 def _count(name: str, tensor: bool = False) -> re.Pattern[bytes]:
@@ -155,7 +163,17 @@ async def native_bound(call: Call) -> int:
         data, _ = texts_read(data, TEXT_MEMBERS, limit)
     except RequestError:  # the backend's to refuse, as it was sent
         return 0
-    for name in output_fields(call.path) or ():
+    if (listed := LISTED_CALLS.get(call.path)) is not None:  # each call's own, added up
+        member, each = listed
+        calls = data.get(member)
+        calls = calls if isinstance(calls, list) else []
+        return sum(_bound_of(one, each) for one in calls if isinstance(one, dict))
+    return _bound_of(data, call.path)
+
+
+def _bound_of(data: dict[str, Any], path: str) -> int:
+    """The bound ``data``, a call to ``path``, names (times its prompts); 0 for none."""
+    for name in output_fields(path) or ():
         value = dotted(data, name)
         if isinstance(value, int) and not isinstance(value, bool):
             return value * prompts_in(data.get("prompt")) if value > 0 else 0

@@ -73,6 +73,12 @@ a list of texts to embed; an embedding's ``input``) is sent as it came, neither 
 given a default."""
 
 
+LISTED_CALLS = {"/vertex": ("instances", "/invocations")}
+"""Paths whose body lists calls, each bounded as a call to another path: TGI's Vertex AI
+route, ``{"instances": [...]}``, each a TGI generate (``inputs``, ``parameters``) or a chat
+request, all answered at once."""
+
+
 def generates(path: str, data: Mapping[str, Any]) -> bool:
     """Whether a call to ``path`` with the JSON ``data`` asks for a generation: always,
     but on a ``PROMPT_NEEDED`` path, where its body must name a prompt so."""
@@ -109,7 +115,7 @@ def output_fields(path: str) -> tuple[str, ...] | None:
 
 def is_native(path: str) -> bool:
     """Whether ``path`` is a generation endpoint of a server's own API."""
-    if path in NATIVE_PATHS:
+    if path in NATIVE_PATHS or path in LISTED_CALLS:
         return True
     return path.startswith("/v2/") and TRITON_GENERATE.fullmatch(path) is not None
 

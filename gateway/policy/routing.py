@@ -36,7 +36,7 @@ INFERENCE_PATH = re.compile(
     r"|/(tokenize|detokenize)"  # llama.cpp, vLLM, TGI, TEI
     r"|/api/(generate|chat|embed|embeddings|show)"  # Ollama
     r"|/"  # TGI's compatibility route (where its Python clients post); an inference root
-    r"|/invocations"  # SageMaker's route, served by vLLM and TGI
+    r"|/invocations|/vertex"  # SageMaker's route (vLLM's, TGI's); TGI's Vertex AI route
 )
 """POSTs that run a model (or its tokenizer) and change nothing on the server: safe to send
 twice.  Not among them: what stores (OpenAI's files, batches and responses), or changes a
