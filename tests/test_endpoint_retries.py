@@ -266,6 +266,7 @@ async def test_only_calls_that_change_nothing_go_to_another_endpoint(serve_app):
         "/",  # TGI's compatibility route, where its Python clients post
         "/invocations",  # SageMaker's route (vLLM's, TGI's)
         "/vertex",  # TGI's Vertex AI route
+        "/inference/v1/generate",  # vLLM's tokens in, tokens out
         "/v2/models/m/generate",  # Triton's generate extension
         "/v2/models/m/versions/2/generate_stream",
         "/v1/models/m:classify",  # TF Serving's

@@ -246,6 +246,16 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         ),
         ("/invocations", {"prompt": "p"}, lambda b: b["max_tokens"]),
         ("/invocations", {"inputs": "p"}, lambda b: b["parameters"]["max_new_tokens"]),
+        (  # vLLM's tokens in, tokens out
+            "/inference/v1/generate",
+            {"model": "m", "token_ids": [1, 2], "sampling_params": {"max_tokens": 5000}},
+            lambda b: b["sampling_params"]["max_tokens"],
+        ),
+        (
+            "/inference/v1/generate",
+            {"model": "m", "token_ids": [1, 2]},
+            lambda b: b["sampling_params"]["max_tokens"],
+        ),
         (  # vLLM's demonstration server: SamplingParams' fields at the top; -1 is none
             "/generate",
             {"prompt": "p", "max_tokens": -1},
@@ -286,6 +296,8 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         "invocations-chat",
         "invocations-completion-default",
         "invocations-tgi-default",
+        "vllm-tokens",
+        "vllm-tokens-default",
         "vllm",
         "vllm-by-prompt",
         "llama.cpp-infill",

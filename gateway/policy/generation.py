@@ -42,6 +42,7 @@ OUTPUT_FIELDS = {
     # SageMaker's route, which vLLM and TGI both serve: chat, a completion or TGI's generate,
     # told apart by the body
     "/invocations": ("max_tokens", "max_completion_tokens", "parameters.max_new_tokens"),
+    "/inference/v1/generate": ("sampling_params.max_tokens",),  # vLLM's tokens in, tokens out
 }
 """Per generation endpoint, the fields bounding a call's output (a dotted name: a member of
 an object member).  A call that names none is given the first whose object it sent, else

@@ -37,6 +37,7 @@ INFERENCE_PATH = re.compile(
     r"|/api/(generate|chat|embed|embeddings|show)"  # Ollama
     r"|/"  # TGI's compatibility route (where its Python clients post); an inference root
     r"|/invocations|/vertex"  # SageMaker's route (vLLM's, TGI's); TGI's Vertex AI route
+    r"|/inference/v1/generate"  # vLLM's tokens in, tokens out
 )
 """POSTs that run a model (or its tokenizer) and change nothing on the server: safe to send
 twice.  Not among them: what stores (OpenAI's files, batches and responses), or changes a
