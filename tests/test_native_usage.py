@@ -260,6 +260,11 @@ async def test_tgis_vertex_route_is_estimated_at_every_call_it_lists(pipeline):
     }
     assert (await gw.post("/vertex", body, headers=ALICE)).status_code == 200
     assert left(gw) == LIMIT - len(json.dumps(body)) // 4 - 500  # its answer names no count
+    vectors = {"predictions": [[0.25] * 2000]}  # TEI's /vertex: vectors, not generated text
+    gw = await pipeline(limited(), lambda _: json_reply(vectors), clock=FakeClock())
+    body = {"instances": [{"inputs": ["a", "b"]}]}
+    assert (await gw.post("/vertex", body, headers=ALICE)).status_code == 200
+    assert left(gw) == LIMIT - len(json.dumps(body)) // 4 - 1  # its estimate, not its size
 
 
 async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):

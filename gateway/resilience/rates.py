@@ -34,7 +34,7 @@ from gateway.metrics import Metrics
 from gateway.openai.native_usage import NativeStreamUsage, from_native_body, native, native_bound
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
-from gateway.policy.generation import PROMPT_LISTS, PROMPT_NEEDED, prompts_in
+from gateway.policy.generation import LISTED_CALLS, PROMPT_LISTS, PROMPT_NEEDED, prompts_in
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
     TENANT_PREFIX,
@@ -92,7 +92,7 @@ class Admitted:
     """A call to a server's own API (its answer's counts are in its own words)."""
     shared: bool = False
     """A call to a route several servers' APIs share (``PROMPT_NEEDED``: TGI's ``/``, TEI's
-    too; SageMaker's ``/invocations``)."""
+    too; SageMaker's ``/invocations``; ``LISTED_CALLS``: TGI's and TEI's ``/vertex``)."""
 
     @property
     def prompt_estimate(self) -> int:
@@ -168,7 +168,7 @@ class RateLimits:
             call.policy,
             call.backend,
             own,
-            call.path in PROMPT_NEEDED,
+            call.path in PROMPT_NEEDED or call.path in LISTED_CALLS,
         )
 
     def told(self, call: Call, standing: Standing) -> list[tuple[str, str]]:
