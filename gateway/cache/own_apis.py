@@ -37,7 +37,8 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import RequestError
@@ -57,34 +58,21 @@ OWN_API_PATH = re.compile(
 """The model servers' own calls whose answer their body alone decides (nothing sampled):
 cached whole and shared by single flight where the route's ``cache.own_apis`` holds, keyed
 by their body's bytes (``keyed``)."""
-OWN_GREEDY = {
-    "/completion": "temperature",  # llama.cpp's: at or below 0, greedy
-    "/completions": "temperature",
-    "/infill": "temperature",
-    "/api/generate": "options.temperature",  # Ollama's
-    "/api/chat": "options.temperature",
-    "/generate": "parameters",  # TGI's: greedy unless its parameters sample (``tgi_greedy``)
-    "/generate_stream": "parameters",
-    "/": "parameters",  # TGI's compatibility route, where its Python clients post
-}
-"""The servers' own generation paths, where each names its temperature (TGI's: the
-parameters that sample): a call asking a greedy answer (``greedy``) is cached as
-``OWN_API_PATH``'s are."""
-TGI_PATHS = frozenset(p for p, field in OWN_GREEDY.items() if field == "parameters")
 TGI_SAMPLING = ("temperature", "top_k", "top_p", "typical_p")
-"""TGI's parameters any of which makes it sample (as its Python client reads them: set at
-all, whatever the value, with ``do_sample``)."""
+"""TGI's parameters any of which makes it sample (as its router reads them: set at all,
+whatever the value, with ``do_sample``)."""
 
 
-def greedy(body: Mapping[str, Any], path: str) -> bool:
-    """Whether a call to ``path`` (``OWN_GREEDY``) asks a greedy answer: its temperature a
-    number at or below 0; TGI's, ``tgi_greedy``."""
-    if path in TGI_PATHS:
-        return tgi_greedy(body)
-    temperature = dotted(body, OWN_GREEDY[path])
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        return False
-    return temperature <= 0
+def _cold(field: str) -> Callable[[Mapping[str, Any]], bool]:
+    """A server's greedy rule: its temperature ``field`` (dotted) a number at or below 0."""
+
+    def greedy(body: Mapping[str, Any]) -> bool:
+        temperature = dotted(body, field)
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            return False
+        return temperature <= 0
+
+    return greedy
 
 
 def tgi_greedy(body: Mapping[str, Any]) -> bool:
@@ -105,14 +93,71 @@ def tgi_greedy(body: Mapping[str, Any]) -> bool:
     return all(parameters.get(name) is None for name in TGI_SAMPLING)
 
 
+def _asked(body: Mapping[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+@dataclass(frozen=True, slots=True)
+class OwnGeneration:
+    """How one server's own generation path reads: whether a call asks a greedy answer
+    (``greedy``) and a stream (``streams``), and how such a stream ends well: its pieces
+    parted by ``separator``, the last one matching ``last`` (after a ``trailer`` some
+    servers add), no ``failed`` anywhere."""
+
+    greedy: Callable[[Mapping[str, Any]], bool]
+    streams: Callable[[Mapping[str, Any]], bool]
+    last: re.Pattern[bytes]
+    failed: re.Pattern[bytes]
+    separator: bytes = b"\n\n"
+    trailer: bytes = b""
+
+
+_SSE_ERROR = re.compile(rb'^data: ?\{\s*"error"', re.MULTILINE)
+LLAMA = OwnGeneration(  # its SSE: the last event says "stop" (older servers add a [DONE])
+    _cold("temperature"),  # it samples at 0.8 unless told
+    _asked,
+    re.compile(rb'\A\s*data: ?\{.*(?<!\\)"stop"\s*:\s*true\s*[,}]', re.DOTALL),
+    _SSE_ERROR,
+    trailer=b"data: [DONE]",
+)
+OLLAMA = OwnGeneration(  # lines of JSON, the last one "done"; it streams unless told not to
+    _cold("options.temperature"),
+    lambda body: body.get("stream") is not False,
+    re.compile(rb'\A\s*\{.*(?<!\\)"done"\s*:\s*true\s*[,}]', re.DOTALL),
+    re.compile(rb'^\s*\{\s*"error"', re.MULTILINE),
+    separator=b"\n",
+)
+TGI = OwnGeneration(  # its SSE: the last event carries the whole text, the others null
+    tgi_greedy,
+    _asked,
+    re.compile(rb'\A\s*data: ?\{.*(?<!\\)"generated_text"\s*:\s*"', re.DOTALL),
+    _SSE_ERROR,
+)
+OWN_GREEDY = {
+    "/completion": LLAMA,
+    "/completions": LLAMA,
+    "/infill": LLAMA,
+    "/api/generate": OLLAMA,
+    "/api/chat": OLLAMA,
+    "/generate": dataclasses.replace(TGI, streams=lambda _: False),  # whole, whatever it says
+    "/generate_stream": dataclasses.replace(TGI, streams=lambda _: True),
+    "/": TGI,  # TGI's compatibility route, where its Python clients post
+}
+"""The servers' own generation paths and how each reads (``OwnGeneration``): a call asking
+a greedy answer (``greedy``) is cached as ``OWN_API_PATH``'s are."""
+
+
+def greedy(body: Mapping[str, Any], path: str) -> bool:
+    """Whether a call to ``path`` (``OWN_GREEDY``) asks a greedy answer: its temperature a
+    number at or below 0 (llama.cpp's, Ollama's); TGI's, ``tgi_greedy``."""
+    return OWN_GREEDY[path].greedy(body)
+
+
 def streams(body: Mapping[str, Any], path: str) -> bool:
     """Whether a call to ``path`` (``OWN_GREEDY``) asks for a stream: Ollama streams unless
     ``stream`` is false, llama.cpp and TGI's ``/`` only when it is true, TGI's
     ``/generate_stream`` always and its ``/generate`` never."""
-    if path in TGI_PATHS and path != "/":
-        return path == "/generate_stream"
-    stream = body.get("stream")
-    return stream is not False if path.startswith("/api/") else stream is True
+    return OWN_GREEDY[path].streams(body)
 
 
 OLLAMA_CHAT = "/api/chat"
@@ -122,21 +167,6 @@ BODY_DIGEST = "\x00body-sha256"
 """The member of a keyed call's ``json`` holding the digest: no server's JSON names one so."""
 REQUEST_ID = "\x00request-id"
 """The member holding the ``id`` left out of the key (``keys`` leaves it out of the key)."""
-_ENDED = {  # how each server's stream ends well: its last piece, and an error anywhere
-    "sse": (  # llama.cpp's: the last event says "stop" (older servers add a [DONE])
-        re.compile(rb'\A\s*data: ?\{.*(?<!\\)"stop"\s*:\s*true\s*[,}]', re.DOTALL),
-        re.compile(rb'^data: ?\{\s*"error"', re.MULTILINE),
-    ),
-    "lines": (  # Ollama's: the last line says "done"
-        re.compile(rb'\A\s*\{.*(?<!\\)"done"\s*:\s*true\s*[,}]', re.DOTALL),
-        re.compile(rb'^\s*\{\s*"error"', re.MULTILINE),
-    ),
-    "tgi": (  # TGI's: the last event carries the whole text, every other "generated_text": null
-        re.compile(rb'\A\s*data: ?\{.*(?<!\\)"generated_text"\s*:\s*"', re.DOTALL),
-        re.compile(rb'^data: ?\{\s*"error"', re.MULTILINE),
-    ),
-}
-_SSE_DONE = b"data: [DONE]"
 _PLAIN = rb'"([\x20\x21\x23-\x5b\x5d-\x7e]{1,256})"'  # a JSON string without escapes
 _LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*' + _PLAIN + rb"\s*,")
 """An ``id`` opening the body, a plain ASCII string (no escape, no quote): what a KServe
@@ -250,20 +280,14 @@ def ended(path: str, body: bytes) -> bool:
     error, and that last piece whole: one JSON object (a server that frames its answer by
     closing the connection and dies within its last event looks done by the words alone).
     Any other server's stream, never (no other keyed path streams)."""
-    if path not in OWN_GREEDY:
+    generation = OWN_GREEDY.get(path)
+    if generation is None:
         return False
     text = body.rstrip()
-    if path in TGI_PATHS:
-        last_piece, failed = _ENDED["tgi"]
-        last = text.rpartition(b"\n\n")[2]
-    elif path.startswith("/api/"):
-        last_piece, failed = _ENDED["lines"]
-        last = text.rpartition(b"\n")[2]
-    else:
-        last_piece, failed = _ENDED["sse"]
-        text = text.removesuffix(_SSE_DONE).rstrip()
-        last = text.rpartition(b"\n\n")[2]
-    if last_piece.match(last) is None or failed.search(body) is not None:
+    if generation.trailer:
+        text = text.removesuffix(generation.trailer).rstrip()
+    last = text.rpartition(generation.separator)[2]
+    if generation.last.match(last) is None or generation.failed.search(body) is not None:
         return False
     piece = last.lstrip()
     try:  # the words matched: the piece must be whole too
