@@ -647,7 +647,7 @@ def test_whatever_a_body_holds_it_is_refused_or_sent_within_the_bound(path, valu
     most: no value, type or nesting gets a call past ``max_tokens``."""
     bounds = Generation(max_tokens=most, max_choices=2, over=over)
     if (needed := PROMPT_NEEDED.get(path)) is not None:  # a shared route: name a prompt
-        values = {next(iter(needed)): "p", **values}
+        values = {needed[0]: "p", **values}
     try:
         values, texts = (
             texts_read(values, TEXT_MEMBERS, 10_000) if is_native(path) else (values, ())

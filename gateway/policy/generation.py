@@ -63,15 +63,17 @@ BY_PROMPT = {
 }
 """Where several servers share a path, the field naming a call's prompt names its server,
 and so the field its default bound is written in: each refuses, or ignores, the others'."""
-PROMPT_NEEDED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "/": {"inputs": str},
-    "/invocations": {"inputs": str, "messages": list, "prompt": (str, list)},
+PROMPT_KINDS: dict[str, type | tuple[type, ...]] = {
+    "inputs": str,  # TGI's: one text (TEI's texts to embed are a list)
+    "messages": list,
+    "prompt": (str, list),
 }
+"""What a prompt to generate from is, by the field naming it."""
+PROMPT_NEEDED = {"/": ("inputs",), "/invocations": tuple(BY_PROMPT["/invocations"])}
 """Paths any server may answer (a root, SageMaker's route), bounded only for a body that
-names a prompt to generate from in one of these fields, of that type (TGI's ``inputs``, one
-text; chat's ``messages``; a completion's ``prompt``): another body there (TEI's, ``inputs``
-a list of texts to embed; an embedding's ``input``) is sent as it came, neither bounded nor
-given a default."""
+names a prompt to generate from in one of these fields (``PROMPT_KINDS``): another body
+there (TEI's, ``inputs`` a list of texts to embed; an embedding's ``input``) is sent as it
+came, neither bounded nor given a default."""
 
 
 LISTED_CALLS = {"/vertex": ("instances", "/invocations")}
@@ -84,7 +86,7 @@ def generates(path: str, data: Mapping[str, Any]) -> bool:
     """Whether a call to ``path`` with the JSON ``data`` asks for a generation: always,
     but on a ``PROMPT_NEEDED`` path, where its body must name a prompt so."""
     needed = PROMPT_NEEDED.get(path)
-    return needed is None or any(isinstance(data.get(f), kind) for f, kind in needed.items())
+    return needed is None or any(isinstance(data.get(f), PROMPT_KINDS[f]) for f in needed)
 
 
 NATIVE_PATHS = frozenset(OUTPUT_FIELDS) - {p for p in OUTPUT_FIELDS if p.startswith("/v1/")}
