@@ -543,7 +543,7 @@ async def second_while_first_held(pipeline: Any, n: int) -> int:
         ),
         ({"over": "refuse"}, "/v1/*", "generation: bounds nothing"),
         ({"max_tokens": 10}, "/v1/embeddings", "generation: only applies to a route a generation"),
-        ({"max_tokens": 10}, "/v2/models/*/infer", "generation: only applies to a route a gen"),
+        ({"max_tokens": 10}, "/v2/models/*/ready", "generation: only applies to a route a gen"),
     ],
 )
 def test_the_policy_refuses_bounds_that_cannot_hold(generation, path, problem):

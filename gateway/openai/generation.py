@@ -41,6 +41,7 @@ from typing import Any
 from gateway.errors import FieldRefused, RequestError
 from gateway.metrics import Metrics
 from gateway.openai.body import dumps_yielding, native_object, texts_read, texts_written
+from gateway.openai.triton_bounds import bounded_infer, single_members
 from gateway.pipeline import Call, Handler, Reply, Stage
 from gateway.policy.generation import (
     BY_PROMPT,
@@ -48,6 +49,7 @@ from gateway.policy.generation import (
     LISTED_CALLS,
     PROMPT_LISTS,
     TEXT_MEMBERS,
+    TRITON_INFER,
     Generation,
     generates,
     is_native,
@@ -91,7 +93,11 @@ class GenerationBounds:
 
     async def __call__(self, call: Call, call_next: Handler) -> Reply:
         bounds = self._bounds(call)
-        if bounds is None or call.method != "POST" or not bounded_path(call.path):
+        if bounds is None or call.method != "POST":
+            return await call_next(call)
+        if call.path.startswith("/v2/") and TRITON_INFER.fullmatch(call.path):
+            return await self._infer(call, bounds, call_next)
+        if not bounded_path(call.path):
             return await call_next(call)
         native = is_native(call.path)
         texts: tuple[str, ...] = ()  # the members read from JSON text, written back as text
@@ -99,20 +105,18 @@ class GenerationBounds:
             data = await _native_body(call) if native else call.json
             if data is None:
                 return await call_next(call)
+            if call.path.startswith("/v2/"):  # Triton's generate: RapidJSON reads the first
+                single_members(call.body)
             if native:
                 data, texts = texts_read(data, TEXT_MEMBERS, call.policy.server.max_json_values)
             sent_data = bounded_data(data, call.path, bounds)
         except RequestError:
-            self._counted(call.route.name, "refused")
-            if call.record is not None:
-                call.record.generation = ("refused", 0)
+            self._done(call, "refused", 0)
             raise
         if sent_data is None:
             return await call_next(call)
         data, action, bound = sent_data
-        self._counted(call.route.name, action)
-        if call.record is not None:
-            call.record.generation = (action, bound)
+        self._done(call, action, bound)
         data = texts_written(data, texts)
         body = await dumps_yielding(data, len(call.body))
         if native:  # its body read here only: the call goes on as a server's own API's
@@ -121,6 +125,26 @@ class GenerationBounds:
             sent = dataclasses.replace(call, json=data, body=body)
         reply = await call_next(sent)
         return reply.with_headers(((BOUND_HEADER, str(bound)),))
+
+    async def _infer(self, call: Call, bounds: Generation, call_next: Handler) -> Reply:
+        """Triton's ``infer``, bounded in its tensors (``triton_bounds``)."""
+        try:
+            sent = await bounded_infer(call, bounds)
+        except RequestError:
+            self._done(call, "refused", 0)
+            raise
+        if sent is None:
+            return await call_next(call)
+        body, headers, bound = sent
+        self._done(call, "clamped", bound)
+        reply = await call_next(dataclasses.replace(call, body=body, headers=headers))
+        return reply.with_headers(((BOUND_HEADER, str(bound)),))
+
+    def _done(self, call: Call, action: str, bound: int) -> None:
+        """Count what was done to ``call`` (``action``), and record it for its log line."""
+        self._counted(call.route.name, action)
+        if call.record is not None:
+            call.record.generation = (action, bound)
 
     def __repr__(self) -> str:
         return f"<GenerationBounds routes={sorted(self._routes)}>"

@@ -98,6 +98,9 @@ TRITON_GENERATE = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/generate(?:_
 ``max_tokens``) and the request's parameters under ``parameters`` (vLLM's backend reads
 ``max_tokens`` there, or in ``sampling_parameters``, the JSON text of its parameters, which
 it reads in their place)."""
+TRITON_INFER = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer")
+"""Triton's KServe V2 ``infer``, where TensorRT-LLM's ``max_tokens`` is an input tensor
+(bounded by ``gateway.openai.triton_bounds``)."""
 TRITON_FIELDS = ("parameters.max_tokens", "sampling_parameters.max_tokens", "max_tokens")
 """Its fields bounding a call's output; a call naming none is given ``parameters``' (a
 request parameter a backend that reads none ignores; an input it does not declare, Triton
@@ -165,8 +168,9 @@ class Generation:
             "`options.num_predict`, TGI's `parameters.max_new_tokens`, SGLang's "
             "`sampling_params.max_new_tokens`, vLLM's `/generate` `max_tokens`, Triton's "
             "`/v2/models/<m>/generate` `max_tokens`, `parameters.max_tokens` or "
-            "`sampling_parameters`' `max_tokens`). A call asking more is clamped to it or "
-            "refused "
+            "`sampling_parameters`' `max_tokens`; `/v2/models/<m>/infer`: the `max_tokens` "
+            "input tensor, `sampling_parameters`' and `parameters.max_tokens`, never "
+            "defaulted). A call asking more is clamped to it or refused "
             "(`over`); a call naming none is given `default_max_tokens`, or this. None: any."
         ),
     )
@@ -225,8 +229,9 @@ def takes_generations(path_glob: str) -> bool:
     ``OUTPUT_FIELDS``, or Triton's generate (``/v2/*`` or one model's)."""
     matches = glob_regex(path_glob).match
     return (
-        any(map(matches, (*OUTPUT_FIELDS, "/v2/models/m/generate")))
+        any(map(matches, (*OUTPUT_FIELDS, "/v2/models/m/generate", "/v2/models/m/infer")))
         or TRITON_GENERATE.fullmatch(path_glob) is not None
+        or TRITON_INFER.fullmatch(path_glob) is not None
     )
 
 
@@ -249,7 +254,9 @@ def check_generation(generation: Generation, takes_generations: bool) -> Found:
             (
                 "generation",
                 "only applies to a route a generation can take: its path must match "
-                + ", ".join((*sorted(OUTPUT_FIELDS), "/v2/models/<m>/generate")),
+                + ", ".join(
+                    (*sorted(OUTPUT_FIELDS), "/v2/models/<m>/generate", "/v2/models/<m>/infer")
+                ),
             )
         )
     return found
