@@ -192,6 +192,7 @@ class Edge:
             scope,
             request.body,
             lambda route, verdict: counted.labels(route, verdict).inc(),
+            self._gateway.metrics.cache_feedback_limited.inc,
         )
         headers = [("Content-Type", "application/json"), ("X-Request-ID", request_id)]
         request.respond(200, headers, json.dumps(given).encode())

@@ -168,6 +168,7 @@ def test_metric_names_are_the_public_contract():
         "gateway_cache_embedding_shared",
         "gateway_cache_entries",
         "gateway_cache_feedback",
+        "gateway_cache_feedback_limited",
         "gateway_cache_judge",
         "gateway_cache_judge_aliases",
         "gateway_cache_lookup_seconds",

@@ -10,8 +10,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import yaml
 
-from tests.helpers import metric, write_policy
+from tests.helpers import metric, problems_of, write_policy
 from tests.test_stage_cache_embedding import CHAT, URL, StandInTier, fresh
 from tests.test_stage_cache_embedding import POLICY as EMBEDDING_POLICY
 from tests.test_stage_cache_embedding import ask as question
@@ -22,11 +23,10 @@ QUESTION = "How many GPUs does the cluster have in rack 12?"
 PARAPHRASE = "how many gpus does the cluster have in rack 12"
 
 
-@pytest.fixture
-async def cached(serve_app, start_gateway, tmp_path):
-    upstream = Recorder()
-    url = await serve_app(upstream.app())
-    policy = {
+def caching(url: str, **cache: Any) -> dict[str, Any]:
+    """A policy whose route ``chat`` caches, SimHash near-duplicates too; ``cache``: the
+    ``cache:`` block."""
+    return {
         "backends": {"main": {"url": url}},
         "routes": [
             {
@@ -36,8 +36,15 @@ async def cached(serve_app, start_gateway, tmp_path):
                 "cache": {"ttl_s": 60, "semantic": {"method": "simhash"}},
             }
         ],
+        **({"cache": cache} if cache else {}),
     }
-    return upstream, await start_gateway(policy=write_policy(tmp_path, policy))
+
+
+@pytest.fixture
+async def cached(serve_app, start_gateway, tmp_path):
+    upstream = Recorder()
+    url = await serve_app(upstream.app())
+    return upstream, await start_gateway(policy=write_policy(tmp_path, caching(url)))
 
 
 async def ask(gw: Any, key: str, question: str) -> tuple[str, str | None]:
@@ -157,6 +164,36 @@ async def test_the_path_is_the_gateways_own(cached):
         answer = await client.get(gw.url + "/cache/feedback")
     assert answer.status_code == 405 and answer.headers["allow"] == "POST"
     assert upstream.seen == []  # never the backend's
+
+
+async def test_a_callers_verdicts_are_limited_per_minute(serve_app, start_gateway, tmp_path):
+    """``cache.feedback_per_min``: past a minute's worth a caller gets a 429 with
+    ``Retry-After``, as a rate limit's, counted; another tenant has its own.  A reload that
+    changes the rate keeps the cache (its entries are not the feedback's)."""
+    url = await serve_app(Recorder().app())
+    path = write_policy(tmp_path, caching(url, feedback_per_min=3))
+    gw = await start_gateway(policy=path)
+    await ask(gw, ALICE, QUESTION)
+    _, entry = await ask(gw, ALICE, QUESTION)
+    told = [await judge(gw, ALICE, {"key": entry, "verdict": "right"}) for _ in range(3)]
+    assert [t.status_code for t in told] == [200, 200, 200]
+    over = await judge(gw, ALICE, {"key": entry, "verdict": "wrong"})
+    assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
+    error = over.json()["error"]
+    assert error["type"] == "rate_limit_error" and "3 verdicts a minute" in error["message"]
+    assert (await judge(gw, BOB, {"key": entry, "verdict": "wrong"})).status_code == 404
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(gw.admin_url + "/metrics")).text
+    assert metric(text, "gateway_cache_feedback_limited_total") == 1
+    write_policy(tmp_path, caching(url, feedback_per_min=100))
+    assert gw.gateway.reload(force=True)
+    assert await ask(gw, ALICE, QUESTION) == ("hit", entry)  # the cache kept
+    assert (await judge(gw, ALICE, {"key": entry, "verdict": "wrong"})).status_code == 200
+
+
+def test_the_feedback_rate_must_be_above_zero():
+    text = yaml.safe_dump(caching("http://main.test", feedback_per_min=0))
+    assert any("cache.feedback_per_min: must be greater than 0" in p for p in problems_of(text))
 
 
 async def test_without_a_caching_route_there_is_nothing_to_judge(serve_app, start_gateway):

@@ -17,7 +17,10 @@ per entry stored.
 Only the entry's own tenant may judge it: the caller's scope (the hash of its credential
 headers, ``cache.scope_headers``, as every lookup computes it) must be the entry's, else
 the answer is the 404 of a key that does not exist, so a key learned elsewhere tells
-nothing and drops nothing.  The body is at most ``MAX_BODY_BYTES``.
+nothing and drops nothing.  The body is at most ``MAX_BODY_BYTES``.  Each caller scope gives
+at most ``cache.feedback_per_min`` verdicts a minute, a minute's worth at once (429 past
+it, with ``Retry-After``), so no client turns the endpoint into a free stream of store
+reads.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from typing import Any
 
 from gateway.cache.replies import KEY_HEADER
 from gateway.cache.stage import EMBEDDING_TIERS
-from gateway.cache.state import CACHE_STATE
-from gateway.errors import GatewayError, RequestError, StoreError, shown
+from gateway.cache.state import CACHE_STATE, FEEDBACK_LIMITS
+from gateway.errors import GatewayError, RateLimited, RequestError, StoreError, shown
 from gateway.state import Registry
 
 FEEDBACK_PATH = "/cache/feedback"
@@ -85,14 +88,29 @@ def parse(body: bytes) -> tuple[str, str]:
 
 
 async def give(
-    registry: Registry, scope: str, body: bytes, count: Callable[[str, str], None]
+    registry: Registry,
+    scope: str,
+    body: bytes,
+    count: Callable[[str, str], None],
+    limited: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Apply one feedback of the caller of ``scope``; what the answer's JSON says.
-    ``count(route, verdict)`` counts it."""
-    key, verdict = parse(body)
+    ``count(route, verdict)`` counts it; ``limited()`` counts one refused past the
+    caller's rate (``cache.feedback_per_min``: 429)."""
     state = registry.peek(CACHE_STATE)
     if state is None:
         raise NoCache("no route of the policy caches, so there is no cached answer to judge")
+    limits = registry.peek(FEEDBACK_LIMITS)
+    if limits is not None:
+        try:
+            limits.check(scope)
+        except RateLimited as exc:
+            limited()
+            per_min, wait_s = limits.limit.burst or 1, exc.retry_after_s or 1
+            raise RateLimited(
+                f"at most {per_min:g} verdicts a minute per caller: wait {wait_s:g} s", wait_s
+            ) from None
+    key, verdict = parse(body)
     try:
         entry = await state.store.get(key)
     except StoreError as exc:

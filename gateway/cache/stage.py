@@ -65,7 +65,7 @@ from gateway.cache.replies import (
     verbatim,
 )
 from gateway.cache.simhash import MAX_DISTANCE
-from gateway.cache.state import CACHE_STATE, CacheState
+from gateway.cache.state import CACHE_STATE, CacheState, feedback_limits, store_settings
 from gateway.cache.tiers import Hit, ResponseCache
 from gateway.cache.versions import UNKNOWN, Versions
 from gateway.errors import StoreError
@@ -112,9 +112,10 @@ def build(
     state = runtime.registry.get(
         CACHE_STATE,
         "",
-        (policy.cache, policy.redis if link is not None else None),
+        (store_settings(policy.cache), policy.redis if link is not None else None),
         lambda: CacheState(policy.cache, runtime.clock, on_health=moved, link=link),
     )
+    feedback_limits(runtime.registry, policy.cache.feedback_per_min, runtime.clock)
     metrics.cache_store_up.set(1 if getattr(state.store, "available", True) else 0)
     metrics.cache_entries.set_function(lambda: float(state.stats().entries or 0))
     metrics.cache_bytes.set_function(lambda: float(state.stats().bytes or 0))

@@ -11,6 +11,7 @@ settings, so reloads keep it, and its entries, until those change.  The admin's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -18,9 +19,12 @@ from collections.abc import Callable, Mapping
 from gateway.cache.control import LearnedVary
 from gateway.cache.stores import MemoryStore, RedisStore, StoreStats
 from gateway.clock import Clock
+from gateway.policy.model import DEFAULT_FEEDBACK_PER_MIN
 from gateway.policy.model import CacheStore as CacheStoreSettings
+from gateway.policy.rate_limit import RateLimit
 from gateway.redis import RedisLink
-from gateway.state import Kind
+from gateway.resilience.rate_limit import RateLimiter
+from gateway.state import Kind, Registry
 from gateway.tenant import scope_hash
 
 log = logging.getLogger("gateway.cache")
@@ -132,4 +136,24 @@ class CacheState:
 
 
 CACHE_STATE: Kind[CacheState] = Kind("cache-store")
+
+
+def store_settings(settings: CacheStoreSettings) -> CacheStoreSettings:
+    """The ``cache:`` settings the store is kept under across reloads: all but the
+    feedback's rate, which changes no entry."""
+    return dataclasses.replace(settings, feedback_per_min=DEFAULT_FEEDBACK_PER_MIN)
+
+
+FEEDBACK_LIMITS: Kind[RateLimiter] = Kind("cache-feedback-limits")
+"""Each caller scope's verdicts (``cache.feedback_per_min``), kept across reloads while
+the rate is unchanged."""
+
+
+def feedback_limits(registry: Registry, per_min: float, clock: Clock) -> RateLimiter:
+    """The limiter of ``POST /cache/feedback``: ``per_min`` a minute, a minute's worth at
+    once, per caller scope (a bounded number of scopes kept, as every rate limit's)."""
+    limit = RateLimit(requests_per_s=per_min / 60, burst=max(1.0, per_min))
+    return registry.get(FEEDBACK_LIMITS, "", per_min, lambda: RateLimiter(limit, clock=clock))
+
+
 """The registry's one cache state (name ``""``)."""

@@ -42,6 +42,11 @@ class CapabilityFamilies:
             ["route", "verdict"],
             registry=r,
         )
+        self.cache_feedback_limited = Counter(
+            "gateway_cache_feedback_limited",
+            "Verdicts refused (429) past their caller's cache.feedback_per_min.",
+            registry=r,
+        )
         self.cache_not_stored = Counter(
             "gateway_cache_not_stored",
             "Answers not stored, by reason: the backend's Cache-Control or Vary said so "

@@ -62,6 +62,9 @@ _SINGLETON_CHECKS: dict[str, Any] = {
     "retry_budget": check_retry_budget,
     "tracing": check_tracing,
     "tenants": check_tenants,
+    "cache": lambda cache: (
+        [] if cache.feedback_per_min > 0 else [("feedback_per_min", "must be greater than 0")]
+    ),
 }
 
 

@@ -96,6 +96,7 @@ DEFAULT_RELOAD_INTERVAL_S = 1.0
 DEFAULT_RELOAD_SETTLE_S = 10.0
 DEFAULT_CACHE_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_SAMPLE_RATIO = 0.0
+DEFAULT_FEEDBACK_PER_MIN = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,15 @@ class CacheStore:
             "Request headers hashed into every key: the tenant scope. No entry is ever "
             "served, no flight shared and no batch merged across scopes. The default is "
             "every header that carries a credential."
+        ),
+    )
+    feedback_per_min: float = field(
+        default=DEFAULT_FEEDBACK_PER_MIN,
+        metadata=doc(
+            "Verdicts (`POST /cache/feedback`) one caller may give a minute, a minute's "
+            "worth at once: per credential scope (`scope_headers`; callers sending none "
+            "share one), in each replica. Past it 429 with `Retry-After`, counted in "
+            "`gateway_cache_feedback_limited_total`. Changing it keeps the cache."
         ),
     )
 
