@@ -130,6 +130,20 @@ class FieldRefused(RequestError):
         self.code = code
 
 
+def integer_field(value: object, name: str) -> int:
+    """``value``, the request field ``name`` that a bound reads, as the integer it must be;
+    ``FieldRefused`` for anything else (a string, a float, a bool), which a server may read
+    loosely."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        kind = "a string" if isinstance(value, str) else type(value).__name__
+        raise FieldRefused(
+            f"Invalid type for '{name}': expected an integer, but got {kind} instead",
+            name,
+            "invalid_type",
+        )
+    return value
+
+
 class NoRoute(RequestError):
     """No route in the policy matches the request."""
 

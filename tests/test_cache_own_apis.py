@@ -203,6 +203,9 @@ async def test_own_apis_false_caches_only_openais_and_anthropics(pipeline):
         ("/generate", {"inputs": "Paris is", "parameters": {}}),
         ("/", {"inputs": "a", "stream": False, "parameters": {"do_sample": False, "seed": 3}}),
         ("/", {"inputs": "a", "parameters": {"best_of": 1, "temperature": None, "top_k": None}}),
+        # SGLang's, at the path TGI's shares: its prompt in text or input_ids
+        ("/generate", {"text": "Paris is", "sampling_params": {"temperature": 0}}),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": 0.0, "n": 2}}),
     ],
 )
 async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, body):
@@ -229,7 +232,8 @@ async def test_each_servers_own_deterministic_call_is_cached(pipeline, path, bod
         ("/generate", {"inputs": "p", "parameters": {"typical_p": 0.5}}),
         ("/generate", {"inputs": "p", "parameters": {"best_of": True}}),
         ("/generate", {"inputs": ["p"]}),  # not TGI's
-        ("/generate", {"text": "p", "sampling_params": {"temperature": 0}}),  # SGLang's
+        ("/generate", {"text": "p", "sampling_params": {"temperature": 0.5}}),  # SGLang's
+        ("/generate", {"text": "p"}),  # SGLang samples at 1.0 unless told
         ("/generate", {"prompt": "p", "temperature": 0}),  # vLLM's demonstration server's
         ("/", {"inputs": "p", "parameters": {"top_p": 0.5}}),
         ("/", {"model": "m", "prompt": "p"}),  # another server's root

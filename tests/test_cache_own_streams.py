@@ -16,7 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.cache.own_apis import OWN_GREEDY, ended, greedy, streams, tgi_greedy
+from gateway.cache.own_apis import (
+    OWN_GREEDY,
+    ended,
+    greedy,
+    sglang_greedy,
+    streams,
+    tgi_greedy,
+)
 from gateway.pipeline import Reply
 from gateway.testing import Sent, stream_reply
 from tests.helpers import policy, until
@@ -43,6 +50,14 @@ TGI = (  # TGI's /generate_stream: a token an event, the last with the whole tex
     b'"generated_text":" Paris.","details":null}\n\n',
 )
 TGI_GREEDY = {"inputs": "Paris is", "parameters": {"max_new_tokens": 2, "temperature": None}}
+SGLANG = (  # SGLang's /generate stream: the text so far, the last naming why it finished
+    b'data: {"text":" Paris","output_ids":[7],"meta_info":{"id":"r1","finish_reason":null,'
+    b'"prompt_tokens":3,"completion_tokens":1}}\n\n',
+    b'data: {"text":" Paris.","output_ids":[7,8],"meta_info":{"id":"r1","finish_reason":'
+    b'{"type":"length","length":2},"prompt_tokens":3,"completion_tokens":2}}\n\n',
+    b"data: [DONE]\n\n",
+)
+SGLANG_GREEDY = {"text": "Paris is", "sampling_params": {"temperature": 0}, "stream": True}
 GREEDY_STREAMS = [
     ("/completion", {"prompt": "Paris is", "temperature": 0, "stream": True}, LLAMA, "sse"),
     (  # an older llama.cpp ended its stream with a [DONE]
@@ -60,6 +75,7 @@ GREEDY_STREAMS = [
     ),
     ("/generate_stream", TGI_GREEDY, TGI, "sse"),
     ("/", {**TGI_GREEDY, "stream": True}, TGI, "sse"),  # TGI's route for its Python clients
+    ("/generate", SGLANG_GREEDY, SGLANG, "sse"),  # SGLang's; TGI's /generate never streams
 ]
 
 
@@ -117,6 +133,10 @@ ENDED_BADLY = [
     ("tgi", (b'data:{"error":"x","error_type":"generation"}\n\n', TGI[1])),
     ("tgi", (TGI[0], TGI[0].replace(b"Paris", b'\\"generated_text\\":\\"'))),  # its text
     ("tgi", (TGI[0], TGI[1][: TGI[1].index(b"Paris.")])),  # its last event cut short
+    ("sglang", SGLANG[:1] + SGLANG[2:]),  # [DONE] after an event still going
+    ("sglang", (SGLANG[0], b'data: {"error":{"message":"out of memory"}}\n\n', SGLANG[2])),
+    ("sglang", (SGLANG[0], SGLANG[1][: SGLANG[1].index(b'"prompt_tokens":3,"c')])),
+    ("sglang", (SGLANG[0], b'data: {"text":"\\"finish_reason\\":{","meta_info":{}}\n\n')),
     ("sse", (LLAMA[0], LLAMA[1][: LLAMA[1].index(b"tokens_predicted")])),
     ("nd", (OLLAMA[0], OLLAMA[1][: OLLAMA[1].index(b"eval_count")])),
 ]
@@ -126,9 +146,12 @@ ENDED_BADLY = [
 async def test_a_stream_that_did_not_end_well_is_not_stored(pipeline, kind, chunks):
     """A stream is stored only once it has ended as its server ends one well: llama.cpp's
     ``data: [DONE]``, Ollama's last line ``"done": true``, neither after an error."""
-    path, body = {"sse": GREEDY_STREAMS[0], "nd": GREEDY_STREAMS[2], "tgi": GREEDY_STREAMS[4]}[
-        kind
-    ][:2]
+    path, body = {
+        "sse": GREEDY_STREAMS[0],
+        "nd": GREEDY_STREAMS[2],
+        "tgi": GREEDY_STREAMS[4],
+        "sglang": GREEDY_STREAMS[6],
+    }[kind][:2]
     model = Streaming(chunks, kind)
     gw = await gateway(pipeline, model)
     for _ in range(2):
@@ -179,6 +202,13 @@ async def test_a_stream_and_a_whole_answer_never_share_an_entry(pipeline):
         ("/generate_stream", {"inputs": "p", "parameters": "greedy"}),  # not TGI's
         ("/generate_stream", {"inputs": "p", "parameters": {"do_sample": "no"}}),
         ("/generate_stream", {"text": "p", "sampling_params": {"temperature": 0}}),  # SGLang's
+        ("/generate", {"text": "p", "stream": True}),  # SGLang samples at 1.0 unless told
+        ("/generate", {"text": "p", "sampling_params": {"temperature": 0.3}, "stream": True}),
+        (  # a session's answer depends on its earlier turns
+            "/generate",
+            {**SGLANG_GREEDY, "session_params": {"id": "s1"}},
+        ),
+        ("/generate", {**SGLANG_GREEDY, "sampling_params": [{"temperature": 0}]}),
     ],
 )
 async def test_a_sampled_stream_is_not_cached(pipeline, path, body):
@@ -300,10 +330,30 @@ def test_whatever_a_body_or_an_answer_holds_the_checks_answer_yes_or_no(body, pa
     """The greedy and stream checks are total: any body, any bytes after a well-ended
     stream's words, a last event nested past what ``json`` reads: a bool, never an error."""
     assert isinstance(greedy(body, path), bool) and isinstance(streams(body, path), bool)
-    for last in (TGI[1], LLAMA[1], OLLAMA[1]):
+    for last in (TGI[1], LLAMA[1], OLLAMA[1], SGLANG[1]):
         assert isinstance(ended(path, last.rstrip() + tail), bool)
     nested = b'data: {"stop": true, "generated_text": "", "done": true, "a": ' + b'{"a":' * 5000
     assert ended(path, nested) is False and ended(path, nested[6:]) is False
+
+
+def test_sglangs_greedy_rule_and_its_stream_at_the_path_tgi_shares():
+    """SGLang decodes greedily at a temperature of 0 (its default is 1.0; the gateway takes
+    no temperature above 0 for greedy, though SGLang's epsilon is 1e-6);
+    ``/generate`` is TGI's too, told apart by the prompt's field, and only SGLang's streams
+    there."""
+    assert sglang_greedy({"text": "p", "sampling_params": {"temperature": 0}})
+    assert sglang_greedy({"input_ids": [1], "sampling_params": {"temperature": 0.0, "n": 2}})
+    for sampled in (
+        {"text": "p"},
+        {"text": "p", "sampling_params": {"temperature": 0.01}},
+        {"text": "p", "sampling_params": {"temperature": False}},
+        {"text": "p", "inputs": "p", "sampling_params": {"temperature": 0}},
+        {"prompt": "p", "sampling_params": {"temperature": 0}},  # vLLM's demonstration's
+    ):
+        assert not sglang_greedy(sampled)
+    assert streams(SGLANG_GREEDY, "/generate")
+    assert not streams({**TGI_GREEDY, "stream": True}, "/generate")  # TGI's: never
+    assert greedy(TGI_GREEDY, "/generate") and greedy(SGLANG_GREEDY, "/generate")
 
 
 def test_tgis_greedy_rule_reads_sampling_as_its_router_does():

@@ -1,6 +1,6 @@
 """The model servers' own deterministic calls (``OWN_API_PATH``: KServe V2 / Triton
 ``infer``, TF Serving ``:predict``, TEI's, llama.cpp's, Ollama's and vLLM's embeddings,
-reranking and classification; ``OWN_GREEDY``: llama.cpp's, Ollama's and TGI's
+reranking and classification; ``OWN_GREEDY``: llama.cpp's, Ollama's, TGI's and SGLang's
 generations asked greedy, whole or streamed), keyed for the cache and single flight.
 
 Such a call is keyed by its body's bytes, not by its parsed JSON: a tensor of 400,000
@@ -17,7 +17,8 @@ near-duplicate tiers serve its paraphrases as they serve chat's.  A greedy strea
 ``stream`` in ``json`` so the stages hand it on as a stream; it is stored as it came, and
 only once it has ended as the server ends one well (``ended``: llama.cpp's last event
 ``"stop": true``, Ollama's last line ``"done": true``, TGI's last event its whole
-``"generated_text"``, none after an error), and a hit replays its bytes.
+``"generated_text"``, SGLang's last event a ``"finish_reason"`` object, none after an
+error), and a hit replays its bytes.
 
 A KServe V2 request's ``id`` is echoed in its answer, and KServe's own Python client sends a
 fresh one with every call (``uuid4``): keyed with it, no call would ever hit.  So an ``id``
@@ -93,6 +94,16 @@ def tgi_greedy(body: Mapping[str, Any]) -> bool:
     return all(parameters.get(name) is None for name in TGI_SAMPLING)
 
 
+def sglang_greedy(body: Mapping[str, Any]) -> bool:
+    """Whether a call to SGLang's ``/generate`` asks a greedy answer: its prompt in ``text``
+    or ``input_ids`` (not TGI's ``inputs``), its ``sampling_params`` an object whose
+    ``temperature`` is at or below 0 (SGLang then decodes greedily; its default is 1.0),
+    and no ``session_params`` (a session's answer depends on its earlier turns)."""
+    if "inputs" in body or ("text" not in body and "input_ids" not in body):
+        return False
+    return body.get("session_params") is None and _cold("sampling_params.temperature")(body)
+
+
 def _asked(body: Mapping[str, Any]) -> bool:
     return body.get("stream") is True
 
@@ -133,13 +144,24 @@ TGI = OwnGeneration(  # its SSE: the last event carries the whole text, the othe
     re.compile(rb'\A\s*data: ?\{.*(?<!\\)"generated_text"\s*:\s*"', re.DOTALL),
     _SSE_ERROR,
 )
+SGLANG = OwnGeneration(  # its SSE: the last event's meta_info names why it finished
+    sglang_greedy,
+    lambda body: "inputs" not in body and body.get("stream") is True,
+    re.compile(rb'\A\s*data: ?\{.*(?<!\\)"finish_reason"\s*:\s*\{', re.DOTALL),
+    _SSE_ERROR,
+    trailer=b"data: [DONE]",
+)
 OWN_GREEDY = {
     "/completion": LLAMA,
     "/completions": LLAMA,
     "/infill": LLAMA,
     "/api/generate": OLLAMA,
     "/api/chat": OLLAMA,
-    "/generate": dataclasses.replace(TGI, streams=lambda _: False),  # whole, whatever it says
+    # TGI's (whole, whatever it says) and SGLang's (streamed when asked), told apart by
+    # their prompt's field: only SGLang's streams here
+    "/generate": dataclasses.replace(
+        SGLANG, greedy=lambda body: tgi_greedy(body) or sglang_greedy(body)
+    ),
     "/generate_stream": dataclasses.replace(TGI, streams=lambda _: True),
     "/": TGI,  # TGI's compatibility route, where its Python clients post
 }
@@ -149,14 +171,15 @@ a greedy answer (``greedy``) is cached as ``OWN_API_PATH``'s are."""
 
 def greedy(body: Mapping[str, Any], path: str) -> bool:
     """Whether a call to ``path`` (``OWN_GREEDY``) asks a greedy answer: its temperature a
-    number at or below 0 (llama.cpp's, Ollama's); TGI's, ``tgi_greedy``."""
+    number at or below 0 (llama.cpp's, Ollama's); TGI's, ``tgi_greedy``; SGLang's,
+    ``sglang_greedy``."""
     return OWN_GREEDY[path].greedy(body)
 
 
 def streams(body: Mapping[str, Any], path: str) -> bool:
     """Whether a call to ``path`` (``OWN_GREEDY``) asks for a stream: Ollama streams unless
-    ``stream`` is false, llama.cpp and TGI's ``/`` only when it is true, TGI's
-    ``/generate_stream`` always and its ``/generate`` never."""
+    ``stream`` is false, llama.cpp, TGI's ``/`` and SGLang's ``/generate`` only when it is
+    true, TGI's ``/generate_stream`` always and its ``/generate`` never."""
     return OWN_GREEDY[path].streams(body)
 
 
@@ -276,8 +299,9 @@ def stored(call: Call, body: bytes, headers: Headers) -> bytes:
 def ended(path: str, body: bytes) -> bool:
     """Whether a server's own stream of ``path`` ended as the server ends one well, a
     generation's (``OWN_GREEDY``): llama.cpp's last event ``"stop": true``, Ollama's last
-    line ``"done": true``, TGI's last event a ``"generated_text"`` string, none after an
-    error, and that last piece whole: one JSON object (a server that frames its answer by
+    line ``"done": true``, TGI's last event a ``"generated_text"`` string, SGLang's a
+    ``"finish_reason"`` object (then its ``[DONE]``), none after an error, and that last
+    piece whole: one JSON object (a server that frames its answer by
     closing the connection and dies within its last event looks done by the words alone).
     Any other server's stream, never (no other keyed path streams)."""
     generation = OWN_GREEDY.get(path)

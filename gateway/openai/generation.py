@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import FieldRefused, RequestError
+from gateway.errors import FieldRefused, RequestError, integer_field
 from gateway.metrics import Metrics
 from gateway.openai.body import dumps_yielding, native_object, texts_read, texts_written
 from gateway.openai.triton_bounds import bounded_infer, single_members
@@ -281,13 +281,7 @@ def _integer(data: dict[str, Any], name: str, native: bool = False) -> int | Non
         value = data.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        kind = "a string" if isinstance(value, str) else type(value).__name__
-        raise FieldRefused(
-            f"Invalid type for '{name}': expected an integer, but got {kind} instead",
-            name,
-            "invalid_type",
-        )
+    value = integer_field(value, name)
     if value < 1 and native:
         return UNBOUNDED
     if value < 1:

@@ -34,7 +34,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import BadRequest, FieldRefused, UnsupportedEncoding, shown
+from gateway.errors import BadRequest, FieldRefused, UnsupportedEncoding, integer_field, shown
 from gateway.openai.body import decode, dumps, loads, loads_yielding
 from gateway.pipeline import Call, Headers
 from gateway.policy.generation import Generation
@@ -127,14 +127,8 @@ def _header_length(given: str | None, size: int) -> int:
 
 
 def _clamping(most: int, refuse: bool) -> Clamp:
-    def clamp(value: Any, name: str) -> int | None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            kind = "a string" if isinstance(value, str) else type(value).__name__
-            raise FieldRefused(
-                f"Invalid type for '{name}': expected an integer, but got {kind} instead",
-                name,
-                "invalid_type",
-            )
+    def clamp(asked: Any, name: str) -> int | None:
+        value = integer_field(asked, name)
         if value < 1:
             raise FieldRefused(
                 f"Invalid '{name}': {value}; it must be at least 1", name, "integer_below_min_value"

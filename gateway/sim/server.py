@@ -2,7 +2,8 @@
 
 Routes: the OpenAI endpoints (``openai_api``, ``other_apis``, ``conversations``,
 ``files``), Ollama's own (``ollama_api``), TGI's (``tgi_api``: ``/generate``,
-``/generate_stream`` and ``/``), ``/health``, ``/metrics``, and the control
+``/generate_stream`` and ``/``), SGLang's (``sglang_api``: ``/generate``, told from TGI's by
+its body), ``/health``, ``/metrics``, and the control
 endpoints ``GET /sim/state``, ``GET|POST /sim/config`` and ``POST /sim/reset``.  Errors
 leave as OpenAI-shaped JSON, as a real model server's would (Ollama's paths: as Ollama
 writes them, TGI's as TGI does).
@@ -21,7 +22,16 @@ from prometheus_client import CollectorRegistry
 
 from gateway.clock import SYSTEM_CLOCK, Clock
 from gateway.errors import BadRequest, GatewayError
-from gateway.sim import conversations, files, ollama_api, openai_api, other_apis, tgi_api
+from gateway.sim import (
+    conversations,
+    files,
+    ollama_api,
+    openai_api,
+    other_apis,
+    sglang_api,
+    tgi_api,
+)
+from gateway.sim import requests as req
 from gateway.sim.config import SimConfig
 from gateway.sim.engine import Engine
 from gateway.sim.metrics import CONTENT_TYPE, build_registry, render
@@ -65,7 +75,7 @@ def build_app(config: SimConfig, clock: Clock | None = None) -> web.Application:
     app.router.add_post("/api/embed", ollama_api.embed)
     app.router.add_get("/api/tags", ollama_api.tags)
     app.router.add_get("/api/version", ollama_api.version)
-    app.router.add_post("/generate", tgi_api.generate)
+    app.router.add_post("/generate", _generate)  # TGI's and SGLang's
     app.router.add_post("/generate_stream", tgi_api.generate_stream)
     app.router.add_post("/", tgi_api.compat)
     app.router.add_get("/health", _health)
@@ -101,6 +111,15 @@ async def _files(request: web.Request) -> web.Response:
     if request.method == "GET":
         return await files.listing(request)
     raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    """``/generate``: SGLang's for a body naming its prompt so, else TGI's."""
+    try:
+        sglang = sglang_api.asks_sglang(await req.read_body(request))
+    except BadRequest:  # TGI's answers it and says why
+        sglang = False
+    return await (sglang_api.generate if sglang else tgi_api.generate)(request)
 
 
 async def _health(request: web.Request) -> web.Response:
