@@ -116,6 +116,10 @@ async def test_more_choices_than_allowed_is_refused_never_clamped(pipeline):
     assert (error["param"], error["code"]) == ("n", "integer_above_max_value")
     error = refused(await gw.post("/v1/completions", {"model": "m", "prompt": "p", "best_of": 4}))
     assert error["param"] == "best_of"
+    sglang = {"text": "p", "sampling_params": {"n": 3}}  # SGLang's parallel sampling
+    assert refused(await gw.post("/generate", sglang))["param"] == "sampling_params.n"
+    tgi = {"inputs": "p", "parameters": {"best_of": 3}}  # TGI decodes best_of sequences
+    assert refused(await gw.post("/generate_stream", tgi))["param"] == "parameters.best_of"
     assert backend.bodies == []
     assert (await gw.post(CHAT, chat(n=2))).status_code == 200
     assert "max_tokens" not in backend.bodies[0]  # no token bound: nothing written
@@ -130,6 +134,10 @@ async def test_more_choices_than_allowed_is_refused_never_clamped(pipeline):
         ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c", "d"]}, 4),
         ("/v1/completions", {"model": "m", "prompt": list(range(100))}, 1),  # one token list
         ("/completion", {"prompt": [1, "a", 2]}, 1),  # llama.cpp: tokens and text, one prompt
+        ("/generate", {"text": ["a", "b", "c", "d", "e"]}, 5),  # SGLang's batch
+        ("/generate", {"input_ids": [[1], [2], [3]], "sampling_params": {"n": 2}}, 6),
+        ("/generate", {"input_ids": [1, 2, 3, 4, 5]}, 1),  # one token list
+        ("/generate", {"inputs": "a", "parameters": {"best_of": 4}}, 4),  # TGI's: within
     ],
 )
 async def test_a_list_of_prompts_asks_for_an_answer_each(pipeline, path, body, answers):
@@ -141,7 +149,8 @@ async def test_a_list_of_prompts_asks_for_an_answer_each(pipeline, path, body, a
         assert answer.status_code == 200
         return
     error = refused(answer)
-    assert (error["param"], error["code"]) == ("prompt", "array_above_max_length")
+    field = "prompt" if "prompt" in body else next(f for f in ("text", "input_ids") if f in body)
+    assert (error["param"], error["code"]) == (field, "array_above_max_length")
     assert f"{answers} answers" in error["message"]
     assert backend.bodies == []
 

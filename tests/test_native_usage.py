@@ -66,6 +66,16 @@ SGLANG_STREAM = b"".join(
         b"data: [DONE]\n\n",
     ]
 )
+SGLANG_BATCH_STREAM = b"".join(  # two prompts' answers interleaved, each by its "index"
+    [
+        b'data: {"index":0,"text":"a","meta_info":{"prompt_tokens":7,"completion_tokens":1}}\n\n',
+        b'data: {"index":1,"text":"x","meta_info":{"prompt_tokens":5,"completion_tokens":1}}\n\n',
+        b'data: {"index":1,"text":"xy","meta_info":{"prompt_tokens":5,"completion_tokens":2}}\n\n',
+        b'data: {"index":0,"text":"ab","meta_info":{"prompt_tokens":7,"completion_tokens":2}}\n\n',
+        b'data: {"index":1,"text":"xyz","meta_info":{"prompt_tokens":5,"completion_tokens":3}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+)
 TRITON_STREAM = b"".join(  # Triton's vLLM backend, asked return_num_*_tokens: each its own
     [
         b'data: {"model_name":"m","model_version":"1","text_output":"a","num_input_tokens":[7],'
@@ -117,6 +127,7 @@ def test_a_count_the_model_writes_into_its_answer_is_text_not_a_count():
         (OLLAMA_STREAM, (26, 2), 3),
         (TGI_STREAM, (0, 2), 2),  # no prompt count
         (SGLANG_STREAM, (7, 2), 2),  # [DONE] is no event
+        (SGLANG_BATCH_STREAM, (12, 5), 5),  # each answer's last counts, added up
         (TRITON_STREAM, (7, 5), 2),  # each event's tokens added up
     ],
 )
@@ -292,6 +303,15 @@ async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):
         ("/api/generate", {"prompt": "a", "options": {"num_predict": 90}}),
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 90}}),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 90}}),
+        (  # SGLang's batch: three prompts, an answer each
+            "/generate",
+            {"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 30}},
+        ),
+        (  # its parallel sampling: three answers to one prompt
+            "/generate",
+            {"input_ids": [[1, 2]], "sampling_params": {"max_new_tokens": 30, "n": 3}},
+        ),
+        ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 30, "best_of": 3}}),
         ("/v2/models/m/generate", {"text_input": "a", "max_tokens": 90}),  # TensorRT-LLM
         ("/v2/models/m/generate_stream", {"text_input": "a", "parameters": {"max_tokens": 90}}),
         ("/v2/models/m/generate", {"text_input": "a", "sampling_parameters": '{"max_tokens":90}'}),

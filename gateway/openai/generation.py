@@ -47,14 +47,13 @@ from gateway.policy.generation import (
     BY_PROMPT,
     CHOICE_FIELDS,
     LISTED_CALLS,
-    PROMPT_LISTS,
     TEXT_MEMBERS,
     TRITON_INFER,
     Generation,
     generates,
     is_native,
     output_fields,
-    prompts_in,
+    prompt_list,
     tighter,
 )
 from gateway.policy.model import Policy
@@ -204,12 +203,12 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
                     "integer_above_max_value",
                 )
             each = max(each, asked or 1)
-        prompts = prompts_in(data.get("prompt")) if path in PROMPT_LISTS else 1
+        field, prompts = prompt_list(path, data)
         if prompts * each > bounds.max_choices:
             raise FieldRefused(
-                f"'prompt' holds {prompts} prompts, {prompts * each} answers in all; this "
+                f"'{field}' holds {prompts} prompts, {prompts * each} answers in all; this "
                 f"route allows at most {bounds.max_choices}",
-                "prompt",
+                field,
                 "array_above_max_length",
             )
     if not bounds.bounds_tokens or not generates(path, data):

@@ -36,12 +36,13 @@ from gateway.openai.body import native_object, texts_read
 from gateway.openai.usage import MAX_LINE_BYTES, StreamUsage
 from gateway.pipeline import Call
 from gateway.policy.generation import (
+    CHOICE_FIELDS,
     LISTED_CALLS,
     TEXT_MEMBERS,
     dotted,
     is_native,
     output_fields,
-    prompts_in,
+    prompts_of,
 )
 
 
@@ -69,6 +70,10 @@ _FAMILIES = (  # (the completion key, its count, the prompt's count, whether eve
 servers' words added up.  A stream's events name the counts so far, or (``True``) each
 the tokens it carries."""
 _DONE = b"[DONE]"
+_INDEX = re.compile(rb'(?<!\\)"index"\s*:\s*(\d{1,9})')
+"""Which of the answers a stream interleaves an event belongs to (at JSON level)."""
+MAX_ANSWERS = 4096
+"""The most answers of one stream counted apart; the events of any more count as one."""
 
 
 def _counts(data: bytes) -> tuple[list[int], list[int], bool] | None:
@@ -103,16 +108,20 @@ class NativeStreamUsage(StreamUsage):
     """Watches a server's own stream (SSE events, or Ollama's lines of JSON) for its counts,
     however it is split into chunks: ``events`` counts its events (``data:`` lines, or
     lines holding an object), ``counts`` holds the last counts an event named (SGLang's
-    grow event by event, llama.cpp's too; the others name them once, at the end).  A line
-    longer than ``MAX_LINE_BYTES`` (llama.cpp's last event repeats its settings and prompt
-    after its counts) is read at its start, and of the rest its last ``MAX_LINE_BYTES``."""
+    grow event by event, llama.cpp's too; the others name them once, at the end), added up
+    over the answers a stream interleaves, each event naming its own by ``"index"`` (a
+    batch of prompts, several samples: SGLang's, llama.cpp's).  A line longer than
+    ``MAX_LINE_BYTES`` (llama.cpp's last event repeats its settings and prompt after its
+    counts) is read at its start, and of the rest its last ``MAX_LINE_BYTES``."""
 
-    __slots__ = ("prompt_named",)
+    __slots__ = ("_answers", "prompt_named")
 
     def __init__(self) -> None:
         super().__init__()
         self.prompt_named = False
         """Whether an event named the prompt's count (TGI's never do: ``counts`` holds 0)."""
+        self._answers: dict[int, tuple[int, int]] = {}
+        """The last counts each answer's events named, by their ``"index"`` (-1: none)."""
 
     def feed(self, chunk: bytes) -> None:
         data = self._partial + chunk if self._partial else chunk
@@ -138,10 +147,22 @@ class NativeStreamUsage(StreamUsage):
         if found is not None:
             completions, prompts, adding = found
             prompt = prompts[-1] if prompts else None
-            before = self.counts if self.counts is not None else (0, 0)
-            completion = before[1] + sum(completions) if adding else completions[-1]
-            self.counts = (before[0] if prompt is None else prompt, completion)
             self.prompt_named = self.prompt_named or prompt is not None
+            if adding:
+                before = self.counts if self.counts is not None else (0, 0)
+                self.counts = (
+                    before[0] if prompt is None else prompt,
+                    before[1] + sum(completions),
+                )
+                return
+            named = _INDEX.search(line)
+            index = int(named.group(1)) if named and len(self._answers) < MAX_ANSWERS else -1
+            before = self._answers.get(index, (0, 0))
+            self._answers[index] = (before[0] if prompt is None else prompt, completions[-1])
+            self.counts = (
+                sum(p for p, _ in self._answers.values()),
+                sum(c for _, c in self._answers.values()),
+            )
 
     def _count(self, line: bytes) -> None:
         """One more event when ``line`` opens one: a ``data:`` line but ``[DONE]``, or a
@@ -172,9 +193,18 @@ async def native_bound(call: Call) -> int:
 
 
 def _bound_of(data: dict[str, Any], path: str) -> int:
-    """The bound ``data``, a call to ``path``, names (times its prompts); 0 for none."""
+    """The bound ``data``, a call to ``path``, names, times the answers it asks for (its
+    prompts, times the samples of each: SGLang's ``n``, TGI's ``best_of``); 0 for none."""
+    answers = prompts_of(path, data) * max(
+        [1, *(count_of(dotted(data, name)) for name in CHOICE_FIELDS.get(path, ()))]
+    )
     for name in output_fields(path) or ():
         value = dotted(data, name)
         if isinstance(value, int) and not isinstance(value, bool):
-            return value * prompts_in(data.get("prompt")) if value > 0 else 0
+            return value * answers if value > 0 else 0
     return 0
+
+
+def count_of(value: object) -> int:
+    """``value`` as a count: an integer above 0, else 0 (a negative bound: none)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -131,10 +131,20 @@ CHOICE_FIELDS = {
     "/chat/completions": ("n",),  # llama.cpp's, without /v1
     "/invocations": ("n",),  # SageMaker's route (vLLM's, TGI's)
     "/v1/completions": ("n", "best_of"),
+    # SGLang's parallel sampling; TGI's best_of, which decodes that many
+    "/generate": ("sampling_params.n", "parameters.best_of"),
+    "/generate_stream": ("parameters.best_of",),
+    "/": ("parameters.best_of",),
 }
-"""Per endpoint, the fields asking for several answers to one call."""
-PROMPT_LISTS = frozenset({"/v1/completions", "/completion", "/completions"})
-"""Endpoints whose ``prompt`` may be a list of prompts, each answered (``n`` times)."""
+"""Per endpoint, the fields asking for several answers to one call (dotted: a member of an
+object member)."""
+PROMPT_LISTS = {
+    "/v1/completions": ("prompt",),
+    "/completion": ("prompt",),  # llama.cpp's
+    "/completions": ("prompt",),
+    "/generate": ("text", "input_ids"),  # SGLang's batch
+}
+"""Endpoints whose prompt field may hold a list of prompts, each answered (``n`` times)."""
 
 
 def dotted(data: Mapping[str, Any], name: str) -> Any:
@@ -143,6 +153,20 @@ def dotted(data: Mapping[str, Any], name: str) -> Any:
     outer, _, inner = name.rpartition(".")
     holder = data.get(outer) if outer else data
     return holder.get(inner) if isinstance(holder, Mapping) else None
+
+
+def prompt_list(path: str, data: Mapping[str, Any]) -> tuple[str, int]:
+    """The field naming a call's prompts, and how many prompts a call to ``path`` asks
+    answers for: its prompt field's list (``PROMPT_LISTS``), else one."""
+    for name in PROMPT_LISTS.get(path, ()):
+        if name in data:
+            return name, prompts_in(data[name])
+    return "prompt", 1
+
+
+def prompts_of(path: str, data: Mapping[str, Any]) -> int:
+    """How many prompts a call to ``path`` asks answers for (``prompt_list``)."""
+    return prompt_list(path, data)[1]
 
 
 def prompts_in(prompt: Any) -> int:
@@ -186,8 +210,10 @@ class Generation:
         default=None,
         metadata=doc(
             "The most choices one call may ask for (`n`; a completion's `best_of`, which "
-            "decodes that many; times the prompts of a completion's `prompt` list, each "
-            "answered): past it a 400 (`param` names the field). None: any."
+            "decodes that many; SGLang's `sampling_params.n`, TGI's `parameters.best_of`; "
+            "times the prompts of a completion's `prompt` list or SGLang's `text` or "
+            "`input_ids` list, each answered): past it a 400 (`param` names the field). "
+            "None: any."
         ),
     )
     over: Literal["clamp", "refuse"] = field(

@@ -31,10 +31,16 @@ from dataclasses import dataclass
 from gateway.clock import Clock
 from gateway.errors import RateLimited
 from gateway.metrics import Metrics
-from gateway.openai.native_usage import NativeStreamUsage, from_native_body, native, native_bound
+from gateway.openai.native_usage import (
+    NativeStreamUsage,
+    count_of,
+    from_native_body,
+    native,
+    native_bound,
+)
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
-from gateway.policy.generation import LISTED_CALLS, PROMPT_LISTS, PROMPT_NEEDED, prompts_in
+from gateway.policy.generation import LISTED_CALLS, PROMPT_NEEDED, prompts_of
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
     TENANT_PREFIX,
@@ -277,19 +283,14 @@ def answer_bound(call: Call) -> int:
     ``best_of``, which decodes that many), times a completion's prompts (a list of them is
     answered one by one)."""
     data = call.json or {}
-    answer = _count(
+    answer = count_of(
         data.get("max_completion_tokens")
         or data.get("max_tokens")
         or data.get("max_output_tokens")  # the Responses API
     )
-    each = max(1, _count(data.get("n")), _count(data.get("best_of")))
-    prompts = prompts_in(data.get("prompt")) if call.path in PROMPT_LISTS else 1
+    each = max(1, count_of(data.get("n")), count_of(data.get("best_of")))
+    prompts = prompts_of(call.path, data)
     return answer * each * prompts
-
-
-def _count(value: object) -> int:
-    """``value`` as a count: an integer above 0, else 0 (a negative bound: none)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def build_rate_limits(
