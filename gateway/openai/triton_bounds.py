@@ -13,7 +13,7 @@ too).  Both framings Triton reads are read and written back as they came: JSON (
 ``parameters`` give a ``binary_data_size``, in their order, little-endian; a ``BYTES``
 element is a 4-byte length, then its bytes).  A bounded tensor in shared memory
 (``shared_memory_region``) cannot be read, so it is refused under a bound, as a compressed
-body naming one is (a 415).
+body naming one is, and one in a coding the gateway does not decode (a 415).
 
 A call naming none is sent as it came: TensorRT-LLM requires ``max_tokens``, and vLLM's
 default is 16 tokens.  Any other model's call (an image, a vector) goes untouched: a body is
@@ -97,7 +97,7 @@ async def bounded_infer(call: Call, bounds: Generation) -> tuple[bytes, Headers,
     if not isinstance(inputs, list):
         return None  # Triton's to refuse
     clamp = _clamping(most, bounds.over == "refuse")
-    changed, written = _bounded_inputs(inputs, raw[length:], clamp, call)
+    changed, written, rest = _bounded_inputs(inputs, raw[length:], clamp, call)
     parameters = data.get("parameters")
     if isinstance(parameters, dict) and parameters.get(TENSOR) is not None:
         value = clamp(parameters[TENSOR], f"parameters.{TENSOR}")
@@ -109,7 +109,7 @@ async def bounded_infer(call: Call, bounds: Generation) -> tuple[bytes, Headers,
     head = dumps(data)
     if call.header(FRAMED) is None:
         return head, call.headers, most
-    blob = b"".join(piece for _, piece in written)
+    blob = b"".join(piece for _, piece in written) + rest
     headers = tuple(
         (name, str(len(head)) if name.lower() == FRAMED.lower() else value)
         for name, value in call.headers
@@ -148,9 +148,9 @@ def _clamping(most: int, refuse: bool) -> Clamp:
 
 def _bounded_inputs(
     inputs: list[Any], blob: bytes, clamp: Clamp, call: Call
-) -> tuple[bool, list[tuple[Any, bytes]]]:
-    """Each input as it is sent, with its binary data (``b""`` for none), and whether any
-    changed; the binary data past the last input's is kept after it."""
+) -> tuple[bool, list[tuple[Any, bytes]], bytes]:
+    """Whether any input changed, each input as it is sent with its binary data (``b""``
+    for none), and the binary data past the last input's, kept after it."""
     written: list[tuple[Any, bytes]] = []
     changed, at = False, 0
     for one in inputs:
@@ -173,10 +173,7 @@ def _bounded_inputs(
             if size is not None:
                 one = {**one, "parameters": {**params, "binary_data_size": len(piece)}}
         written.append((one, piece))
-    if written and at < len(blob):
-        last, piece = written[-1]
-        written[-1] = (last, piece + blob[at:])
-    return changed, written
+    return changed, written, blob[at:]
 
 
 def _tensor(
