@@ -274,3 +274,39 @@ async def test_every_value_past_the_bound_is_clamped_and_no_other_changes(values
         assert sent == [min(value, most) for value in values]
         if max(values) <= most:
             assert recorder.sent[0].body == body
+
+
+def text_output(size: int) -> dict[str, Any]:
+    """TensorRT-LLM's answer through ``infer``: its text, and no count."""
+    out = {"name": "text_output", "datatype": "BYTES", "shape": [1], "data": ["y" * size]}
+    return {"model_name": "ensemble", "outputs": [out]}
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+async def test_a_token_limit_estimates_infer_at_its_tensors_and_settles_on_its_size(binary):
+    """Under a ``tokens_per_min`` limit, a generation through ``infer`` is estimated at its
+    ``max_tokens`` tensor (a row of a batch each) and, its answer naming no count, settled at
+    a token per 4 bytes of it: before, it was charged its body's size however much it made."""
+    from gateway.testing import FakeClock
+    from gateway.testing.harness import Pipeline
+    from tests.test_native_usage import limited
+    from tests.test_rate_headers import ALICE
+    from tests.test_rate_limit_streams import LIMIT, left
+
+    async with Pipeline(
+        json.dumps(limited()), lambda _: json_reply(text_output(8000)), clock=FakeClock()
+    ) as gw:
+        body, headers = trtllm([[300], [200]], binary=binary)
+        answer = await gw.request("POST", INFER, body=body, headers={**headers, **ALICE})
+        assert answer.status_code == 200
+        assert left(gw) == LIMIT - len(body) // 4 - len(answer.body) // 4
+    async with Pipeline(
+        json.dumps(limited()), lambda _: json_reply(text_output(4)), clock=FakeClock()
+    ) as gw:
+        answer = await gw.request("POST", INFER, body=body, headers={**headers, **ALICE})
+        assert left(gw) == LIMIT - len(body) // 4 - 500  # at least the estimate
+        pixels = np.zeros((1, 3, 8, 8), dtype=np.float32)  # another model: as before
+        image, framing = request([tensor("images", pixels, "FP32", binary)])
+        before = left(gw)
+        await gw.request("POST", INFER, body=image, headers={**framing, **ALICE})
+        assert left(gw) == before - len(image) // 4 - 1

@@ -34,7 +34,14 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import BadRequest, FieldRefused, UnsupportedEncoding, integer_field, shown
+from gateway.errors import (
+    BadRequest,
+    FieldRefused,
+    RequestError,
+    UnsupportedEncoding,
+    integer_field,
+    shown,
+)
 from gateway.openai.body import decode, dumps, loads, loads_yielding
 from gateway.pipeline import Call, Headers
 from gateway.policy.generation import Generation
@@ -74,12 +81,10 @@ def single_members(raw: bytes) -> None:
     json.loads(raw, object_pairs_hook=pairs)
 
 
-async def bounded_infer(call: Call, bounds: Generation) -> tuple[bytes, Headers, int] | None:
-    """The body and headers an ``infer`` call is sent with under ``bounds``, and the bound
-    written (None: it goes as it came); ``RequestError`` for a call refused."""
-    most = bounds.max_tokens
-    if most is None:  # a default is never written here (see the module docstring)
-        return None
+async def _read(call: Call) -> tuple[dict[str, Any], list[Any], bytes] | None:
+    """An ``infer`` call's JSON, its ``inputs`` and its binary data, when its JSON names a
+    bounded tensor (None: it names none, or no list of inputs, Triton's to refuse);
+    ``RequestError`` for one that cannot be read as Triton reads it."""
     raw, compressed = call.body, call.header("Content-Encoding") not in (None, "identity")
     if compressed:
         raw = decode(raw, call.header("Content-Encoding") or "", call.policy.server.max_body_bytes)
@@ -94,10 +99,44 @@ async def bounded_infer(call: Call, bounds: Generation) -> tuple[bytes, Headers,
         raise BadRequest("request body must be a JSON object")
     single_members(head)
     inputs = data.get("inputs")
-    if not isinstance(inputs, list):
-        return None  # Triton's to refuse
+    return (data, inputs, raw[length:]) if isinstance(inputs, list) else None
+
+
+async def infer_bound(call: Call) -> int:
+    """The most tokens an ``infer`` call may generate, as its tensors bound it: the values
+    of its ``max_tokens`` tensor (one a row of a batch), else of its ``sampling_parameters``
+    texts, else its ``parameters.max_tokens``, added up (none, or a body the gateway cannot
+    read: 0), for a token limit's estimate."""
+    try:
+        read = await _read(call)
+        if read is None:
+            return 0
+        asked: list[int] = []
+
+        def counted(value: Any, _: str) -> None:
+            asked.append(value if isinstance(value, int) and value > 0 else 0)
+
+        _bounded_inputs(read[1], read[2], counted, call)
+    except RequestError:  # the backend's to refuse, as it was sent
+        return 0
+    parameters = read[0].get("parameters")
+    if not asked and isinstance(parameters, dict):
+        counted(parameters.get(TENSOR), TENSOR)
+    return sum(asked)
+
+
+async def bounded_infer(call: Call, bounds: Generation) -> tuple[bytes, Headers, int] | None:
+    """The body and headers an ``infer`` call is sent with under ``bounds``, and the bound
+    written (None: it goes as it came); ``RequestError`` for a call refused."""
+    most = bounds.max_tokens
+    if most is None:  # a default is never written here (see the module docstring)
+        return None
+    read = await _read(call)
+    if read is None:
+        return None
+    data, inputs, blob = read
     clamp = _clamping(most, bounds.over == "refuse")
-    changed, written, rest = _bounded_inputs(inputs, raw[length:], clamp, call)
+    changed, written, rest = _bounded_inputs(inputs, blob, clamp, call)
     parameters = data.get("parameters")
     if isinstance(parameters, dict) and parameters.get(TENSOR) is not None:
         value = clamp(parameters[TENSOR], f"parameters.{TENSOR}")

@@ -11,7 +11,9 @@ event it streamed, its prompt at its estimate, and one that streamed nothing kee
 estimate).  The servers' own APIs (llama.cpp's ``/completion``, Ollama's, TGI's, SGLang's)
 are estimated at the bound their body names and settled on the counts their answers name in
 their own words (``openai.native_usage``); a whole answer naming none is charged a
-generated token per ``CHARS_PER_TOKEN`` bytes of it, at least its estimate.  A spend budget
+generated token per ``CHARS_PER_TOKEN`` bytes of it, at least its estimate.  Triton's
+``infer`` is one of them for a call whose tensors name a bound (``triton_bounds``):
+TensorRT-LLM's answers there name no count.  A spend budget
 (``cost_per_day``, ``cost_per_month``) is charged the tokens at their backend's ``price``:
 the estimate at the price of the backend asked, the answer's at the price of the one that
 answered (a fallback may cost more or less).  Each limit
@@ -38,9 +40,10 @@ from gateway.openai.native_usage import (
     native,
     native_bound,
 )
+from gateway.openai.triton_bounds import infer_bound
 from gateway.openai.usage import StreamUsage, from_body
 from gateway.pipeline import Call, Reply
-from gateway.policy.generation import LISTED_CALLS, PROMPT_NEEDED, prompts_of
+from gateway.policy.generation import LISTED_CALLS, PROMPT_NEEDED, TRITON_INFER, prompts_of
 from gateway.policy.model import Policy, RateLimit
 from gateway.resilience.credentials import (
     TENANT_PREFIX,
@@ -143,10 +146,15 @@ class RateLimits:
         own = native(call.method, call.path)
         # at least one: an answer generates a token, and a tenant whose output is in debt
         # must wait even when it names no bound (its estimate would be none, asked of no one)
-        if counted:
-            output = max(1, await native_bound(call) if own else answer_bound(call))
-        else:
-            output = 0
+        output = 0
+        if counted and own:
+            output = await native_bound(call)
+        elif counted and call.path.startswith("/v2/") and TRITON_INFER.fullmatch(call.path):
+            output = await infer_bound(call)  # TensorRT-LLM's tensor: its answer names no count
+            own = output > 0  # a model's call that generates nothing is counted as before
+        elif counted:
+            output = answer_bound(call)
+        output = max(1, output) if counted else 0
         estimate = len(call.body) // CHARS_PER_TOKEN + output if counted else 0
         price = call.policy.price_of(call.backend) if counted else None
         cost = price.of(estimate - output, output) if price is not None else 0.0
