@@ -106,7 +106,8 @@ async def give(
             limits.check(scope)
         except RateLimited as exc:
             limited()
-            per_min, wait_s = limits.limit.burst or 1, exc.retry_after_s or 1
+            per_min = (limits.limit.requests_per_s or 0) * 60
+            wait_s = exc.retry_after_s or 1
             raise RateLimited(
                 f"at most {per_min:g} verdicts a minute per caller: wait {wait_s:g} s", wait_s
             ) from None

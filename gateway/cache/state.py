@@ -136,6 +136,7 @@ class CacheState:
 
 
 CACHE_STATE: Kind[CacheState] = Kind("cache-store")
+"""The registry's one cache state (name ``""``)."""
 
 
 def store_settings(settings: CacheStoreSettings) -> CacheStoreSettings:
@@ -154,6 +155,3 @@ def feedback_limits(registry: Registry, per_min: float, clock: Clock) -> RateLim
     once, per caller scope (a bounded number of scopes kept, as every rate limit's)."""
     limit = RateLimit(requests_per_s=per_min / 60, burst=max(1.0, per_min))
     return registry.get(FEEDBACK_LIMITS, "", per_min, lambda: RateLimiter(limit, clock=clock))
-
-
-"""The registry's one cache state (name ``""``)."""
