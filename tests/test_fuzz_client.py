@@ -60,6 +60,8 @@ HEADERS = [
     b"Connection: close",
     b"Authorization: Bearer a",
     b"Authorization: Bearer b",
+    b"Inference-Header-Content-Length: 60",  # KServe's binary tensor extension
+    b"Inference-Header-Content-Length: " + b"9" * 5000,
 ]
 LINES = [
     b"POST /v1/chat/completions HTTP/1.0",
@@ -115,6 +117,19 @@ BODIES: dict[bytes, dict[str, Any]] = {
     b"/invocations": {"messages": HI, "max_tokens": 5},
     b"/chat/completions": {"messages": HI, "max_tokens": 5, "n": 1},
     b"/cache/feedback": {"key": "k", "verdict": "wrong"},
+    b"/v2/models/m/infer": {  # Triton's: TensorRT-LLM's tensor, vLLM's backend's text
+        "inputs": [
+            {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [5000]},
+            {
+                "name": "sampling_parameters",
+                "datatype": "BYTES",
+                "shape": [1],
+                "data": ['{"max_tokens": 9000}'],
+            },
+        ],
+        "parameters": {"max_tokens": 100},
+    },
+    b"/v2/models/m/generate": {"text_input": "p", "parameters": {"max_tokens": 5000}},
 }
 """The bodies the gateway reads, by path: chat's most often, the Responses API's and
 Anthropic's, the servers' own (cached and bounded) and the feedback among them."""

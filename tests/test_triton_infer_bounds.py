@@ -188,6 +188,8 @@ async def test_a_bound_the_gateway_cannot_read_is_refused_never_passed(pipeline)
     cases.append((json.dumps({"inputs": [shm]}).encode(), {}, 400))
     body, headers = trtllm([[5000]], binary=True)
     cases.append((body, {**headers, FRAMED: str(len(body) + 1)}, 400))  # past the body
+    cases.append((body, {**headers, FRAMED: "9" * 5000}, 400))  # past what int() reads
+    cases.append((body, {**headers, FRAMED: "\u00b2"}, 400))  # a digit, but not ASCII's
     cases.append((body[:-2], headers, 400))  # its data cut short
     json_body, _ = trtllm([[5000]], binary=False)
     cases.append((gzip.compress(json_body), {"Content-Encoding": "gzip"}, 415))

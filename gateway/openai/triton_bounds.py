@@ -160,7 +160,7 @@ def _header_length(given: str | None, size: int) -> int:
     """The length of a body's JSON: its ``Inference-Header-Content-Length``, else all of it."""
     if given is None:
         return size
-    if not given.isdigit() or not given.isascii() or int(given) > size:
+    if not (given.isascii() and given.isdigit() and len(given) <= 18) or int(given) > size:
         raise BadRequest(f"{FRAMED} must be the length of the body's JSON, at most {size}")
     return int(given)
 
