@@ -113,6 +113,28 @@ def test_each_servers_whole_answer_is_read_in_its_own_words(answer, counts):
     assert from_native_body(json.dumps(answer).encode(), prompt=11) == counts
 
 
+@pytest.mark.parametrize(
+    ("path", "answer"),
+    [
+        (
+            "/v1/chat/completions",
+            b'{"choices":[],"usage":{"prompt_tokens":%s,"completion_tokens":1}}',
+        ),
+        ("/completion", b'{"content":"x","tokens_predicted":%s,"tokens_evaluated":1}'),
+    ],
+)
+async def test_a_count_past_nine_digits_is_no_count_and_the_answer_goes_through(
+    pipeline, path, answer
+):
+    """A backend's count of 5,000 digits (past what ``int()`` reads) raised through the
+    handler: the gateway's own 500.  It is no count now; the answer is relayed as it came."""
+    body = answer % (b"9" * 5000)
+    gw = await pipeline(limited(), lambda _: json_reply({}).replace(body=body), clock=FakeClock())
+    sent = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "p"}
+    got = await gw.post(path, sent, headers=ALICE)
+    assert got.status_code == 200 and got.body == body
+
+
 def test_a_count_the_model_writes_into_its_answer_is_text_not_a_count():
     written = 'I used "tokens_predicted": 1 and "eval_count": 1, "generated_tokens": 1'
     body = json.dumps({"content": written, "tokens_predicted": 900, "tokens_evaluated": 4})

@@ -47,10 +47,11 @@ from gateway.policy.generation import (
 
 
 def _count(name: str, tensor: bool = False) -> re.Pattern[bytes]:
-    """A count under the key ``name`` at JSON level (inside a string its quote is escaped);
-    a ``tensor``'s may be a list of one (Triton's output tensors)."""
+    """A count under the key ``name`` at JSON level (inside a string its quote is escaped),
+    of at most 9 digits (``usage``'s rule); a ``tensor``'s may be a list of one (Triton's
+    output tensors)."""
     opening = rb"\[?\s*" if tensor else b""
-    return re.compile(rb'(?<!\\)"' + name.encode() + rb'"\s*:\s*' + opening + rb"(\d+)")
+    return re.compile(rb'(?<!\\)"' + name.encode() + rb'"\s*:\s*' + opening + rb"(\d{1,9})(?!\d)")
 
 
 _FAMILIES = (  # (the completion key, its count, the prompt's count, whether events add up)

@@ -24,12 +24,13 @@ from typing import Any
 _MARK = b'"usage"'
 _EVENT, _DONE = b"data:", b"data: [DONE]"
 _PIECE = re.compile(r"\w+|[^\w\s]")
-# Keys at JSON level, not inside a string value (where their quotes would be escaped).
-_PROMPT = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
-_INPUT = re.compile(rb'(?<!\\)"input_tokens"\s*:\s*(\d+)')
-_OUTPUT = re.compile(rb'(?<!\\)"output_tokens"\s*:\s*(\d+)')
-_CACHED_INPUT = re.compile(rb'(?<!\\)"cache_(?:read|creation)_input_tokens"\s*:\s*(\d+)')
+# Keys at JSON level, not inside a string value (where their quotes would be escaped); a
+# count of at most 9 digits (a longer one is no count: past 4,300 digits int() raises).
+_PROMPT = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d{1,9})(?!\d)')
+_COMPLETION = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d{1,9})(?!\d)')
+_INPUT = re.compile(rb'(?<!\\)"input_tokens"\s*:\s*(\d{1,9})(?!\d)')
+_OUTPUT = re.compile(rb'(?<!\\)"output_tokens"\s*:\s*(\d{1,9})(?!\d)')
+_CACHED_INPUT = re.compile(rb'(?<!\\)"cache_(?:read|creation)_input_tokens"\s*:\s*(\d{1,9})(?!\d)')
 MAX_LINE_BYTES = 65536
 """The most of one SSE line ``StreamUsage`` holds while it waits for the line's end."""
 _NO_USAGE = re.compile(rb'"usage"\s*:\s*null')
