@@ -38,7 +38,7 @@ class Answer:
         """The body decoded (on every access), or None when it is not JSON."""
         try:
             return json.loads(self.body) if self.body else None
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
 
@@ -51,7 +51,7 @@ def split_answer(adapter: Adapter, status: int, raw: bytes, bodies: Sequence[Any
             response, arrays = json.loads(raw), []
         answers = adapter.split(status, response, bodies)
         return [rawjson.encode(answer, arrays) for answer in answers]
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
         raise BatchSplitError(f"the backend's answer cannot be split: {exc}") from exc
 
 

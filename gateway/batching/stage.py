@@ -233,7 +233,7 @@ def _reply(answer: Answer, item: _Item, backend: str) -> Reply:
 def _parse(body: bytes) -> Any:
     try:
         return json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
 
 

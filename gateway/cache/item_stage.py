@@ -168,7 +168,7 @@ class ItemCache:
                 data = await read_whole(reply)
                 fresh = fresh_items(json.loads(data), plan, positions)
                 merged = assemble(call.json or {}, cached, fresh)
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
                 log.warning("route %s: embeddings answer not split per item: %s", rules.name, exc)
         if reply.close is not None:
             await reply.close()
@@ -235,7 +235,7 @@ class ItemCache:
         async def put(_: tuple[str, ...] | None, body: bytes | None) -> None:
             try:
                 fresh = fresh_items(json.loads(body or b""), plan, positions)
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
                 log.warning("route %s: embeddings answer not stored: %s", rules.name, exc)
                 return
             await self._put_items(rules, call, scope, plan, fresh, ttl_s)

@@ -145,7 +145,7 @@ class StreamCheck:
             return
         try:
             chunk = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             self.found = "malformed_event"
             return
         if not isinstance(chunk, dict):
@@ -375,7 +375,7 @@ def usage_only(payload: str | None) -> bool:
         return False
     try:
         chunk = json.loads(payload)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(chunk, dict) and not chunk.get("choices") and chunk.get("usage") is not None
 

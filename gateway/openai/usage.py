@@ -208,7 +208,7 @@ class StreamUsage:
             return
         try:
             event = json.loads(line[5:])
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # a digit limit, deep nesting
             return
         found = _counts(_event_usage(event))
         if found is not None:

@@ -39,7 +39,7 @@ def overflowed(body: bytes) -> bool:
     """Whether ``body``, a server's refusal, says the call did not fit the context."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return False
     if not isinstance(data, dict):
         return False

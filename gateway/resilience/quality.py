@@ -70,7 +70,7 @@ def parse(reply: Reply) -> Any:
         return None
     try:
         return json.loads(reply.body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON; nested past the parser's depth
         return None
 
 

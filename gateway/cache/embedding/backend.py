@@ -79,7 +79,7 @@ def _vectors(body: bytes, count: int) -> np.ndarray:
         data = json.loads(body)["data"]
         rows = sorted(data, key=lambda item: int(item.get("index", 0)))
         matrix = np.array([row["embedding"] for row in rows], dtype=np.float32)
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ValueError(f"no data[].embedding ({exc})") from exc
     if matrix.ndim != 2 or matrix.shape[0] != count or matrix.shape[1] == 0:
         raise ValueError(f"expected {count} vectors, got shape {matrix.shape}")

@@ -100,7 +100,7 @@ def answer_text(body: bytes) -> str:
     there is none)."""
     try:
         content = json.loads(body)["choices"][0]["message"]["content"]
-    except (KeyError, IndexError, TypeError) as exc:
+    except (KeyError, IndexError, TypeError, RecursionError) as exc:
         raise ValueError(f"no choices[0].message.content ({exc!r})") from exc
     if not isinstance(content, str):
         raise ValueError("choices[0].message.content is not text")
