@@ -74,3 +74,23 @@ async def test_a_stream_event_past_what_json_reads_is_relayed_whole(pipeline, ev
         answer = await gw.post("/v1/chat/completions", chat(stream=True))
         assert answer.status_code == 200 and answer.complete
         assert event in answer.body and answer.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_stored_answer_past_what_json_reads_is_not_replayed_as_a_stream(pipeline):
+    """A whole answer is stored as it came, and a stream asking the same is answered from it
+    in events: one nested past the parser's depth cannot be, so that call goes upstream."""
+    body = b'{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":'
+    body += b'"assistant","content":"x"},"finish_reason":"stop"}],"x":' + DEEP + b"}"
+    calls: list[Sent] = []
+
+    def main(sent: Sent) -> Reply:
+        calls.append(sent)
+        if sent.json().get("stream"):
+            return stream_reply([b'data: {"choices":[]}\n\n', b"data: [DONE]\n\n"])
+        return Reply(200, (("Content-Type", "application/json"),), body=body)
+
+    routes = {"cache": {"ttl_s": 60}}
+    gw = await pipeline(policy({"main": {"url": URL}}, routes), main, clock=FakeClock())
+    assert (await gw.post("/v1/chat/completions", chat(temperature=0))).body == body
+    answer = await gw.post("/v1/chat/completions", chat(temperature=0, stream=True))
+    assert answer.status_code == 200 and answer.complete and len(calls) == 2

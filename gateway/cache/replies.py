@@ -221,7 +221,10 @@ async def read_whole(reply: Reply) -> bytes:
 
 
 def _json_object(body: bytes) -> dict[str, object]:
-    answer = json.loads(body)
+    try:
+        answer = json.loads(body)
+    except RecursionError:  # stored as the backend sent it: nested past the parser's depth
+        raise ValueError("stored answer nests past what json reads") from None
     if not isinstance(answer, dict):
         raise ValueError("stored answer is not a JSON object")
     return answer
