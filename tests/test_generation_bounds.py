@@ -347,6 +347,34 @@ async def test_another_servers_body_at_the_root_is_sent_as_it_came(pipeline):
     assert refused.status_code == 400 and len(backend.bodies) == 3
 
 
+async def test_sglangs_parameters_for_each_prompt_are_each_bounded(pipeline):
+    """SGLang's batch may list ``sampling_params``, one object for each prompt: each is
+    clamped or given the default, so no prompt of the batch goes unbounded (before, such a
+    body was a 400 under a bound)."""
+    gw, backend = await gateway(pipeline, {"max_tokens": 100, "default_max_tokens": 50})
+    listed = [
+        {"max_new_tokens": 5000, "temperature": 0},
+        {"temperature": 0.5},
+        {"max_new_tokens": 7},
+    ]
+    body = {"text": ["a", "b", "c"], "sampling_params": listed}
+    answer = await gw.post("/generate", body)
+    assert answer.status_code == 200 and answer.headers[BOUND_HEADER] == "100"
+    sent = backend.bodies[0]
+    assert sent["text"] == body["text"]
+    assert sent["sampling_params"] == [
+        {"max_new_tokens": 100, "temperature": 0},
+        {"temperature": 0.5, "max_new_tokens": 50},
+        {"max_new_tokens": 7},
+    ]
+    within = {"text": ["a"], "sampling_params": [{"max_new_tokens": 7}]}
+    assert BOUND_HEADER not in (await gw.post("/generate", within)).headers
+    assert backend.bodies[1] == within  # as sent
+    bad = {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 7}, "greedy"]}
+    assert refused(await gw.post("/generate", bad))["param"] == "sampling_params"
+    assert len(backend.bodies) == 2
+
+
 async def test_tgis_vertex_route_bounds_each_call_it_lists(pipeline):
     """TGI's ``/vertex`` answers every call of ``instances`` at once, each a TGI generate or
     a chat request: each is bounded in its own field, given the default where it names

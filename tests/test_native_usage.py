@@ -334,6 +334,10 @@ async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):
             {"input_ids": [[1, 2]], "sampling_params": {"max_new_tokens": 30, "n": 3}},
         ),
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 30, "best_of": 3}}),
+        (  # SGLang's batch, its parameters listed one for each prompt
+            "/generate",
+            {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 45}] * 2},
+        ),
         ("/v2/models/m/generate", {"text_input": "a", "max_tokens": 90}),  # TensorRT-LLM
         ("/v2/models/m/generate_stream", {"text_input": "a", "parameters": {"max_tokens": 90}}),
         ("/v2/models/m/generate", {"text_input": "a", "sampling_parameters": '{"max_tokens":90}'}),

@@ -47,6 +47,7 @@ from gateway.policy.generation import (
     BY_PROMPT,
     CHOICE_FIELDS,
     LISTED_CALLS,
+    PARAMETER_LISTS,
     TEXT_MEMBERS,
     TRITON_INFER,
     Generation,
@@ -161,6 +162,9 @@ def bounded_data(
     when it is sent as it came); ``FieldRefused`` for a call it refuses.  A body that lists
     calls (``LISTED_CALLS``) has each bounded, and at most ``max_choices`` of them."""
     listed = LISTED_CALLS.get(path)
+    each_prompts = PARAMETER_LISTS.get(path)
+    if listed is None and each_prompts is not None and isinstance(data.get(each_prompts), list):
+        return _bounded_each(data, path, bounds, each_prompts)
     if listed is None:
         changes, action = bounded(data, path, bounds)
         if not changes:
@@ -187,6 +191,33 @@ def bounded_data(
     if written is None:
         return None
     return {**data, member: sent}, *written
+
+
+def _bounded_each(
+    data: dict[str, Any], path: str, bounds: Generation, member: str
+) -> tuple[dict[str, Any], str, int] | None:
+    """``bounded_data`` of a call whose ``member`` lists one parameters object for each
+    prompt (``PARAMETER_LISTS``): each bounded as the call's own, given the default where
+    it names none, so no prompt of the batch goes unbounded."""
+    sent: list[Any] = []
+    written: tuple[str, int] | None = None
+    call = data
+    for one in data[member]:
+        if not isinstance(one, dict):
+            raise FieldRefused(
+                f"Invalid type for '{member}': expected objects, one for each prompt",
+                member,
+                "invalid_type",
+            )
+        changes, action = bounded({**data, member: one}, path, bounds)
+        if changes:
+            call = with_bounds({**data, member: one}, changes)
+            one = call[member]
+            written = written or (action, next(iter(changes.values())))
+        sent.append(one)
+    if written is None:
+        return None
+    return {**call, member: sent}, *written
 
 
 def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[str, int], str]:

@@ -38,6 +38,7 @@ from gateway.pipeline import Call
 from gateway.policy.generation import (
     CHOICE_FIELDS,
     LISTED_CALLS,
+    PARAMETER_LISTS,
     TEXT_MEMBERS,
     dotted,
     is_native,
@@ -195,7 +196,11 @@ async def native_bound(call: Call) -> int:
 
 def _bound_of(data: dict[str, Any], path: str) -> int:
     """The bound ``data``, a call to ``path``, names, times the answers it asks for (its
-    prompts, times the samples of each: SGLang's ``n``, TGI's ``best_of``); 0 for none."""
+    prompts, times the samples of each: SGLang's ``n``, TGI's ``best_of``); 0 for none.
+    Parameters listed one for each prompt (``PARAMETER_LISTS``): each one's, added up."""
+    member = PARAMETER_LISTS.get(path)
+    if member is not None and isinstance(data.get(member), list):
+        return sum(_bound_of({member: one}, path) for one in data[member] if isinstance(one, dict))
     answers = prompts_of(path, data) * max(
         [1, *(count_of(dotted(data, name)) for name in CHOICE_FIELDS.get(path, ()))]
     )

@@ -76,6 +76,9 @@ there (TEI's, ``inputs`` a list of texts to embed; an embedding's ``input``) is 
 came, neither bounded nor given a default."""
 
 
+PARAMETER_LISTS = {"/generate": "sampling_params"}
+"""Paths whose parameters may be a list, one object for each prompt of a batch (SGLang's
+``sampling_params``): each is bounded as the parameters of a call of its own."""
 LISTED_CALLS = {"/vertex": ("instances", "/invocations")}
 """Paths whose body lists calls, each bounded as a call to another path: TGI's Vertex AI
 route, ``{"instances": [...]}``, each a TGI generate (``inputs``, ``parameters``) or a chat
