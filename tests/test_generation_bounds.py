@@ -372,6 +372,9 @@ async def test_sglangs_parameters_for_each_prompt_are_each_bounded(pipeline):
     assert backend.bodies[1] == within  # as sent
     bad = {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 7}, "greedy"]}
     assert refused(await gw.post("/generate", bad))["param"] == "sampling_params"
+    for short in ([], [{"max_new_tokens": 7}]):  # not one for each prompt: unbounded ones
+        fewer = {"text": ["a", "b"], "sampling_params": short}
+        assert "for the 2 prompts" in refused(await gw.post("/generate", fewer))["message"]
     assert len(backend.bodies) == 2
 
 

@@ -198,11 +198,20 @@ def _bounded_each(
 ) -> tuple[dict[str, Any], str, int] | None:
     """``bounded_data`` of a call whose ``member`` lists one parameters object for each
     prompt (``PARAMETER_LISTS``): each bounded as the call's own, given the default where
-    it names none, so no prompt of the batch goes unbounded."""
+    it names none, so no prompt of the batch goes unbounded; a list that is not one object
+    for each prompt is refused (the server's reading of it is not the gateway's to guess)."""
+    listed, (field, prompts) = data[member], prompt_list(path, data)
+    if len(listed) != prompts:
+        raise FieldRefused(
+            f"'{member}' lists {len(listed)} objects for the {prompts} prompts of '{field}': "
+            "give one for each prompt, or one object for all",
+            member,
+            "invalid_value",
+        )
     sent: list[Any] = []
     written: tuple[str, int] | None = None
     call = data
-    for one in data[member]:
+    for one in listed:
         if not isinstance(one, dict):
             raise FieldRefused(
                 f"Invalid type for '{member}': expected objects, one for each prompt",
