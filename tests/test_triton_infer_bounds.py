@@ -312,3 +312,24 @@ async def test_a_token_limit_estimates_infer_at_its_tensors_and_settles_on_its_s
         before = left(gw)
         await gw.request("POST", INFER, body=image, headers={**framing, **ALICE})
         assert left(gw) == before - len(image) // 4 - 1
+
+
+async def test_a_name_across_the_scans_window_is_found(pipeline):
+    """A large body is scanned a window at a time (the event loop runs between them): a
+    name that straddles two windows is still found, and the call bounded."""
+    from gateway.openai.body import YIELD_FROM_BYTES
+
+    gw, backend = await gateway(pipeline)
+
+    def body(pad: int) -> bytes:
+        padding = {"name": "pad", "datatype": "BYTES", "shape": [1], "data": ["x" * pad]}
+        bound = {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [5000]}
+        return json.dumps({"inputs": [padding, bound]}).encode()
+
+    pad = YIELD_FROM_BYTES
+    pad -= body(pad).index(b"max_tokens") - (YIELD_FROM_BYTES - 5)  # 5 bytes in the first
+    raw = body(pad)
+    assert raw.index(b"max_tokens") == YIELD_FROM_BYTES - 5
+    answer = await gw.request("POST", INFER, body=raw)
+    assert answer.headers[BOUND_HEADER] == "100"
+    assert backend.tensors()[0]["inputs"][1]["data"] == [100]
