@@ -378,6 +378,20 @@ async def test_sglangs_parameters_for_each_prompt_are_each_bounded(pipeline):
     assert len(backend.bodies) == 2
 
 
+async def test_a_large_batch_is_bounded_prompt_by_prompt(pipeline):
+    """Each prompt's parameters are bounded as one prompt's call: the batch's prompts are
+    read once, not once a prompt (50,000 of them took minutes, quadratic, before review)."""
+    gw, backend = await gateway(pipeline, {"max_tokens": 100, "max_choices": 5000})
+    body = {"text": ["q"] * 5000, "sampling_params": [{"max_new_tokens": 5000}] * 5000}
+    assert (await gw.post("/generate", body)).headers[BOUND_HEADER] == "100"
+    sent = backend.bodies[0]
+    assert sent["sampling_params"] == [{"max_new_tokens": 100}] * 5000
+    assert sent["text"] == body["text"]
+    more = {"text": ["q"] * 5000, "sampling_params": [{"n": 2}] * 5000}
+    error = refused(await gw.post("/generate", more))
+    assert error["param"] == "text" and "10000 answers" in error["message"]
+
+
 async def test_tgis_vertex_route_bounds_each_call_it_lists(pipeline):
     """TGI's ``/vertex`` answers every call of ``instances`` at once, each a TGI generate or
     a chat request: each is bounded in its own field, given the default where it names

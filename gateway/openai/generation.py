@@ -34,6 +34,7 @@ bound, and a token limit's estimate is the bound it was sent with.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,9 @@ BOUND_HEADER = "X-Gateway-Max-Tokens"
 UNBOUNDED = 1 << 62
 """What a server's own API asks for with a bound below 1 (none: until the end)."""
 ACTIONS = ("clamped", "defaulted", "refused")
+TURN_ITEMS = 1024
+"""Calls or prompts of one body bounded between the event loop's turns (a batch of 50,000
+prompts takes about 150 ms)."""
 
 
 class GenerationBounds:
@@ -109,7 +113,7 @@ class GenerationBounds:
                 single_members(call.body)
             if native:
                 data, texts = texts_read(data, TEXT_MEMBERS, call.policy.server.max_json_values)
-            sent_data = bounded_data(data, call.path, bounds)
+            sent_data = await bounded_data(data, call.path, bounds)
         except RequestError:
             self._done(call, "refused", 0)
             raise
@@ -155,7 +159,7 @@ def bounded_path(path: str) -> bool:
     return output_fields(path) is not None or path in LISTED_CALLS
 
 
-def bounded_data(
+async def bounded_data(
     data: dict[str, Any], path: str, bounds: Generation
 ) -> tuple[dict[str, Any], str, int] | None:
     """``data`` as it is sent under ``bounds``, with the action and the bound written (None
@@ -164,7 +168,7 @@ def bounded_data(
     listed = LISTED_CALLS.get(path)
     each_prompts = PARAMETER_LISTS.get(path)
     if listed is None and each_prompts is not None and isinstance(data.get(each_prompts), list):
-        return _bounded_each(data, path, bounds, each_prompts)
+        return await _bounded_each(data, path, bounds, each_prompts)
     if listed is None:
         changes, action = bounded(data, path, bounds)
         if not changes:
@@ -182,7 +186,9 @@ def bounded_data(
         )
     sent: list[Any] = []
     written: tuple[str, int] | None = None
-    for one in calls:
+    for n, one in enumerate(calls, 1):
+        if n % TURN_ITEMS == 0:
+            await asyncio.sleep(0)
         changes, action = bounded(one, each, bounds) if isinstance(one, dict) else ({}, "")
         if changes:
             one = with_bounds(one, changes)
@@ -193,7 +199,7 @@ def bounded_data(
     return {**data, member: sent}, *written
 
 
-def _bounded_each(
+async def _bounded_each(
     data: dict[str, Any], path: str, bounds: Generation, member: str
 ) -> tuple[dict[str, Any], str, int] | None:
     """``bounded_data`` of a call whose ``member`` lists one parameters object for each
@@ -208,25 +214,38 @@ def _bounded_each(
             member,
             "invalid_value",
         )
+    if not all(isinstance(one, dict) for one in listed):
+        raise FieldRefused(
+            f"Invalid type for '{member}': expected objects, one for each prompt",
+            member,
+            "invalid_type",
+        )
+    if bounds.max_choices is not None:  # each prompt's samples (``n``), added up
+        answers = sum(_integer(one, "n") or 1 for one in listed)
+        if answers > bounds.max_choices:
+            raise FieldRefused(
+                f"'{field}' holds {prompts} prompts, {answers} answers in all; this route "
+                f"allows at most {bounds.max_choices}",
+                field,
+                "array_above_max_length",
+            )
+    # each bounded as one prompt's call: the batch's prompts read once, not once a prompt
+    one_prompt = {name: value for name, value in data.items() if name != field}
     sent: list[Any] = []
     written: tuple[str, int] | None = None
-    call = data
-    for one in listed:
-        if not isinstance(one, dict):
-            raise FieldRefused(
-                f"Invalid type for '{member}': expected objects, one for each prompt",
-                member,
-                "invalid_type",
-            )
-        changes, action = bounded({**data, member: one}, path, bounds)
+    call = one_prompt
+    for n, one in enumerate(listed, 1):
+        if n % TURN_ITEMS == 0:
+            await asyncio.sleep(0)
+        changes, action = bounded({**one_prompt, member: one}, path, bounds)
         if changes:
-            call = with_bounds({**data, member: one}, changes)
+            call = with_bounds({**one_prompt, member: one}, changes)
             one = call[member]
             written = written or (action, next(iter(changes.values())))
         sent.append(one)
     if written is None:
         return None
-    return {**call, member: sent}, *written
+    return {**data, **call, member: sent}, *written
 
 
 def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[str, int], str]:
