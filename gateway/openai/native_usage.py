@@ -160,11 +160,10 @@ class NativeStreamUsage(StreamUsage):
             named = _INDEX.search(line)
             index = int(named.group(1)) if named and len(self._answers) < MAX_ANSWERS else -1
             before = self._answers.get(index, (0, 0))
-            self._answers[index] = (before[0] if prompt is None else prompt, completions[-1])
-            self.counts = (
-                sum(p for p, _ in self._answers.values()),
-                sum(c for _, c in self._answers.values()),
-            )
+            now = (before[0] if prompt is None else prompt, completions[-1])
+            self._answers[index] = now
+            total = self.counts or (0, 0)  # kept added up: an event costs one answer's change
+            self.counts = (total[0] + now[0] - before[0], total[1] + now[1] - before[1])
 
     def _count(self, line: bytes) -> None:
         """One more event when ``line`` opens one: a ``data:`` line but ``[DONE]``, or a
