@@ -20,10 +20,8 @@ The paths take turns in each round: direct, the gateway without bounds, the gate
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
-import aiohttp
 import numpy as np
 import tritonclient.http as triton
 from aiohttp import web
@@ -34,6 +32,7 @@ from bench.plumbing import (
     P50_MS,
     P99_MS,
     Runs,
+    closed_loop,
     figures_of,
     gateway,
     medians,
@@ -107,29 +106,12 @@ def loading(body: bytes, headers: dict[str, str]) -> Any:
     """A closed loop posting ``body`` with ``headers`` to ``PATH``."""
 
     async def load(urls: list[str], duration_s: float, connections: int) -> dict[str, float]:
-        latencies: list[float] = []
-        failed = 0
-        stop = time.perf_counter() + duration_s
-
-        async def client(url: str, session: aiohttp.ClientSession) -> None:
-            nonlocal failed
-            while time.perf_counter() < stop:
-                started = time.perf_counter()
-                async with session.post(url + PATH, data=body, headers=headers) as answer:
-                    await answer.read()
-                    if answer.status == 200:
-                        latencies.append((time.perf_counter() - started) * 1000)
-                    else:
-                        failed += 1
-
-        began = time.perf_counter()
-        async with aiohttp.ClientSession() as session:
-            await asyncio.gather(
-                *(client(urls[i % len(urls)], session) for i in range(connections))
-            )
+        latencies, elapsed, failed = await closed_loop(
+            urls, PATH, lambda: body, duration_s, connections, headers
+        )
         if failed:
             raise RuntimeError(f"{failed} calls failed")
-        return figures_of(latencies, time.perf_counter() - began)
+        return figures_of(latencies, elapsed)
 
     return load
 

@@ -202,11 +202,17 @@ Runs = dict[str, list[dict[str, float]]]
 
 
 async def closed_loop(
-    urls: list[str], path: str, body: Callable[[], Any], duration_s: float, connections: int
+    urls: list[str],
+    path: str,
+    body: Callable[[], Any],
+    duration_s: float,
+    connections: int,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[float], float, int]:
     """``connections`` clients, connection ``i`` to ``urls[i % len(urls)]``, each posting
-    ``body()`` to ``path`` and waiting for the answer before the next: the latencies (ms) of
-    the 200s, the seconds it took, and the answers other than 200."""
+    ``body()`` (JSON, or bytes as they are) with ``headers`` to ``path`` and waiting for the
+    answer before the next: the latencies (ms) of the 200s, the seconds it took, and the
+    answers other than 200."""
     latencies: list[float] = []
     failed = 0
     stop = time.perf_counter() + duration_s
@@ -214,7 +220,9 @@ async def closed_loop(
     async def client(url: str, session: aiohttp.ClientSession) -> None:
         while time.perf_counter() < stop:
             started = time.perf_counter()
-            async with session.post(url + path, json=body()) as answer:
+            payload = body()
+            sent = {"data": payload} if isinstance(payload, bytes) else {"json": payload}
+            async with session.post(url + path, headers=headers, **sent) as answer:
                 await answer.read()
                 if answer.status == 200:
                     latencies.append((time.perf_counter() - started) * 1000)
