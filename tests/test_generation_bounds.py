@@ -283,6 +283,11 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
             lambda b: b["parameters"]["max_tokens"],
         ),
         ("/v2/models/llama/generate", {"text_input": "p"}, lambda b: b["parameters"]["max_tokens"]),
+        (  # a tensor given as a list of one, as Triton's generate reads it too
+            "/v2/models/llama/generate",
+            {"text_input": "p", "max_tokens": [5000]},
+            lambda b: b["max_tokens"],
+        ),
         (  # or the JSON text of its sampling parameters, read in their place
             "/v2/models/llama/generate",
             {"text_input": "p", "sampling_parameters": '{"max_tokens": 5000, "temperature": 0}'},
@@ -313,6 +318,7 @@ async def test_each_api_has_its_own_field(pipeline, path, body, field):
         "triton-tensorrt-llm",
         "triton-vllm",
         "triton-default",
+        "triton-list-of-one",
         "triton-vllm-text",
     ],
 )

@@ -339,6 +339,7 @@ async def test_tritons_generate_settles_on_its_counts_or_its_size(pipeline):
             {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 45}] * 2},
         ),
         ("/v2/models/m/generate", {"text_input": "a", "max_tokens": 90}),  # TensorRT-LLM
+        ("/v2/models/m/generate", {"text_input": "a", "max_tokens": [90]}),  # a list of one
         ("/v2/models/m/generate_stream", {"text_input": "a", "parameters": {"max_tokens": 90}}),
         ("/v2/models/m/generate", {"text_input": "a", "sampling_parameters": '{"max_tokens":90}'}),
         ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 30}),

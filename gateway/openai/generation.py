@@ -56,6 +56,7 @@ from gateway.policy.generation import (
     is_native,
     output_fields,
     prompt_list,
+    tensor_value,
     tighter,
 )
 from gateway.policy.model import Policy
@@ -278,7 +279,7 @@ def bounded(data: dict[str, Any], path: str, bounds: Generation) -> tuple[dict[s
     named = False
     native = is_native(path)
     for name in fields:
-        asked = _integer(data, name, native)
+        asked = _integer(data, name, native, path)
         if asked is None:
             continue
         named = True
@@ -322,9 +323,10 @@ def with_bounds(data: dict[str, Any], changes: dict[str, int]) -> dict[str, Any]
     return data
 
 
-def _integer(data: dict[str, Any], name: str, native: bool = False) -> int | None:
+def _integer(data: dict[str, Any], name: str, native: bool = False, path: str = "") -> int | None:
     """``data``'s dotted field ``name`` as the positive integer a bound must be (absent or
-    null: None; on a server's own API, below 1 is no bound: ``UNBOUNDED``)."""
+    null: None; on a server's own API, below 1 is no bound: ``UNBOUNDED``; on Triton's
+    generate, a tensor's list of one is its value: ``tensor_value``)."""
     outer, _, inner = name.rpartition(".")
     if outer:
         holder = data.get(outer)
@@ -336,7 +338,7 @@ def _integer(data: dict[str, Any], name: str, native: bool = False) -> int | Non
             )
         value = holder.get(inner)
     else:
-        value = data.get(name)
+        value = tensor_value(path, name, data.get(name))
     if value is None:
         return None
     value = integer_field(value, name)

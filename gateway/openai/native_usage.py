@@ -44,6 +44,7 @@ from gateway.policy.generation import (
     is_native,
     output_fields,
     prompts_of,
+    tensor_value,
 )
 
 
@@ -204,7 +205,7 @@ def _bound_of(data: dict[str, Any], path: str) -> int:
         [1, *(count_of(dotted(data, name)) for name in CHOICE_FIELDS.get(path, ()))]
     )
     for name in output_fields(path) or ():
-        value = dotted(data, name)
+        value = tensor_value(path, name, dotted(data, name))
         if isinstance(value, int) and not isinstance(value, bool):
             return value * answers if value > 0 else 0
     return 0

@@ -158,6 +158,15 @@ def dotted(data: Mapping[str, Any], name: str) -> Any:
     return holder.get(inner) if isinstance(holder, Mapping) else None
 
 
+def tensor_value(path: str, name: str, value: Any) -> Any:
+    """``value``, of the field ``name`` of a call to ``path``, as Triton's generate reads an
+    input tensor at the top of its body: a value, or a list of one (``"max_tokens": [20]``);
+    elsewhere, as it is."""
+    if isinstance(value, list) and len(value) == 1 and "." not in name and path[:4] == "/v2/":
+        return value[0]
+    return value
+
+
 def prompt_list(path: str, data: Mapping[str, Any]) -> tuple[str, int]:
     """The field naming a call's prompts, and how many prompts a call to ``path`` asks
     answers for: its prompt field's list (``PROMPT_LISTS``), else one."""
