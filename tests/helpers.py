@@ -183,3 +183,28 @@ async def sim_behind_gateway(
         yield server, await start_gateway(policy=path, warmup=False)
     finally:
         await server.close()
+
+
+SHIPPED_POLICIES = Path(__file__).resolve().parent.parent / "policies"
+
+
+@contextlib.asynccontextmanager
+async def shipped_behind_sim(
+    start_gateway: Any, tmp_path: Path, name: str, its_url: str, backend: str
+) -> Any:
+    """``policies/<name>.yaml`` with the sim in place of ``its_url`` (the server's usual
+    address), a greedy answer of 4,000 tokens unless bounded, once the gateway knows what
+    ``backend`` serves (``model_version: auto``): yields (sim, gateway)."""
+    from gateway.transport.identity import UNKNOWN
+
+    shipped = (SHIPPED_POLICIES / f"{name}.yaml").read_text()
+    async with sim_behind_gateway(
+        start_gateway,
+        tmp_path,
+        lambda url: shipped.replace(its_url, url),
+        base_ms=1.0,
+        token_ms=0.0,
+        answer_tokens=4000,
+    ) as (sim, gw):
+        await until(lambda: gw.gateway.transport.model_identity(backend) != UNKNOWN)
+        yield sim, gw

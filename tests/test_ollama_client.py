@@ -8,7 +8,6 @@ shares an entry."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,8 +15,7 @@ import ollama  # the test extra's
 import pytest
 
 from gateway.sim.ollama_api import VERSION
-from gateway.transport.identity import UNKNOWN
-from tests.helpers import sim_behind_gateway, until
+from tests.helpers import shipped_behind_sim, sim_behind_gateway
 
 POLICY = """
 backends:
@@ -29,7 +27,6 @@ routes:
     cache: {{ttl_s: 60}}
 """
 GREEDY = {"temperature": 0, "num_predict": 8}
-SHIPPED = Path(__file__).resolve().parent.parent / "policies" / "ollama.yaml"
 QUESTION = [{"role": "user", "content": "Which jacket keeps the rain out?"}]
 
 
@@ -114,17 +111,9 @@ async def test_the_shipped_ollama_policy_caches_bounds_and_serves_ollamas_client
     """``policies/ollama.yaml`` against the sim: keyed by the digests the server gives
     (``model_version: auto``), a greedy chat streamed twice is generated once; a call naming no ``num_predict`` is given the policy's 512, one asking -1 (until
     the end) is clamped to 2048, as the sim's counts show."""
-    shipped = SHIPPED.read_text()
-    async with sim_behind_gateway(
-        start_gateway,
-        tmp_path,
-        lambda url: shipped.replace("http://127.0.0.1:11434", url),
-        base_ms=1.0,
-        token_ms=0.0,
-        answer_tokens=4000,
+    async with shipped_behind_sim(
+        start_gateway, tmp_path, "ollama", "http://127.0.0.1:11434", "ollama"
     ) as (sim, gw):
-        # model_version: auto, keyed by the digests the sim's /api/tags gives once asked
-        await until(lambda: gw.gateway.transport.model_identity("ollama") != UNKNOWN)
         client = ollama.AsyncClient(host=gw.url)
         asked: dict[str, Any] = {"model": "gemma3", "messages": QUESTION}
         _, first = await _streamed(client, **asked, options={"temperature": 0})

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from gateway.openai.generation import BOUND_HEADER
-from gateway.transport.identity import UNKNOWN
-from tests.helpers import sim_behind_gateway, until
+from tests.helpers import shipped_behind_sim, sim_behind_gateway
 
 POLICY = """
 backends:
@@ -32,7 +30,6 @@ routes:
     generation: {{max_tokens: 64}}
 """
 QUESTION = "Which jacket keeps the rain out?"
-SHIPPED = Path(__file__).resolve().parent.parent / "policies" / "sglang.yaml"
 GREEDY = {"text": QUESTION, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
 
 
@@ -124,16 +121,9 @@ async def test_the_shipped_sglang_policy_caches_and_bounds_sglangs_api(start_gat
     (``model_version: auto``), a greedy question streamed twice is generated once; a call
     naming no ``max_new_tokens`` is given the policy's 512, one asking 5000 is clamped to
     2048, as the sim's counts show; a batch past 64 answers is refused."""
-    shipped = SHIPPED.read_text()
-    async with sim_behind_gateway(
-        start_gateway,
-        tmp_path,
-        lambda url: shipped.replace("http://127.0.0.1:30000", url),
-        base_ms=1.0,
-        token_ms=0.0,
-        answer_tokens=4000,
+    async with shipped_behind_sim(
+        start_gateway, tmp_path, "sglang", "http://127.0.0.1:30000", "sglang"
     ) as (sim, gw):
-        await until(lambda: gw.gateway.transport.model_identity("sglang") != UNKNOWN)
         streamed = {"text": QUESTION, "sampling_params": {"temperature": 0}, "stream": True}
         first, again = await post(gw, streamed), await post(gw, streamed)
         assert first.content == again.content and sim.engine.counters.requests == 1

@@ -9,15 +9,13 @@ tenant's key never shares an entry."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from huggingface_hub import AsyncInferenceClient
 
-from gateway.transport.identity import UNKNOWN
-from tests.helpers import sim_behind_gateway, until
+from tests.helpers import shipped_behind_sim, sim_behind_gateway
 
 POLICY = """
 backends:
@@ -29,7 +27,6 @@ routes:
     cache: {{ttl_s: 60}}
 """
 QUESTION = "Which jacket keeps the rain out?"
-SHIPPED = Path(__file__).resolve().parent.parent / "policies" / "tgi.yaml"
 
 
 @pytest.fixture
@@ -121,16 +118,9 @@ async def test_the_shipped_tgi_policy_caches_bounds_and_serves_tgis_client(start
     (``model_version: auto``), a greedy question streamed twice is generated once; a call
     naming no ``max_new_tokens`` (the client sends ``null``) is given the policy's 512, one
     asking 5000 is clamped to 2048, as the sim's counts show."""
-    shipped = SHIPPED.read_text()
-    async with sim_behind_gateway(
-        start_gateway,
-        tmp_path,
-        lambda url: shipped.replace("http://127.0.0.1:3000", url),
-        base_ms=1.0,
-        token_ms=0.0,
-        answer_tokens=4000,
+    async with shipped_behind_sim(
+        start_gateway, tmp_path, "tgi", "http://127.0.0.1:3000", "tgi"
     ) as (sim, gw):
-        await until(lambda: gw.gateway.transport.model_identity("tgi") != UNKNOWN)
         client = AsyncInferenceClient(base_url=gw.url)
         _, first = await _streamed(client)
         _, again = await _streamed(client)
