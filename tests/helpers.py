@@ -185,6 +185,24 @@ async def sim_behind_gateway(
         await server.close()
 
 
+@contextlib.asynccontextmanager
+async def caching_sim(
+    start_gateway: Any, tmp_path: Path, name: str, path: str = "*", **route: Any
+) -> Any:
+    """A fast sim (1 ms a call, no time a token) behind a gateway whose one route ``name``
+    caches the calls to ``path`` (``route``: more of the route): yields (sim, gateway)."""
+
+    def caching(url: str) -> str:
+        cached = {"name": name, "match": {"path": path}, "backend": name, "cache": {"ttl_s": 60}}
+        whole = {"backends": {name: {"url": url}}, "routes": [{**cached, **route}]}
+        return yaml.safe_dump(whole, sort_keys=False)
+
+    async with sim_behind_gateway(
+        start_gateway, tmp_path, caching, base_ms=1.0, token_ms=0.0
+    ) as both:
+        yield both
+
+
 SHIPPED_POLICIES = Path(__file__).resolve().parent.parent / "policies"
 
 

@@ -15,17 +15,8 @@ import ollama  # the test extra's
 import pytest
 
 from gateway.sim.ollama_api import VERSION
-from tests.helpers import shipped_behind_sim, sim_behind_gateway
+from tests.helpers import caching_sim, shipped_behind_sim
 
-POLICY = """
-backends:
-  ollama: {{url: "{sim}"}}
-routes:
-  - name: ollama
-    match: {{path: "/api/*"}}
-    backend: ollama
-    cache: {{ttl_s: 60}}
-"""
 GREEDY = {"temperature": 0, "num_predict": 8}
 QUESTION = [{"role": "user", "content": "Which jacket keeps the rain out?"}]
 
@@ -33,9 +24,7 @@ QUESTION = [{"role": "user", "content": "Which jacket keeps the rain out?"}]
 @pytest.fixture
 async def served(start_gateway: Any, tmp_path: Any) -> AsyncIterator[tuple[Any, Any]]:
     """The sim (its Ollama API) and a gateway whose route caches in front of it."""
-    async with sim_behind_gateway(
-        start_gateway, tmp_path, lambda url: POLICY.format(sim=url), base_ms=1.0, token_ms=0.0
-    ) as both:
+    async with caching_sim(start_gateway, tmp_path, "ollama", "/api/*") as both:
         yield both
 
 
@@ -130,12 +119,8 @@ async def test_a_paraphrase_to_ollamas_chat_is_answered_by_the_embedding_tier(
     """Ollama's chat on a route with ``semantic: {method: embedding}``: a paraphrase of a
     greedy question asked through Ollama's client is answered from the cache, verified as
     chat's paraphrases are; another tenant's is not."""
-    text = POLICY.replace(
-        "cache: {{ttl_s: 60}}", "cache: {{ttl_s: 60, semantic: {{method: embedding}}}}"
-    )
-    async with sim_behind_gateway(
-        start_gateway, tmp_path, lambda url: text.format(sim=url), base_ms=1.0, token_ms=0.0
-    ) as (sim, gw):
+    cache = {"ttl_s": 60, "semantic": {"method": "embedding"}}
+    async with caching_sim(start_gateway, tmp_path, "ollama", "/api/*", cache=cache) as (sim, gw):
 
         def ask(question: str) -> dict[str, Any]:
             messages = [{"role": "user", "content": question}]

@@ -17,26 +17,16 @@ import httpx
 import pytest
 
 from gateway.openai.generation import BOUND_HEADER
-from tests.helpers import shipped_behind_sim, sim_behind_gateway
+from tests.helpers import caching_sim, shipped_behind_sim
 
-POLICY = """
-backends:
-  sglang: {{url: "{sim}"}}
-routes:
-  - name: sglang
-    match: {{path: "*"}}
-    backend: sglang
-    cache: {{ttl_s: 60}}
-    generation: {{max_tokens: 64}}
-"""
 QUESTION = "Which jacket keeps the rain out?"
 GREEDY = {"text": QUESTION, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
 
 
 @pytest.fixture
 async def served(start_gateway: Any, tmp_path: Any) -> AsyncIterator[tuple[Any, Any]]:
-    async with sim_behind_gateway(
-        start_gateway, tmp_path, lambda url: POLICY.format(sim=url), base_ms=1.0, token_ms=0.0
+    async with caching_sim(
+        start_gateway, tmp_path, "sglang", generation={"max_tokens": 64}
     ) as both:
         yield both
 

@@ -15,26 +15,15 @@ import httpx
 import pytest
 from huggingface_hub import AsyncInferenceClient
 
-from tests.helpers import shipped_behind_sim, sim_behind_gateway
+from tests.helpers import caching_sim, shipped_behind_sim
 
-POLICY = """
-backends:
-  tgi: {{url: "{sim}"}}
-routes:
-  - name: tgi
-    match: {{path: "*"}}
-    backend: tgi
-    cache: {{ttl_s: 60}}
-"""
 QUESTION = "Which jacket keeps the rain out?"
 
 
 @pytest.fixture
 async def served(start_gateway: Any, tmp_path: Any) -> AsyncIterator[tuple[Any, Any]]:
     """The sim (its TGI API) and a gateway whose route caches in front of it."""
-    async with sim_behind_gateway(
-        start_gateway, tmp_path, lambda url: POLICY.format(sim=url), base_ms=1.0, token_ms=0.0
-    ) as both:
+    async with caching_sim(start_gateway, tmp_path, "tgi") as both:
         yield both
 
 
