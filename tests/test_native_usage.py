@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.openai.native_usage import NativeStreamUsage, from_native_body
+from gateway.openai.native_usage import MAX_ANSWERS, NativeStreamUsage, from_native_body
 from gateway.openai.usage import MAX_LINE_BYTES
 from gateway.pipeline import Reply
 from gateway.testing import FakeClock, Sent, json_reply, stream_reply
@@ -163,6 +163,15 @@ def test_a_stream_is_read_however_it_is_cut_into_chunks(stream, counts, events, 
         at = cut
     assert (usage.counts, usage.events) == (counts, events)
     assert usage.prompt_named == (stream is not TGI_STREAM)
+
+
+def test_a_stream_of_more_answers_than_it_counts_apart_stays_bounded():
+    """A backend naming ever new ``"index"`` values: the first ``MAX_ANSWERS`` are counted
+    apart, the events of any more as one answer, so the watcher's memory stays bounded."""
+    usage = NativeStreamUsage()
+    for i in range(MAX_ANSWERS + 500):
+        usage.feed(b'data: {"index":%d,"meta_info":{"completion_tokens":1}}\n\n' % i)
+    assert usage.counts == (0, MAX_ANSWERS + 1) and usage.events == MAX_ANSWERS + 500
 
 
 def test_a_last_event_longer_than_a_line_is_read_at_its_start_and_its_end():
